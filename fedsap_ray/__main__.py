@@ -1,0 +1,3 @@
+from fedsap_ray.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""The Strategy contract (DESIGN section 4) and the pieces every strategy shares.
+
+A strategy is built with a :class:`RunContext` (config, federation, model template,
+parameter layout) and then only sees explicit :class:`ServerState` objects, so state
+can be checkpointed and a restarted actor cannot change a number.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+from torch import nn
+
+from fedsap_ray.config import ExperimentConfig
+from fedsap_ray.data.base import Federation
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models.space import ChannelSpace
+from fedsap_ray.seeding import rng_for, seed_for
+
+
+@dataclass
+class RunContext:
+    cfg: ExperimentConfig
+    federation: Federation
+    model: nn.Module  # template: strategies read shapes, never train it
+    layout: ParamLayout
+    space: ChannelSpace
+
+
+class Strategy:
+    """Base class: client sampling, learning-rate schedule and plan defaults."""
+
+    name: ClassVar[str]
+
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    def __init__(self, ctx: RunContext, options: Any) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.cfg
+        self.opts = options
+
+    # --- contract ---------------------------------------------------------------
+    def init_state(self) -> ServerState:
+        """Initial global model: the template's weights (seeded when the model was built)."""
+        return ServerState(round=0, params=self.ctx.layout.flatten(self.ctx.model))
+
+    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def eval_models(self, state: ServerState) -> dict[str, np.ndarray]:
+        """Parameters to evaluate on each domain (one shared global model by default)."""
+        return {d: state.params for d in self.ctx.federation.domains}
+
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        """Extra per-client columns for the ``clients`` table (h_hat, pseudo_group, ...)."""
+        return {}
+
+    # --- shared helpers ---------------------------------------------------------
+    def sample_clients(self, t: int) -> list[int]:
+        """Seeded uniform sample of ceil-free round(participation * N) clients (at least one)."""
+        n = len(self.ctx.federation.clients)
+        k = max(1, int(round(self.cfg.training.participation * n)))
+        if k >= n:
+            return list(range(n))
+        rng = rng_for(self.cfg.seed, t, -1, "sample")
+        return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
+
+    def lr_at(self, t: int) -> float:
+        """Learning rate of round t (1-based): lr * decay^(t-1) (papers/003 section 4.1)."""
+        tr = self.cfg.training
+        return tr.lr * tr.lr_decay ** (t - 1)
+
+    def plan_kwargs(self, t: int, client_id: int) -> dict[str, Any]:
+        tr = self.cfg.training
+        return dict(
+            client_id=client_id, round=t, local_epochs=tr.local_epochs, batch_size=tr.batch_size,
+            lr=self.lr_at(t), momentum=tr.momentum, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
+            max_steps_per_epoch=tr.max_steps_per_epoch, seed=seed_for(self.cfg.seed, t, client_id, "train"),
+        )
+

@@ -1,0 +1,112 @@
+"""Local training of one virtual client under a :class:`ClientPlan` (pure; no Ray).
+
+The client holds a full-size model and trains the sub-model by masking: coordinates
+outside the plan's mask are set to zero before training and their gradients are zeroed
+after every backward pass. Zero weights, zero gradients, zero momentum and weight
+decay of a zero weight keep them exactly zero, and because a dropped channel's BN
+weight and bias are zero too its activation is exactly zero, so the forward pass equals
+that of the physically sliced sub-model (tested in tests/test_masks.py). Only the
+covered coordinates are sent back, so BatchNorm running statistics of channels the
+client did not train never reach the server (DESIGN section 6, BatchNorm: statistics
+follow their channel like parameters do).
+
+Local update: mini-batch SGD with momentum and weight decay (papers/000 Appendix C),
+optional gradient-norm clipping (papers/003 section 4.1) and the FedProx proximal
+term (mu/2)||w - w^t||^2 (Li et al. 2020, Eq. 2) over the covered coordinates.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedsap_ray.aggregation import scatter
+from fedsap_ray.data.base import DomainData, as_input
+from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
+from fedsap_ray.messages import ClientPlan, ClientResult
+
+KNOWN_STATS: tuple[str, ...] = ()  # strategies that need statistics extend client hooks (FedSAP, issue 4)
+
+
+class ClientError(RuntimeError):
+    """A client failed; the message names the round and client id."""
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def train_client(
+    plan: ClientPlan,
+    model: nn.Module,
+    layout: ParamLayout,
+    data: DomainData,
+    device: torch.device | None = None,
+) -> ClientResult:
+    """Run the plan on ``data`` with ``model`` (a scratch module, overwritten) and return the result."""
+    try:
+        return _train(plan, model, layout, data, device or torch.device("cpu"))
+    except ClientError:
+        raise
+    except Exception as e:  # errors carry round and client id (DESIGN section 9)
+        raise ClientError(f"client {plan.client_id} failed in round {plan.round}: {e.__class__.__name__}: {e}") from e
+
+
+def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
+    unknown = [s for s in plan.stats if s not in KNOWN_STATS]
+    if unknown:
+        raise ValueError(f"unknown statistics requested: {unknown}")
+    t0 = time.perf_counter()
+    start = scatter(plan.values, plan.mask, layout.size)
+    model.to(device)
+    layout.load_into(model, start)
+    params = [p for p in model.parameters()]
+    tmask = None if plan.mask is None else TorchMask.build(model, layout, plan.mask)
+    anchor = [p.detach().clone() for p in params] if plan.prox_mu > 0 else None
+
+    opt = torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
+    x_all = as_input(data.x).to(device)
+    y_all = data.y.to(device)
+    n = len(y_all)
+    gen = torch.Generator().manual_seed(plan.seed)
+    model.train()
+    losses: list[float] = []
+    for _ in range(plan.local_epochs):
+        order = torch.randperm(n, generator=gen).to(device)
+        steps = 0
+        for start_i in range(0, n, plan.batch_size):
+            idx = order[start_i:start_i + plan.batch_size]
+            if len(idx) < 2 and n >= 2:  # BatchNorm cannot train on a single sample
+                continue
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
+            if anchor is not None:
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+                loss = loss + 0.5 * plan.prox_mu * prox
+            loss.backward()
+            if tmask is not None:
+                mask_grads_(model, layout, tmask)
+            if plan.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(params, plan.grad_clip)
+            opt.step()
+            losses.append(float(loss.detach()))
+            steps += 1
+            if plan.max_steps_per_epoch is not None and steps >= plan.max_steps_per_epoch:
+                break
+    if not losses:
+        raise ValueError(f"no training step ran ({n} samples, batch size {plan.batch_size})")
+    loss_mean = float(np.mean(losses))
+    if not np.isfinite(loss_mean):
+        raise FloatingPointError(f"training loss is {loss_mean} (diverged; lower training.lr?)")
+    flat = layout.flatten(model)
+    values = flat if plan.mask is None else flat[plan.mask]
+    return ClientResult(
+        client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
+        n_samples=n, train_loss=loss_mean, wall_s=time.perf_counter() - t0,
+    )
+

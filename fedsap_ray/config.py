@@ -1,0 +1,419 @@
+"""Typed, validated experiment configuration (DESIGN section 4).
+
+One frozen dataclass tree is the single source of truth for a run. It loads from
+YAML/JSON and from ``--set a.b=value`` overrides, and is validated *before any work*:
+every error is a :class:`ConfigError` whose message names the field, the offending
+value and what is allowed, so the CLI can print one line and exit with code 2.
+
+Presets (``smoke``, ``laptop``, ``paper``) are plain nested dicts applied on top of
+the defaults; algorithm-specific options (e.g. FedProx ``mu``) live in
+``algorithm.options`` and are validated by the strategy's own options dataclass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input; the message is one line naming field, value and what is allowed."""
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"invalid {field_name}={value!r}: {allowed}")
+
+
+def _check_ratio(name: str, v: float, *, low_open: bool = False) -> None:
+    if not isinstance(v, (int, float)) or math.isnan(v) or v > 1 or v < 0 or (low_open and v == 0):
+        _fail(name, v, "must be a number in " + ("(0, 1]" if low_open else "[0, 1]"))
+
+
+def _check_pos(name: str, v: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
+    if not ok:
+        _fail(name, v, "must be " + ("a non-negative number" if allow_zero else "a positive number"))
+
+
+def _check_choice(name: str, v: Any, choices: typing.Iterable[str]) -> None:
+    choices = list(choices)
+    if v not in choices:
+        _fail(name, v, "allowed values are " + ", ".join(choices))
+
+
+DATASETS = ("embedded_digits", "digits", "digits_offline", "office_caltech", "cifar10", "emnist", "shakespeare")
+PARTITIONS = ("domain", "dirichlet", "natural", "iid")
+CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
+MODELS = ("resnet10", "resnet18", "cnn_small", "cnn_cifar", "cnn_emnist", "mlp", "char_lstm")
+BACKENDS = ("local", "ray")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which dataset, where its files are, and how it is split over clients (DESIGN section 6)."""
+
+    name: str = "embedded_digits"
+    root: str | None = None  # None: the dataset's default location (cache dir or ../shared/data)
+    download: bool = False
+    partition: str = "domain"  # domain (Digits/Office protocol) | dirichlet | natural | iid
+    num_clients: int = 10
+    client_fraction: float = 0.01  # share of its domain's training set each client gets (domain protocol)
+    alpha: float = 0.3  # Dirichlet concentration (dirichlet partition)
+    min_samples: int = 10  # every client keeps at least this many samples (dirichlet partition)
+    max_test_per_domain: int | None = None  # cap on held-out samples per domain (None: full test set)
+    max_train_per_domain: int | None = None  # cap on the training pool per domain before partitioning
+
+    def __post_init__(self) -> None:
+        _check_choice("data.name", self.name, DATASETS)
+        _check_choice("data.partition", self.partition, PARTITIONS)
+        if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
+            _fail("data.num_clients", self.num_clients, "must be an integer >= 1")
+        _check_ratio("data.client_fraction", self.client_fraction, low_open=True)
+        _check_pos("data.alpha", self.alpha)
+        if not isinstance(self.min_samples, int) or self.min_samples < 1:
+            _fail("data.min_samples", self.min_samples, "must be an integer >= 1")
+        for f in ("max_test_per_domain", "max_train_per_domain"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                _fail(f"data.{f}", v, "must be null or an integer >= 1")
+        if self.root is not None:
+            if not Path(self.root).expanduser().exists():
+                _fail("data.root", self.root, "the directory does not exist (point it at the dataset files, or leave it null)")
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """Client device capacities: FedSAP's cyclic pruning ratios or HAS-FL's p_max tiers."""
+
+    scheme: str = "cyclic"  # cyclic | tiers | full | explicit
+    pruning_ratios: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)  # FedSAP: rho_i = ratios[i % 5]
+    tiers: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # HAS-FL p_max values
+    tier_shares: tuple[float, ...] = (7, 7, 3, 3)  # relative counts (7/7/3/3 of 20 clients)
+    keep_ratios: tuple[float, ...] | None = None  # explicit per-client keep ratio / p_max
+
+    def __post_init__(self) -> None:
+        _check_choice("capacity.scheme", self.scheme, CAPACITY_SCHEMES)
+        if not self.pruning_ratios:
+            _fail("capacity.pruning_ratios", self.pruning_ratios, "must be a non-empty list")
+        for r in self.pruning_ratios:
+            if not isinstance(r, (int, float)) or not 0 <= r < 1:
+                _fail("capacity.pruning_ratios", list(self.pruning_ratios), "every ratio must be in [0, 1)")
+        for p in self.tiers:
+            _check_ratio("capacity.tiers", p, low_open=True)
+        if len(self.tiers) != len(self.tier_shares) or not self.tiers:
+            _fail("capacity.tier_shares", list(self.tier_shares), f"must have one entry per tier ({len(self.tiers)} tiers)")
+        for s in self.tier_shares:
+            _check_pos("capacity.tier_shares", s, allow_zero=True)
+        if self.keep_ratios is not None:
+            for p in self.keep_ratios:
+                _check_ratio("capacity.keep_ratios", p, low_open=True)
+        if self.scheme == "explicit" and self.keep_ratios is None:
+            _fail("capacity.keep_ratios", None, "capacity.scheme=explicit needs a list with one keep ratio per client")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "resnet10"
+    width_mult: float = 1.0  # scales every layer's channel count (tests and laptops use < 1)
+
+    def __post_init__(self) -> None:
+        _check_choice("model.name", self.name, MODELS)
+        _check_pos("model.width_mult", self.width_mult)
+        if self.width_mult > 4:
+            _fail("model.width_mult", self.width_mult, "must be in (0, 4]")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Federated protocol and the client optimizer (papers/000 Table 4; papers/003 section 4.1)."""
+
+    rounds: int = 100
+    local_epochs: int = 10
+    batch_size: int = 64
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    lr_decay: float = 1.0  # multiplicative per round (papers/003: 0.995)
+    grad_clip: float | None = None  # max gradient L2 norm (None: off)
+    participation: float = 1.0  # fraction of clients sampled per round (papers/003: 0.5)
+    eval_every: int = 1
+    max_steps_per_epoch: int | None = None  # cap on mini-batches per local epoch (None: full pass)
+
+    def __post_init__(self) -> None:
+        for f in ("rounds", "local_epochs", "batch_size", "eval_every"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(f"training.{f}", v, "must be an integer >= 1")
+        _check_pos("training.lr", self.lr)
+        _check_ratio("training.momentum", self.momentum)
+        _check_pos("training.weight_decay", self.weight_decay, allow_zero=True)
+        _check_ratio("training.lr_decay", self.lr_decay, low_open=True)
+        if self.grad_clip is not None:
+            _check_pos("training.grad_clip", self.grad_clip)
+        _check_ratio("training.participation", self.participation, low_open=True)
+        if self.max_steps_per_epoch is not None and (not isinstance(self.max_steps_per_epoch, int) or self.max_steps_per_epoch < 1):
+            _fail("training.max_steps_per_epoch", self.max_steps_per_epoch, "must be null or an integer >= 1")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Strategy name plus its own options (validated by the strategy's options dataclass)."""
+
+    name: str = "fedavg"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from fedsap_ray.algorithms import registry  # late: algorithms import config
+
+        registry.validate(self.name, dict(self.options))
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    backend: str = "local"
+    device: str = "auto"  # auto: CUDA when available, else CPU
+    num_workers: int | None = None  # Ray: None sizes the pool from cluster resources
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+    address: str | None = None  # Ray cluster address; None: RAY_ADDRESS or a local Ray
+    torch_threads: int | None = None  # torch.set_num_threads for in-process training
+
+    def __post_init__(self) -> None:
+        _check_choice("resources.backend", self.backend, BACKENDS)
+        _check_choice("resources.device", self.device, DEVICES)
+        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
+            _fail("resources.num_workers", self.num_workers, "must be null or an integer >= 1")
+        _check_pos("resources.cpus_per_worker", self.cpus_per_worker)
+        _check_pos("resources.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
+        if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
+            _fail("resources.torch_threads", self.torch_threads, "must be null or an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    study: str = "default"
+    seed: int = 0
+    preset: str = "custom"
+    data: DataConfig = field(default_factory=DataConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            _fail("seed", self.seed, "must be an integer >= 0")
+        if not isinstance(self.study, str) or not self.study:
+            _fail("study", self.study, "must be a non-empty string")
+        kr = self.capacity.keep_ratios
+        if kr is not None and len(kr) != self.data.num_clients:
+            _fail("capacity.keep_ratios", list(kr), f"needs exactly data.num_clients={self.data.num_clients} entries, got {len(kr)}")
+        if self.data.partition == "domain" and self.data.name in ("cifar10", "emnist", "shakespeare"):
+            _fail("data.partition", self.data.partition, f"data.name={self.data.name} has one domain: use dirichlet, natural or iid")
+        if self.data.partition == "natural" and self.data.name != "shakespeare":
+            _fail("data.partition", self.data.partition, "natural partitions exist only for data.name=shakespeare")
+
+    # --- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def config_hash(self) -> str:
+        """Stable 12-hex hash of the resolved config (run-id prefix); ignores where it runs."""
+        d = self.to_dict()
+        d.pop("resources", None)
+        d.pop("preset", None)
+        return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _canonical(x: Any) -> Any:
+    """Numbers as floats, so 7 and 7.0 (same meaning) hash alike."""
+    if isinstance(x, dict):
+        return {k: _canonical(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_canonical(v) for v in x]
+    if isinstance(x, int) and not isinstance(x, bool):
+        return float(x)
+    return x
+
+
+def _to_plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _to_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_plain(v) for v in x]
+    return x
+
+
+# ---------------------------------------------------------------------------------
+# Presets: nested dicts applied over the defaults.
+# ---------------------------------------------------------------------------------
+PRESETS: dict[str, dict[str, Any]] = {
+    # seconds: a tiny federation on the embedded dataset, every code path exercised
+    "smoke": {
+        "data": {"name": "embedded_digits", "num_clients": 10, "client_fraction": 0.02,
+                 "max_test_per_domain": 200},
+        "model": {"name": "resnet10", "width_mult": 0.125},
+        "training": {"rounds": 3, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+    },
+    # minutes on 2 CPU cores: the embedded four-domain benchmark, Digits protocol
+    "laptop": {
+        "data": {"name": "embedded_digits", "num_clients": 10, "client_fraction": 0.1,
+                 "max_test_per_domain": 500},
+        "model": {"name": "resnet10", "width_mult": 0.25},
+        "training": {"rounds": 25, "local_epochs": 2, "batch_size": 32, "lr": 0.05},
+    },
+    # the published Digits protocol (papers/000 Appendix C, Table 4); other datasets via --set
+    "paper": {
+        "data": {"name": "digits", "num_clients": 10, "client_fraction": 0.01, "partition": "domain"},
+        "model": {"name": "resnet10", "width_mult": 1.0},
+        "training": {"rounds": 100, "local_epochs": 10, "batch_size": 64, "lr": 0.01,
+                     "momentum": 0.9, "weight_decay": 5e-4},
+    },
+}
+DEFAULT_PRESET = "laptop"
+
+
+def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k != "options":
+            out[k] = deep_merge(dict(out[k]), v)
+        elif isinstance(v, Mapping) and k == "options" and isinstance(out.get(k), Mapping):
+            out[k] = {**out[k], **v}
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=value`` -> (["a", "b"], value) with the value parsed as YAML (ints, floats, lists, null)."""
+    if "=" not in text:
+        raise ConfigError(f"invalid --set {text!r}: expected KEY=VALUE, e.g. training.rounds=20")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"invalid --set {text!r}: the key must be dotted, e.g. training.rounds")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def _nest(path: list[str], value: Any) -> dict[str, Any]:
+    d: Any = value
+    for p in reversed(path):
+        d = {p: d}
+    return d
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"invalid --config={str(path)!r}: file does not exist")
+    try:
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"invalid --config={str(path)!r}: cannot parse ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid --config={str(path)!r}: the top level must be a mapping")
+    return data
+
+
+def build_config(
+    preset: str | None = None,
+    file_data: Mapping[str, Any] | None = None,
+    overrides: typing.Sequence[str] = (),
+    seed: int | None = None,
+) -> ExperimentConfig:
+    """Defaults <- preset <- config file <- ``--set`` overrides <- ``--seed``; then validate."""
+    preset = preset or (file_data or {}).get("preset") or DEFAULT_PRESET
+    if preset not in PRESETS and preset != "custom":
+        _fail("preset", preset, "allowed values are " + ", ".join(PRESETS))
+    merged: dict[str, Any] = deep_merge({}, PRESETS.get(preset, {}))
+    merged["preset"] = preset
+    if file_data:
+        merged = deep_merge(merged, file_data)
+    for text in overrides:
+        path, value = parse_override(text)
+        if path[0] == "algorithm" and len(path) >= 2 and path[1] not in ("name", "options"):
+            path = ["algorithm", "options", *path[1:]]  # --set algorithm.mu=0.01 is an option
+        merged = deep_merge(merged, _nest(path, value))
+    if seed is not None:
+        merged["seed"] = seed
+    return from_dict(merged)
+
+
+def from_dict(d: Mapping[str, Any]) -> ExperimentConfig:
+    return _construct(ExperimentConfig, d, "")
+
+
+def _construct(cls: type, d: Any, prefix: str) -> Any:
+    if not isinstance(d, Mapping):
+        _fail(prefix.rstrip(".") or "config", d, "must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in d if k not in fields]
+    if unknown:
+        k = unknown[0]
+        _fail(prefix + k, d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for k, v in d.items():
+        kwargs[k] = _coerce(hints[k], v, prefix + k)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - defensive
+        raise ConfigError(f"invalid {prefix.rstrip('.')}: {e}") from e
+
+
+def _coerce(tp: Any, v: Any, name: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return _construct(tp, v, name + ".")
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], v, name)
+    if origin is tuple:
+        if not isinstance(v, (list, tuple)):
+            _fail(name, v, "must be a list")
+        return tuple(_coerce(args[0], x, name) for x in v)
+    if origin in (Mapping, dict) or tp is Mapping:
+        if not isinstance(v, Mapping):
+            _fail(name, v, "must be a mapping")
+        return dict(v)
+    if tp is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            _fail(name, v, "must be a number")
+        return float(v)
+    if tp is int:
+        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
+            _fail(name, v, "must be an integer")
+        return int(v)
+    if tp is bool:
+        if not isinstance(v, bool):
+            _fail(name, v, "must be true or false")
+        return v
+    if tp is str:
+        if not isinstance(v, str):
+            _fail(name, v, "must be a string")
+        return v
+    return v

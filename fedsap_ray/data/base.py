@@ -1,0 +1,79 @@
+"""Data containers shared by every dataset, partitioner and backend.
+
+Images are stored as uint8 NCHW (3 channels) and turned into normalised float32 only
+per client batch (:func:`as_input`), so a whole real dataset fits in memory and in the
+Ray object store once. Feature datasets are float32 [N, F]; text datasets int64 [N, T].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+InputKind = Literal["image", "features", "text"]
+
+
+@dataclass(frozen=True)
+class DomainData:
+    """One domain's samples: ``x`` (uint8 images / float32 features / int64 tokens) and int64 labels ``y``."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ValueError(f"DomainData: x has {len(self.x)} samples but y has {len(self.y)}")
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, idx: np.ndarray | torch.Tensor) -> "DomainData":
+        idx_t = torch.as_tensor(np.asarray(idx), dtype=torch.long)
+        return DomainData(self.x[idx_t], self.y[idx_t])
+
+
+def as_input(x: torch.Tensor) -> torch.Tensor:
+    """uint8 images -> float32 in [-1, 1]; other kinds pass through unchanged."""
+    if x.dtype == torch.uint8:
+        return x.float().mul_(2.0 / 255.0).sub_(1.0)
+    return x
+
+
+@dataclass
+class ClientSpec:
+    """One virtual client: where its data is, its true domain and its device capacity."""
+
+    client_id: int
+    domain: str  # true domain (ground truth, never shown to strategies that must infer it)
+    indices: np.ndarray  # int64 indices into Federation.train[domain]
+    pruning_ratio: float  # FedSAP rho_i (0 under the tiers scheme)
+    capacity: float  # keep ratio kappa_i = 1 - rho_i, or HAS-FL p_max
+    tv_distance: float  # TV(client label distribution, global label distribution)
+    label_counts: np.ndarray  # int64 [num_classes]
+
+    @property
+    def n_samples(self) -> int:
+        return int(len(self.indices))
+
+
+@dataclass
+class Federation:
+    """Everything a run needs about data: per-domain train pools and test sets, and the clients."""
+
+    dataset: str  # honest name, e.g. "embedded_digits" or "digits_offline"
+    domains: list[str]
+    train: dict[str, DomainData]
+    test: dict[str, DomainData]
+    clients: list[ClientSpec]
+    num_classes: int
+    input_kind: InputKind
+    input_shape: tuple[int, ...]  # per-sample shape, e.g. (3, 32, 32), (800,), (80,)
+    vocab_size: int | None = None  # text datasets
+    notes: str = ""  # provenance shown to users (what is real, what is rendered)
+    domain_notes: dict[str, str] = field(default_factory=dict)
+
+    def client_data(self, client_id: int) -> DomainData:
+        c = self.clients[client_id]
+        return self.train[c.domain].subset(c.indices)

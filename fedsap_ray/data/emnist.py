@@ -1,0 +1,80 @@
+"""EMNIST ByClass (one domain, 62 classes: 10 digits, 26 upper, 26 lower case letters).
+
+Read through torchvision (``<root>/EMNIST/raw/emnist-byclass-*-ubyte``, downloaded with
+``download=True``; no shared copy exists). The raw NIST arrays are stored transposed,
+so images are transposed back to upright. The 28x28 images are zero-padded by 2 pixels
+to 32x32 (not resized: padding keeps the strokes' pixels exact and the background is
+already 0, the same framing as the 32x32 LeNet input) and grey is repeated to 3 channels.
+Full ByClass is 697,932 train + 116,323 test images: about 2.5 GB as uint8 3x32x32.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedsap_ray.data.digits import to_domain
+from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
+from fedsap_ray.data.status import data_home, unavailable
+
+EMNIST_SPLIT = "byclass"
+EMNIST_CLASSES = 62
+
+
+def emnist_paths(root: Path, split: str = EMNIST_SPLIT) -> list[Path]:
+    raw = root / "EMNIST" / "raw"
+    return [raw / f"emnist-{split}-{s}-{k}" for s in ("train", "test") for k in ("images-idx3-ubyte", "labels-idx1-ubyte")]
+
+
+def pad_upright_rgb(x: np.ndarray) -> np.ndarray:
+    """uint8 [N, 28, 28] as stored by NIST (transposed) -> upright uint8 [N, 3, 32, 32], 2-pixel zero border."""
+    if x.ndim != 3 or x.shape[1:] != (28, 28):
+        raise ValueError(f"EMNIST images should be [N, 28, 28], got {x.shape}")
+    out = np.zeros((len(x), 3, 32, 32), np.uint8)
+    out[:, :, 2:30, 2:30] = x.transpose(0, 2, 1)[:, None]
+    return out
+
+
+@register_dataset("emnist")
+class EmnistSource:
+    """EMNIST ByClass via torchvision."""
+
+    name: str
+    description = "EMNIST ByClass: 1 domain, 62 classes, 28x28 padded to 3x32x32"
+    how_to_obtain = "--set data.download=true (torchvision EMNIST, ~535 MB zip)"
+
+    def default_root(self) -> Path:
+        return data_home(self.name)
+
+    def files(self, root: Path) -> list[FileStatus]:
+        return [FileStatus(f"EMNIST {p.name}", p, p.exists()) for p in emnist_paths(Path(root).expanduser())]
+
+    def load(self, root: Path, *, download: bool, seed: int) -> DomainSplits:
+        """Train/test of ByClass (``seed`` unused: the files fix the data)."""
+        import torchvision.datasets as tvd
+
+        root = Path(root).expanduser()
+        paths = emnist_paths(root)
+        if not download and not all(p.exists() for p in paths):
+            first = next(p for p in paths if not p.exists())
+            raise unavailable(self.name, [("EMNIST ByClass", first, "use --set data.download=true to download it with torchvision")])
+        if download:
+            root.mkdir(parents=True, exist_ok=True)
+        sp = {}
+        for split in ("train", "test"):
+            ds = tvd.EMNIST(str(root), split=EMNIST_SPLIT, train=split == "train", download=download)
+            y = ds.targets.numpy().astype(np.int64)
+            if len(y) and (y.min() < 0 or y.max() >= EMNIST_CLASSES):
+                raise ValueError(f"emnist: labels outside 0..{EMNIST_CLASSES - 1} in {split} (min {y.min()}, max {y.max()})")
+            sp[split] = (pad_upright_rgb(ds.data.numpy()), y)
+        return DomainSplits(
+            dataset=self.name,
+            domains=["emnist"],
+            train={"emnist": to_domain(sp["train"])},
+            test={"emnist": to_domain(sp["test"])},
+            num_classes=EMNIST_CLASSES,
+            input_kind="image",
+            input_shape=(3, 32, 32),
+            notes="EMNIST ByClass (real), upright, zero-padded 28->32, grey repeated to 3 channels",
+            domain_notes={"emnist": f"{len(sp['train'][1])} train / {len(sp['test'][1])} test, 62 classes (0-9, A-Z, a-z)"},
+        )

@@ -1,0 +1,177 @@
+"""Build a :class:`Federation` from a config: load splits, cap pools, partition, capacities, TV.
+
+Rules (DESIGN section 6), in order:
+
+1. Load the dataset's per-domain splits (cached within the process, see :func:`load_splits`).
+2. Cap each domain's training pool to ``data.max_train_per_domain`` (random subset drawn
+   from the run seed) and its test set to ``data.max_test_per_domain`` (random subset
+   drawn from a *fixed* seed, so every run of a sweep is scored on the same samples).
+   Partitions then index the capped pools; ``client_fraction`` applies to the capped size.
+3. Partition by ``data.partition``:
+   - ``domain``: :func:`~fedsap_ray.data.partition.domain_protocol` (Digits/Office).
+   - ``dirichlet`` / ``iid``: clients are first given domains as in the domain protocol
+     (one per domain, the rest uniformly at random; a single-domain dataset puts every
+     client there), then each domain's whole pool is split among its own clients by
+     per-class Dirichlet(alpha) label skew, or uniformly. A client's indices always point
+     into one domain, so multi-domain datasets get domain shift *and* label skew.
+   - ``natural``: the ``num_clients`` natural clients with most samples (Shakespeare
+     roles); needs a single-domain dataset with ``natural_train``.
+4. Capacities by :func:`~fedsap_ray.data.capacity.assign_capacities`.
+5. Ground truth: each client's label counts and the TV distance to the label
+   distribution of the union of the training pools its federation draws from
+   (papers/003 section 4.4).
+
+Seeds: partition and train-cap generators come from ``SeedSequence((seed, purpose))``
+with distinct purpose constants; capacities use their own purpose inside
+``assign_capacities``; so changing one never shifts another's stream.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+
+from fedsap_ray.config import DataConfig, ExperimentConfig
+from fedsap_ray.data.base import ClientSpec, DomainData, Federation
+from fedsap_ray.data.capacity import assign_capacities
+from fedsap_ray.data.partition import (
+    assign_domains,
+    dirichlet_label_skew,
+    domain_protocol,
+    iid_split,
+    label_counts,
+    natural_partition,
+    tv_distance,
+)
+from fedsap_ray.data.registry import DatasetSource, DomainSplits, get_source
+
+_PURPOSE_PARTITION = 101
+_PURPOSE_TRAIN_CAP = 102
+_PURPOSE_TEST_CAP = 103
+_TEST_CAP_SEED = 0  # fixed: held-out subsets do not change with the run seed
+
+
+def resolve_root(data: DataConfig, source: DatasetSource) -> Path:
+    """``data.root`` when set, else the source's default location."""
+    return Path(data.root).expanduser() if data.root is not None else source.default_root()
+
+
+@functools.lru_cache(maxsize=4)
+def _load_cached(name: str, root: str, download: bool, seed: int) -> DomainSplits:
+    return get_source(name).load(Path(root), download=download, seed=seed)
+
+
+def load_splits(cfg: ExperimentConfig) -> DomainSplits:
+    """The dataset's splits, loaded once per process per (name, root, download).
+
+    Datasets are fixed, so sources are called with ``seed=0`` and the run seed is not part
+    of the cache key; a source whose splits really depend on the seed declares
+    ``seed_dependent = True`` and is then loaded (and cached) per run seed. Callers must
+    not modify the returned tensors in place: they are shared between runs.
+    """
+    source = get_source(cfg.data.name)
+    root = resolve_root(cfg.data, source)
+    seed = int(cfg.seed) if getattr(source, "seed_dependent", False) else 0
+    return _load_cached(cfg.data.name, str(root), bool(cfg.data.download), seed)
+
+
+def clear_split_cache() -> None:
+    """Drop the in-process split cache (e.g. after files under a root changed)."""
+    _load_cached.cache_clear()
+
+
+def _subsample(n: int, cap: int | None, rng: np.random.Generator) -> np.ndarray | None:
+    """Sorted random subset of ``range(n)`` of size ``cap``, or None when no cap applies."""
+    if cap is None or n <= cap:
+        return None
+    return np.sort(rng.choice(n, size=cap, replace=False)).astype(np.int64)
+
+
+def _cap_splits(splits: DomainSplits, data: DataConfig, seed: int) -> tuple[
+        dict[str, DomainData], dict[str, DomainData], dict[str, np.ndarray] | None]:
+    train, test = dict(splits.train), dict(splits.test)
+    natural = splits.natural_train
+    for k, d in enumerate(splits.domains):
+        keep = _subsample(len(train[d]), data.max_train_per_domain,
+                          np.random.default_rng(np.random.SeedSequence((seed, _PURPOSE_TRAIN_CAP, k))))
+        if keep is not None:
+            if natural is not None and len(splits.domains) == 1:  # remap natural indices to the capped pool
+                new_pos = np.full(len(train[d]), -1, dtype=np.int64)
+                new_pos[keep] = np.arange(len(keep))
+                natural = {name: new_pos[idx][new_pos[idx] >= 0] for name, idx in natural.items()}
+                natural = {name: idx for name, idx in natural.items() if len(idx)}
+            train[d] = train[d].subset(keep)
+        keep = _subsample(len(test[d]), data.max_test_per_domain,
+                          np.random.default_rng(np.random.SeedSequence((_TEST_CAP_SEED, _PURPOSE_TEST_CAP, k))))
+        if keep is not None:
+            test[d] = test[d].subset(keep)
+    return train, test, natural
+
+
+def _labels(dd: DomainData) -> np.ndarray:
+    return dd.y.numpy() if hasattr(dd.y, "numpy") else np.asarray(dd.y)
+
+
+def partition_clients(splits_domains: list[str], train: dict[str, DomainData],
+                      natural: dict[str, np.ndarray] | None, data: DataConfig,
+                      seed: int) -> list[tuple[str, np.ndarray]]:
+    """(domain, indices into train[domain]) per client id, by ``data.partition``."""
+    rng = np.random.default_rng(np.random.SeedSequence((seed, _PURPOSE_PARTITION)))
+    n = data.num_clients
+    if data.partition == "domain":
+        return domain_protocol({d: len(train[d]) for d in splits_domains}, n, data.client_fraction, rng)
+    if data.partition in ("dirichlet", "iid"):
+        client_domain = assign_domains(splits_domains, n, rng)
+        out: list[tuple[str, np.ndarray] | None] = [None] * n
+        for d in splits_domains:
+            ids = [i for i, cd in enumerate(client_domain) if cd == d]
+            try:
+                if data.partition == "dirichlet":
+                    parts = dirichlet_label_skew(_labels(train[d]), len(ids), data.alpha, rng, data.min_samples)
+                else:
+                    parts = iid_split(len(train[d]), len(ids), rng)
+            except ValueError as e:
+                raise ValueError(f"domain {d!r} ({len(train[d])} training samples, {len(ids)} clients): {e}") from e
+            for cid, idx in zip(ids, parts):
+                out[cid] = (d, idx)
+        return [o for o in out if o is not None]
+    if data.partition == "natural":
+        if natural is None:
+            raise ValueError(f"data.partition=natural: dataset {data.name!r} has no natural client split")
+        if len(splits_domains) != 1:
+            raise ValueError(f"data.partition=natural needs a single-domain dataset, {data.name!r} has "
+                             f"{len(splits_domains)}")
+        return [(splits_domains[0], idx) for _, idx in natural_partition(natural, n)]
+    raise ValueError(f"unknown data.partition={data.partition!r}; allowed: domain, dirichlet, natural, iid")
+
+
+def build_federation(cfg: ExperimentConfig) -> Federation:
+    """The run's data: capped per-domain pools and test sets, clients with capacities and TV."""
+    splits = load_splits(cfg)
+    data = cfg.data
+    train, test, natural = _cap_splits(splits, data, int(cfg.seed))
+    parts = partition_clients(list(splits.domains), train, natural, data, int(cfg.seed))
+    rho, cap = assign_capacities(cfg.capacity, data.num_clients, int(cfg.seed))
+
+    used = [d for d in splits.domains if any(cd == d for cd, _ in parts)]
+    global_counts = sum(label_counts(_labels(train[d]), splits.num_classes) for d in used)
+    clients = []
+    for cid, (d, idx) in enumerate(parts):
+        counts = label_counts(_labels(train[d])[idx], splits.num_classes)
+        clients.append(ClientSpec(client_id=cid, domain=d, indices=idx, pruning_ratio=float(rho[cid]),
+                                  capacity=float(cap[cid]), tv_distance=tv_distance(counts, global_counts),
+                                  label_counts=counts))
+    return Federation(
+        dataset=splits.dataset,
+        domains=list(splits.domains),
+        train=train,
+        test=test,
+        clients=clients,
+        num_classes=splits.num_classes,
+        input_kind=splits.input_kind,
+        input_shape=tuple(splits.input_shape),
+        vocab_size=splits.vocab_size,
+        notes=splits.notes,
+        domain_notes=dict(splits.domain_notes),
+    )

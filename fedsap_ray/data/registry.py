@@ -1,0 +1,77 @@
+"""Dataset registry: each source loads per-domain train/test splits and reports its files.
+
+Adding a dataset means one module with a ``@register_dataset("name")`` class and one
+import line in ``fedsap_ray/data/__init__.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+
+from fedsap_ray.data.base import DomainData, InputKind
+
+
+class DatasetUnavailable(FileNotFoundError):
+    """Files are missing and downloads are off; the message names the path and how to get the data."""
+
+
+@dataclass
+class DomainSplits:
+    dataset: str  # honest name shown in outputs
+    domains: list[str]
+    train: dict[str, DomainData]
+    test: dict[str, DomainData]
+    num_classes: int
+    input_kind: InputKind
+    input_shape: tuple[int, ...]
+    vocab_size: int | None = None
+    notes: str = ""
+    domain_notes: dict[str, str] = field(default_factory=dict)
+    # natural partitions (Shakespeare): client name -> indices into train[domain] / test[domain]
+    natural_train: dict[str, np.ndarray] | None = None
+    natural_test: dict[str, np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class FileStatus:
+    what: str
+    path: Path
+    present: bool
+
+
+class DatasetSource(Protocol):
+    name: str
+    description: str
+    how_to_obtain: str
+
+    def default_root(self) -> Path: ...
+
+    def files(self, root: Path) -> list[FileStatus]: ...
+
+    def load(self, root: Path, *, download: bool, seed: int) -> DomainSplits: ...
+
+
+_SOURCES: dict[str, Callable[[], DatasetSource]] = {}
+
+
+def register_dataset(name: str):
+    def deco(cls):
+        if name in _SOURCES:
+            raise ValueError(f"dataset {name!r} registered twice")
+        cls.name = name
+        _SOURCES[name] = cls
+        return cls
+    return deco
+
+
+def get_source(name: str) -> DatasetSource:
+    if name not in _SOURCES:
+        raise KeyError(f"unknown dataset {name!r}; valid: {', '.join(sorted(_SOURCES))}")
+    return _SOURCES[name]()
+
+
+def dataset_names() -> list[str]:
+    return sorted(_SOURCES)

@@ -1,0 +1,102 @@
+"""Where dataset files are looked for, and the table behind ``fedsap-ray datasets``.
+
+The location helpers live here (not in each loader) so every real source resolves
+its default root, its cache and its "missing file" message the same way, and the
+status table reports exactly the paths a load would read.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from fedsap_ray.data.registry import DatasetUnavailable, FileStatus
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def data_home(name: str) -> Path:
+    """Default root of dataset ``name``: ``$FEDSAP_RAY_DATA/<name>`` or ``~/.cache/fedsap_ray/data/<name>``."""
+    base = os.environ.get("FEDSAP_RAY_DATA")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "fedsap_ray" / "data") / name
+
+
+def cache_home() -> Path:
+    """Cache for derived arrays (decoded JPEGs, rendered digits): ``$FEDSAP_RAY_CACHE`` or ``~/.cache/fedsap_ray``."""
+    base = os.environ.get("FEDSAP_RAY_CACHE")
+    return Path(base).expanduser() if base else Path.home() / ".cache" / "fedsap_ray"
+
+
+def shared_data_root() -> Path:
+    """The shared real-file folder: ``$FEDSAP_SHARED_DATA``, else ``../shared/data`` from CWD or the repo.
+
+    Returns the repo-relative candidate when none exists so error messages name a real,
+    predictable path.
+    """
+    env = os.environ.get("FEDSAP_SHARED_DATA")
+    if env:
+        return Path(env).expanduser()
+    candidates = [Path.cwd() / ".." / "shared" / "data", REPO_ROOT / ".." / "shared" / "data"]
+    for c in candidates:
+        if c.is_dir():
+            return c.resolve()
+    return candidates[-1].resolve()
+
+
+def atomic_save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Write an uncompressed ``.npz`` via temp file + rename, so a crash never leaves a half cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a cache is meant to be shared like any data file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def unavailable(dataset: str, missing: list[tuple[str, Path, str]]) -> DatasetUnavailable:
+    """One-line error: for each missing item, what it is, the exact path looked at, and how to get it."""
+    parts = [f"{what} not found at {path} ({how})" for what, path, how in missing]
+    return DatasetUnavailable(f"{dataset}: " + "; ".join(parts))
+
+
+def first_present(what: str, candidates: list[Path]) -> FileStatus:
+    """Status of the first existing candidate path, else of the first (preferred) one."""
+    for p in candidates:
+        if p.exists():
+            return FileStatus(what, p, True)
+    return FileStatus(what, candidates[0], False)
+
+
+def dataset_table(root: Path | None = None) -> list[dict]:
+    """One row per registered dataset for ``fedsap-ray datasets``.
+
+    ``root`` (e.g. the shared-data folder holding ``mnist/``, ``usps/``, ...) is used for
+    every dataset when given; otherwise each dataset's own default root.
+    Keys: name, description, root, present (all required files found), missing (list of "what: path"), how_to_obtain.
+    """
+    import fedsap_ray.data  # noqa: F401  (registers every source)
+    from fedsap_ray.data.registry import dataset_names, get_source
+
+    rows: list[dict] = []
+    for name in dataset_names():
+        src = get_source(name)
+        r = Path(root).expanduser() if root is not None else src.default_root()
+        statuses = src.files(r)
+        missing = [f"{s.what}: {s.path}" for s in statuses if not s.present]
+        rows.append(
+            {
+                "name": name,
+                "description": src.description,
+                "root": str(r),
+                "present": not missing,
+                "missing": missing,
+                "how_to_obtain": src.how_to_obtain,
+            }
+        )
+    return rows

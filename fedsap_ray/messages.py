@@ -1,0 +1,85 @@
+"""Typed messages between server and clients (DESIGN section 3), checked when built.
+
+Parameters travel as flat float32 numpy buffers laid out by
+:class:`fedsap_ray.masks.ParamLayout`. A plan sends only the coordinates the client
+needs (``values`` holds ``params[mask]``), and a result returns only the coordinates
+it trained, in the same order, so byte counts are those of the real payload.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class ClientPlan:
+    client_id: int
+    round: int
+    values: np.ndarray  # float32: the server parameters at the covered coordinates
+    mask: np.ndarray | None  # bool [n_params]: covered coordinates (None: the full model)
+    local_epochs: int
+    batch_size: int
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: float | None = None
+    max_steps_per_epoch: int | None = None
+    prox_mu: float = 0.0  # FedProx proximal weight (Li et al. 2020, Eq. 2)
+    seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
+    capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
+    channel_counts: dict[str, int] = field(default_factory=dict)  # n_global / n_private / n_dropped
+    pseudo_group: int | None = None
+    stats: tuple[str, ...] = ()  # statistics the strategy wants back
+    extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific payload (documented there)
+
+    def __post_init__(self) -> None:
+        if self.values.dtype != np.float32 or self.values.ndim != 1:
+            raise TypeError(f"ClientPlan(client {self.client_id}, round {self.round}): values must be a 1-D float32 array")
+        if self.mask is not None:
+            if self.mask.dtype != np.bool_ or self.mask.ndim != 1:
+                raise TypeError(f"ClientPlan(client {self.client_id}, round {self.round}): mask must be a 1-D bool array")
+            if int(self.mask.sum()) != self.values.size:
+                raise ValueError(
+                    f"ClientPlan(client {self.client_id}, round {self.round}): mask covers {int(self.mask.sum())} "
+                    f"coordinates but values has {self.values.size}")
+        if self.local_epochs < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(f"ClientPlan(client {self.client_id}, round {self.round}): bad optimiser settings")
+
+    @property
+    def bytes_down(self) -> int:
+        """Bytes the server sends: the values plus the packed coverage mask when there is one."""
+        return int(self.values.nbytes + (0 if self.mask is None else (self.mask.size + 7) // 8))
+
+
+@dataclass
+class ClientResult:
+    client_id: int
+    round: int
+    values: np.ndarray  # float32: trained parameters at the plan's covered coordinates
+    n_samples: int
+    train_loss: float
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+    wall_s: float = 0.0
+    worker: str = "local"
+    gpu_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.values.dtype != np.float32 or self.values.ndim != 1:
+            raise TypeError(f"ClientResult(client {self.client_id}, round {self.round}): values must be a 1-D float32 array")
+        if self.n_samples < 0:
+            raise ValueError(f"ClientResult(client {self.client_id}, round {self.round}): n_samples < 0")
+
+    @property
+    def bytes_up(self) -> int:
+        return int(self.values.nbytes + sum(np.asarray(v).nbytes for v in self.stats.values()))
+
+
+@dataclass
+class ServerState:
+    """Explicit, serialisable server state returned by every round (checkpointable)."""
+
+    round: int
+    params: np.ndarray  # float32 [n_params], the global model
+    extra: dict[str, Any] = field(default_factory=dict)  # strategy state (numpy arrays, scalars)

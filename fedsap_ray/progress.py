@@ -1,0 +1,27 @@
+"""One progress line per round on stderr (log-friendly, works in notebooks and on clusters)."""
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from fedsap_ray.server import RoundSummary
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f}MB"
+
+
+class ProgressPrinter:
+    def __init__(self, rounds: int, stream: TextIO | None = None) -> None:
+        self.rounds = rounds
+        self.stream = stream or sys.stderr
+        self.width = len(str(rounds))
+
+    def __call__(self, s: RoundSummary) -> None:
+        head = f"round {s.round:>{self.width}}/{self.rounds}"
+        if s.evaluated:
+            acc = f"global acc {s.global_accuracy:.4f} (best {s.best_global_accuracy:.4f}, worst {s.worst_domain} {s.worst_domain_accuracy:.4f})"
+        else:
+            acc = "not evaluated"
+        print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
+              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s", file=self.stream, flush=True)

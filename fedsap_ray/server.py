@@ -1,0 +1,141 @@
+"""The round loop (DESIGN section 3), pure and backend-agnostic.
+
+    plans   = strategy.configure_round(state, t)
+    results = backend.train(plans)             # any order, any worker
+    state   = strategy.aggregate(state, results, t)
+    metrics = evaluate(strategy.eval_models(state))
+    writer.add(rounds rows, clients rows); writer.flush()
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import numpy as np
+from torch import nn
+
+from fedsap_ray.algorithms.base import RunContext, Strategy
+from fedsap_ray.evaluate import evaluate_domains, summarise
+from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.results import GLOBAL_DOMAIN, RunWriter
+
+
+class Backend(Protocol):
+    name: str
+
+    def start(self, ctx: RunContext) -> None: ...
+
+    def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RoundSummary:
+    round: int
+    evaluated: bool
+    global_accuracy: float
+    best_global_accuracy: float
+    worst_domain: str | None
+    worst_domain_accuracy: float
+    avg_capacity: float
+    bytes_up: int
+    bytes_down: int
+    train_loss: float
+    wall_s: float
+    per_domain: dict[str, float] = field(default_factory=dict)
+
+
+class Server:
+    """Drives one run: strategy + backend + evaluation + results writer."""
+
+    def __init__(self, ctx: RunContext, strategy: Strategy, backend: Backend, writer: RunWriter,
+                 eval_model: nn.Module, device, progress: Callable[[RoundSummary], None] | None = None) -> None:
+        self.ctx, self.strategy, self.backend, self.writer = ctx, strategy, backend, writer
+        self.eval_model, self.device, self.progress = eval_model, device, progress
+        self.best = float("nan")
+        self.last_global = float("nan")
+        self.trainable = _trainable_mask(ctx)
+
+    def run(self, state: ServerState, rounds: int, on_round: Callable[[ServerState], None] | None = None) -> ServerState:
+        for t in range(state.round + 1, rounds + 1):
+            state = self.round(state, t)
+            if on_round is not None:
+                on_round(state)
+        return state
+
+    def round(self, state: ServerState, t: int) -> ServerState:
+        t0 = time.perf_counter()
+        plans = self.strategy.configure_round(state, t)
+        if not plans:
+            raise RuntimeError(f"round {t}: the strategy selected no clients")
+        results = sorted(self.backend.train(plans), key=lambda r: r.client_id)
+        missing = set(plans) - {r.client_id for r in results}
+        if missing:
+            raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
+        new_state = self.strategy.aggregate(state, results, t)
+        cfg = self.ctx.cfg
+        evaluated = t % cfg.training.eval_every == 0 or t == cfg.training.rounds
+        per_domain: dict[str, tuple[float, float]] = {}
+        if evaluated:
+            per_domain = evaluate_domains(self.eval_model, self.ctx.layout, self.strategy.eval_models(new_state),
+                                          self.ctx.federation.test, self.device)
+        summary = self._record(new_state, t, plans, results, per_domain, time.perf_counter() - t0)
+        if self.progress is not None:
+            self.progress(summary)
+        return new_state
+
+    def _record(self, state, t, plans, results, per_domain, wall) -> RoundSummary:
+        fed = self.ctx.federation
+        n_total = sum(r.n_samples for r in results)
+        bytes_up = sum(r.bytes_up for r in results)
+        bytes_down = sum(p.bytes_down for p in plans.values())
+        train_loss = float(sum(r.train_loss * r.n_samples for r in results) / max(n_total, 1))
+        avg_cap = float(np.mean([p.capacity_used for p in plans.values()]))
+        common: dict[str, Any] = dict(round=t, avg_capacity=avg_cap, n_clients=len(results), bytes_up=bytes_up,
+                                      bytes_down=bytes_down, train_loss=train_loss, round_wall_s=wall)
+        rows = []
+        worst_dom, worst = None, float("nan")
+        if per_domain:
+            s = summarise(per_domain)
+            self.last_global = s["global_accuracy"]
+            self.best = s["global_accuracy"] if np.isnan(self.best) else max(self.best, s["global_accuracy"])
+            worst_dom = min(per_domain, key=lambda d: per_domain[d][0])
+            worst = s["worst_domain_accuracy"]
+            g = dict(global_accuracy=s["global_accuracy"], best_global_accuracy=self.best, worst_domain_accuracy=worst)
+            for d, (acc, loss) in per_domain.items():
+                rows.append(dict(domain=d, eval_mode="global", evaluated=True, accuracy=acc, loss=loss,
+                                 n_test=len(fed.test[d]), **g, **common))
+            rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode="global", evaluated=True, accuracy=s["global_accuracy"],
+                             loss=s["loss"], n_test=sum(len(v) for v in fed.test.values()), **g, **common))
+        else:
+            rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode="global", evaluated=False,
+                             best_global_accuracy=None if np.isnan(self.best) else self.best, **common))
+        self.writer.add("rounds", rows)
+        client_rows = []
+        for r in results:
+            plan = plans[r.client_id]
+            spec = fed.clients[r.client_id]
+            covered = self.trainable if plan.mask is None else (plan.mask & self.trainable)
+            row = dict(round=t, client_id=r.client_id, true_domain=spec.domain, pruning_ratio=spec.pruning_ratio,
+                       capacity_max=spec.capacity, capacity_used=plan.capacity_used, pseudo_group=plan.pseudo_group,
+                       tv_distance=spec.tv_distance, n_samples=r.n_samples, train_loss=r.train_loss,
+                       params_trained=int(covered.sum()), bytes_up=r.bytes_up, bytes_down=plan.bytes_down,
+                       wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id, **plan.channel_counts)
+            row.update(self.strategy.client_columns(state, plan, r))
+            client_rows.append(row)
+        self.writer.add("clients", client_rows)
+        self.writer.flush()
+        return RoundSummary(round=t, evaluated=bool(per_domain), global_accuracy=self.last_global,
+                            best_global_accuracy=self.best, worst_domain=worst_dom, worst_domain_accuracy=worst,
+                            avg_capacity=avg_cap, bytes_up=bytes_up, bytes_down=bytes_down, train_loss=train_loss,
+                            wall_s=wall, per_domain={d: a for d, (a, _) in per_domain.items()})
+
+
+def _trainable_mask(ctx: RunContext) -> np.ndarray:
+    """Coordinates that are nn.Parameters (not BN running statistics): what 'parameters trained' counts."""
+    out = np.zeros(ctx.layout.size, dtype=bool)
+    for name, _ in ctx.model.named_parameters():
+        ctx.layout.slice(name, out)[:] = True
+    return out

@@ -1,0 +1,51 @@
+"""The command line: every bad input exits 2 with one line; the smoke run writes Parquet."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+
+def cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "fedsap_ray", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--set", "training.rounds=-1"], "training.rounds=-1"),
+    (["--set", "algorithm.name=fedmagic"], "algorithm.name='fedmagic'"),
+    (["--set", "capacity.keep_ratios=[0.5,0.5]"], "capacity.keep_ratios"),
+    (["--set", "data.root=/no/such/dir"], "data.root='/no/such/dir'"),
+    (["--set", "nonsense"], "KEY=VALUE"),
+    (["--config", "/no/such.yaml"], "--config"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
+    r = cli("run", "--preset", "smoke", "--out", str(tmp_path), *args)
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert not (tmp_path / "runs").exists()  # rejected before any work
+
+
+def test_missing_dataset_files_exit_2(tmp_path):
+    r = cli("run", "--preset", "smoke", "--out", str(tmp_path / "o"), "--set", "data.name=cifar10",
+            "--set", "data.partition=dirichlet", "--set", f"data.root={tmp_path}")
+    assert r.returncode == 2 and str(tmp_path) in r.stderr
+
+
+def test_smoke_run_writes_rounds(tmp_path):
+    r = cli("run", "--preset", "smoke", "--out", str(tmp_path), "--set", "training.rounds=2")
+    assert r.returncode == 0, r.stderr
+    assert "round 2/2" in r.stderr and "global acc" in r.stderr
+    rounds = pd.read_parquet(tmp_path / "rounds")
+    assert sorted(rounds["round"].unique()) == [1, 2]
+
+
+def test_print_config_and_listings():
+    r = cli("run", "--preset", "paper", "--print-config")
+    assert r.returncode == 0 and '"local_epochs": 10' in r.stdout
+    r = cli("algorithms")
+    assert r.returncode == 0 and "fedprox" in r.stdout and "mu=" in r.stdout
+    r = cli("datasets")
+    assert r.returncode == 0 and "embedded_digits" in r.stdout
