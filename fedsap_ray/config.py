@@ -181,11 +181,15 @@ class AlgorithmConfig:
 class ResourcesConfig:
     backend: str = "local"
     device: str = "auto"  # auto: CUDA when available, else CPU
-    num_workers: int | None = None  # Ray: None sizes the pool from cluster resources
+    num_workers: int | None = None  # concurrent clients; None: local = CPU count / torch_threads, Ray = from cluster resources
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     address: str | None = None  # Ray cluster address; None: RAY_ADDRESS or a local Ray
-    torch_threads: int | None = None  # torch.set_num_threads for in-process training
+    # Intra-op threads of every client's training and of evaluation. Part of the numerics:
+    # float reductions differ with the thread count, so it is fixed (not "all cores") to
+    # give the same bits on every backend and worker. Parallelism comes from running
+    # clients concurrently (num_workers), not from threads inside one client.
+    torch_threads: int = 1
 
     def __post_init__(self) -> None:
         _check_choice("resources.backend", self.backend, BACKENDS)
@@ -194,8 +198,8 @@ class ResourcesConfig:
             _fail("resources.num_workers", self.num_workers, "must be null or an integer >= 1")
         _check_pos("resources.cpus_per_worker", self.cpus_per_worker)
         _check_pos("resources.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
-        if self.torch_threads is not None and (not isinstance(self.torch_threads, int) or self.torch_threads < 1):
-            _fail("resources.torch_threads", self.torch_threads, "must be null or an integer >= 1")
+        if not isinstance(self.torch_threads, int) or self.torch_threads < 1:
+            _fail("resources.torch_threads", self.torch_threads, "must be an integer >= 1")
 
 
 @dataclass(frozen=True)

@@ -64,8 +64,7 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
     ``finished``, ``failed`` (with the error) or ``interrupted`` (Ctrl-C), so an
     interrupted run is visible and its completed rounds stay loadable.
     """
-    if cfg.resources.torch_threads is not None:
-        torch.set_num_threads(cfg.resources.torch_threads)
+    torch.set_num_threads(cfg.resources.torch_threads)  # evaluation numerics (see ResourcesConfig)
     out = Path(out)
     run_id = run_id or f"{cfg.config_hash()}-{uuid.uuid4().hex[:6]}"
     writer = RunWriter(out, run_id)
@@ -81,7 +80,7 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
                     backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
                     started_at=started, package_version=fedsap_ray.__version__,
                     dataset_notes=ctx.federation.notes)
-    server = Server(ctx, strategy, backend, writer, eval_model=_scratch(ctx), device=pick_device(cfg.resources.device),
+    server = Server(ctx, strategy, backend, writer, eval_models=_scratch(ctx), device=pick_device(cfg.resources.device),
                     progress=progress)
     done = {"rounds": 0}
 
@@ -117,10 +116,14 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
                       best_global_accuracy=server.best, wall_s=time.perf_counter() - t0)
 
 
-def _scratch(ctx: RunContext):
+def _scratch(ctx: RunContext) -> list:
+    """Scratch modules for concurrent per-domain evaluation (as many as the local CPU allows)."""
     import copy
 
-    return copy.deepcopy(ctx.model)
+    from fedsap_ray.runtime.local import default_workers
+
+    n = min(len(ctx.federation.test), default_workers(ctx.cfg.resources.torch_threads))
+    return [copy.deepcopy(ctx.model) for _ in range(max(1, n))]
 
 
 def _nan_none(x: float) -> float | None:

@@ -51,9 +51,9 @@ class Server:
     """Drives one run: strategy + backend + evaluation + results writer."""
 
     def __init__(self, ctx: RunContext, strategy: Strategy, backend: Backend, writer: RunWriter,
-                 eval_model: nn.Module, device, progress: Callable[[RoundSummary], None] | None = None) -> None:
+                 eval_models: list[nn.Module], device, progress: Callable[[RoundSummary], None] | None = None) -> None:
         self.ctx, self.strategy, self.backend, self.writer = ctx, strategy, backend, writer
-        self.eval_model, self.device, self.progress = eval_model, device, progress
+        self.eval_scratch, self.device, self.progress = eval_models, device, progress
         self.best = float("nan")
         self.last_global = float("nan")
         self.trainable = _trainable_mask(ctx)
@@ -79,7 +79,7 @@ class Server:
         evaluated = t % cfg.training.eval_every == 0 or t == cfg.training.rounds
         per_domain: dict[str, tuple[float, float]] = {}
         if evaluated:
-            per_domain = evaluate_domains(self.eval_model, self.ctx.layout, self.strategy.eval_models(new_state),
+            per_domain = evaluate_domains(self.eval_scratch, self.ctx.layout, self.strategy.eval_models(new_state),
                                           self.ctx.federation.test, self.device)
         summary = self._record(new_state, t, plans, results, per_domain, time.perf_counter() - t0)
         if self.progress is not None:

@@ -129,3 +129,11 @@ def test_untrained_coordinates_stay_bit_identical(tiny_fed):
     assert (~covered).sum() > 0
     assert p1[~covered].tobytes() == p0[~covered].tobytes()  # never trained: bit-identical to initialisation
     assert not np.array_equal(p1[covered], p0[covered])       # trained coordinates moved
+
+
+def test_concurrent_clients_give_the_same_numbers(tmp_path, tiny_fed):
+    _run(tmp_path / "one", tiny_fed, ["resources.num_workers=1", "algorithm.width=capacity"])
+    _run(tmp_path / "two", tiny_fed, ["resources.num_workers=2", "algorithm.width=capacity"])
+    a, b = results.load(tmp_path / "one"), results.load(tmp_path / "two")
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))

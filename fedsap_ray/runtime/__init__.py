@@ -12,7 +12,7 @@ def make_backend(cfg: ExperimentConfig):
     if r.backend == "local":
         from fedsap_ray.runtime.local import LocalBackend
 
-        return LocalBackend(device=r.device)
+        return LocalBackend(device=r.device, num_workers=r.num_workers, torch_threads=r.torch_threads)
     try:
         from fedsap_ray.runtime.ray import RayBackend  # type: ignore[import-not-found]
     except ImportError as e:

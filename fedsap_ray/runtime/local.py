@@ -1,33 +1,67 @@
-"""In-process backend: runs the very same client code one client after another.
+"""In-process backend: the very same client code, several clients at a time in threads.
 
-Used by tests and for debugging; errors carry round and client id (DESIGN section 9).
+Each client trains with ``resources.torch_threads`` intra-op threads (1 by default) on
+its own scratch model, and ``num_workers`` clients run concurrently (PyTorch releases
+the GIL inside its kernels). A client's numbers depend only on its plan, its data and
+the thread count, never on which thread ran it or in what order, so results equal
+those of a sequential run and of the Ray backend. Errors carry round and client id.
 """
 from __future__ import annotations
 
 import copy
+import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.client import pick_device, train_client
 from fedsap_ray.messages import ClientPlan, ClientResult
 
 
+def default_workers(torch_threads: int) -> int:
+    return max(1, (os.cpu_count() or 1) // max(1, torch_threads))
+
+
 class LocalBackend:
     name = "local"
 
-    def __init__(self, device: str = "auto") -> None:
+    def __init__(self, device: str = "auto", num_workers: int | None = None, torch_threads: int = 1) -> None:
         self.device = pick_device(device)
+        self.torch_threads = torch_threads
+        self.num_workers = num_workers or default_workers(torch_threads)
         self.ctx: RunContext | None = None
+        self._pool: ThreadPoolExecutor | None = None
 
     def start(self, ctx: RunContext) -> None:
         self.ctx = ctx
-        self.model = copy.deepcopy(ctx.model)  # scratch module; the template stays untouched
+        torch.set_num_threads(self.torch_threads)
+        # one scratch model per concurrent client; the template stays untouched
+        self._models: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(self.num_workers):
+            self._models.put(copy.deepcopy(ctx.model))
+        if self.num_workers > 1:
+            self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fedsap-client")
+
+    def _one(self, plan: ClientPlan) -> ClientResult:
+        assert self.ctx is not None
+        model = self._models.get()
+        try:
+            return train_client(plan, model, self.ctx.layout, self.ctx.federation.client_data(plan.client_id), self.device)
+        finally:
+            self._models.put(model)
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
         if self.ctx is None:
             raise RuntimeError("LocalBackend.train called before start()")
-        fed = self.ctx.federation
-        return [train_client(plans[cid], self.model, self.ctx.layout, fed.client_data(cid), self.device)
-                for cid in sorted(plans)]
+        ordered = [plans[cid] for cid in sorted(plans)]
+        if self._pool is None:
+            return [self._one(p) for p in ordered]
+        return list(self._pool.map(self._one, ordered))
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self.ctx = None
