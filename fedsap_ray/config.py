@@ -184,7 +184,8 @@ class ResourcesConfig:
     num_workers: int | None = None  # concurrent clients; None: local = CPU count / torch_threads, Ray = from cluster resources
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
-    address: str | None = None  # Ray cluster address; None: RAY_ADDRESS or a local Ray
+    address: str | None = None  # Ray cluster address; None: RAY_ADDRESS or a local Ray on 127.0.0.1
+    dashboard: bool = False  # start the Ray dashboard (on 127.0.0.1) when starting a local Ray
     # Intra-op threads of every client's training and of evaluation. Part of the numerics:
     # float reductions differ with the thread count, so it is fixed (not "all cores") to
     # give the same bits on every backend and worker. Parallelism comes from running

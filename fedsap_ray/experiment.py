@@ -23,6 +23,7 @@ from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
 from fedsap_ray.results import RunWriter
 from fedsap_ray.runtime import make_backend
@@ -38,6 +39,7 @@ class RunOutcome:
     final_global_accuracy: float
     best_global_accuracy: float
     wall_s: float
+    worker_restarts: int = 0
 
 
 def build_context(cfg: ExperimentConfig, federation: Federation | None = None) -> RunContext:
@@ -55,65 +57,92 @@ def _now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
+class RunSession:
+    """One run's server side: context, strategy, backend, writer and the round loop.
+
+    The local path drives it in-process; the Ray backend hosts it inside a
+    ``ServerActor`` and drives the same methods remotely, so both share every line of
+    the round logic. The ``runs`` row is written at creation (status ``running``),
+    after every round, and by :meth:`finish` (``finished``, ``failed`` with the error,
+    or ``interrupted``), so an interrupted run is visible and its rounds stay loadable.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, run_id: str, *,
+                 federation: Federation | None = None, backend=None) -> None:
+        torch.set_num_threads(cfg.resources.torch_threads)  # evaluation numerics (see ResourcesConfig)
+        self.cfg, self.out, self.run_id = cfg, Path(out), run_id
+        self.t0 = time.perf_counter()
+        self.writer = RunWriter(self.out, run_id)
+        self.ctx = build_context(cfg, federation)
+        self.strategy = algorithms.get(cfg.algorithm.name)(
+            self.ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+        self.backend = backend if backend is not None else make_backend(cfg)
+        self.server = Server(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
+                             device=pick_device(cfg.resources.device))
+        self.base_row = dict(study=cfg.study, algorithm=cfg.algorithm.name, dataset=self.ctx.federation.dataset,
+                             model=cfg.model.name, preset=cfg.preset, seed=cfg.seed,
+                             num_clients=len(self.ctx.federation.clients), rounds=cfg.training.rounds,
+                             backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
+                             started_at=_now(), package_version=fedsap_ray.__version__,
+                             dataset_notes=self.ctx.federation.notes)
+        self.state: ServerState | None = None
+        self.writer.set_run(self._row("running"))
+
+    def start(self) -> None:
+        self.backend.start(self.ctx)
+        self.state = self.strategy.init_state()
+
+    def step(self, t: int) -> RoundSummary:
+        assert self.state is not None, "RunSession.start() first"
+        self.state = self.server.round(self.state, t)
+        self.writer.set_run(self._row("running"))
+        return self.server.last_summary
+
+    def finish(self, status: str, error: str | None = None) -> RunOutcome:
+        try:
+            self.writer.set_run(self._row(status, error))
+        finally:
+            self.backend.close()
+        return RunOutcome(run_id=self.run_id, out=self.out, status=status,
+                          final_global_accuracy=self.server.last_global, best_global_accuracy=self.server.best,
+                          wall_s=time.perf_counter() - self.t0,
+                          worker_restarts=int(getattr(self.backend, "restarts", 0)))
+
+    def _row(self, status: str, error: str | None = None) -> dict:
+        return dict(self.base_row, status=status, error=error, finished_at=None if status == "running" else _now(),
+                    rounds_done=0 if self.state is None else self.state.round, wall_s=time.perf_counter() - self.t0,
+                    final_global_accuracy=_nan_none(self.server.last_global),
+                    best_global_accuracy=_nan_none(self.server.best))
+
+
+def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None) -> RunOutcome:
+    """The driver loop shared by both backends (for Ray, ``session`` forwards to the ServerActor)."""
+    try:
+        session.start()
+        for t in range(1, rounds + 1):
+            summary = session.step(t)
+            if progress is not None:
+                progress(summary)
+    except KeyboardInterrupt:
+        session.finish("interrupted", "interrupted by the user")
+        raise
+    except BaseException as e:
+        session.finish("failed", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=5)}")
+        raise
+    return session.finish("finished")
+
+
 def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None = None,
                    progress: Callable[[RoundSummary], None] | None = None,
                    federation: Federation | None = None, backend=None) -> RunOutcome:
-    """Run ``cfg`` and write its ``runs``/``rounds``/``clients`` rows under ``out``.
-
-    The ``runs`` row is written first (status ``running``) and rewritten on exit with
-    ``finished``, ``failed`` (with the error) or ``interrupted`` (Ctrl-C), so an
-    interrupted run is visible and its completed rounds stay loadable.
-    """
-    torch.set_num_threads(cfg.resources.torch_threads)  # evaluation numerics (see ResourcesConfig)
-    out = Path(out)
+    """Run ``cfg`` and write its ``runs``/``rounds``/``clients`` rows under ``out``."""
     run_id = run_id or f"{cfg.config_hash()}-{uuid.uuid4().hex[:6]}"
-    writer = RunWriter(out, run_id)
-    t0 = time.perf_counter()
-    started = _now()
-    ctx = build_context(cfg, federation)
-    strategy_cls = algorithms.get(cfg.algorithm.name)
-    strategy = strategy_cls(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
-    backend = backend if backend is not None else make_backend(cfg)
-    base_row = dict(study=cfg.study, algorithm=cfg.algorithm.name, dataset=ctx.federation.dataset,
-                    model=cfg.model.name, preset=cfg.preset, seed=cfg.seed,
-                    num_clients=len(ctx.federation.clients), rounds=cfg.training.rounds,
-                    backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
-                    started_at=started, package_version=fedsap_ray.__version__,
-                    dataset_notes=ctx.federation.notes)
-    server = Server(ctx, strategy, backend, writer, eval_models=_scratch(ctx), device=pick_device(cfg.resources.device),
-                    progress=progress)
-    done = {"rounds": 0}
+    if cfg.resources.backend == "ray" and backend is None:
+        from fedsap_ray.runtime.ray import run_on_ray  # Ray is imported only here
 
-    def row(status: str, error: str | None = None) -> dict:
-        finished = None if status == "running" else _now()
-        return dict(base_row, status=status, error=error, finished_at=finished, rounds_done=done["rounds"],
-                    wall_s=time.perf_counter() - t0, final_global_accuracy=_nan_none(server.last_global),
-                    best_global_accuracy=_nan_none(server.best))
-
-    writer.set_run(row("running"))
-    status = "failed"
-    try:
-        backend.start(ctx)
-        state = strategy.init_state()
-
-        def on_round(s):
-            done["rounds"] = s.round
-            writer.set_run(row("running"))
-
-        server.run(state, cfg.training.rounds, on_round=on_round)
-        status = "finished"
-        writer.set_run(row(status))
-    except KeyboardInterrupt:
-        status = "interrupted"
-        writer.set_run(row(status, "interrupted by the user"))
-        raise
-    except BaseException as e:
-        writer.set_run(row("failed", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=5)}"))
-        raise
-    finally:
-        backend.close()
-    return RunOutcome(run_id=run_id, out=out, status=status, final_global_accuracy=server.last_global,
-                      best_global_accuracy=server.best, wall_s=time.perf_counter() - t0)
+        return run_on_ray(cfg, Path(out).resolve(), run_id, progress=progress, federation=federation)
+    session = RunSession(cfg, out, run_id, federation=federation, backend=backend)
+    return drive(session, cfg.training.rounds, progress)
 
 
 def _scratch(ctx: RunContext) -> list:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from torch import nn
@@ -48,22 +48,16 @@ class RoundSummary:
 
 
 class Server:
-    """Drives one run: strategy + backend + evaluation + results writer."""
+    """One round at a time: strategy + backend + evaluation + results rows."""
 
     def __init__(self, ctx: RunContext, strategy: Strategy, backend: Backend, writer: RunWriter,
-                 eval_models: list[nn.Module], device, progress: Callable[[RoundSummary], None] | None = None) -> None:
+                 eval_models: list[nn.Module], device) -> None:
         self.ctx, self.strategy, self.backend, self.writer = ctx, strategy, backend, writer
-        self.eval_scratch, self.device, self.progress = eval_models, device, progress
+        self.eval_scratch, self.device = eval_models, device
         self.best = float("nan")
         self.last_global = float("nan")
+        self.last_summary: RoundSummary | None = None
         self.trainable = _trainable_mask(ctx)
-
-    def run(self, state: ServerState, rounds: int, on_round: Callable[[ServerState], None] | None = None) -> ServerState:
-        for t in range(state.round + 1, rounds + 1):
-            state = self.round(state, t)
-            if on_round is not None:
-                on_round(state)
-        return state
 
     def round(self, state: ServerState, t: int) -> ServerState:
         t0 = time.perf_counter()
@@ -82,8 +76,7 @@ class Server:
             per_domain = evaluate_domains(self.eval_scratch, self.ctx.layout, self.strategy.eval_models(new_state),
                                           self.ctx.federation.test, self.device)
         summary = self._record(new_state, t, plans, results, per_domain, time.perf_counter() - t0)
-        if self.progress is not None:
-            self.progress(summary)
+        self.last_summary = summary
         return new_state
 
     def _record(self, state, t, plans, results, per_domain, wall) -> RoundSummary:

@@ -1,21 +1,19 @@
-"""Backends: ``local`` (in-process) and, in :mod:`fedsap_ray.runtime.ray`, Ray actors.
+"""Backends: ``local`` (in-process threads) and ``ray`` (actors, :mod:`fedsap_ray.runtime.ray`).
 
-Only this package (and ``sweeps/``) may import Ray.
+Only this package (and ``sweeps/``) may import Ray, and only when the Ray backend is used.
 """
 from __future__ import annotations
 
-from fedsap_ray.config import ConfigError, ExperimentConfig
+from fedsap_ray.config import ExperimentConfig
 
 
 def make_backend(cfg: ExperimentConfig):
+    """The client backend for ``cfg`` (for Ray this is the pool the ServerActor drives)."""
     r = cfg.resources
-    if r.backend == "local":
-        from fedsap_ray.runtime.local import LocalBackend
+    if r.backend == "ray":
+        from fedsap_ray.runtime.ray import RayWorkerPool
 
-        return LocalBackend(device=r.device, num_workers=r.num_workers, torch_threads=r.torch_threads)
-    try:
-        from fedsap_ray.runtime.ray import RayBackend  # type: ignore[import-not-found]
-    except ImportError as e:
-        raise ConfigError(f"invalid resources.backend={r.backend!r}: the Ray backend is not available "
-                          f"in this version ({e}); allowed values are local") from e
-    return RayBackend(cfg)
+        return RayWorkerPool(cfg)
+    from fedsap_ray.runtime.local import LocalBackend
+
+    return LocalBackend(device=r.device, num_workers=r.num_workers, torch_threads=r.torch_threads)

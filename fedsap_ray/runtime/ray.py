@@ -1,0 +1,226 @@
+"""Ray backend (DESIGN section 4): a ServerActor hosting the run, ClientWorker actors on GPU fractions.
+
+- ``ServerActor`` hosts a :class:`~fedsap_ray.experiment.RunSession` (server state,
+  strategy ``configure_round``/``aggregate``, evaluation, Parquet writer); it is pinned
+  to the driver's node so results land in the driver's ``--out`` folder. The driver
+  only calls ``start``/``step``/``finish`` and prints progress.
+- ``ClientWorker`` actors are created with ``num_gpus=resources.gpus_per_worker`` and
+  ``num_cpus=resources.cpus_per_worker``; each hosts many virtual clients. The training
+  pools go into the object store once per run (numpy, zero-copy per node) and workers
+  index into them. Plans carry only the covered coordinates as a flat float32 buffer.
+  A worker trains on its CUDA device when there is one, else on CPU, always with
+  ``resources.torch_threads`` intra-op threads (the numerics are then those of the
+  local backend, whichever worker runs which client).
+- Fault tolerance: clients are dispatched one at a time to idle workers; a worker that
+  dies is replaced and its client re-runs from the same plan (plans are pure data, so
+  the numbers are those of an uninterrupted run). A client that raises stops the run
+  with a :class:`~fedsap_ray.client.ClientError` naming the round and client.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import ray
+import ray.util.scheduling_strategies
+import torch
+
+from fedsap_ray.algorithms.base import RunContext
+from fedsap_ray.client import ClientError, pick_device, train_client
+from fedsap_ray.config import ConfigError, ExperimentConfig
+from fedsap_ray.data.base import DomainData, Federation
+from fedsap_ray.messages import ClientPlan, ClientResult
+
+_DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def connect(cfg: ExperimentConfig) -> None:
+    """Join ``resources.address`` / ``RAY_ADDRESS``, or start a local Ray bound to 127.0.0.1."""
+    if ray.is_initialized():
+        return
+    address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        ray.init(include_dashboard=cfg.resources.dashboard, _node_ip_address="127.0.0.1",
+                 dashboard_host="127.0.0.1", log_to_driver=True)
+
+
+def pool_size(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, float] | None = None) -> int:
+    """Workers to start: ``resources.num_workers``, else what the cluster's CPUs/GPUs hold, at most one per client."""
+    r = cfg.resources
+    if r.num_workers is not None:
+        return r.num_workers
+    cluster = ray.cluster_resources() if cluster is None else cluster
+    fits = [math.floor(cluster.get("CPU", 0.0) / r.cpus_per_worker + 1e-9)]
+    if r.gpus_per_worker > 0:
+        gpus = cluster.get("GPU", 0.0)
+        if gpus <= 0:
+            raise ConfigError(f"invalid resources.gpus_per_worker={r.gpus_per_worker}: the Ray cluster has no GPUs; "
+                              "use 0 for CPU workers")
+        fits.append(math.floor(gpus / r.gpus_per_worker + 1e-9))
+    n = min(min(fits), num_clients)
+    if n < 1:
+        raise ConfigError(f"invalid resources.cpus_per_worker={r.cpus_per_worker}: no worker fits the cluster "
+                          f"({cluster.get('CPU', 0)} CPUs)")
+    return n
+
+
+@ray.remote
+class ClientWorker:
+    """Hosts many virtual clients; holds no state that could change a number (a replacement is identical)."""
+
+    def __init__(self, name: str, model: torch.nn.Module, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
+                 client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int) -> None:
+        torch.set_num_threads(torch_threads)
+        self.name = name
+        self.model, self.layout = model, layout
+        self.pools = pools  # zero-copy views into the object store
+        self.client_index = client_index
+        self.device = pick_device(device)
+        gpu_ids = ray.get_gpu_ids()
+        self.gpu_id = int(gpu_ids[0]) if gpu_ids else None
+
+    def info(self) -> dict[str, Any]:
+        return {"name": self.name, "gpu_id": self.gpu_id, "pid": os.getpid(), "device": str(self.device)}
+
+    def train(self, plan: ClientPlan) -> ClientResult:
+        domain, idx = self.client_index[plan.client_id]
+        x, y = self.pools[domain]
+        data = DomainData(torch.from_numpy(np.ascontiguousarray(x[idx])), torch.from_numpy(np.ascontiguousarray(y[idx])))
+        result = train_client(plan, self.model, self.layout, data, self.device)
+        result.worker, result.gpu_id = self.name, self.gpu_id
+        return result
+
+
+class RayWorkerPool:
+    """The Backend used inside the ServerActor: dynamic dispatch of plans to ClientWorkers."""
+
+    name = "ray"
+
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
+        self.workers: list[Any] = []
+        self.restarts = 0
+        self._spawned = 0
+
+    def start(self, ctx: RunContext) -> None:
+        fed: Federation = ctx.federation
+        pools = {d: (v.x.numpy(), v.y.numpy()) for d, v in fed.train.items()}
+        self._init_args = (ray.put(ctx.model), ray.put(ctx.layout), ray.put(pools),
+                           ray.put({c.client_id: (c.domain, c.indices) for c in fed.clients}))
+        self.run_tag = f"fedsap-{ctx.cfg.config_hash()}-{os.getpid()}"
+        n = pool_size(self.cfg, len(fed.clients))
+        self.workers = [self._spawn() for _ in range(n)]
+        ray.get([w.info.remote() for w in self.workers])  # fail fast if a worker cannot start
+
+    def _spawn(self) -> Any:
+        r = self.cfg.resources
+        name = f"{self.run_tag}-w{self._spawned}"
+        self._spawned += 1
+        return ClientWorker.options(name=name, num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker).remote(
+            name, *self._init_args, r.device, r.torch_threads)
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return ray.get([w.info.remote() for w in self.workers])
+
+    def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
+        todo = deque(sorted(plans))
+        idle = deque(range(len(self.workers)))
+        inflight: dict[Any, tuple[int, int]] = {}
+        results: dict[int, ClientResult] = {}
+        while todo or inflight:
+            while todo and idle:
+                w, cid = idle.popleft(), todo.popleft()
+                inflight[self.workers[w].train.remote(plans[cid])] = (w, cid)
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            for ref in ready:
+                w, cid = inflight.pop(ref)
+                try:
+                    results[cid] = ray.get(ref)
+                    idle.append(w)
+                except _DEAD:  # the worker died: replace it and re-run the client from its plan
+                    self.workers[w] = self._spawn()
+                    self.restarts += 1
+                    todo.appendleft(cid)
+                    idle.append(w)
+                except ray.exceptions.RayTaskError as e:
+                    cause = e.cause if getattr(e, "cause", None) is not None else e
+                    msg = str(cause) if isinstance(cause, ClientError) else (
+                        f"client {cid} failed in round {plans[cid].round}: {cause.__class__.__name__}: {cause}")
+                    for other in inflight:
+                        ray.cancel(other, force=False)
+                    raise ClientError(msg) from None
+        return [results[cid] for cid in sorted(results)]
+
+    def close(self) -> None:
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # already gone
+                pass
+        self.workers = []
+
+
+@ray.remote(num_cpus=0)
+class ServerActor:
+    """Hosts the run's :class:`RunSession` next to the driver; see the module docstring."""
+
+    def __init__(self, cfg: ExperimentConfig, out: str, run_id: str, federation: Federation | None) -> None:
+        from fedsap_ray.experiment import RunSession
+
+        self.pool = RayWorkerPool(cfg)
+        self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool)
+
+    def start(self) -> None:
+        self.session.start()
+
+    def step(self, t: int):
+        return self.session.step(t)
+
+    def finish(self, status: str, error: str | None = None):
+        return self.session.finish(status, error)
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return self.pool.worker_info()
+
+
+class _RemoteSession:
+    """The RunSession interface, each call executed on the ServerActor."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def start(self) -> None:
+        ray.get(self.actor.start.remote())
+
+    def step(self, t: int):
+        return ray.get(self.actor.step.remote(t))
+
+    def finish(self, status: str, error: str | None = None):
+        return ray.get(self.actor.finish.remote(status, error))
+
+
+def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Callable | None = None,
+               federation: Federation | None = None):
+    """Driver side of ``--backend ray``: the same loop as the local path, each call remote.
+
+    The federation is built here (so missing files fail fast, before any actor starts)
+    and shipped once through the object store.
+    """
+    from fedsap_ray.data import build_federation
+    from fedsap_ray.experiment import drive
+
+    fed = federation if federation is not None else build_federation(cfg)
+    connect(cfg)
+    here = ray.get_runtime_context().get_node_id()
+    pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
+    actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed)
+    try:
+        return drive(_RemoteSession(actor), cfg.training.rounds, progress)
+    finally:
+        ray.kill(actor)

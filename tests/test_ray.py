@@ -1,0 +1,116 @@
+"""Ray backend: same numbers as local, worker death recovery, client errors, GPU pinning."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from fedsap_ray import results  # noqa: E402
+from fedsap_ray.client import ClientError  # noqa: E402
+from fedsap_ray.config import build_config  # noqa: E402
+from fedsap_ray.data import DomainData, build_federation  # noqa: E402
+from fedsap_ray.experiment import run_experiment  # noqa: E402
+
+TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=3",
+        "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=4",
+        "algorithm.width=capacity"]
+VOLATILE = ["wall_s", "worker", "gpu_id", "round_wall_s"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, namespace="fedsap-tests")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fed():
+    return build_federation(build_config(preset="smoke", overrides=TINY))
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, fed):
+    out = tmp_path_factory.mktemp("local")
+    run_experiment(build_config(preset="smoke", overrides=TINY), out, run_id="x", federation=fed)
+    return results.load(out)
+
+
+def _ray(out, fed, extra=(), **kw):
+    cfg = build_config(preset="smoke", overrides=TINY + ["resources.backend=ray", *extra])
+    return run_experiment(cfg, out, run_id="x", federation=fed, **kw)
+
+
+def _same(a, b):
+    key = ["round", "domain"]
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=VOLATILE, errors="ignore").sort_values(key).reset_index(drop=True),
+                                  b.rounds.drop(columns=VOLATILE, errors="ignore").sort_values(key).reset_index(drop=True))
+    key = ["round", "client_id"]
+    pd.testing.assert_frame_equal(a.clients.drop(columns=VOLATILE, errors="ignore").sort_values(key).reset_index(drop=True),
+                                  b.clients.drop(columns=VOLATILE, errors="ignore").sort_values(key).reset_index(drop=True))
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_ray_reproduces_local_tables_exactly(tmp_path, fed, local_run, workers):
+    outcome = _ray(tmp_path, fed, [f"resources.num_workers={workers}", "resources.cpus_per_worker=0.5"])
+    assert outcome.status == "finished"
+    res = results.load(tmp_path)
+    _same(local_run, res)
+    assert res.runs.loc[0, "backend"] == "ray"
+    assert res.clients["worker"].nunique() == workers  # clients really were spread over the workers
+
+
+def test_worker_killed_mid_round_is_replaced(tmp_path, fed, local_run):
+    killed = {}
+
+    def kill_a_worker_during_round_2(summary):
+        if summary.round != 1:
+            return
+
+        def kill():
+            time.sleep(0.3)
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("-w0")]
+            actor = ray.get_actor(names[0], namespace="fedsap-tests")
+            ray.kill(actor)
+            killed["name"] = names[0]
+        threading.Thread(target=kill, daemon=True).start()
+
+    outcome = _ray(tmp_path, fed, ["resources.num_workers=2", "resources.cpus_per_worker=0.5"],
+                   progress=kill_a_worker_during_round_2)
+    assert killed and outcome.worker_restarts >= 1
+    _same(local_run, results.load(tmp_path))
+
+
+def test_client_error_names_round_and_client(tmp_path):
+    cfg = build_config(preset="smoke", overrides=TINY)
+    broken = build_federation(cfg)
+    c = broken.clients[2]
+    pool = broken.train[c.domain]
+    y = pool.y.clone()  # the loaded splits are cached per process: never mutate them
+    y[c.indices[:3]] = 99  # labels outside the 10 classes: cross-entropy raises
+    broken.train = {**broken.train, c.domain: DomainData(pool.x, y)}
+    with pytest.raises(ClientError, match="client 2 failed in round 1"):
+        _ray(tmp_path, broken, ["resources.num_workers=2", "resources.cpus_per_worker=0.5"])
+    assert results.load(tmp_path).runs.loc[0, "status"] == "failed"
+
+
+def test_gpu_pinning_eight_workers_four_per_logical_gpu(tmp_path, fed):
+    from fedsap_ray.runtime.ray import pool_size
+
+    cfg = build_config(preset="smoke", overrides=TINY + ["resources.backend=ray", "resources.gpus_per_worker=0.25",
+                                                         "resources.cpus_per_worker=0.25", "data.num_clients=8"])
+    assert pool_size(cfg, 8) == 8
+    assert pool_size(cfg, 100, {"CPU": 64.0, "GPU": 2.0}) == 8  # GPUs bound the pool
+    assert pool_size(cfg, 5, {"CPU": 64.0, "GPU": 2.0}) == 5  # never more workers than clients
+    fed8 = build_federation(cfg)
+    run_experiment(cfg, tmp_path, run_id="g", federation=fed8)
+    clients = results.load(tmp_path).clients
+    per_worker = clients.groupby("worker")["gpu_id"].unique()
+    assert len(per_worker) == 8 and all(len(g) == 1 for g in per_worker)  # each worker sees one GPU id
+    workers_per_gpu = clients.drop_duplicates("worker").groupby("gpu_id")["worker"].count()
+    assert workers_per_gpu.to_dict() == {0: 4, 1: 4}
