@@ -49,3 +49,14 @@ def test_print_config_and_listings():
     assert r.returncode == 0 and "fedprox" in r.stdout and "mu=" in r.stdout
     r = cli("datasets")
     assert r.returncode == 0 and "embedded_digits" in r.stdout
+
+
+def test_ray_backend_smoke_from_the_cli(tmp_path):
+    pytest.importorskip("ray")
+    r = cli("run", "--preset", "smoke", "--backend", "ray", "--out", str(tmp_path), "--set", "training.rounds=2",
+            "--set", "resources.cpus_per_worker=1", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "round 2/2" in r.stderr
+    clients = pd.read_parquet(tmp_path / "clients")
+    assert clients["worker"].str.startswith("fedsap-").all()
+    assert pd.read_parquet(tmp_path / "runs").loc[0, "backend"] == "ray"
