@@ -27,13 +27,7 @@ SPECS = {  # name -> (input_shape, num_classes, vocab, width_mult)
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def make(name: str, seed: int = 0, channels: dict[str, int] | None = None) -> nn.Module:

@@ -23,13 +23,7 @@ SPECS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def small(name: str, width: float = 0.25) -> nn.Module:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsap_ray.models.resnet import scaled
-from fedsap_ray.models.space import ChannelLayer, ChannelSpace, bn_out, conv_out, weight_in
+from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, bn_out, conv_out, weight_in
 
 
 def _resolve(defaults: dict[str, int], channels: Mapping[str, int] | None, who: str) -> dict[str, int]:
@@ -42,7 +42,7 @@ def _image_shape(input_shape: tuple[int, ...], who: str) -> tuple[int, int, int]
     return int(input_shape[0]), int(input_shape[1]), int(input_shape[2])
 
 
-class CNNSmall(nn.Module):
+class CNNSmall(MaskableModel):
     """conv3x3(3->32)-ReLU-pool2, conv3x3(32->64)-ReLU-pool2, linear(64*H/4*W/4 -> classes); no BN."""
 
     input_dtype = torch.float32
@@ -68,11 +68,6 @@ class CNNSmall(nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return torch.flatten(x, 1)  # [C, H, W] order: channel c owns `spatial` consecutive entries
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.forward_features(x))
-
-    def channel_counts(self) -> dict[str, int]:
-        return dict(self._counts)
 
     def channel_space(self) -> ChannelSpace:
         return ChannelSpace((
@@ -82,7 +77,7 @@ class CNNSmall(nn.Module):
         ))
 
 
-class CNN6(nn.Module):
+class CNN6(MaskableModel):
     """The papers/003 CIFAR-10 / EMNIST CNN (see the module docstring for how Table 1 fixes it)."""
 
     input_dtype = torch.float32
@@ -118,11 +113,6 @@ class CNN6(nn.Module):
                 x = F.max_pool2d(x, 2, ceil_mode=True)
         return F.relu(self.fc1(torch.flatten(x, 1)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.forward_features(x))
-
-    def channel_counts(self) -> dict[str, int]:
-        return dict(self._counts)
 
     def channel_space(self) -> ChannelSpace:
         layers = []
@@ -135,7 +125,7 @@ class CNN6(nn.Module):
         return ChannelSpace(tuple(layers))
 
 
-class MLP(nn.Module):
+class MLP(MaskableModel):
     """Feature-vector classifier 800 -> 512 -> 256 -> classes with ReLU; both hidden layers maskable."""
 
     input_dtype = torch.float32
@@ -158,11 +148,6 @@ class MLP(nn.Module):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.fc2(F.relu(self.fc1(x))))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.forward_features(x))
-
-    def channel_counts(self) -> dict[str, int]:
-        return dict(self._counts)
 
     def channel_space(self) -> ChannelSpace:
         return ChannelSpace((

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fedsap_ray.models.resnet import scaled
-from fedsap_ray.models.space import ChannelLayer, ChannelSpace, ParamAxis, weight_in
+from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, weight_in
 
 GATES = 4  # i, f, g, o blocks of PyTorch's LSTM weights
 
@@ -34,7 +34,7 @@ def _gate_rows(module: str) -> tuple[ParamAxis, ...]:
                  for t in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
 
 
-class CharLSTM(nn.Module):
+class CharLSTM(MaskableModel):
     """Embedding -> LSTM -> LSTM -> linear(vocab) on the last step; input int64 [B, T]."""
 
     input_dtype = torch.long
@@ -67,11 +67,6 @@ class CharLSTM(nn.Module):
         out, _ = self.lstm1(out)
         return out[:, -1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.forward_features(x))
-
-    def channel_counts(self) -> dict[str, int]:
-        return dict(self._counts)
 
     def channel_space(self) -> ChannelSpace:
         return ChannelSpace((

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.models.space import ChannelLayer, ChannelSpace, bn_out, conv_out, weight_in
+from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, bn_out, conv_out, weight_in
 
 BASE_WIDTHS = (64, 128, 256, 512)
 
@@ -52,7 +52,7 @@ class BasicBlock(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
-class ResNet(nn.Module):
+class ResNet(MaskableModel):
     """CIFAR-style ResNet with BasicBlocks whose channels are described by a ChannelSpace."""
 
     input_dtype = torch.float32
@@ -100,11 +100,6 @@ class ResNet(nn.Module):
         out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
         return torch.flatten(F.adaptive_avg_pool2d(out, 1), 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(self.forward_features(x))
-
-    def channel_counts(self) -> dict[str, int]:
-        return dict(self._counts)
 
     def channel_space(self) -> ChannelSpace:
         """Streams and inner convs in forward order (state_dict order of their first output tensor)."""

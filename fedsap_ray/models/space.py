@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import numpy as np
+import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -169,3 +171,21 @@ def bn_out(module: str) -> tuple[ParamAxis, ...]:
 def weight_in(module: str, *, group: int = 1) -> ParamAxis:
     """Input axis (1) of a conv/linear weight."""
     return ParamAxis(f"{module}.weight", 1, group=group)
+
+
+class MaskableModel(nn.Module):
+    """What every model here shares: ``forward = classifier(forward_features(x))`` and its channel counts.
+
+    Subclasses set ``self.classifier`` (the name of the never-sliced output layer),
+    ``self._counts`` (channels per ChannelSpace layer) and define ``forward_features`` and
+    ``channel_space``.
+    """
+
+    classifier: str
+    _counts: dict[str, int]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.classifier)(self.forward_features(x))
+
+    def channel_counts(self) -> dict[str, int]:
+        return dict(self._counts)

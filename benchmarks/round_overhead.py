@@ -1,0 +1,320 @@
+#!/usr/bin/env python
+"""Per-round framework overhead: the Ray and local backends against a plain-PyTorch loop.
+
+For each number of virtual clients the same federated work is run three ways, in one
+process, one after the other:
+
+- ``reference``: a hand-written PyTorch FedAvg loop (below, :func:`run_reference`), no
+  framework: per client, load the global weights, SGD over its samples for
+  ``local_epochs`` with the same batch size and shuffling, then a weighted average. One
+  process, clients one after another, torch's default intra-op threads (all cores) unless
+  ``--reference-threads`` says otherwise.
+- ``local``: ``run_experiment`` with ``resources.backend=local`` (clients in threads,
+  ``resources.torch_threads=1`` each, ``num_workers`` = CPU count).
+- ``ray``: ``run_experiment`` with ``resources.backend=ray`` (one ``ClientWorker`` actor
+  per CPU, ``cpus_per_worker=1``, ``torch_threads=1``; the ServerActor aggregates).
+
+Same model, same seeded initial weights, same synthetic data, same per-round seeds for
+the batch order, FedAvg over the full model (lr 0.01, momentum 0.9, no weight decay).
+
+Timing: ``time.perf_counter()`` at the end of every round (the framework's progress
+callback; the reference loop's own round end); ``per_round_s = (t_last - t_round1) /
+(rounds - 1)``, so process/Ray start-up, worker spawn and the first (warm-up) round are
+excluded. Included in the framework numbers: everything a round does (plans,
+dispatch, training, aggregation, the Parquet rewrite of the run's results). The
+framework evaluates the global model on the last round whatever ``eval_every`` says;
+the test set is ``--test-samples`` images (default 32), a few milliseconds.
+
+Output: one JSON line per (clients, backend) on stdout (and in ``--out``); progress on
+stderr. ``ratio_vs_reference`` = per_round_s / the reference's per_round_s at the same
+client count, measured in the same invocation. See benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import fedsap_ray
+from fedsap_ray.config import from_dict
+from fedsap_ray.data.base import ClientSpec, DomainData, Federation, as_input
+from fedsap_ray.models import build_model
+from fedsap_ray.seeding import seed_for
+
+BACKENDS = ("reference", "local", "ray")
+IMAGE_MODELS = ("cnn_small", "cnn_cifar", "resnet10", "resnet18")
+NUM_CLASSES = 10
+INPUT_SHAPE = (3, 32, 32)
+LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 0.0
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load1() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:  # pragma: no cover - platforms without getloadavg
+        return None
+
+
+# ----------------------------------------------------------------------------------------
+# Data: seeded synthetic images, built straight into a Federation (no dataset cost)
+# ----------------------------------------------------------------------------------------
+
+def make_federation(n_clients: int, samples_per_client: int, test_samples: int, seed: int) -> Federation:
+    """One domain "synthetic"; client c owns samples [c*spc, (c+1)*spc) of the pool.
+
+    Images are uint8 noise plus a class-dependent colour offset, so the loss does move.
+    """
+    rng = np.random.default_rng(seed)
+
+    def images(n: int) -> tuple[np.ndarray, np.ndarray]:
+        y = rng.integers(0, NUM_CLASSES, size=n, dtype=np.int64)
+        x = rng.integers(0, 160, size=(n, *INPUT_SHAPE), dtype=np.int64)
+        offset = (np.arange(NUM_CLASSES)[:, None] * np.array([9, 5, 3])[None, :]) % 96  # [classes, 3]
+        x += offset[y][:, :, None, None]
+        return x.astype(np.uint8), y
+
+    n = n_clients * samples_per_client
+    x, y = images(n)
+    xt, yt = images(test_samples)
+    clients = []
+    for c in range(n_clients):
+        idx = np.arange(c * samples_per_client, (c + 1) * samples_per_client, dtype=np.int64)
+        clients.append(ClientSpec(client_id=c, domain="synthetic", indices=idx, pruning_ratio=0.0, capacity=1.0,
+                                  tv_distance=0.0, label_counts=np.bincount(y[idx], minlength=NUM_CLASSES)))
+    return Federation(dataset="synthetic_benchmark", domains=["synthetic"],
+                      train={"synthetic": DomainData(torch.from_numpy(x), torch.from_numpy(y))},
+                      test={"synthetic": DomainData(torch.from_numpy(xt), torch.from_numpy(yt))},
+                      clients=clients, num_classes=NUM_CLASSES, input_kind="image", input_shape=INPUT_SHAPE,
+                      notes="benchmarks/round_overhead.py: seeded synthetic uint8 images")
+
+
+def make_config(args, n_clients: int, backend: str, workers: int):
+    return from_dict({
+        "study": "round_overhead", "seed": args.seed, "preset": "custom",
+        "data": {"num_clients": n_clients, "partition": "iid"},
+        "capacity": {"scheme": "full"},
+        "model": {"name": args.model},
+        "training": {"rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size,
+                     "lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY,
+                     "eval_every": 10 ** 9},  # only the last round evaluates (the framework always does)
+        "algorithm": {"name": "fedavg", "options": {"width": "full"}},
+        "resources": {"backend": backend, "device": "cpu", "num_workers": workers, "cpus_per_worker": 1.0,
+                      "torch_threads": 1},
+    })
+
+
+def initial_model(args):
+    """The framework's initial model, built the same way (seed_for(seed, 0, -1, "model-init"))."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_for(args.seed, 0, -1, "model-init"))
+        return build_model(args.model, num_classes=NUM_CLASSES, input_shape=INPUT_SHAPE)
+
+
+# ----------------------------------------------------------------------------------------
+# The plain-PyTorch reference
+# ----------------------------------------------------------------------------------------
+
+def run_reference(args, fed: Federation, threads: int) -> dict:
+    """FedAvg written by hand; returns round-end times and the per-round train loss."""
+    torch.set_num_threads(threads)
+    model = initial_model(args)
+    params = list(model.parameters())
+    global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    pool = fed.train["synthetic"]
+    x_all = as_input(pool.x)  # normalised once, like a hand-written loop would
+    y_all = pool.y
+    ends, losses, compute = [], [], []
+    for t in range(1, args.rounds + 1):
+        acc = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_state.items() if v.is_floating_point()}
+        total, loss_sum, t_clients = 0, 0.0, 0.0
+        for c in fed.clients:
+            tc = time.perf_counter()
+            lo, hi = int(c.indices[0]), int(c.indices[-1]) + 1
+            x, y = x_all[lo:hi], y_all[lo:hi]
+            n = len(y)
+            model.load_state_dict(global_state)
+            opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+            gen = torch.Generator().manual_seed(seed_for(args.seed, t, c.client_id, "train"))
+            model.train()
+            step_losses = []
+            for _ in range(args.local_epochs):
+                order = torch.randperm(n, generator=gen)
+                for i in range(0, n, args.batch_size):
+                    idx = order[i:i + args.batch_size]
+                    if len(idx) < 2:  # same rule as the framework (BatchNorm needs two samples)
+                        continue
+                    opt.zero_grad()
+                    loss = F.cross_entropy(model(x[idx]), y[idx])
+                    loss.backward()
+                    opt.step()
+                    step_losses.append(loss.item())
+            for k, v in model.state_dict().items():
+                if k in acc:
+                    acc[k].add_(v.detach(), alpha=float(n))
+            total += n
+            loss_sum += n * float(np.mean(step_losses))
+            t_clients += time.perf_counter() - tc
+        for k, v in acc.items():
+            global_state[k] = (v / total).to(global_state[k].dtype)
+        ends.append(time.perf_counter())
+        losses.append(loss_sum / total)
+        compute.append(t_clients)
+    return {"ends": ends, "train_loss": losses, "client_compute": compute}
+
+
+# ----------------------------------------------------------------------------------------
+# The framework backends
+# ----------------------------------------------------------------------------------------
+
+def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
+    from fedsap_ray import results
+    from fedsap_ray.experiment import run_experiment
+
+    cfg = make_config(args, len(fed.clients), backend, workers)
+    ends, losses = [], []
+
+    def progress(summary) -> None:
+        ends.append(time.perf_counter())
+        losses.append(float(summary.train_loss))
+
+    with tempfile.TemporaryDirectory(prefix=f"fedsap-bench-{backend}-") as out:
+        outcome = run_experiment(cfg, out, run_id=f"bench-{backend}-{len(fed.clients)}", progress=progress,
+                                 federation=fed)
+        if outcome.status != "finished":
+            raise RuntimeError(f"{backend} run ended with status {outcome.status}")
+        clients = results.load(out).clients
+    compute = clients.groupby("round")["wall_s"].sum().sort_index().tolist()
+    return {"ends": ends, "train_loss": losses, "client_compute": compute,
+            "workers_seen": int(clients["worker"].nunique())}
+
+
+# ----------------------------------------------------------------------------------------
+
+def summarise(args, backend: str, n_clients: int, run: dict, threads: int, workers: int, load_before) -> dict:
+    ends = run["ends"]
+    if len(ends) != args.rounds:
+        raise RuntimeError(f"{backend}: {len(ends)} round ends recorded, expected {args.rounds}")
+    timed = args.rounds - 1
+    round_s = np.diff(ends)
+    return {
+        "backend": backend,
+        "clients": n_clients,
+        "samples_per_client": args.samples_per_client,
+        "local_epochs": args.local_epochs,
+        "batch_size": args.batch_size,
+        "model": args.model,
+        "rounds": args.rounds,
+        "timed_rounds": timed,
+        "per_round_s": round(float((ends[-1] - ends[0]) / timed), 4),
+        "round_s": [round(float(s), 4) for s in round_s],  # rounds 2..R, one entry each
+        "ratio_vs_reference": None,  # filled in once the reference of this client count is known
+        "client_compute_s": round(float(np.mean(run["client_compute"][1:])), 4),  # per round, summed over clients
+        "train_loss_last": round(float(run["train_loss"][-1]), 5),
+        "threads": threads,  # torch intra-op threads of each training thread/process
+        "workers": workers,  # clients trained concurrently
+        "torch": torch.__version__,
+        "fedsap_ray": fedsap_ray.__version__,
+        "cpu_count": os.cpu_count(),
+        "load1_before": load_before,
+        "load1_after": load1(),
+        "steps_per_client": args.local_epochs * sum(1 for i in range(0, args.samples_per_client, args.batch_size)
+                                                    if min(args.batch_size, args.samples_per_client - i) >= 2),
+    }
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--clients", type=int, nargs="+", default=[10, 50, 200], help="virtual client counts")
+    p.add_argument("--samples-per-client", type=int, default=64)
+    p.add_argument("--local-epochs", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 2; round 1 is warm-up, not timed)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--model", default="cnn_small", choices=IMAGE_MODELS)
+    p.add_argument("--backends", default="reference,local,ray",
+                   help="comma-separated subset of " + ",".join(BACKENDS))
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="concurrent clients of the local and Ray backends (each with 1 torch thread)")
+    p.add_argument("--reference-threads", type=int, default=torch.get_num_threads(),
+                   help="torch intra-op threads of the reference loop (default: torch's default, all cores)")
+    p.add_argument("--test-samples", type=int, default=32, help="held-out images (evaluated on the last round only)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad or not backends:
+        p.error(f"--backends: unknown {bad}; choose from {', '.join(BACKENDS)}")
+    args.backends = [b for b in BACKENDS if b in backends]  # the reference first: the others divide by it
+    if args.rounds < 2:
+        p.error("--rounds must be >= 2 (round 1 is not timed)")
+    for name in ("samples_per_client", "local_epochs", "batch_size", "workers", "reference_threads", "test_samples"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if any(c < 1 for c in args.clients):
+        p.error("--clients: every count must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sink = args.out.open("w") if args.out else None
+    if "ray" in args.backends:
+        import ray
+
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+    log(f"round_overhead: torch {torch.__version__}, {os.cpu_count()} CPUs, load {load1()}, "
+        f"backends {','.join(args.backends)}, clients {args.clients}, rounds {args.rounds}")
+    try:
+        for n in args.clients:
+            fed = make_federation(n, args.samples_per_client, args.test_samples, args.seed)
+            ref_s = None
+            for backend in args.backends:
+                before = load1()
+                t0 = time.perf_counter()
+                if backend == "reference":
+                    run = run_reference(args, fed, args.reference_threads)
+                    threads, workers = args.reference_threads, 1
+                else:
+                    workers = min(args.workers, n)
+                    run = run_framework(args, fed, backend, workers)
+                    threads = 1
+                row = summarise(args, backend, n, run, threads, workers, before)
+                if backend == "reference":
+                    ref_s = row["per_round_s"]
+                    row["ratio_vs_reference"] = 1.0
+                elif ref_s:
+                    row["ratio_vs_reference"] = round(row["per_round_s"] / ref_s, 3)
+                line = json.dumps(row)
+                print(line, flush=True)
+                if sink:
+                    sink.write(line + "\n")
+                    sink.flush()
+                log(f"  clients {n:4d}  {backend:9s}  {row['per_round_s']:8.3f} s/round  "
+                    f"ratio {row['ratio_vs_reference']}  loss {row['train_loss_last']:.4f}  "
+                    f"(total {time.perf_counter() - t0:.1f}s, load {before} -> {row['load1_after']})")
+    finally:
+        if sink:
+            sink.close()
+        if "ray" in args.backends:
+            import ray
+
+            ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
