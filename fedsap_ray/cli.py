@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--address", help="Ray cluster address (auto or HOST:PORT) for --backend ray")
     r.add_argument("--seed", type=int, help="run seed (overrides the config)")
     r.add_argument("--run-id", help="run id (default: config hash + random suffix)")
+    r.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run in --out from its last finished round "
+                   "(uses the run's stored config; only --backend/--address may change)")
     r.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     r.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     d = sub.add_parser("datasets", help="list datasets and whether their files are present")
@@ -52,11 +54,32 @@ def main(argv: list[str] | None = None) -> int:
 def _resolve(args) -> "object":
     file_data = load_file(args.config) if args.config else None
     overrides = list(args.overrides)
+    if args.resume:
+        if args.config or args.overrides or args.preset or args.seed is not None or args.run_id:
+            raise ConfigError(f"invalid --resume={args.resume!r}: a resumed run keeps its stored config; "
+                              "only --out, --backend and --address may be given")
+        file_data = _stored_config(Path(args.out), args.resume)
     if args.backend:
         overrides.append(f"resources.backend={args.backend}")
     if args.address:
         overrides.append(f"resources.address={args.address}")
     return build_config(preset=args.preset, file_data=file_data, overrides=overrides, seed=args.seed)
+
+
+def _stored_config(out: Path, run_id: str) -> dict:
+    import pyarrow.parquet as pq
+
+    from fedsap_ray import checkpoint
+
+    f = out / "runs" / f"{run_id}.parquet"
+    if not f.is_file():
+        raise ConfigError(f"invalid --resume={run_id!r}: no run with that id in {out}/runs")
+    row = pq.read_table(f).to_pylist()[0]
+    if row["status"] == "finished":
+        raise ConfigError(f"invalid --resume={run_id!r}: the run already finished")
+    if not checkpoint.path_for(out, run_id).is_file():
+        raise ConfigError(f"invalid --resume={run_id!r}: no checkpoint at {checkpoint.path_for(out, run_id)}")
+    return json.loads(row["config_json"])
 
 
 def _run(args) -> int:
@@ -72,12 +95,14 @@ def _run(args) -> int:
     out = Path(args.out)
     printer = None if args.quiet else ProgressPrinter(cfg.training.rounds)
     try:
-        outcome = run_experiment(cfg, out, run_id=args.run_id, progress=printer)
+        outcome = run_experiment(cfg, out, run_id=args.resume or args.run_id, progress=printer,
+                                 resume=bool(args.resume))
     except DatasetUnavailable as e:
         print(f"fedsap-ray: error: data.name={cfg.data.name!r}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("fedsap-ray: interrupted; finished rounds are in " + str(out), file=sys.stderr)
+        print(f"fedsap-ray: interrupted; finished rounds are in {out}. Continue with: "
+              f"fedsap-ray run --out {out} --resume <run_id> (see {out}/runs)", file=sys.stderr)
         return 130
     except Exception as e:  # the run itself failed; the runs row records the traceback
         print(f"fedsap-ray: run failed: {e.__class__.__name__}: {e}", file=sys.stderr)

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 import fedsap_ray
-from fedsap_ray import algorithms
+from fedsap_ray import algorithms, checkpoint
 from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.client import pick_device
-from fedsap_ray.config import ExperimentConfig
+from fedsap_ray.config import ConfigError, ExperimentConfig
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.masks import ParamLayout
@@ -68,7 +68,7 @@ class RunSession:
     """
 
     def __init__(self, cfg: ExperimentConfig, out: str | Path, run_id: str, *,
-                 federation: Federation | None = None, backend=None) -> None:
+                 federation: Federation | None = None, backend=None, resume: bool = False) -> None:
         torch.set_num_threads(cfg.resources.torch_threads)  # evaluation numerics (see ResourcesConfig)
         self.cfg, self.out, self.run_id = cfg, Path(out), run_id
         self.t0 = time.perf_counter()
@@ -86,40 +86,64 @@ class RunSession:
                              started_at=_now(), package_version=fedsap_ray.__version__,
                              dataset_notes=self.ctx.federation.notes)
         self.state: ServerState | None = None
+        self.prior_wall_s = 0.0
+        self._resumed: ServerState | None = None
+        if resume:
+            ck = checkpoint.load(self.out, run_id)
+            self._resumed = ck["state"]
+            self.server.best, self.server.last_global = ck["server"]["best"], ck["server"]["last_global"]
+            old = self.writer.restore(self._resumed.round)
+            if old is not None:
+                if old["config_hash"] != cfg.config_hash():
+                    raise ConfigError(f"invalid resume={run_id!r}: the run was made with another config "
+                                      f"(hash {old['config_hash']}, now {cfg.config_hash()})")
+                self.base_row["started_at"] = old["started_at"]
+                self.prior_wall_s = float(old["wall_s"] or 0.0)
         self.writer.set_run(self._row("running"))
 
-    def start(self) -> None:
+    def start(self) -> int:
+        """Start the backend; return the last completed round (0, or the checkpoint's when resuming)."""
         self.backend.start(self.ctx)
-        self.state = self.strategy.init_state()
+        self.state = self._resumed if self._resumed is not None else self.strategy.init_state()
+        return self.state.round
 
     def step(self, t: int) -> RoundSummary:
         assert self.state is not None, "RunSession.start() first"
         self.state = self.server.round(self.state, t)
+        checkpoint.save(self.out, self.run_id, self.state,
+                        {"best": self.server.best, "last_global": self.server.last_global})
         self.writer.set_run(self._row("running"))
         return self.server.last_summary
 
     def finish(self, status: str, error: str | None = None) -> RunOutcome:
         try:
             self.writer.set_run(self._row(status, error))
+            if status == "finished":
+                checkpoint.remove(self.out, self.run_id)
         finally:
             self.backend.close()
         return RunOutcome(run_id=self.run_id, out=self.out, status=status,
                           final_global_accuracy=self.server.last_global, best_global_accuracy=self.server.best,
-                          wall_s=time.perf_counter() - self.t0,
+                          wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
                           worker_restarts=int(getattr(self.backend, "restarts", 0)))
 
     def _row(self, status: str, error: str | None = None) -> dict:
         return dict(self.base_row, status=status, error=error, finished_at=None if status == "running" else _now(),
-                    rounds_done=0 if self.state is None else self.state.round, wall_s=time.perf_counter() - self.t0,
+                    rounds_done=self._rounds_done(), wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
                     final_global_accuracy=_nan_none(self.server.last_global),
                     best_global_accuracy=_nan_none(self.server.best))
+
+
+    def _rounds_done(self) -> int:
+        state = self.state if self.state is not None else self._resumed
+        return 0 if state is None else state.round
 
 
 def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None) -> RunOutcome:
     """The driver loop shared by both backends (for Ray, ``session`` forwards to the ServerActor)."""
     try:
-        session.start()
-        for t in range(1, rounds + 1):
+        done = session.start()
+        for t in range(done + 1, rounds + 1):
             summary = session.step(t)
             if progress is not None:
                 progress(summary)
@@ -134,14 +158,20 @@ def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None)
 
 def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None = None,
                    progress: Callable[[RoundSummary], None] | None = None,
-                   federation: Federation | None = None, backend=None) -> RunOutcome:
-    """Run ``cfg`` and write its ``runs``/``rounds``/``clients`` rows under ``out``."""
+                   federation: Federation | None = None, backend=None, resume: bool = False) -> RunOutcome:
+    """Run ``cfg`` and write its ``runs``/``rounds``/``clients`` rows under ``out``.
+
+    ``resume=True`` continues run ``run_id`` from its last checkpoint in ``out``; the
+    finished tables equal those of an uninterrupted run.
+    """
+    if resume and not run_id:
+        raise ConfigError("invalid resume: needs the run_id of the run to continue")
     run_id = run_id or f"{cfg.config_hash()}-{uuid.uuid4().hex[:6]}"
     if cfg.resources.backend == "ray" and backend is None:
         from fedsap_ray.runtime.ray import run_on_ray  # Ray is imported only here
 
-        return run_on_ray(cfg, Path(out).resolve(), run_id, progress=progress, federation=federation)
-    session = RunSession(cfg, out, run_id, federation=federation, backend=backend)
+        return run_on_ray(cfg, Path(out).resolve(), run_id, progress=progress, federation=federation, resume=resume)
+    session = RunSession(cfg, out, run_id, federation=federation, backend=backend, resume=resume)
     return drive(session, cfg.training.rounds, progress)
 
 

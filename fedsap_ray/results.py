@@ -146,6 +146,16 @@ class RunWriter:
     def add(self, table: str, rows: list[dict[str, Any]]) -> None:
         self.rows[table].extend({"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **r} for r in rows)
 
+    def restore(self, upto_round: int) -> dict[str, Any] | None:
+        """Reload this run's rows from disk (rounds <= ``upto_round``) to resume it; return its old runs row."""
+        for table in ("rounds", "clients"):
+            f = self.out / table / f"{self.run_id}.parquet"
+            rows = pq.read_table(f).to_pylist() if f.is_file() else []
+            self.rows[table] = [r for r in rows if r["round"] <= upto_round]
+        f = self.out / "runs" / f"{self.run_id}.parquet"
+        old = pq.read_table(f).to_pylist() if f.is_file() else []
+        return old[0] if old else None
+
     def flush(self) -> None:
         for t in ("rounds", "clients", "runs"):
             self._write(t)

@@ -19,6 +19,7 @@ def cli(*args, timeout=300):
     (["--set", "data.root=/no/such/dir"], "data.root='/no/such/dir'"),
     (["--set", "nonsense"], "KEY=VALUE"),
     (["--config", "/no/such.yaml"], "--config"),
+    (["--resume", "no-such-run"], "--resume='no-such-run'"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
     r = cli("run", "--preset", "smoke", "--out", str(tmp_path), *args)
@@ -49,6 +50,27 @@ def test_print_config_and_listings():
     assert r.returncode == 0 and "fedprox" in r.stdout and "mu=" in r.stdout
     r = cli("datasets")
     assert r.returncode == 0 and "embedded_digits" in r.stdout
+
+
+def test_interrupted_cli_run_resumes(tmp_path):
+    """Resume from the command line: the stored config is used and the run finishes."""
+    import pyarrow.parquet as pq
+
+    from fedsap_ray.config import build_config
+    from fedsap_ray.experiment import run_experiment
+
+    cfg = build_config(preset="smoke", overrides=["training.rounds=3", "data.max_test_per_domain=50"])
+
+    def stop(summary):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, tmp_path, run_id="cut", progress=stop)
+    r = cli("run", "--out", str(tmp_path), "--resume", "cut")
+    assert r.returncode == 0, r.stderr
+    assert "round 2/3" in r.stderr and "round 1/3" not in r.stderr
+    assert pq.read_table(tmp_path / "runs" / "cut.parquet").to_pylist()[0]["status"] == "finished"
+    assert sorted(pd.read_parquet(tmp_path / "rounds")["round"].unique()) == [1, 2, 3]
 
 
 def test_ray_backend_smoke_from_the_cli(tmp_path):

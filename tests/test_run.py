@@ -137,3 +137,22 @@ def test_concurrent_clients_give_the_same_numbers(tmp_path, tiny_fed):
     a, b = results.load(tmp_path / "one"), results.load(tmp_path / "two")
     pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed):
+    def stop_after_round_2(summary):
+        if summary.round == 2:
+            raise KeyboardInterrupt
+
+    extra = ["training.rounds=4", "algorithm.width=capacity"]
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path / "cut", tiny_fed, extra, run_id="r", progress=stop_after_round_2)
+    assert results.load(tmp_path / "cut").runs.loc[0, "rounds_done"] == 2
+    _, outcome = _run(tmp_path / "cut", tiny_fed, extra, run_id="r", resume=True)
+    assert outcome.status == "finished"
+    assert not (tmp_path / "cut" / "checkpoints" / "r.pkl").exists()  # removed once finished
+    _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
+    a, b = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert a.runs.loc[0, "status"] == "finished" and a.runs.loc[0, "rounds_done"] == 4

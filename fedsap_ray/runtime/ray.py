@@ -170,14 +170,15 @@ class RayWorkerPool:
 class ServerActor:
     """Hosts the run's :class:`RunSession` next to the driver; see the module docstring."""
 
-    def __init__(self, cfg: ExperimentConfig, out: str, run_id: str, federation: Federation | None) -> None:
+    def __init__(self, cfg: ExperimentConfig, out: str, run_id: str, federation: Federation | None,
+                 resume: bool = False) -> None:
         from fedsap_ray.experiment import RunSession
 
         self.pool = RayWorkerPool(cfg)
-        self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool)
+        self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool, resume=resume)
 
-    def start(self) -> None:
-        self.session.start()
+    def start(self) -> int:
+        return self.session.start()
 
     def step(self, t: int):
         return self.session.step(t)
@@ -195,8 +196,8 @@ class _RemoteSession:
     def __init__(self, actor: Any) -> None:
         self.actor = actor
 
-    def start(self) -> None:
-        ray.get(self.actor.start.remote())
+    def start(self) -> int:
+        return ray.get(self.actor.start.remote())
 
     def step(self, t: int):
         return ray.get(self.actor.step.remote(t))
@@ -206,7 +207,7 @@ class _RemoteSession:
 
 
 def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Callable | None = None,
-               federation: Federation | None = None):
+               federation: Federation | None = None, resume: bool = False):
     """Driver side of ``--backend ray``: the same loop as the local path, each call remote.
 
     The federation is built here (so missing files fail fast, before any actor starts)
@@ -219,7 +220,7 @@ def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Calla
     connect(cfg)
     here = ray.get_runtime_context().get_node_id()
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
-    actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed)
+    actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed, resume)
     try:
         return drive(_RemoteSession(actor), cfg.training.rounds, progress)
     finally:
