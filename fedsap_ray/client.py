@@ -12,7 +12,15 @@ follow their channel like parameters do).
 
 Local update: mini-batch SGD with momentum and weight decay (papers/000 Appendix C),
 optional gradient-norm clipping (papers/003 section 4.1) and the FedProx proximal
-term (mu/2)||w - w^t||^2 (Li et al. 2020, Eq. 2) over the covered coordinates.
+term (mu/2)||w - w^t||^2 (Li et al. 2020, Eq. 2) over the covered coordinates, and
+FedSAP's representation regulariser (gamma/|B|) sum_x ||f_enc(x)||^2 (papers/000 Eq. 7).
+
+Statistics: when ``plan.stats`` names any of :data:`KNOWN_STATS`, a
+:class:`fedsap_ray.stats.ChannelStats` watches the LAST local epoch (forward hooks on the
+model's activation modules; gradients read after masking, before clipping; the DGA
+layer is ``plan.extra["dga_layer"]``, default ``conv1``) and its arrays go into
+``ClientResult.stats``. It only reads, so the trained values are the same bit for bit;
+with no statistics requested nothing is hooked or copied.
 """
 from __future__ import annotations
 
@@ -27,8 +35,9 @@ from fedsap_ray.aggregation import scatter
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.stats import ChannelStats
 
-KNOWN_STATS: tuple[str, ...] = ()  # strategies that need statistics extend client hooks (FedSAP, issue 4)
+KNOWN_STATS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")  # fedsap_ray.stats
 
 
 class ClientError(RuntimeError):
@@ -76,28 +85,41 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     gen = torch.Generator().manual_seed(plan.seed)
     model.train()
     losses: list[float] = []
-    for _ in range(plan.local_epochs):
-        order = torch.randperm(n, generator=gen).to(device)
-        steps = 0
-        for start_i in range(0, n, plan.batch_size):
-            idx = order[start_i:start_i + plan.batch_size]
-            if len(idx) < 2 and n >= 2:  # BatchNorm cannot train on a single sample
-                continue
-            opt.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(model(x_all[idx]), y_all[idx])
-            if anchor is not None:
-                prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-                loss = loss + 0.5 * plan.prox_mu * prox
-            loss.backward()
-            if tmask is not None:
-                mask_grads_(model, layout, tmask)
-            if plan.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, plan.grad_clip)
-            opt.step()
-            losses.append(float(loss.detach()))
-            steps += 1
-            if plan.max_steps_per_epoch is not None and steps >= plan.max_steps_per_epoch:
-                break
+    # built (and checked) before training; it watches the last local epoch only
+    stats_all = (ChannelStats(model, model.channel_space(), layout, plan.stats, plan.extra.get("dga_layer", "conv1"))
+                 if plan.stats else None)
+    collector: ChannelStats | None = None
+    steps = 0
+    try:
+        for epoch in range(plan.local_epochs):
+            if stats_all is not None and epoch == plan.local_epochs - 1:
+                collector = stats_all.start()
+            order = torch.randperm(n, generator=gen).to(device)
+            steps = 0
+            for start_i in range(0, n, plan.batch_size):
+                idx = order[start_i:start_i + plan.batch_size]
+                if len(idx) < 2 and n >= 2:  # BatchNorm cannot train on a single sample
+                    continue
+                opt.zero_grad(set_to_none=False)
+                loss = _objective(model, x_all[idx], y_all[idx], plan.rep_gamma)
+                if anchor is not None:
+                    prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+                    loss = loss + 0.5 * plan.prox_mu * prox
+                loss.backward()
+                if tmask is not None:
+                    mask_grads_(model, layout, tmask)
+                if collector is not None:
+                    collector.after_backward()
+                if plan.grad_clip is not None:
+                    torch.nn.utils.clip_grad_norm_(params, plan.grad_clip)
+                opt.step()
+                losses.append(float(loss.detach()))
+                steps += 1
+                if plan.max_steps_per_epoch is not None and steps >= plan.max_steps_per_epoch:
+                    break
+    finally:
+        if collector is not None:
+            collector.stop()  # the scratch model is reused: never leave hooks behind
     if not losses:
         raise ValueError(f"no training step ran ({n} samples, batch size {plan.batch_size})")
     loss_mean = float(np.mean(losses))
@@ -105,8 +127,17 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
         raise FloatingPointError(f"training loss is {loss_mean} (diverged; lower training.lr?)")
     flat = layout.flatten(model)
     values = flat if plan.mask is None else flat[plan.mask]
+    stats = {} if collector is None else collector.result(steps)
     return ClientResult(
         client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
-        n_samples=n, train_loss=loss_mean, wall_s=time.perf_counter() - t0,
+        n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0,
     )
 
+
+def _objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rep_gamma: float) -> torch.Tensor:
+    """Cross-entropy, plus papers/000 Eq. 7's (gamma/|B|) sum_x ||f_enc(x)||_2^2 when gamma > 0."""
+    if rep_gamma <= 0:
+        return F.cross_entropy(model(x), y)
+    feats = model.forward_features(x)
+    logits = getattr(model, model.classifier)(feats)
+    return F.cross_entropy(logits, y) + rep_gamma * feats.pow(2).sum(dim=1).mean()

@@ -168,7 +168,7 @@ class TrainingConfig:
 class AlgorithmConfig:
     """Strategy name plus its own options (validated by the strategy's options dataclass)."""
 
-    name: str = "fedavg"
+    name: str = "fedsap"
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -271,7 +271,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data": {"name": "embedded_digits", "num_clients": 10, "client_fraction": 0.02,
                  "max_test_per_domain": 200},
         "model": {"name": "resnet10", "width_mult": 0.125},
-        "training": {"rounds": 3, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        "training": {"rounds": 4, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
+        # FedSAP: warm-up shorter than the run, a DGA regrouping every round, dynamic masks
+        "algorithm_defaults": {"fedsap": {"warmup": 1, "regroup_every": 1},
+                               "fedsap_fixed": {"warmup": 1, "regroup_every": 1}},
     },
     # minutes on 2 CPU cores: the embedded four-domain benchmark, Digits protocol
     "laptop": {
@@ -279,6 +282,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "max_test_per_domain": 500},
         "model": {"name": "resnet10", "width_mult": 0.25},
         "training": {"rounds": 25, "local_epochs": 2, "batch_size": 32, "lr": 0.05},
+        "algorithm_defaults": {"fedsap": {"warmup": 5, "regroup_every": 5},
+                               "fedsap_fixed": {"warmup": 5, "regroup_every": 5}},
     },
     # the published Digits protocol (papers/000 Appendix C, Table 4); other datasets via --set
     "paper": {
@@ -362,7 +367,23 @@ def build_config(
         merged = deep_merge(merged, _nest(path, value))
     if seed is not None:
         merged["seed"] = seed
-    return from_dict(merged)
+    return from_dict(apply_algorithm_defaults(merged))
+
+
+def apply_algorithm_defaults(merged: dict[str, Any]) -> dict[str, Any]:
+    """A preset's per-algorithm option defaults (``algorithm_defaults``) go beneath the user's options.
+
+    Presets scale schedules (e.g. FedSAP's warm-up) to their round budget without
+    making their options invalid for other algorithms.
+    """
+    merged = dict(merged)
+    defaults = merged.pop("algorithm_defaults", None) or {}
+    algo = dict(merged.get("algorithm") or {})
+    name = algo.get("name", AlgorithmConfig.name)
+    if name in defaults:
+        algo["options"] = {**defaults[name], **dict(algo.get("options") or {})}
+        merged["algorithm"] = algo
+    return merged
 
 
 def from_dict(d: Mapping[str, Any]) -> ExperimentConfig:

@@ -27,6 +27,7 @@ class ClientPlan:
     grad_clip: float | None = None
     max_steps_per_epoch: int | None = None
     prox_mu: float = 0.0  # FedProx proximal weight (Li et al. 2020, Eq. 2)
+    rep_gamma: float = 0.0  # FedSAP representation regulariser gamma (papers/000 Eq. 7)
     seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
     capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
     channel_counts: dict[str, int] = field(default_factory=dict)  # n_global / n_private / n_dropped

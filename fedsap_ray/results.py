@@ -5,6 +5,7 @@ Layout of an output folder (DESIGN section 4)::
     OUT/runs/<run_id>.parquet      one row per run (provenance: the resolved config)
     OUT/rounds/<run_id>.parquet    one row per (round, domain) plus a ``__global__`` row
     OUT/clients/<run_id>.parquet   one row per (round, participating client)
+    OUT/layers/<run_id>.parquet    one row per (round, client, layer): where the budget went (FedSAP)
 
 so ``pandas.read_parquet(OUT / "rounds")`` reads a whole sweep. Each file is rewritten
 after every round through a temporary file whose name starts with ``.`` (which pyarrow
@@ -74,6 +75,9 @@ ROUNDS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("bytes_down", pa.int64(), "bytes the server sent this round (values + packed masks)"),
     ("train_loss", pa.float64(), "sample-weighted mean local training loss"),
     ("round_wall_s", pa.float64(), "wall time of the round incl. evaluation, seconds"),
+    ("n_groups", pa.int64(), "FedSAP: pseudo-groups formed by DGA this round (null except on DGA rounds)"),
+    ("ari_domain", pa.float64(), "FedSAP: adjusted Rand index of the pseudo-groups vs. the true domains (DGA rounds)"),
+    ("ari_capacity", pa.float64(), "FedSAP: adjusted Rand index of the pseudo-groups vs. the capacity tiers (DGA rounds)"),
 ]
 
 CLIENTS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
@@ -103,8 +107,21 @@ CLIENTS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
 ]
 
+LAYERS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
+    ("schema_version", pa.int32(), "results schema version"),
+    ("run_id", pa.string(), "run id"),
+    ("round", pa.int64(), "communication round, 1-based"),
+    ("client_id", pa.int64(), "client id"),
+    ("layer", pa.string(), "ChannelSpace layer (e.g. layer1, layer2.0.conv1)"),
+    ("channels", pa.int64(), "C_l, channels of the layer"),
+    ("keep_ratio", pa.float64(), "kappa_{i,l}: fraction of the layer's channels active for this client"),
+    ("n_global", pa.int64(), "Global channels"),
+    ("n_private", pa.int64(), "Private channels"),
+    ("n_dropped", pa.int64(), "Dropped channels"),
+]
+
 TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
-    "runs": RUNS_COLUMNS, "rounds": ROUNDS_COLUMNS, "clients": CLIENTS_COLUMNS,
+    "runs": RUNS_COLUMNS, "rounds": ROUNDS_COLUMNS, "clients": CLIENTS_COLUMNS, "layers": LAYERS_COLUMNS,
 }
 
 
@@ -137,7 +154,7 @@ class RunWriter:
     def __init__(self, out: Path, run_id: str) -> None:
         self.out = Path(out)
         self.run_id = run_id
-        self.rows: dict[str, list[dict[str, Any]]] = {"runs": [], "rounds": [], "clients": []}
+        self.rows: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
 
     def set_run(self, row: dict[str, Any]) -> None:
         self.rows["runs"] = [{"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **row}]
@@ -148,7 +165,7 @@ class RunWriter:
 
     def restore(self, upto_round: int) -> dict[str, Any] | None:
         """Reload this run's rows from disk (rounds <= ``upto_round``) to resume it; return its old runs row."""
-        for table in ("rounds", "clients"):
+        for table in ("rounds", "clients", "layers"):
             f = self.out / table / f"{self.run_id}.parquet"
             rows = pq.read_table(f).to_pylist() if f.is_file() else []
             self.rows[table] = [r for r in rows if r["round"] <= upto_round]
@@ -157,7 +174,7 @@ class RunWriter:
         return old[0] if old else None
 
     def flush(self) -> None:
-        for t in ("rounds", "clients", "runs"):
+        for t in ("rounds", "clients", "layers", "runs"):
             self._write(t)
 
     def _write(self, table: str) -> None:
@@ -170,6 +187,7 @@ class Results:
     runs: pd.DataFrame
     rounds: pd.DataFrame
     clients: pd.DataFrame
+    layers: pd.DataFrame
 
     def __getitem__(self, table: str) -> pd.DataFrame:
         return getattr(self, table)
@@ -197,4 +215,4 @@ def load(path: str | Path) -> Results:
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"no results folder at {p}")
-    return Results(*(read_table(p, t) for t in ("runs", "rounds", "clients")))
+    return Results(*(read_table(p, t) for t in ("runs", "rounds", "clients", "layers")))

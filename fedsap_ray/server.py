@@ -54,7 +54,8 @@ class Server:
                  eval_models: list[nn.Module], device) -> None:
         self.ctx, self.strategy, self.backend, self.writer = ctx, strategy, backend, writer
         self.eval_scratch, self.device = eval_models, device
-        self.best = float("nan")
+        self.best = float("nan")  # best-so-far global accuracy of the primary eval mode
+        self.best_by_mode: dict[str, float] = {}
         self.last_global = float("nan")
         self.last_summary: RoundSummary | None = None
         self.trainable = _trainable_mask(ctx)
@@ -71,15 +72,16 @@ class Server:
         new_state = self.strategy.aggregate(state, results, t)
         cfg = self.ctx.cfg
         evaluated = t % cfg.training.eval_every == 0 or t == cfg.training.rounds
-        per_domain: dict[str, tuple[float, float]] = {}
+        by_mode: dict[str, dict[str, tuple[float, float]]] = {}
         if evaluated:
-            per_domain = evaluate_domains(self.eval_scratch, self.ctx.layout, self.strategy.eval_models(new_state),
-                                          self.ctx.federation.test, self.device)
-        summary = self._record(new_state, t, plans, results, per_domain, time.perf_counter() - t0)
+            for mode, models in self.strategy.eval_sets(new_state).items():
+                by_mode[mode] = evaluate_domains(self.eval_scratch, self.ctx.layout, models,
+                                                 self.ctx.federation.test, self.device)
+        summary = self._record(new_state, t, plans, results, by_mode, time.perf_counter() - t0)
         self.last_summary = summary
         return new_state
 
-    def _record(self, state, t, plans, results, per_domain, wall) -> RoundSummary:
+    def _record(self, state, t, plans, results, by_mode, wall) -> RoundSummary:
         fed = self.ctx.federation
         n_total = sum(r.n_samples for r in results)
         bytes_up = sum(r.bytes_up for r in results)
@@ -87,23 +89,29 @@ class Server:
         train_loss = float(sum(r.train_loss * r.n_samples for r in results) / max(n_total, 1))
         avg_cap = float(np.mean([p.capacity_used for p in plans.values()]))
         common: dict[str, Any] = dict(round=t, avg_capacity=avg_cap, n_clients=len(results), bytes_up=bytes_up,
-                                      bytes_down=bytes_down, train_loss=train_loss, round_wall_s=wall)
+                                      bytes_down=bytes_down, train_loss=train_loss, round_wall_s=wall,
+                                      **self.strategy.round_columns(state))
         rows = []
         worst_dom, worst = None, float("nan")
-        if per_domain:
+        primary = next(iter(by_mode), None)
+        for mode, per_domain in by_mode.items():
             s = summarise(per_domain)
-            self.last_global = s["global_accuracy"]
-            self.best = s["global_accuracy"] if np.isnan(self.best) else max(self.best, s["global_accuracy"])
-            worst_dom = min(per_domain, key=lambda d: per_domain[d][0])
-            worst = s["worst_domain_accuracy"]
-            g = dict(global_accuracy=s["global_accuracy"], best_global_accuracy=self.best, worst_domain_accuracy=worst)
+            prev = self.best_by_mode.get(mode, float("nan"))
+            best = s["global_accuracy"] if np.isnan(prev) else max(prev, s["global_accuracy"])
+            self.best_by_mode[mode] = best
+            if mode == primary:
+                self.last_global, self.best = s["global_accuracy"], best
+                worst_dom = min(per_domain, key=lambda d: per_domain[d][0])
+                worst = s["worst_domain_accuracy"]
+            g = dict(global_accuracy=s["global_accuracy"], best_global_accuracy=best,
+                     worst_domain_accuracy=s["worst_domain_accuracy"])
             for d, (acc, loss) in per_domain.items():
-                rows.append(dict(domain=d, eval_mode="global", evaluated=True, accuracy=acc, loss=loss,
+                rows.append(dict(domain=d, eval_mode=mode, evaluated=True, accuracy=acc, loss=loss,
                                  n_test=len(fed.test[d]), **g, **common))
-            rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode="global", evaluated=True, accuracy=s["global_accuracy"],
+            rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode=mode, evaluated=True, accuracy=s["global_accuracy"],
                              loss=s["loss"], n_test=sum(len(v) for v in fed.test.values()), **g, **common))
-        else:
-            rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode="global", evaluated=False,
+        if not by_mode:
+            rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode=None, evaluated=False,
                              best_global_accuracy=None if np.isnan(self.best) else self.best, **common))
         self.writer.add("rounds", rows)
         client_rows = []
@@ -119,8 +127,10 @@ class Server:
             row.update(self.strategy.client_columns(state, plan, r))
             client_rows.append(row)
         self.writer.add("clients", client_rows)
+        self.writer.add("layers", [dict(round=t, **r) for r in self.strategy.layer_rows(state, plans)])
         self.writer.flush()
-        return RoundSummary(round=t, evaluated=bool(per_domain), global_accuracy=self.last_global,
+        per_domain = by_mode.get(primary, {}) if primary else {}
+        return RoundSummary(round=t, evaluated=bool(by_mode), global_accuracy=self.last_global,
                             best_global_accuracy=self.best, worst_domain=worst_dom, worst_domain_accuracy=worst,
                             avg_capacity=avg_cap, bytes_up=bytes_up, bytes_down=bytes_down, train_loss=train_loss,
                             wall_s=wall, per_domain={d: a for d, (a, _) in per_domain.items()})

@@ -15,7 +15,7 @@ from fedsap_ray.config import build_config  # noqa: E402
 from fedsap_ray.data import DomainData, build_federation  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402
 
-TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=3",
+TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=3",
         "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=4",
         "algorithm.width=capacity"]
 VOLATILE = ["wall_s", "worker", "gpu_id", "round_wall_s"]
@@ -114,3 +114,17 @@ def test_gpu_pinning_eight_workers_four_per_logical_gpu(tmp_path, fed):
     assert len(per_worker) == 8 and all(len(g) == 1 for g in per_worker)  # each worker sees one GPU id
     workers_per_gpu = clients.drop_duplicates("worker").groupby("gpu_id")["worker"].count()
     assert workers_per_gpu.to_dict() == {0: 4, 1: 4}
+
+
+def test_fedsap_runs_on_ray_with_the_same_numbers(tmp_path, fed):
+    extra = ["algorithm.name=fedsap", "algorithm.warmup=1", "algorithm.regroup_every=1"]
+    base = [o for o in TINY if not o.startswith("algorithm.")]
+    cfg_local = build_config(preset="smoke", overrides=base + extra)
+    run_experiment(cfg_local, tmp_path / "local", run_id="f", federation=fed)
+    cfg_ray = build_config(preset="smoke", overrides=base + extra + ["resources.backend=ray",
+                                                                     "resources.num_workers=2",
+                                                                     "resources.cpus_per_worker=0.5"])
+    run_experiment(cfg_ray, tmp_path / "ray", run_id="f", federation=fed)
+    a, b = results.load(tmp_path / "local"), results.load(tmp_path / "ray")
+    _same(a, b)
+    pd.testing.assert_frame_equal(a.layers, b.layers)

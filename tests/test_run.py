@@ -10,7 +10,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment
 
-TINY = ["data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=2",
+TINY = ["algorithm.name=fedavg", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=2",
         "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
 
 

@@ -1,5 +1,5 @@
 """Strategies, one module each, registered by name (DESIGN section 4)."""
-from fedsap_ray.algorithms import fedavg, fedprox  # noqa: F401  (registration)
+from fedsap_ray.algorithms import fedavg, fedprox, fedsap  # noqa: F401  (registration)
 from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.registry import get, names, parse_options, register
 

@@ -58,6 +58,18 @@ class Strategy:
         """Parameters to evaluate on each domain (one shared global model by default)."""
         return {d: state.params for d in self.ctx.federation.domains}
 
+    def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
+        """Models to evaluate, by ``eval_mode``; the first mode drives global/best accuracy."""
+        return {"global": self.eval_models(state)}
+
+    def round_columns(self, state: ServerState) -> dict[str, Any]:
+        """Extra columns for this round's ``rounds`` rows (e.g. FedSAP's DGA n_groups / ARI)."""
+        return {}
+
+    def layer_rows(self, state: ServerState, plans: dict[int, ClientPlan]) -> list[dict[str, Any]]:
+        """Rows of the ``layers`` table (where each client's budget went); empty by default."""
+        return []
+
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         """Extra per-client columns for the ``clients`` table (h_hat, pseudo_group, ...)."""
         return {}

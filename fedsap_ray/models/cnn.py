@@ -68,6 +68,9 @@ class CNNSmall(MaskableModel):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return torch.flatten(x, 1)  # [C, H, W] order: channel c owns `spatial` consecutive entries
 
+    def activation_modules(self) -> dict[str, list[str]]:
+        """Per channel layer, the module whose output carries its channels on dim 1: the conv (pre-ReLU)."""
+        return {"conv1": ["conv1"], "conv2": ["conv2"]}
 
     def channel_space(self) -> ChannelSpace:
         return ChannelSpace((
@@ -113,6 +116,10 @@ class CNN6(MaskableModel):
                 x = F.max_pool2d(x, 2, ceil_mode=True)
         return F.relu(self.fc1(torch.flatten(x, 1)))
 
+    def activation_modules(self) -> dict[str, list[str]]:
+        """Per channel layer, the module whose output carries its channels on dim 1: ``convN`` -> its
+        BatchNorm ``bnN`` (pre-ReLU), ``fc1`` -> the linear output (pre-ReLU)."""
+        return {**{f"conv{i}": [f"bn{i}"] for i in range(1, 7)}, "fc1": ["fc1"]}
 
     def channel_space(self) -> ChannelSpace:
         layers = []
@@ -148,6 +155,9 @@ class MLP(MaskableModel):
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.fc2(F.relu(self.fc1(x))))
 
+    def activation_modules(self) -> dict[str, list[str]]:
+        """Per channel layer, the module whose output carries its channels on dim 1: the linear (pre-ReLU)."""
+        return {"fc1": ["fc1"], "fc2": ["fc2"]}
 
     def channel_space(self) -> ChannelSpace:
         return ChannelSpace((

@@ -67,6 +67,10 @@ class CharLSTM(MaskableModel):
         out, _ = self.lstm1(out)
         return out[:, -1]
 
+    def activation_modules(self) -> dict[str, list[str]]:
+        """Per channel layer, the ``nn.LSTM`` whose output tuple's [0] ([B, T, H], batch_first) carries
+        its hidden units on the LAST dim: the hidden state h_t of every time step."""
+        return {"lstm0": ["lstm0"], "lstm1": ["lstm1"]}
 
     def channel_space(self) -> ChannelSpace:
         return ChannelSpace((

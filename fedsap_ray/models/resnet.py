@@ -100,6 +100,20 @@ class ResNet(MaskableModel):
         out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
         return torch.flatten(F.adaptive_avg_pool2d(out, 1), 1)
 
+    def activation_modules(self) -> dict[str, list[str]]:
+        """Per channel layer, the submodules whose forward output carries its channels on dim 1.
+
+        ``layerS.B.conv1`` -> its BatchNorm ``layerS.B.bn1`` (pre-ReLU); a stream ``layerS`` ->
+        every block output ``layerS.B`` of the stage (after the residual add and ReLU), plus
+        the stem's ``bn1`` (pre-ReLU) for ``layer1``, whose channels the stem produces.
+        """
+        out: dict[str, list[str]] = {}
+        for s in range(1, 5):
+            stream = f"layer{s}"
+            out[stream] = (["bn1"] if s == 1 else []) + [f"{stream}.{b}" for b in range(self.num_blocks[s - 1])]
+            for b in range(self.num_blocks[s - 1]):
+                out[f"{stream}.{b}.conv1"] = [f"{stream}.{b}.bn1"]
+        return out
 
     def channel_space(self) -> ChannelSpace:
         """Streams and inner convs in forward order (state_dict order of their first output tensor)."""

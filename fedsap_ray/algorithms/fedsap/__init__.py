@@ -1,0 +1,26 @@
+"""FedSAP (papers/000): registered as ``fedsap`` (main adaptive setting, Appendix B Table 3 left)
+and ``fedsap_fixed`` (the fixed-mask, uniform-budget reference configuration, Table 3 right)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedsap_ray.algorithms.fedsap.strategy import FedSAP, FedSAPOptions
+from fedsap_ray.algorithms.registry import register
+
+
+@register("fedsap")
+class FedSAPMain(FedSAP):
+    Options = FedSAPOptions
+
+
+@register("fedsap_fixed")
+class FedSAPFixed(FedSAP):
+    @dataclass(frozen=True)
+    class Options(FedSAPOptions):
+        adaptive_layer_budget: int = 0
+        tau_var: float = 0.1
+        beta_ema: float = 0.3
+        masks: str = "fixed"
+
+
+__all__ = ["FedSAP", "FedSAPOptions", "FedSAPMain", "FedSAPFixed"]

@@ -1,0 +1,325 @@
+"""FedSAP (papers/000, Algorithm 1): adaptive layer budgets, tri-state masks, DGA, SGP,
+type-matched aggregation, client-specific models. Readings of DESIGN section 5.
+
+Round t, for the participating clients (Algorithm 1):
+- configure (line 3): client i gets the Eq. 9 model W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P}
+  at its active coordinates, its tri-state mask, and the Eq. 7 regulariser weight gamma;
+  it uploads channel activation / gradient statistics (line 6), plus the ``dga_layer``
+  gradient on DGA rounds.
+- aggregate (line 18, Eq. 8): coordinates a client trained as Global are averaged over
+  the clients holding them as Global, Private ones only within the client's
+  pseudo-group, sample-weighted; Dropped coordinates keep their value bit-for-bit.
+  The masks used are the ones the clients trained under this round.
+- then the server prepares round t+1 (lines 8-17): DGA regrouping on DGA rounds
+  (Eq. 4), utilities (Eq. 5), layer budgets (Eq. 2), top-k active channels, EMA
+  dispersion (Eq. 6) and roles with the g_target floor (Eq. 3).
+
+Readings beyond the paper text (documented, configurable where it matters):
+- Warm-up rounds (``warmup``): every active channel Global; the first round's active
+  channels are those with the largest filter L1 norms (no statistics yet).
+- DGA rounds: t >= warmup and (t - warmup) % regroup_every == 0 (the first grouping
+  closes the warm-up, then every R_d rounds). Each client's latest DGA gradient is kept,
+  so partial participation still groups every client.
+- On regrouping, each new group's Private parameters start as the sample-weighted mean
+  of its members' current client models (Eq. 9), so no member's private knowledge is
+  discarded by a relabelling.
+- ``masks=fixed`` (the paper's reference configuration) freezes the tri-state masks
+  computed at the end of warm-up.
+- Evaluation (``eval_mode``): ``group`` evaluates each domain with W_G plus the Private
+  parameters of the pseudo-group holding most of that domain's clients (ties: lowest
+  group id), at the coordinates any member of that group holds as Private; ``global_only``
+  evaluates W_G alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedsap_ray.aggregation import masked_weighted_average, scatter
+from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.fedsap import budget, dga, roles
+from fedsap_ray.config import ConfigError
+from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
+from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.seeding import rng_for
+
+MASK_MODES = ("dynamic", "fixed")
+DGA_MODES = ("gradient", "none", "oracle", "random")
+DGA_LAYERS = ("conv1", "layer1", "layer2", "layer3")
+DGA_METHODS = ("components", "agglomerative")
+
+
+@dataclass(frozen=True)
+class FedSAPOptions:
+    """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
+
+    adaptive_layer_budget: int = 1
+    temperature: float = 1.0
+    lambda_a: float = 0.5
+    lambda_g: float = 0.5
+    g_target: float = 0.9
+    tau_var: float = 0.05
+    beta_ema: float = 0.5
+    gamma: float = 0.01  # Eq. 7
+    masks: str = "dynamic"
+    sgp: bool = True
+    dga: str = "gradient"
+    dga_layer: str = "conv1"
+    dga_method: str = "components"
+    tau_sim: float = 0.5
+    warmup: int = 10
+    regroup_every: int = 5
+
+    def __post_init__(self) -> None:
+        def bad(field: str, allowed: str) -> None:
+            raise ConfigError(f"invalid algorithm.{field}={getattr(self, field)!r}: {allowed}")
+
+        if self.adaptive_layer_budget not in (0, 1):
+            bad("adaptive_layer_budget", "allowed values are 0, 1")
+        for f in ("g_target", "beta_ema"):
+            if not 0 <= getattr(self, f) <= 1:
+                bad(f, "must be in [0, 1]")
+        if self.beta_ema == 1:
+            bad("beta_ema", "must be in [0, 1)")
+        for f in ("temperature",):
+            if getattr(self, f) <= 0:
+                bad(f, "must be > 0")
+        for f in ("lambda_a", "lambda_g", "tau_var", "gamma"):
+            if getattr(self, f) < 0:
+                bad(f, "must be >= 0")
+        if not -1 <= self.tau_sim <= 1:
+            bad("tau_sim", "must be in [-1, 1] (a cosine similarity)")
+        for f, choices in (("masks", MASK_MODES), ("dga", DGA_MODES), ("dga_layer", DGA_LAYERS),
+                           ("dga_method", DGA_METHODS)):
+            if getattr(self, f) not in choices:
+                bad(f, "allowed values are " + ", ".join(choices))
+        if self.warmup < 0:
+            bad("warmup", "must be an integer >= 0")
+        if self.regroup_every < 1:
+            bad("regroup_every", "must be an integer >= 1")
+
+
+class FedSAP(Strategy):
+    Options = FedSAPOptions
+    eval_modes = ("group", "global_only")
+
+    # --- schedule -------------------------------------------------------------------
+    def in_warmup(self, t: int) -> bool:
+        return t <= self.opts.warmup
+
+    def is_dga_round(self, t: int) -> bool:
+        o = self.opts
+        return o.dga != "none" and t >= max(o.warmup, 1) and (t - max(o.warmup, 1)) % o.regroup_every == 0
+
+    # --- contract ---------------------------------------------------------------------
+    def init_state(self) -> ServerState:
+        state = super().init_state()
+        fed, space = self.ctx.federation, self.ctx.space
+        n = len(fed.clients)
+        init_scores = roles.filter_l1_scores(space, self.ctx.layout, state.params)
+        channels = np.array([l.channels for l in space.layers])
+        states = {}
+        for c in fed.clients:
+            counts = budget.layer_channel_counts(c.capacity, channels, adaptive=False)
+            active = roles.select_active(init_scores, counts, space)
+            states[c.client_id] = np.where(active, GLOBAL, DROPPED).astype(np.int8)
+        state.extra = {
+            "groups": np.zeros(n, dtype=np.int64) if self.opts.dga != "none" else np.arange(n),
+            "private": {},  # group id -> full float32 vector (only its Private coordinates matter)
+            "states": states,  # client -> int8 [channels], the masks of the next round
+            "utility": {},  # client -> latest Eq. 5 utility
+            "activation": {},  # client -> latest mean |activation| per channel
+            "dga_grads": {},  # client -> latest DGA gradient
+            "d_tilde": None,
+            "frozen": False,
+            "round_info": {},
+            "layer_counts": {},  # client -> active channels per layer (for the layers table)
+        }
+        if self.opts.dga == "none":
+            state.extra["private"] = {int(k): state.params.copy() for k in range(n)}
+        return state
+
+    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        ex = state.extra
+        plans = {}
+        stats = ("channel_activation", "channel_gradient") + (("dga_gradient",) if self.is_dga_round(t) else ())
+        for cid in self.sample_clients(t):
+            st = ex["states"][cid]
+            group = int(ex["groups"][cid])
+            gmask, pmask = self._masks(st)
+            active = gmask | pmask
+            model = self.client_model(state, cid)
+            plans[cid] = ClientPlan(
+                values=model[active], mask=active, capacity_used=float((st != DROPPED).mean()),
+                channel_counts=roles.role_counts(st), pseudo_group=group, stats=stats,
+                extra={"dga_layer": self.opts.dga_layer, "states": st}, rep_gamma=float(self.opts.gamma),
+                **self.plan_kwargs(t, cid),
+            )
+        return plans
+
+    def client_model(self, state: ServerState, cid: int) -> np.ndarray:
+        """Eq. 9: W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P} (full-size; uncovered coordinates from W_G)."""
+        ex = state.extra
+        _, pmask = self._masks(ex["states"][cid])
+        private = ex["private"].get(int(ex["groups"][cid]))
+        if private is None or not pmask.any():
+            return state.params
+        out = state.params.copy()
+        out[pmask] = private[pmask]
+        return out
+
+    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+        ex = dict(state.extra)
+        results = sorted(results, key=lambda r: r.client_id)
+        size = self.ctx.layout.size
+        glob_contrib, priv_contrib = [], {}
+        for r in results:
+            gmask, pmask = self._masks(ex["states"][r.client_id])
+            full = scatter(r.values, gmask | pmask, size)
+            w = float(r.n_samples)
+            glob_contrib.append((gmask, full[gmask], w))
+            if pmask.any():
+                priv_contrib.setdefault(int(ex["groups"][r.client_id]), []).append((pmask, full[pmask], w))
+        params = masked_weighted_average(state.params, glob_contrib)  # Eq. 8, Global branch
+        private = dict(ex["private"])
+        for k, contrib in priv_contrib.items():  # Eq. 8, Private branch, within group k
+            private[k] = masked_weighted_average(private.get(k, state.params), contrib)
+        new = ServerState(round=t, params=params, extra=ex)
+        ex["private"] = private
+        self._update_statistics(ex, results)
+        info: dict[str, Any] = {}
+        if self.is_dga_round(t):
+            info = self._regroup(new, t)
+        self._next_masks(new, t)
+        ex["round_info"] = info
+        return new
+
+    # --- lines 8-17 ---------------------------------------------------------------------
+    def _update_statistics(self, ex: dict, results: list[ClientResult]) -> None:
+        space = self.ctx.space
+        util, act, grads = dict(ex["utility"]), dict(ex["activation"]), dict(ex["dga_grads"])
+        for r in results:
+            a, g = r.stats["channel_activation"], r.stats["channel_gradient"]
+            act[r.client_id] = a.astype(np.float64)
+            util[r.client_id] = roles.utility(a, g, space, self.opts.lambda_a, self.opts.lambda_g)
+            if "dga_gradient" in r.stats:
+                grads[r.client_id] = r.stats["dga_gradient"]
+        ex["utility"], ex["activation"], ex["dga_grads"] = util, act, grads
+
+    def _regroup(self, state: ServerState, t: int) -> dict[str, Any]:
+        """DGA (Eq. 4): new pseudo-groups; new groups' Private sets from their members' models."""
+        ex, fed, o = state.extra, self.ctx.federation, self.opts
+        ids = sorted(ex["dga_grads"])
+        old_groups = ex["groups"].copy()
+        groups = old_groups.copy()
+        if ids:
+            grads = np.stack([ex["dga_grads"][i] for i in ids]).astype(np.float64)
+            gradient_groups = dga.groups_from_similarity(dga.cosine_similarity_matrix(grads), o.tau_sim, o.dga_method)
+            if o.dga == "gradient":
+                new = gradient_groups
+            elif o.dga == "oracle":
+                new = dga.oracle_groups([fed.clients[i].domain for i in ids])
+            else:  # random: same group sizes as the gradient grouping (a matched control)
+                new = dga.random_groups_like(gradient_groups, rng_for(self.cfg.seed, t, -1, "dga-random"))
+            groups[np.array(ids)] = new
+            groups = _canonical(groups)
+        members = {int(k): [c.client_id for c in fed.clients if groups[c.client_id] == k] for k in np.unique(groups)}
+        private = {}
+        for k, mem in members.items():
+            models = [(None, self.client_model(state, i), float(fed.clients[i].n_samples)) for i in mem]
+            private[k] = masked_weighted_average(state.params, models)
+        ex["private"], ex["groups"] = private, groups
+        domains = [c.domain for c in fed.clients]
+        capacities = [c.capacity for c in fed.clients]
+        return {"n_groups": int(len(members)), "ari_domain": dga.agreement(groups, domains),
+                "ari_capacity": dga.agreement(groups, capacities)}
+
+    def _next_masks(self, state: ServerState, t: int) -> None:
+        ex, o, space, fed = state.extra, self.opts, self.ctx.space, self.ctx.federation
+        if ex["frozen"]:
+            return
+        channels = np.array([l.channels for l in space.layers])
+        seen = sorted(ex["utility"])
+        if not seen:
+            return
+        actives = [ex["states"][i] != DROPPED for i in seen]
+        warm = self.in_warmup(t + 1)  # masks for round t+1
+        if not warm:
+            d = roles.dispersion([ex["activation"][i] for i in seen], actives, ex["groups"][np.array(seen)])
+            ex["d_tilde"] = roles.ema(ex["d_tilde"], d, o.beta_ema)
+        layer_u = roles.layer_utility([ex["utility"][i] for i in seen], actives, space)
+        states, counts_by_client = dict(ex["states"]), dict(ex["layer_counts"])
+        for c in fed.clients:
+            if c.client_id not in ex["utility"]:
+                continue  # no statistics yet: keep its initial mask
+            counts = budget.layer_channel_counts(c.capacity, channels, layer_u, temperature=o.temperature,
+                                                 adaptive=bool(o.adaptive_layer_budget))
+            active = roles.select_active(ex["utility"][c.client_id], counts, space)
+            if warm:
+                st = np.where(active, GLOBAL, DROPPED).astype(np.int8)
+            else:
+                st = roles.assign_roles(active, ex["d_tilde"], space, tau_var=o.tau_var, g_target=o.g_target,
+                                        sgp=o.sgp)
+            states[c.client_id] = st
+            counts_by_client[c.client_id] = counts
+        ex["states"], ex["layer_counts"] = states, counts_by_client
+        if o.masks == "fixed" and not warm:
+            ex["frozen"] = True
+
+    # --- masks and records -------------------------------------------------------------
+    def _masks(self, st: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(Global, Private) parameter masks of a tri-state channel vector; memoised on its bytes."""
+        cache = self.__dict__.setdefault("_mask_cache", {})
+        key = st.tobytes()
+        if key not in cache:
+            if len(cache) > 256:
+                cache.clear()
+            cache[key] = tristate_param_masks(self.ctx.space, self.ctx.layout, roles.split(st, self.ctx.space))
+        return cache[key]
+
+    def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
+        fed, ex = self.ctx.federation, state.extra
+        groups = ex["groups"]
+        group_models: dict[int, np.ndarray] = {}
+        out: dict[str, np.ndarray] = {}
+        for d in fed.domains:
+            ids = [c.client_id for c in fed.clients if c.domain == d]
+            k = int(np.bincount(groups[ids]).argmax()) if ids else 0
+            if k not in group_models:
+                private = ex["private"].get(k)
+                model = state.params
+                if private is not None:
+                    pm = np.zeros(self.ctx.layout.size, dtype=bool)
+                    for c in fed.clients:
+                        if groups[c.client_id] == k:
+                            pm |= self._masks(ex["states"][c.client_id])[1]
+                    if pm.any():
+                        model = state.params.copy()
+                        model[pm] = private[pm]
+                group_models[k] = model
+            out[d] = group_models[k]
+        return {"group": out, "global_only": {d: state.params for d in fed.domains}}
+
+    def round_columns(self, state: ServerState) -> dict[str, Any]:
+        return dict(state.extra.get("round_info") or {})
+
+    def layer_rows(self, state: ServerState, plans: dict[int, ClientPlan]) -> list[dict[str, Any]]:
+        """Where each client's budget went this round: one row per (client, layer)."""
+        rows = []
+        space = self.ctx.space
+        for cid, plan in plans.items():
+            st = roles.split(plan.extra["states"], space)
+            for layer in space.layers:
+                s = st[layer.name]
+                rows.append(dict(client_id=cid, layer=layer.name, channels=layer.channels,
+                                 keep_ratio=float((s != DROPPED).mean()), n_global=int((s == GLOBAL).sum()),
+                                 n_private=int((s == PRIVATE).sum()), n_dropped=int((s == DROPPED).sum())))
+        return rows
+
+
+def _canonical(groups: np.ndarray) -> np.ndarray:
+    """Relabel groups 0..K-1 in order of first appearance by client id."""
+    mapping: dict[int, int] = {}
+    return np.array([mapping.setdefault(int(g), len(mapping)) for g in groups], dtype=np.int64)
