@@ -7,8 +7,10 @@ process, one after the other:
 - ``reference``: a hand-written PyTorch FedAvg loop (below, :func:`run_reference`), no
   framework: per client, load the global weights, SGD over its samples for
   ``local_epochs`` with the same batch size and shuffling, then a weighted average. One
-  process, clients one after another, torch's default intra-op threads (all cores) unless
-  ``--reference-threads`` says otherwise.
+  process, clients one after another. It runs once per ``--reference-threads`` value
+  (default: torch's default intra-op threads, i.e. all cores, and 1 thread), one JSON
+  line each; ratios divide by the fastest of them (the best a plain single-process loop
+  did on this machine in this invocation).
 - ``local``: ``run_experiment`` with ``resources.backend=local`` (clients in threads,
   ``resources.torch_threads=1`` each, ``num_workers`` = CPU count).
 - ``ray``: ``run_experiment`` with ``resources.backend=ray`` (one ``ClientWorker`` actor
@@ -25,9 +27,12 @@ dispatch, training, aggregation, the Parquet rewrite of the run's results). The
 framework evaluates the global model on the last round whatever ``eval_every`` says;
 the test set is ``--test-samples`` images (default 32), a few milliseconds.
 
-Output: one JSON line per (clients, backend) on stdout (and in ``--out``); progress on
-stderr. ``ratio_vs_reference`` = per_round_s / the reference's per_round_s at the same
-client count, measured in the same invocation. See benchmarks/README.md.
+Output: one JSON line per (clients, backend[, reference threads]) on stdout (and in
+``--out``), written once every backend of that client count has run; progress on
+stderr. ``ratio_vs_reference`` = per_round_s / the fastest reference's per_round_s at
+the same client count, measured in the same invocation (``reference_threads`` names
+it; ``ratio_by_reference_threads`` gives the ratio against each). Same local training
+is checked by ``train_loss_last``, which agrees across backends. See benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -240,7 +245,7 @@ def parse_args(argv=None):
     p.add_argument("--clients", type=int, nargs="+", default=[10, 50, 200], help="virtual client counts")
     p.add_argument("--samples-per-client", type=int, default=64)
     p.add_argument("--local-epochs", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=4, help="rounds per run (>= 2; round 1 is warm-up, not timed)")
+    p.add_argument("--rounds", type=int, default=5, help="rounds per run (>= 2; round 1 is warm-up, not timed)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--model", default="cnn_small", choices=IMAGE_MODELS)
     p.add_argument("--backends", default="reference,local,ray",
@@ -248,8 +253,10 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
                    help="concurrent clients of the local and Ray backends (each with 1 torch thread)")
-    p.add_argument("--reference-threads", type=int, default=torch.get_num_threads(),
-                   help="torch intra-op threads of the reference loop (default: torch's default, all cores)")
+    default_threads = sorted({torch.get_num_threads(), 1}, reverse=True)
+    p.add_argument("--reference-threads", type=int, nargs="+", default=default_threads,
+                   help="torch intra-op thread counts to run the reference loop with, one JSON line each "
+                        "(default: torch's default, i.e. all cores, and 1); ratios divide by the fastest")
     p.add_argument("--test-samples", type=int, default=32, help="held-out images (evaluated on the last round only)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -260,12 +267,23 @@ def parse_args(argv=None):
     args.backends = [b for b in BACKENDS if b in backends]  # the reference first: the others divide by it
     if args.rounds < 2:
         p.error("--rounds must be >= 2 (round 1 is not timed)")
-    for name in ("samples_per_client", "local_epochs", "batch_size", "workers", "reference_threads", "test_samples"):
+    for name in ("samples_per_client", "local_epochs", "batch_size", "workers", "test_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if any(t < 1 for t in args.reference_threads):
+        p.error("--reference-threads: every count must be >= 1")
+    args.reference_threads = list(dict.fromkeys(args.reference_threads))
     if any(c < 1 for c in args.clients):
         p.error("--clients: every count must be >= 1")
     return args
+
+
+def emit(row: dict, sink) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    if sink:
+        sink.write(line + "\n")
+        sink.flush()
 
 
 def main(argv=None) -> int:
@@ -274,38 +292,46 @@ def main(argv=None) -> int:
     if "ray" in args.backends:
         import ray
 
+        from fedsap_ray.runtime.ray import _INLINE_BYTES
+
+        # the same settings as fedsap-ray's own local Ray (runtime/ray.py connect)
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
+                 log_to_driver=False, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
     log(f"round_overhead: torch {torch.__version__}, {os.cpu_count()} CPUs, load {load1()}, "
-        f"backends {','.join(args.backends)}, clients {args.clients}, rounds {args.rounds}")
+        f"backends {','.join(args.backends)}, clients {args.clients}, rounds {args.rounds}, "
+        f"reference threads {args.reference_threads}")
     try:
         for n in args.clients:
             fed = make_federation(n, args.samples_per_client, args.test_samples, args.seed)
-            ref_s = None
-            for backend in args.backends:
+            jobs = [("reference", t) for t in args.reference_threads] if "reference" in args.backends else []
+            jobs += [(b, 1) for b in args.backends if b != "reference"]
+            rows = []
+            for backend, threads in jobs:
                 before = load1()
                 t0 = time.perf_counter()
                 if backend == "reference":
-                    run = run_reference(args, fed, args.reference_threads)
-                    threads, workers = args.reference_threads, 1
+                    run = run_reference(args, fed, threads)
+                    workers = 1
                 else:
                     workers = min(args.workers, n)
                     run = run_framework(args, fed, backend, workers)
-                    threads = 1
                 row = summarise(args, backend, n, run, threads, workers, before)
-                if backend == "reference":
-                    ref_s = row["per_round_s"]
-                    row["ratio_vs_reference"] = 1.0
-                elif ref_s:
-                    row["ratio_vs_reference"] = round(row["per_round_s"] / ref_s, 3)
-                line = json.dumps(row)
-                print(line, flush=True)
-                if sink:
-                    sink.write(line + "\n")
-                    sink.flush()
-                log(f"  clients {n:4d}  {backend:9s}  {row['per_round_s']:8.3f} s/round  "
-                    f"ratio {row['ratio_vs_reference']}  loss {row['train_loss_last']:.4f}  "
+                rows.append(row)
+                log(f"  clients {n:4d}  {backend:9s} threads {threads} workers {workers}  "
+                    f"{row['per_round_s']:8.3f} s/round  loss {row['train_loss_last']:.4f}  "
                     f"(total {time.perf_counter() - t0:.1f}s, load {before} -> {row['load1_after']})")
+            refs = {r["threads"]: r["per_round_s"] for r in rows if r["backend"] == "reference"}
+            best = min(refs.values()) if refs else None
+            for row in rows:
+                if best:
+                    row["ratio_vs_reference"] = round(row["per_round_s"] / best, 3)
+                    row["reference_threads"] = min(refs, key=refs.get)  # the reference the ratio divides by
+                    row["ratio_by_reference_threads"] = {str(t): round(row["per_round_s"] / s, 3)
+                                                         for t, s in refs.items()}
+                emit(row, sink)
+            if best:
+                log("  ratios vs the fastest reference: " + ", ".join(
+                    f"{r['backend']}({r['threads']}t x {r['workers']}w) {r['ratio_vs_reference']}" for r in rows))
     finally:
         if sink:
             sink.close()

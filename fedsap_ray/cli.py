@@ -109,7 +109,7 @@ def _run(args) -> int:
         return 1
     print(f"run {outcome.run_id}: {outcome.status} in {outcome.wall_s:.1f}s; final global accuracy "
           f"{outcome.final_global_accuracy:.4f}, best {outcome.best_global_accuracy:.4f}; results in {out}/"
-          "{runs,rounds,clients}")
+          "{runs,rounds,clients,layers}")
     return 0
 
 

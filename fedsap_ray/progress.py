@@ -23,5 +23,9 @@ class ProgressPrinter:
             acc = f"global acc {s.global_accuracy:.4f} (best {s.best_global_accuracy:.4f}, worst {s.worst_domain} {s.worst_domain_accuracy:.4f})"
         else:
             acc = "not evaluated"
+        dga = ""
+        if s.extra.get("n_groups") is not None:
+            dga = (f"  DGA {s.extra['n_groups']} groups (ARI domains {s.extra['ari_domain']:.2f}, "
+                   f"capacities {s.extra['ari_capacity']:.2f})")
         print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
-              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s", file=self.stream, flush=True)
+              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{dga}", file=self.stream, flush=True)

@@ -45,6 +45,7 @@ class RoundSummary:
     train_loss: float
     wall_s: float
     per_domain: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # the strategy's round columns (e.g. DGA groups, ARI)
 
 
 class Server:
@@ -133,7 +134,8 @@ class Server:
         return RoundSummary(round=t, evaluated=bool(by_mode), global_accuracy=self.last_global,
                             best_global_accuracy=self.best, worst_domain=worst_dom, worst_domain_accuracy=worst,
                             avg_capacity=avg_cap, bytes_up=bytes_up, bytes_down=bytes_down, train_loss=train_loss,
-                            wall_s=wall, per_domain={d: a for d, (a, _) in per_domain.items()})
+                            wall_s=wall, per_domain={d: a for d, (a, _) in per_domain.items()},
+                            extra=self.strategy.round_columns(state))
 
 
 def _trainable_mask(ctx: RunContext) -> np.ndarray:

@@ -49,7 +49,7 @@ class FedAvg(Strategy):
         for cid in self.sample_clients(t):
             p = self.width_for(cid, t)
             if p >= 1.0:
-                mask, values, active = None, state.params.copy(), total
+                mask, values, active = None, state.params, total  # shared, never mutated
             else:
                 mask, active = self.nested_mask(p)
                 values = state.params[mask]

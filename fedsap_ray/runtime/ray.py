@@ -36,6 +36,10 @@ from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.messages import ClientPlan, ClientResult
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
+# Plans and results of small models travel inline with the task instead of through the
+# object store (measured in benchmarks/: raylet CPU per round 0.15 s -> 0.01 s at 50 clients).
+_INLINE_BYTES = 1 << 20
 
 
 def connect(cfg: ExperimentConfig) -> None:
@@ -47,7 +51,8 @@ def connect(cfg: ExperimentConfig) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         ray.init(include_dashboard=cfg.resources.dashboard, _node_ip_address="127.0.0.1",
-                 dashboard_host="127.0.0.1", log_to_driver=True)
+                 dashboard_host="127.0.0.1", log_to_driver=True,
+                 _system_config={"max_direct_call_object_size": _INLINE_BYTES})
 
 
 def pool_size(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, float] | None = None) -> int:
@@ -129,25 +134,30 @@ class RayWorkerPool:
         return ray.get([w.info.remote() for w in self.workers])
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
+        """Dispatch plans to idle worker slots (``PIPELINE`` per worker, so the next plan is queued
+        while a result travels back); a dead worker is replaced once and its clients re-run."""
         todo = deque(sorted(plans))
-        idle = deque(range(len(self.workers)))
-        inflight: dict[Any, tuple[int, int]] = {}
+        slots = deque(w for _ in range(PIPELINE) for w in range(len(self.workers)))
+        generation = [0] * len(self.workers)
+        inflight: dict[Any, tuple[int, int, int]] = {}  # ref -> (worker, generation, client)
         results: dict[int, ClientResult] = {}
         while todo or inflight:
-            while todo and idle:
-                w, cid = idle.popleft(), todo.popleft()
-                inflight[self.workers[w].train.remote(plans[cid])] = (w, cid)
+            while todo and slots:
+                w, cid = slots.popleft(), todo.popleft()
+                inflight[self.workers[w].train.remote(plans[cid])] = (w, generation[w], cid)
             ready, _ = ray.wait(list(inflight), num_returns=1)
             for ref in ready:
-                w, cid = inflight.pop(ref)
+                w, gen, cid = inflight.pop(ref)
                 try:
                     results[cid] = ray.get(ref)
-                    idle.append(w)
-                except _DEAD:  # the worker died: replace it and re-run the client from its plan
-                    self.workers[w] = self._spawn()
-                    self.restarts += 1
+                    slots.append(w)
+                except _DEAD:  # the worker died: replace it (once) and re-run its clients from their plans
                     todo.appendleft(cid)
-                    idle.append(w)
+                    if gen == generation[w]:
+                        self.workers[w] = self._spawn()
+                        generation[w] += 1
+                        self.restarts += 1
+                        slots.extend([w] * PIPELINE)
                 except ray.exceptions.RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     msg = str(cause) if isinstance(cause, ClientError) else (
