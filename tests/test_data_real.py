@@ -9,7 +9,6 @@ from __future__ import annotations
 import bz2
 import io
 import json
-import os
 import pickle
 import sys
 import tarfile
@@ -23,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import fedsap_ray.data  # noqa: F401  (registers every source)
+from conftest import REPO, SHARED_DATA as SHARED
+from conftest import shared_file
 from fedsap_ray.data import cifar as cifar_mod
 from fedsap_ray.data import digits as digits_mod
 from fedsap_ray.data import shakespeare as shk
@@ -30,16 +31,10 @@ from fedsap_ray.data.office import OFFICE_DOMAINS, standardise_surf
 from fedsap_ray.data.registry import DatasetUnavailable, dataset_names, get_source
 from fedsap_ray.data.status import atomic_save_npz, data_home, dataset_table, shared_data_root
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("FEDSAP_SHARED_DATA", REPO / ".." / "shared" / "data"))
 MINE = ("digits", "digits_offline", "office_caltech", "cifar10", "emnist", "shakespeare")
 
 
-def need(rel: str) -> Path:
-    p = SHARED / rel
-    if not p.exists():
-        pytest.skip(f"shared file {rel} not found at {p}")
-    return p
+need = shared_file  # skips the test, naming the path, when the real file is absent
 
 
 @pytest.fixture(scope="session")

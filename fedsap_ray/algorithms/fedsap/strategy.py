@@ -40,15 +40,14 @@ import numpy as np
 from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
+from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
 from fedsap_ray.config import ConfigError
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.seeding import rng_for
 
 MASK_MODES = ("dynamic", "fixed")
-DGA_MODES = ("gradient", "none", "oracle", "random")
 DGA_LAYERS = ("conv1", "layer1", "layer2", "layer3")
-DGA_METHODS = ("components", "agglomerative")
 
 
 @dataclass(frozen=True)
