@@ -6,6 +6,7 @@ can be checkpointed and a restarted actor cannot change a number.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,7 +30,7 @@ class RunContext:
     space: ChannelSpace
 
 
-class Strategy:
+class Strategy(ABC):
     """Base class: client sampling, learning-rate schedule and plan defaults."""
 
     name: ClassVar[str]
@@ -48,11 +49,13 @@ class Strategy:
         """Initial global model: the template's weights (seeded when the model was built)."""
         return ServerState(round=0, params=self.ctx.layout.flatten(self.ctx.model))
 
+    @abstractmethod
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """The plans of round t (DESIGN section 3), keyed by client id."""
 
+    @abstractmethod
     def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """The server state after round t, from the clients' results."""
 
     def eval_models(self, state: ServerState) -> dict[str, np.ndarray]:
         """Parameters to evaluate on each domain (one shared global model by default)."""
