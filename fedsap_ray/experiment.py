@@ -91,7 +91,7 @@ class RunSession:
         if resume:
             ck = checkpoint.load(self.out, run_id)
             self._resumed = ck["state"]
-            self.server.best, self.server.last_global = ck["server"]["best"], ck["server"]["last_global"]
+            self.server.restore_metrics(ck["server"])
             old = self.writer.restore(self._resumed.round)
             if old is not None:
                 if old["config_hash"] != cfg.config_hash():
@@ -110,8 +110,7 @@ class RunSession:
     def step(self, t: int) -> RoundSummary:
         assert self.state is not None, "RunSession.start() first"
         self.state = self.server.round(self.state, t)
-        checkpoint.save(self.out, self.run_id, self.state,
-                        {"best": self.server.best, "last_global": self.server.last_global})
+        checkpoint.save(self.out, self.run_id, self.state, self.server.metrics_state())
         self.writer.set_run(self._row("running"))
         return self.server.last_summary
 
@@ -132,7 +131,6 @@ class RunSession:
                     rounds_done=self._rounds_done(), wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
                     final_global_accuracy=_nan_none(self.server.last_global),
                     best_global_accuracy=_nan_none(self.server.best))
-
 
     def _rounds_done(self) -> int:
         state = self.state if self.state is not None else self._resumed

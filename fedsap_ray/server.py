@@ -55,11 +55,25 @@ class Server:
                  eval_models: list[nn.Module], device) -> None:
         self.ctx, self.strategy, self.backend, self.writer = ctx, strategy, backend, writer
         self.eval_scratch, self.device = eval_models, device
-        self.best = float("nan")  # best-so-far global accuracy of the primary eval mode
-        self.best_by_mode: dict[str, float] = {}
+        self.best_by_mode: dict[str, float] = {}  # best-so-far global accuracy per eval mode
+        self.primary_mode: str | None = None  # the first eval mode: drives global/best accuracy
         self.last_global = float("nan")
         self.last_summary: RoundSummary | None = None
         self.trainable = _trainable_mask(ctx)
+
+    @property
+    def best(self) -> float:
+        """Best-so-far global accuracy of the primary eval mode (NaN before any evaluation)."""
+        return self.best_by_mode.get(self.primary_mode, float("nan"))
+
+    def metrics_state(self) -> dict[str, Any]:
+        """The running metrics a checkpoint must carry so a resumed run writes the same rows."""
+        return {"best_by_mode": dict(self.best_by_mode), "primary_mode": self.primary_mode,
+                "last_global": self.last_global}
+
+    def restore_metrics(self, m: dict[str, Any]) -> None:
+        self.best_by_mode = dict(m["best_by_mode"])
+        self.primary_mode, self.last_global = m["primary_mode"], m["last_global"]
 
     def round(self, state: ServerState, t: int) -> ServerState:
         t0 = time.perf_counter()
@@ -101,7 +115,7 @@ class Server:
             best = s["global_accuracy"] if np.isnan(prev) else max(prev, s["global_accuracy"])
             self.best_by_mode[mode] = best
             if mode == primary:
-                self.last_global, self.best = s["global_accuracy"], best
+                self.primary_mode, self.last_global = mode, s["global_accuracy"]
                 worst_dom = min(per_domain, key=lambda d: per_domain[d][0])
                 worst = s["worst_domain_accuracy"]
             g = dict(global_accuracy=s["global_accuracy"], best_global_accuracy=best,

@@ -11,9 +11,10 @@
   A worker trains on its CUDA device when there is one, else on CPU, always with
   ``resources.torch_threads`` intra-op threads (the numerics are then those of the
   local backend, whichever worker runs which client).
-- Fault tolerance: clients are dispatched one at a time to idle workers; a worker that
-  dies is replaced and its client re-runs from the same plan (plans are pure data, so
-  the numbers are those of an uninterrupted run). A client that raises stops the run
+- Dispatch and fault tolerance: each worker has ``PIPELINE`` plans in flight (the next
+  one is queued while a result travels back); a worker that dies is replaced once and
+  every client it held re-runs from its plan (plans are pure data, so the numbers are
+  those of an uninterrupted run). A client that raises stops the run
   with a :class:`~fedsap_ray.client.ClientError` naming the round and client.
 """
 from __future__ import annotations
