@@ -1,1 +1,1 @@
-"""Analysis of fedsap_ray Parquet results (importable: ``from analysis import fedsap``)."""
+"""Analysis of fedsap_ray Parquet results (importable: ``from analysis import fedsap, confound``)."""

@@ -15,6 +15,17 @@ optional gradient-norm clipping (papers/003 section 4.1) and the FedProx proxima
 term (mu/2)||w - w^t||^2 (Li et al. 2020, Eq. 2) over the covered coordinates, and
 FedSAP's representation regulariser (gamma/|B|) sum_x ||f_enc(x)||^2 (papers/000 Eq. 7).
 
+SCAFFOLD control variates (Karimireddy et al. 2020, Algorithm 1 line 10): when
+``plan.extra["control"]`` holds the correction c - c_i (float32, one value per
+coordinate of the flat :class:`ParamLayout` vector), every step uses
+y <- y - lr (g_i(y) + c - c_i). Order after each backward pass: mask the gradients,
+clip the raw stochastic gradient's norm (``grad_clip``), THEN add the correction (so
+clipping never rescales the control variate), and the optimizer adds weight decay inside
+``step``. Only nn.Parameters get a correction (BatchNorm running statistics are not
+trained by gradients), and coordinates outside ``plan.mask`` get none. Without a control
+the arithmetic is exactly the plain loop's. ``ClientResult.steps`` counts the optimizer
+steps taken over all local epochs (SCAFFOLD's K).
+
 Statistics: when ``plan.stats`` names any of :data:`KNOWN_STATS`, a
 :class:`fedsap_ray.stats.ChannelStats` watches the LAST local epoch (forward hooks on the
 model's activation modules; gradients read after masking, before clipping; the DGA
@@ -77,6 +88,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     params = [p for p in model.parameters()]
     tmask = None if plan.mask is None else TorchMask.build(model, layout, plan.mask)
     anchor = [p.detach().clone() for p in params] if plan.prox_mu > 0 else None
+    corrections = _control_tensors(plan, model, layout, device)
 
     opt = torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
     x_all = as_input(data.x).to(device)
@@ -112,6 +124,9 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
                     collector.after_backward()
                 if plan.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(params, plan.grad_clip)
+                if corrections is not None:  # SCAFFOLD: g_i(y) + c - c_i, after clipping g_i(y)
+                    for p, corr in corrections:
+                        p.grad.add_(corr)
                 opt.step()
                 losses.append(float(loss.detach()))
                 steps += 1
@@ -130,8 +145,31 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     stats = {} if collector is None else collector.result(steps)
     return ClientResult(
         client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
-        n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0,
+        n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0, steps=len(losses),
     )
+
+
+def _control_tensors(plan: ClientPlan, model: nn.Module, layout: ParamLayout,
+                     device: torch.device) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
+    """(parameter, correction) pairs from ``plan.extra["control"]`` (None when absent), built once per plan.
+
+    Buffer coordinates of the flat vector are ignored; coordinates outside ``plan.mask`` are zeroed
+    so a masked-out coordinate stays exactly where it was.
+    """
+    control = plan.extra.get("control")
+    if control is None:
+        return None
+    control = np.asarray(control)
+    if control.dtype != np.float32 or control.shape != (layout.size,):
+        raise ValueError(f"plan.extra['control'] must be float32 of shape ({layout.size},), "
+                         f"got {control.dtype} {control.shape}")
+    if plan.mask is not None:
+        control = np.where(plan.mask, control, np.float32(0.0))
+    out = []
+    for name, p in model.named_parameters():
+        corr = torch.from_numpy(np.ascontiguousarray(layout.slice(name, control))).to(device=device, dtype=p.dtype)
+        out.append((p, corr))
+    return out
 
 
 def _objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rep_gamma: float) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import math
 import types
 import typing
@@ -49,7 +50,7 @@ def _check_choice(name: str, v: Any, choices: typing.Iterable[str]) -> None:
         _fail(name, v, "allowed values are " + ", ".join(choices))
 
 
-DATASETS = ("embedded_digits", "digits", "digits_offline", "office_caltech", "cifar10", "emnist", "shakespeare")
+DATASETS = ("embedded_digits", "digits", "digits_offline", "office_caltech", "cifar10", "emnist", "mnist", "shakespeare")
 PARTITIONS = ("domain", "dirichlet", "natural", "iid")
 CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
 MODELS = ("resnet10", "resnet18", "cnn_small", "cnn_cifar", "cnn_emnist", "mlp", "char_lstm")
@@ -223,7 +224,7 @@ class ExperimentConfig:
         kr = self.capacity.keep_ratios
         if kr is not None and len(kr) != self.data.num_clients:
             _fail("capacity.keep_ratios", list(kr), f"needs exactly data.num_clients={self.data.num_clients} entries, got {len(kr)}")
-        if self.data.partition == "domain" and self.data.name in ("cifar10", "emnist", "shakespeare"):
+        if self.data.partition == "domain" and self.data.name in ("mnist", "cifar10", "emnist", "shakespeare"):
             _fail("data.partition", self.data.partition, f"data.name={self.data.name} has one domain: use dirichlet, natural or iid")
         if self.data.partition == "natural" and self.data.name != "shakespeare":
             _fail("data.partition", self.data.partition, "natural partitions exist only for data.name=shakespeare")
@@ -265,6 +266,7 @@ def _to_plain(x: Any) -> Any:
 # ---------------------------------------------------------------------------------
 # Presets: nested dicts applied over the defaults.
 # ---------------------------------------------------------------------------------
+HASFL_SMOKE = {"warmup": 2, "t_adapt": 1, "t_norm": 2}
 PRESETS: dict[str, dict[str, Any]] = {
     # seconds: a tiny federation on the embedded dataset, every code path exercised
     "smoke": {
@@ -274,7 +276,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "training": {"rounds": 4, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
         # FedSAP: warm-up shorter than the run, a DGA regrouping every round, dynamic masks
         "algorithm_defaults": {"fedsap": {"warmup": 1, "regroup_every": 1},
-                               "fedsap_fixed": {"warmup": 1, "regroup_every": 1}},
+                               "fedsap_fixed": {"warmup": 1, "regroup_every": 1},
+                               # HAS-FL: adaptation steps after warm-up (rounds 2-4), normalisations at 2 and 4
+                               "hasfl": HASFL_SMOKE, "random_budget": HASFL_SMOKE},
     },
     # minutes on 2 CPU cores: the embedded four-domain benchmark, Digits protocol
     "laptop": {
@@ -308,6 +312,45 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+# papers/003 section 4.1: 20 clients, Dirichlet(0.3) (natural roles for Shakespeare), p_max tiers
+# 7 x 0.25 / 7 x 0.5 / 3 x 0.75 / 3 x 1.0, 10 clients per round, 200 rounds, lr 0.01 decayed by
+# 0.995 per round, SGD momentum 0.9, weight decay 1e-4, clipping at 10, K = 5 (CIFAR-10) or 1
+# local epochs. The batch size is not stated in the paper: 64. HAS-FL's p_min 0.4, gamma 0.25,
+# beta 0.9, T_adapt 5, warm-up 10, T_norm 20 are the hasfl strategy's defaults.
+_CONFOUND: dict[str, Any] = {
+    "data": {"partition": "dirichlet", "alpha": 0.3, "num_clients": 20},
+    "capacity": {"scheme": "tiers", "tiers": [0.25, 0.5, 0.75, 1.0], "tier_shares": [7, 7, 3, 3]},
+    "training": {"rounds": 200, "local_epochs": 5, "batch_size": 64, "lr": 0.01, "lr_decay": 0.995,
+                 "momentum": 0.9, "weight_decay": 1e-4, "grad_clip": 10.0, "participation": 0.5},
+}
+PRESETS["paper_cifar10"] = deep_merge(_CONFOUND, {"data": {"name": "cifar10"}, "model": {"name": "cnn_cifar"}})
+PRESETS["paper_emnist"] = deep_merge(_CONFOUND, {"data": {"name": "emnist"}, "model": {"name": "cnn_emnist"},
+                                                 "training": {"local_epochs": 1}})
+# Shakespeare: the 20 roles with the most dialogue, K = 1, lr 0.1, clipping at 5 (section 4.1)
+PRESETS["paper_shakespeare"] = deep_merge(_CONFOUND, {
+    "data": {"name": "shakespeare", "partition": "natural"}, "model": {"name": "char_lstm"},
+    "training": {"local_epochs": 1, "lr": 0.1, "grad_clip": 5.0}})
+# the same protocol at laptop scale on real MNIST (../shared/data/mnist): 20,000 training images over
+# 20 clients, the small CNN at half width, 50 rounds of one local epoch (HAS-FL keeps warm-up 10,
+# T_adapt 5, T_norm 20: 8 adaptation steps, 2 normalisations)
+PRESETS["confound_laptop"] = deep_merge(_CONFOUND, {
+    "data": {"name": "mnist", "max_train_per_domain": 20000, "max_test_per_domain": 2000},
+    "model": {"name": "cnn_small", "width_mult": 0.5}, "training": {"rounds": 50, "local_epochs": 1, "batch_size": 32}})
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-4`` (no dot) as a string; researchers write weight decays that way."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|"
+               r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|"
+               r"^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (["a", "b"], value) with the value parsed as YAML (ints, floats, lists, null)."""
     if "=" not in text:
@@ -317,7 +360,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not p for p in key.split(".")):
         raise ConfigError(f"invalid --set {text!r}: the key must be dotted, e.g. training.rounds")
     try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+        value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -336,7 +379,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"invalid --config={str(path)!r}: file does not exist")
     try:
         text = p.read_text()
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_YamlLoader)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
         raise ConfigError(f"invalid --config={str(path)!r}: cannot parse ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
     if data is None:

@@ -129,6 +129,14 @@ class ParamLayout:
 # Channel masks
 # --------------------------------------------------------------------------------------------------
 
+def trainable_mask(layout: ParamLayout, model: nn.Module) -> np.ndarray:
+    """Coordinates that are nn.Parameters (not BN running statistics): what 'parameters trained' counts."""
+    out = np.zeros(layout.size, dtype=bool)
+    for name, _ in model.named_parameters():
+        layout.slice(name, out)[:] = True
+    return out
+
+
 def full_channel_masks(space: ChannelSpace) -> dict[str, np.ndarray]:
     """Every channel active (the full model)."""
     return {layer.name: np.ones(layer.channels, dtype=bool) for layer in space.layers}

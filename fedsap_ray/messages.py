@@ -34,6 +34,10 @@ class ClientPlan:
     pseudo_group: int | None = None
     stats: tuple[str, ...] = ()  # statistics the strategy wants back
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific payload (documented there)
+    # bytes of protocol state the real algorithm would also send each way (e.g. SCAFFOLD's control
+    # variates c - c_i down and Delta c_i up), counted in bytes_down / the clients' bytes_up
+    side_bytes_down: int = 0
+    side_bytes_up: int = 0
 
     def __post_init__(self) -> None:
         if self.values.dtype != np.float32 or self.values.ndim != 1:
@@ -51,7 +55,7 @@ class ClientPlan:
     @property
     def bytes_down(self) -> int:
         """Bytes the server sends: the values plus the packed coverage mask when there is one."""
-        return int(self.values.nbytes + (0 if self.mask is None else (self.mask.size + 7) // 8))
+        return int(self.values.nbytes + (0 if self.mask is None else (self.mask.size + 7) // 8) + self.side_bytes_down)
 
 
 @dataclass
@@ -65,6 +69,7 @@ class ClientResult:
     wall_s: float = 0.0
     worker: str = "local"
     gpu_id: int | None = None
+    steps: int = 0  # optimizer steps taken over all local epochs (SCAFFOLD's K)
 
     def __post_init__(self) -> None:
         if self.values.dtype != np.float32 or self.values.ndim != 1:

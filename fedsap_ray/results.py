@@ -6,6 +6,8 @@ Layout of an output folder (DESIGN section 4)::
     OUT/rounds/<run_id>.parquet    one row per (round, domain) plus a ``__global__`` row
     OUT/clients/<run_id>.parquet   one row per (round, participating client)
     OUT/layers/<run_id>.parquet    one row per (round, client, layer): where the budget went (FedSAP)
+    OUT/allocations/<run_id>.parquet  one row per (round, client) for ALL clients: widths and
+                                   heterogeneity estimates of the sub-model allocation strategies
 
 so ``pandas.read_parquet(OUT / "rounds")`` reads a whole sweep. Each file is rewritten
 after every round through a temporary file whose name starts with ``.`` (which pyarrow
@@ -78,6 +80,8 @@ ROUNDS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("n_groups", pa.int64(), "FedSAP: pseudo-groups formed by DGA this round (null except on DGA rounds)"),
     ("ari_domain", pa.float64(), "FedSAP: adjusted Rand index of the pseudo-groups vs. the true domains (DGA rounds)"),
     ("ari_capacity", pa.float64(), "FedSAP: adjusted Rand index of the pseudo-groups vs. the capacity tiers (DGA rounds)"),
+    ("frozen_params", pa.int64(),
+     "trainable coordinates no client has covered since initialisation, after this round (papers/003 Prop. 3)"),
 ]
 
 CLIENTS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
@@ -120,9 +124,24 @@ LAYERS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("n_dropped", pa.int64(), "Dropped channels"),
 ]
 
+ALLOCATIONS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
+    ("schema_version", pa.int32(), "results schema version"),
+    ("run_id", pa.string(), "run id"),
+    ("round", pa.int64(), "communication round, 1-based"),
+    ("client_id", pa.int64(), "client id (every client of the federation, sampled or not)"),
+    ("capacity_max", pa.float64(), "p_max: the client's resource constraint"),
+    ("p", pa.float64(), "width assigned to the client for this round (what it trains if sampled)"),
+    ("h_hat", pa.float64(), "HAS-FL Eq. 4: the client's latest raw estimate (null before its first, or not HAS-FL)"),
+    ("h_tilde", pa.float64(), "HAS-FL Eq. 5: smoothed estimate at the end of the round (null if not HAS-FL)"),
+    ("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.)"),
+    ("adapted", pa.bool_(), "an adaptation step (new allocations) happened at the end of this round"),
+]
+
 TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
     "runs": RUNS_COLUMNS, "rounds": ROUNDS_COLUMNS, "clients": CLIENTS_COLUMNS, "layers": LAYERS_COLUMNS,
+    "allocations": ALLOCATIONS_COLUMNS,
 }
+DATA_TABLES = ("rounds", "clients", "layers", "allocations")  # per-round tables (everything but runs)
 
 
 def schema(table: str) -> pa.Schema:
@@ -149,7 +168,7 @@ def write_atomic(table: pa.Table, path: Path) -> None:
 
 
 class RunWriter:
-    """Accumulates one run's rows and rewrites its three files atomically on every flush."""
+    """Accumulates one run's rows and rewrites its files atomically on every flush."""
 
     def __init__(self, out: Path, run_id: str) -> None:
         self.out = Path(out)
@@ -165,7 +184,7 @@ class RunWriter:
 
     def restore(self, upto_round: int) -> dict[str, Any] | None:
         """Reload this run's rows from disk (rounds <= ``upto_round``) to resume it; return its old runs row."""
-        for table in ("rounds", "clients", "layers"):
+        for table in DATA_TABLES:
             f = self.out / table / f"{self.run_id}.parquet"
             rows = pq.read_table(f).to_pylist() if f.is_file() else []
             self.rows[table] = [r for r in rows if r["round"] <= upto_round]
@@ -174,7 +193,7 @@ class RunWriter:
         return old[0] if old else None
 
     def flush(self) -> None:
-        for t in ("rounds", "clients", "layers", "runs"):
+        for t in (*DATA_TABLES, "runs"):
             self._write(t)
 
     def _write(self, table: str) -> None:
@@ -188,6 +207,7 @@ class Results:
     rounds: pd.DataFrame
     clients: pd.DataFrame
     layers: pd.DataFrame
+    allocations: pd.DataFrame
 
     def __getitem__(self, table: str) -> pd.DataFrame:
         return getattr(self, table)
@@ -215,4 +235,4 @@ def load(path: str | Path) -> Results:
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"no results folder at {p}")
-    return Results(*(read_table(p, t) for t in ("runs", "rounds", "clients", "layers")))
+    return Results(*(read_table(p, t) for t in ("runs", *DATA_TABLES)))

@@ -17,6 +17,7 @@ from torch import nn
 
 from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.evaluate import evaluate_domains, summarise
+from fedsap_ray.masks import trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.results import GLOBAL_DOMAIN, RunWriter
 
@@ -59,7 +60,9 @@ class Server:
         self.primary_mode: str | None = None  # the first eval mode: drives global/best accuracy
         self.last_global = float("nan")
         self.last_summary: RoundSummary | None = None
-        self.trainable = _trainable_mask(ctx)
+        self.trainable = trainable_mask(ctx.layout, ctx.model)
+        # union of every plan's coverage since initialisation (papers/003 Proposition 3)
+        self.ever_covered = np.zeros_like(self.trainable)
 
     @property
     def best(self) -> float:
@@ -69,17 +72,23 @@ class Server:
     def metrics_state(self) -> dict[str, Any]:
         """The running metrics a checkpoint must carry so a resumed run writes the same rows."""
         return {"best_by_mode": dict(self.best_by_mode), "primary_mode": self.primary_mode,
-                "last_global": self.last_global}
+                "last_global": self.last_global, "ever_covered": self.ever_covered.copy()}
 
     def restore_metrics(self, m: dict[str, Any]) -> None:
         self.best_by_mode = dict(m["best_by_mode"])
         self.primary_mode, self.last_global = m["primary_mode"], m["last_global"]
+        self.ever_covered = np.asarray(m["ever_covered"], dtype=bool).copy()
 
     def round(self, state: ServerState, t: int) -> ServerState:
         t0 = time.perf_counter()
         plans = self.strategy.configure_round(state, t)
         if not plans:
             raise RuntimeError(f"round {t}: the strategy selected no clients")
+        for plan in plans.values():
+            if plan.mask is None:
+                self.ever_covered[:] = True
+            else:
+                self.ever_covered |= plan.mask
         results = sorted(self.backend.train(plans), key=lambda r: r.client_id)
         missing = set(plans) - {r.client_id for r in results}
         if missing:
@@ -99,11 +108,12 @@ class Server:
     def _record(self, state, t, plans, results, by_mode, wall) -> RoundSummary:
         fed = self.ctx.federation
         n_total = sum(r.n_samples for r in results)
-        bytes_up = sum(r.bytes_up for r in results)
+        bytes_up = sum(r.bytes_up + plans[r.client_id].side_bytes_up for r in results)
         bytes_down = sum(p.bytes_down for p in plans.values())
         train_loss = float(sum(r.train_loss * r.n_samples for r in results) / max(n_total, 1))
         avg_cap = float(np.mean([p.capacity_used for p in plans.values()]))
-        common: dict[str, Any] = dict(round=t, avg_capacity=avg_cap, n_clients=len(results), bytes_up=bytes_up,
+        frozen = int(self.trainable.sum() - (self.ever_covered & self.trainable).sum())
+        common: dict[str, Any] = dict(round=t, avg_capacity=avg_cap, frozen_params=frozen, n_clients=len(results), bytes_up=bytes_up,
                                       bytes_down=bytes_down, train_loss=train_loss, round_wall_s=wall,
                                       **self.strategy.round_columns(state))
         rows = []
@@ -137,12 +147,13 @@ class Server:
             row = dict(round=t, client_id=r.client_id, true_domain=spec.domain, pruning_ratio=spec.pruning_ratio,
                        capacity_max=spec.capacity, capacity_used=plan.capacity_used, pseudo_group=plan.pseudo_group,
                        tv_distance=spec.tv_distance, n_samples=r.n_samples, train_loss=r.train_loss,
-                       params_trained=int(covered.sum()), bytes_up=r.bytes_up, bytes_down=plan.bytes_down,
+                       params_trained=int(covered.sum()), bytes_up=r.bytes_up + plan.side_bytes_up, bytes_down=plan.bytes_down,
                        wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id, **plan.channel_counts)
             row.update(self.strategy.client_columns(state, plan, r))
             client_rows.append(row)
         self.writer.add("clients", client_rows)
         self.writer.add("layers", [dict(round=t, **r) for r in self.strategy.layer_rows(state, plans)])
+        self.writer.add("allocations", [dict(round=t, **r) for r in self.strategy.allocation_rows(state, t)])
         self.writer.flush()
         per_domain = by_mode.get(primary, {}) if primary else {}
         return RoundSummary(round=t, evaluated=bool(by_mode), global_accuracy=self.last_global,
@@ -151,10 +162,3 @@ class Server:
                             wall_s=wall, per_domain={d: a for d, (a, _) in per_domain.items()},
                             extra=self.strategy.round_columns(state))
 
-
-def _trainable_mask(ctx: RunContext) -> np.ndarray:
-    """Coordinates that are nn.Parameters (not BN running statistics): what 'parameters trained' counts."""
-    out = np.zeros(ctx.layout.size, dtype=bool)
-    for name, _ in ctx.model.named_parameters():
-        ctx.layout.slice(name, out)[:] = True
-    return out

@@ -7,6 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from fedsap_ray import algorithms
+from fedsap_ray.experiment import build_context
+from fedsap_ray.runtime.local import LocalBackend
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FEDSAP_SHARED_DATA", REPO.parent / "shared" / "data"))
 
@@ -31,3 +35,20 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def make_strategy(cfg, fed):
+    """(RunContext, Strategy) for ``cfg`` on a prebuilt federation, without a backend."""
+    ctx = build_context(cfg, fed)
+    return ctx, algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+
+
+def run_rounds(cfg, fed, rounds):
+    """Run the strategy in-process and return (ctx, strategy, states): states[0] initial, states[t] after round t."""
+    ctx, strat = make_strategy(cfg, fed)
+    backend = LocalBackend("cpu", num_workers=1)
+    backend.start(ctx)
+    states = [strat.init_state()]
+    for t in range(1, rounds + 1):
+        states.append(strat.aggregate(states[-1], backend.train(strat.configure_round(states[-1], t)), t))
+    return ctx, strat, states

@@ -16,6 +16,28 @@ def test_presets_resolve_and_differ():
     assert build_config().preset == "laptop"  # the default preset
 
 
+def test_papers003_presets_follow_section_4_1():
+    for name, model, epochs in (("paper_cifar10", "cnn_cifar", 5), ("paper_emnist", "cnn_emnist", 1)):
+        c = build_config(preset=name)
+        assert (c.data.partition, c.data.alpha, c.data.num_clients, c.model.name) == ("dirichlet", 0.3, 20, model)
+        assert c.capacity.scheme == "tiers" and c.capacity.tier_shares == (7, 7, 3, 3)
+        t = c.training
+        assert (t.rounds, t.local_epochs, t.lr, t.lr_decay, t.momentum, t.weight_decay, t.grad_clip, t.participation) == \
+            (200, epochs, 0.01, 0.995, 0.9, 1e-4, 10.0, 0.5)
+    s = build_config(preset="paper_shakespeare")
+    assert (s.data.partition, s.model.name, s.training.lr, s.training.grad_clip, s.training.local_epochs) == \
+        ("natural", "char_lstm", 0.1, 5.0, 1)
+
+
+def test_scientific_notation_is_a_number_in_overrides_and_files(tmp_path):
+    cfg = build_config(preset="smoke", overrides=["training.weight_decay=1e-4", "algorithm.name=fedprox", "algorithm.mu=5e-3"])
+    assert cfg.training.weight_decay == 1e-4 and cfg.algorithm.options["mu"] == 5e-3
+    f = tmp_path / "c.yaml"
+    f.write_text("training:\n  weight_decay: 1e-4\n  lr: 2E-2\n")
+    cfg = build_config(preset="smoke", file_data=load_file(f))
+    assert cfg.training.weight_decay == 1e-4 and cfg.training.lr == 0.02
+
+
 def test_overrides_types_and_algorithm_options():
     cfg = build_config(preset="smoke", overrides=["training.rounds=7", "training.lr=0.1", "algorithm.name=fedprox",
                                                   "algorithm.mu=0.5", "capacity.keep_ratios=[1,1,1,1,1,1,1,1,1,0.5]",

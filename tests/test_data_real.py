@@ -662,3 +662,73 @@ def test_dataset_table_default_roots(tmp_path: Path, monkeypatch: pytest.MonkeyP
     rows = {r["name"]: r for r in dataset_table()}
     assert rows["cifar10"]["root"] == str(tmp_path / "cifar10") and not rows["cifar10"]["present"]
     assert rows["cifar10"]["missing"][0].endswith(str(tmp_path / "cifar10" / "cifar-10-batches-py" / "data_batch_1"))
+
+
+# ----------------------------------------------------------------------------- mnist (single domain)
+def test_mnist_shared_file_loads_and_builds_dirichlet_tiers_federation(
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    from fedsap_ray.config import build_config
+    from fedsap_ray.data import as_input, build_federation, load_splits
+    from fedsap_ray.data.federation import clear_split_cache
+    from fedsap_ray.models import build_model
+
+    raw = need("mnist/mnist.npz")
+    request.addfinalizer(clear_split_cache)  # free the ~200 MB of cached splits for the rest of the session
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(SHARED))
+    monkeypatch.setenv("FEDSAP_RAY_DATA", str(SHARED / "no_such_folder"))  # no torchvision copy: the shared file wins
+    assert get_source("mnist").default_root() == SHARED
+    cfg = build_config(overrides=[
+        "data.name=mnist", "data.partition=dirichlet", "data.num_clients=20", "data.alpha=0.3",
+        "data.min_samples=10", "capacity.scheme=tiers", "model.name=cnn_small",
+    ])
+    assert cfg.data.root is None  # default root, as `--set data.name=mnist` gets it
+    s = load_splits(cfg)  # cached per process: build_federation below reuses it
+    assert s.dataset == "mnist" and s.domains == ["mnist"] and s.num_classes == 10
+    assert s.input_kind == "image" and s.input_shape == (3, 32, 32)
+    tr, te = s.train["mnist"], s.test["mnist"]
+    assert tuple(tr.x.shape) == (60000, 3, 32, 32) and tuple(te.x.shape) == (10000, 3, 32, 32)
+    assert tr.x.dtype == te.x.dtype == torch.uint8 and tr.y.dtype == te.y.dtype == torch.int64
+    assert set(tr.y.unique().tolist()) == set(te.y.unique().tolist()) == set(range(10))
+    with np.load(raw) as d:
+        np.testing.assert_array_equal(tr.y.numpy(), d["y_train"])
+        np.testing.assert_array_equal(te.y.numpy(), d["y_test"])
+    assert "shared" in s.domain_notes["mnist"] and "real" in s.notes
+
+    fed = build_federation(cfg)
+    assert fed.dataset == "mnist" and len(fed.clients) == 20
+    assert all(c.domain == "mnist" and len(c.indices) >= cfg.data.min_samples for c in fed.clients)
+    assert {c.capacity for c in fed.clients} <= set(cfg.capacity.tiers)
+    cover = np.concatenate([c.indices for c in fed.clients])
+    assert len(np.unique(cover)) == len(cover) == 60000  # a partition of the whole pool
+    skew = np.mean([c.tv_distance for c in fed.clients])
+    assert skew > 0.2, skew  # Dirichlet(0.3) label skew, not an iid split
+    model = build_model("cnn_small", num_classes=fed.num_classes, input_shape=fed.input_shape, width_mult=0.25)
+    batch = fed.client_data(0)
+    assert tuple(model(as_input(batch.x[:4])).shape) == (4, 10)
+
+
+def test_mnist_torchvision_layout_and_default_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEDSAP_RAY_DATA", str(tmp_path / "home"))
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(tmp_path / "shared"))  # holds nothing
+    src = get_source("mnist")
+    assert src.default_root() == tmp_path / "home" / "mnist"  # nothing anywhere: where download=true puts it
+    _fake_tv_mnist_usps(tmp_path / "home" / "mnist")
+    assert src.default_root() == tmp_path / "home" / "mnist"
+    assert [st.what for st in src.files(src.default_root())] == ["mnist (torchvision)"] * 4
+    s = src.load(src.default_root(), download=False, seed=0)
+    assert len(s.train["mnist"]) == 30 and len(s.test["mnist"]) == 12 and "torchvision" in s.domain_notes["mnist"]
+    x, y = s.train["mnist"].x, s.train["mnist"].y
+    assert tuple(x.shape[1:]) == (3, 32, 32) and (x == (y * 25).to(torch.uint8)[:, None, None, None]).all()
+
+
+def test_mnist_missing_files_name_the_paths(tmp_path: Path) -> None:
+    with pytest.raises(DatasetUnavailable) as info:
+        get_source("mnist").load(tmp_path, download=False, seed=0)
+    msg = str(info.value)
+    assert isinstance(info.value, FileNotFoundError) and "\n" not in msg and msg.startswith("mnist: ")
+    assert str(tmp_path / "MNIST" / "raw" / "train-images-idx3-ubyte") in msg
+    assert str(tmp_path / "mnist" / "mnist.npz") in msg and "data.download=true" in msg
+    statuses = get_source("mnist").files(tmp_path)
+    assert statuses and not any(st.present for st in statuses)
+    row = next(r for r in dataset_table(tmp_path) if r["name"] == "mnist")
+    assert not row["present"] and row["missing"] and row["how_to_obtain"] == get_source("mnist").how_to_obtain

@@ -14,7 +14,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context, run_experiment
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.messages import ClientResult
-from fedsap_ray.runtime.local import LocalBackend
+from conftest import make_strategy, run_rounds
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=3"]
@@ -25,20 +25,7 @@ def fed():
     return build_federation(build_config(preset="smoke", overrides=TINY))
 
 
-def _strategy(cfg, fed):
-    ctx = build_context(cfg, fed)
-    return ctx, algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
-
-
-def _loop(cfg, fed, rounds):
-    """Run the strategy in-process and return every round's state (after aggregation)."""
-    ctx, strat = _strategy(cfg, fed)
-    backend = LocalBackend("cpu", num_workers=1)
-    backend.start(ctx)
-    states = [strat.init_state()]
-    for t in range(1, rounds + 1):
-        states.append(strat.aggregate(states[-1], backend.train(strat.configure_round(states[-1], t)), t))
-    return ctx, strat, states
+_strategy, _loop = make_strategy, run_rounds
 
 
 # --- Eq. 2 and the clip bounds -------------------------------------------------------------

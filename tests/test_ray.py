@@ -116,8 +116,10 @@ def test_gpu_pinning_eight_workers_four_per_logical_gpu(tmp_path, fed):
     assert workers_per_gpu.to_dict() == {0: 4, 1: 4}
 
 
-def test_fedsap_runs_on_ray_with_the_same_numbers(tmp_path, fed):
-    extra = ["algorithm.name=fedsap", "algorithm.warmup=1", "algorithm.regroup_every=1"]
+@pytest.mark.parametrize("extra", [["algorithm.name=fedsap", "algorithm.warmup=1", "algorithm.regroup_every=1"],
+                                   ["algorithm.name=random_budget", "algorithm.warmup=1", "algorithm.t_adapt=1"]],
+                         ids=["fedsap", "random_budget"])
+def test_stateful_strategies_run_on_ray_with_the_same_numbers(tmp_path, fed, extra):
     base = [o for o in TINY if not o.startswith("algorithm.")]
     cfg_local = build_config(preset="smoke", overrides=base + extra)
     run_experiment(cfg_local, tmp_path / "local", run_id="f", federation=fed)
@@ -128,3 +130,4 @@ def test_fedsap_runs_on_ray_with_the_same_numbers(tmp_path, fed):
     a, b = results.load(tmp_path / "local"), results.load(tmp_path / "ray")
     _same(a, b)
     pd.testing.assert_frame_equal(a.layers, b.layers)
+    pd.testing.assert_frame_equal(a.allocations, b.allocations)

@@ -139,12 +139,15 @@ def test_concurrent_clients_give_the_same_numbers(tmp_path, tiny_fed):
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
 
 
-def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed):
+@pytest.mark.parametrize("algo", [["algorithm.width=capacity"],
+                                  ["algorithm.name=hasfl", "algorithm.warmup=1", "algorithm.t_adapt=1", "algorithm.t_norm=2"]],
+                         ids=["fedavg-capacity", "hasfl"])
+def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
     def stop_after_round_2(summary):
         if summary.round == 2:
             raise KeyboardInterrupt
 
-    extra = ["training.rounds=4", "algorithm.width=capacity"]
+    extra = ["training.rounds=4", *algo]
     with pytest.raises(KeyboardInterrupt):
         _run(tmp_path / "cut", tiny_fed, extra, run_id="r", progress=stop_after_round_2)
     assert results.load(tmp_path / "cut").runs.loc[0, "rounds_done"] == 2
@@ -155,4 +158,6 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed):
     a, b = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
     pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    pd.testing.assert_frame_equal(a.allocations, b.allocations)
+    assert len(a.allocations) == 4 * 4  # every client, every round
     assert a.runs.loc[0, "status"] == "finished" and a.runs.loc[0, "rounds_done"] == 4

@@ -56,3 +56,17 @@ def test_ablation_table_matches_a_direct_computation(table5):
     assert table.loc["fedavg (heterogeneous)", "best_mean"] == pytest.approx(avg["fedavg-het-s0"])
     assert np.isnan(table.loc["fedavg (heterogeneous)", "ari_domain"])
     assert "fedsap: single path, uniform budget" in to_markdown(table)
+
+
+def test_capacity_confound_smoke_study_reports_every_table(tmp_path, capsys):
+    mod = _load("capacity_confound")
+    assert mod.main(["--smoke-test", "--out", str(tmp_path)]) == 0
+    res = results.load(tmp_path)
+    assert sorted(res.runs["run_id"]) == sorted(f"{v}-s0" for v in mod.VARIANTS)
+    assert (res.runs["status"] == "finished").all()
+    out = capsys.readouterr().out
+    for heading in ("Table 3", "Table 4", "Table 5", "Matched-budget", "Table 6", "Figure 6"):
+        assert heading in out
+    assert (tmp_path / "frontier.png").stat().st_size > 0
+    alloc = res.allocations[res.allocations["run_id"] == "hasfl-s0"]
+    assert alloc["adapted"].any() and len(alloc) == 4 * len(res.clients["client_id"].unique())

@@ -1,5 +1,7 @@
 """Strategies, one module each, registered by name (DESIGN section 4)."""
 from fedsap_ray.algorithms import fedavg, fedprox, fedsap  # noqa: F401  (registration)
+from fedsap_ray.algorithms import fjord, hasfl, heterofl, random_budget, uniform  # noqa: F401  (papers/003)
+from fedsap_ray.algorithms import scaffold  # noqa: F401
 from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.registry import get, names, parse_options, register
 

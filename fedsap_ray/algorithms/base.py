@@ -73,6 +73,10 @@ class Strategy(ABC):
         """Rows of the ``layers`` table (where each client's budget went); empty by default."""
         return []
 
+    def allocation_rows(self, state: ServerState, t: int) -> list[dict[str, Any]]:
+        """Rows of the ``allocations`` table: every client's width (and estimates) in round t; empty by default."""
+        return []
+
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         """Extra per-client columns for the ``clients`` table (h_hat, pseudo_group, ...)."""
         return {}

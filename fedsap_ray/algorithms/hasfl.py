@@ -1,0 +1,138 @@
+"""HAS-FL (papers/003 section 3, Algorithm 1): heterogeneity-aware nested sub-model allocation.
+
+Per round (Algorithm 1): sampled clients train nested sub-models at p_i (Algorithm 2)
+and the server averages coordinate-wise (line 18). After every round t >= ``warmup``
+with t % ``t_adapt`` == 0 (an adaptation step; rounds are 1-based, so with the paper's
+warm-up 10 and T_adapt 5 the first step ends round 10):
+
+- Eq. 4 (line 22): H_hat_i = ||m_i * (Delta_i - Delta_bar)||^2 / (||m_i * Delta_bar||^2 + eps)
+  over the coordinates client i trained (its own mask m_i; BN running statistics are not
+  parameters and are left out), Delta_bar = the coordinate-wise aggregated update.
+- Eq. 5 (line 23): H~_i <- beta H~_i + (1 - beta) H_hat_i for the round's participants;
+  H~ starts at 1 (line 2).
+- every ``t_norm`` rounds (section 3.2, DESIGN section 5): H~ <- H~ / mean(H~).
+- Eq. 6 (lines 25-28): p_i = min(p_max_i, p_min + gamma H~_i / (H_bar + eps)) for all N
+  clients, H_bar = mean of H~ over all N clients.
+- coverage guarantee (line 29), when ``coverage`` is on: p_i = p_max_i for the clients
+  whose p_max is the largest in the federation.
+
+Allocations start at p_max (line 3). H_hat is also computed on rounds that are not
+adaptation steps and recorded (``clients.h_hat``) as a diagnostic; only adaptation
+steps feed the EMA, as in the algorithm. Defaults are section 4.1's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.registry import register
+from fedsap_ray.config import ConfigError
+from fedsap_ray.masks import trainable_mask
+from fedsap_ray.messages import ClientResult, ServerState
+
+
+def allocation_rule(h_tilde: np.ndarray, p_max: np.ndarray, p_min: float, gamma: float, eps: float,
+                    coverage: bool) -> np.ndarray:
+    """Eq. 6 for every client, then the coverage guarantee (Algorithm 1 lines 25-29)."""
+    h_bar = float(np.mean(h_tilde))
+    p = np.minimum(p_max, p_min + gamma * h_tilde / (h_bar + eps))
+    if coverage:
+        top = p_max == p_max.max()
+        p[top] = p_max[top]
+    return p
+
+
+def h_hat(delta_i: np.ndarray, delta_bar: np.ndarray, eps: float) -> float:
+    """Eq. 4 on the client's own coordinates: both arguments are already restricted to m_i."""
+    d_i = delta_i - delta_bar
+    return float(np.dot(d_i, d_i) / (np.dot(delta_bar, delta_bar) + eps))
+
+
+@register("hasfl")
+class HasFL(NestedWidth):
+    @dataclass(frozen=True)
+    class Options:
+        p_min: float = 0.4  # base capacity (section 4.1)
+        gamma: float = 0.25  # sensitivity
+        beta: float = 0.9  # EMA smoothing (Eq. 5)
+        t_adapt: int = 5  # rounds between adaptation steps
+        warmup: int = 10  # no adaptation before this round
+        t_norm: int = 20  # periodic normalisation interval
+        coverage: bool = True  # coverage guarantee (section 3.3)
+        eps: float = 1e-8  # numerical stability in Eqs. 4 and 6
+
+        def __post_init__(self) -> None:
+            _check(0 < self.p_min <= 1, "p_min", self.p_min, "a number in (0, 1]")
+            _check(self.gamma >= 0, "gamma", self.gamma, "a number >= 0")
+            _check(0 <= self.beta < 1, "beta", self.beta, "a number in [0, 1)")
+            for name in ("t_adapt", "t_norm"):
+                v = getattr(self, name)
+                _check(isinstance(v, int) and v >= 1, name, v, "an integer >= 1")
+            _check(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", self.warmup, "an integer >= 0")
+            _check(isinstance(self.coverage, bool), "coverage", self.coverage, "true or false")
+            _check(self.eps > 0, "eps", self.eps, "a number > 0")
+
+    # --- state -------------------------------------------------------------------
+    def p_max(self) -> np.ndarray:
+        return np.array([float(c.capacity) for c in self.ctx.federation.clients])
+
+    def init_state(self) -> ServerState:
+        state = super().init_state()
+        n = len(self.ctx.federation.clients)
+        state.extra = {"h_tilde": np.ones(n), "h_hat": np.full(n, np.nan), "alloc": self.p_max(),
+                       "alloc_used": self.p_max(), "adapted": False}
+        return state
+
+    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
+        return float(state.extra["alloc"][client_id])
+
+    def round_widths(self, state: ServerState, t: int) -> np.ndarray:
+        return state.extra["alloc_used"]
+
+    def is_adaptation_round(self, t: int) -> bool:
+        return t >= self.opts.warmup and t % self.opts.t_adapt == 0
+
+    # --- Algorithm 1 lines 20-30 -----------------------------------------------------
+    def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
+                        masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
+        o = self.opts
+        h_tilde, latest = state.extra["h_tilde"].copy(), state.extra["h_hat"].copy()
+        delta_bar = params.astype(np.float64) - state.params
+        trainable = self._trainable()
+        for r in results:
+            m = masks[r.client_id]
+            sel = trainable if m is None else trainable[m]  # trainable coordinates among the client's
+            mask = slice(None) if m is None else m
+            delta_i = r.values[sel].astype(np.float64) - state.params[mask][sel]
+            latest[r.client_id] = h_hat(delta_i, delta_bar[mask][sel], o.eps)
+        adapted = self.is_adaptation_round(t)
+        if adapted:
+            ids = [r.client_id for r in results]
+            h_tilde[ids] = o.beta * h_tilde[ids] + (1 - o.beta) * latest[ids]
+        if t % o.t_norm == 0:
+            h_tilde = h_tilde / h_tilde.mean()
+        alloc = self.allocate(h_tilde, t) if adapted else state.extra["alloc"]
+        return {"h_tilde": h_tilde, "h_hat": latest, "alloc": alloc, "alloc_used": state.extra["alloc"],
+                "adapted": adapted, "participants": [r.client_id for r in results]}
+
+    def allocate(self, h_tilde: np.ndarray, t: int) -> np.ndarray:
+        """New allocations at an adaptation step (Eq. 6 + coverage guarantee)."""
+        o = self.opts
+        return allocation_rule(h_tilde, self.p_max(), o.p_min, o.gamma, o.eps, o.coverage)
+
+    def estimate_columns(self, state: ServerState, client_id: int) -> dict[str, Any]:
+        raw = float(state.extra["h_hat"][client_id])
+        return {"h_hat": None if np.isnan(raw) else raw, "h_tilde": float(state.extra["h_tilde"][client_id])}
+
+    def _trainable(self) -> np.ndarray:
+        if "_trainable_cache" not in self.__dict__:
+            self.__dict__["_trainable_cache"] = trainable_mask(self.ctx.layout, self.ctx.model)
+        return self.__dict__["_trainable_cache"]
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"invalid algorithm.{name}={value!r}: must be {allowed}")

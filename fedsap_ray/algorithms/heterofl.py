@@ -1,0 +1,18 @@
+"""HeteroFL (Diao et al. 2021) as papers/003 runs it: static resource-only widths p_i = p_max_i.
+
+Nested sub-models and coordinate-wise aggregation (papers/003 Algorithms 1-2); the
+widest tier trains the full model, so every coordinate stays covered (Table 4's
+"full coverage" row). HeteroFL's static batch-norm and scaler modules are not part of
+papers/003's protocol and are not modelled.
+"""
+from __future__ import annotations
+
+from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.registry import register
+from fedsap_ray.messages import ServerState
+
+
+@register("heterofl")
+class HeteroFL(NestedWidth):
+    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
+        return float(self.ctx.federation.clients[client_id].capacity)

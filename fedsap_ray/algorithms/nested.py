@@ -1,0 +1,128 @@
+"""Nested-width sub-model training with coordinate-wise aggregation (papers/003 Algorithms 1-2).
+
+Every sub-model strategy of the capacity-confound study (HeteroFL, FjORD, Uniform,
+HAS-FL, Random-budget) and heterogeneous FedAvg share everything but the allocation
+rule, so they subclass :class:`NestedWidth` and implement only :meth:`width_for`:
+
+- Algorithm 2: client i trains the leading ceil(p_i C_l) channels of every layer with
+  their input connections; the classifier's output units (and the LSTM's embedding) are
+  shared in full (:func:`fedsap_ray.masks.nested_channel_masks` on the model's ChannelSpace).
+- Algorithm 1 line 18: each coordinate is averaged over exactly the clients that
+  trained it, weighted by sample counts; coordinates nobody trained keep their value
+  (:func:`fedsap_ray.aggregation.masked_weighted_average`).
+- Client sampling, learning-rate decay and clipping come from :class:`Strategy`.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.masks import nested_channel_masks, param_mask
+from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models import model_macs
+
+MASK_CACHE = 32  # sub-model masks kept per run (a HAS-FL run sees many distinct widths)
+
+
+class NestedWidth(Strategy):
+    """Base of the nested sub-model strategies: a subclass chooses p_i per (client, round)."""
+
+    track_allocations = True  # write the ``allocations`` table (every client's width each round)
+
+    @abstractmethod
+    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
+        """p_i: the fraction of every layer's channels client ``client_id`` trains in round t.
+
+        ``state`` is the server state the round starts from; the width must be a pure
+        function of (state, client, round) so aggregation can recompute the masks.
+        """
+
+    def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
+        """Strategy-specific ClientPlan fields (FedProx's mu)."""
+        return {}
+
+    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        plans: dict[int, ClientPlan] = {}
+        total = sum(layer.channels for layer in self.ctx.space.layers)
+        for cid in self.sample_clients(t):
+            p = self.width_for(state, cid, t)
+            if p >= 1.0:
+                mask, values, active = None, state.params, total  # shared, never mutated
+            else:
+                mask, active = self.nested_mask(p)
+                values = state.params[mask]
+            plans[cid] = ClientPlan(
+                values=values, mask=mask, capacity_used=min(float(p), 1.0),
+                channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
+                **self.plan_kwargs(t, cid), **self.extra_plan_fields(state, cid, t),
+            )
+        return plans
+
+    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+        """Algorithm 1 lines 17-19, then :meth:`after_aggregate` (HAS-FL's adaptation step)."""
+        ordered = sorted(results, key=lambda r: r.client_id)
+        masks = {r.client_id: self.client_mask(state, r.client_id, t) for r in ordered}
+        params = masked_weighted_average(state.params, [(masks[r.client_id], r.values, float(r.n_samples)) for r in ordered])
+        extra = self.after_aggregate(state, params, ordered, masks, t)
+        return ServerState(round=t, params=params, extra=extra)
+
+    def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
+                        masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
+        """The next state's ``extra``; static allocation rules keep none."""
+        return state.extra
+
+    def client_mask(self, state: ServerState, client_id: int, t: int) -> np.ndarray | None:
+        """The client's round-t parameter mask (None: full model), recomputed from the pure width rule."""
+        p = self.width_for(state, client_id, t)
+        return None if p >= 1.0 else self.nested_mask(p)[0]
+
+    def round_widths(self, state: ServerState, t: int) -> np.ndarray:
+        """Every client's round-t width, given the state AFTER round t (stateless rules ignore it)."""
+        return np.array([self.width_for(state, cid, t) for cid in range(len(self.ctx.federation.clients))])
+
+    def allocation_rows(self, state: ServerState, t: int) -> list[dict[str, Any]]:
+        if not self.track_allocations:
+            return []
+        widths = self.round_widths(state, t)
+        return [dict(client_id=c.client_id, capacity_max=float(c.capacity), p=float(min(widths[c.client_id], 1.0)),
+                     tv_distance=c.tv_distance, adapted=bool(state.extra.get("adapted", False)),
+                     **self.estimate_columns(state, c.client_id))
+                for c in self.ctx.federation.clients]
+
+    def estimate_columns(self, state: ServerState, client_id: int) -> dict[str, Any]:
+        """h_hat / h_tilde of a client (HAS-FL); none for static rules."""
+        return {}
+
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        return {"macs_per_sample": self.macs(plan.capacity_used), **self.estimate_columns(state, plan.client_id)}
+
+    # --- memoised sub-model geometry (pure in the per-layer channel counts) -------------
+    def macs(self, p: float) -> int:
+        """Multiply-accumulates per sample of the width-p sub-model (papers/003 Table 1)."""
+        key = self._counts(p)
+        cache = self.__dict__.setdefault("_macs_cache", {})
+        if key not in cache:
+            masks = None if p >= 1.0 else nested_channel_masks(self.ctx.space, p)
+            cache[key] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, masks))
+        return cache[key]
+
+    def nested_mask(self, p: float) -> tuple[np.ndarray, int]:
+        """(parameter mask, active channels) of the width-p nested sub-model (Algorithm 2); LRU-cached."""
+        key = self._counts(p)
+        cache: OrderedDict = self.__dict__.setdefault("_nested_cache", OrderedDict())
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        cmasks = nested_channel_masks(self.ctx.space, p)
+        cache[key] = (param_mask(self.ctx.space, self.ctx.layout, cmasks), int(sum(int(m.sum()) for m in cmasks.values())))
+        if len(cache) > MASK_CACHE:
+            cache.popitem(last=False)
+        return cache[key]
+
+    def _counts(self, p: float) -> tuple[int, ...]:
+        return tuple(int(m.sum()) for m in nested_channel_masks(self.ctx.space, min(p, 1.0)).values())

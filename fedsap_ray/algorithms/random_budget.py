@@ -1,0 +1,78 @@
+"""Random-budget control (papers/003 section 4.4; DESIGN section 5): random widths at HAS-FL's budget.
+
+It runs HAS-FL's estimator on its own updates (Eqs. 4-5, normalisation) only to know
+what budget HAS-FL's rule would spend: at every adaptation step it computes HAS-FL's
+allocation (Eq. 6 + coverage guarantee) and discards it except for its mean. Then each
+client draws p uniformly in [0.25, p_max] (p_max if that is below 0.25), the coverage
+guarantee pins the widest clients at p_max (when ``coverage`` is on, as for HAS-FL),
+and the other draws are scaled by one common factor, capped at p_max
+(:func:`match_budget`), so the mean allocation over all N clients equals HAS-FL's
+exactly and no client exceeds its p_max. Allocations stay fixed between adaptation
+steps, like HAS-FL's. ``target`` replaces the shadow rule by a fixed mean budget (e.g.
+a measured HAS-FL run's average p).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedsap_ray.algorithms.hasfl import HasFL, _check
+from fedsap_ray.algorithms.registry import register
+from fedsap_ray.seeding import rng_for
+
+
+def match_budget(draws: np.ndarray, p_max: np.ndarray, fixed: np.ndarray, total: float) -> np.ndarray:
+    """Scale the non-``fixed`` draws by one factor s so sum(min(p_max, s * draw)) + sum(p_max[fixed]) = total.
+
+    Exact water-filling: clients whose cap binds are set to p_max and s is solved for the
+    rest. If even p_max for everyone cannot reach ``total``, everyone gets p_max.
+    """
+    p = draws.astype(np.float64).copy()
+    p[fixed] = p_max[fixed]
+    free = np.flatnonzero(~fixed)
+    rem = total - float(p_max[fixed].sum())
+    if free.size == 0:
+        return p
+    u, cap = draws[free].astype(np.float64), p_max[free].astype(np.float64)
+    if rem >= cap.sum():
+        p[free] = cap
+        return p
+    order = np.argsort(cap / u, kind="stable")
+    capped_sum, u_left = 0.0, float(u.sum())
+    for k, idx in enumerate(order):
+        s = (rem - capped_sum) / u_left
+        if s * u[idx] <= cap[idx]:  # the k smallest-ratio clients are capped, the rest scale by s
+            p[free[order[k:]]] = s * u[order[k:]]
+            p[free[order[:k]]] = cap[order[:k]]
+            return p
+        capped_sum += cap[idx]
+        u_left -= u[idx]
+    p[free] = cap  # unreachable when rem < cap.sum(), kept for floating-point safety
+    return p
+
+
+@register("random_budget")
+class RandomBudget(HasFL):
+    @dataclass(frozen=True)
+    class Options(HasFL.Options):
+        p_low: float = 0.25  # lower end of the uniform draw (the smallest tier)
+        target: float | None = None  # fixed mean budget instead of HAS-FL's rule
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            _check(0 < self.p_low <= 1, "p_low", self.p_low, "a number in (0, 1]")
+            _check(self.target is None or 0 < self.target <= 1, "target", self.target, "null or a number in (0, 1]")
+
+    def budget(self, h_tilde: np.ndarray, t: int) -> float:
+        """The mean allocation to match: HAS-FL's rule on this run's estimates, or ``target``."""
+        if self.opts.target is not None:
+            return float(self.opts.target)
+        return float(super().allocate(h_tilde, t).mean())
+
+    def allocate(self, h_tilde: np.ndarray, t: int) -> np.ndarray:
+        p_max = self.p_max()
+        rng = rng_for(self.cfg.seed, t, -1, "random_budget")
+        draws = rng.uniform(np.minimum(self.opts.p_low, p_max), p_max)
+        fixed = p_max == p_max.max() if self.opts.coverage else np.zeros(len(p_max), dtype=bool)
+        return match_budget(draws, p_max, fixed, self.budget(h_tilde, t) * len(p_max))

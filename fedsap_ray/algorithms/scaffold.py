@@ -1,0 +1,139 @@
+"""SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for
+Federated Learning", Algorithm 1 with the option II control-variate update), full model.
+
+With server model x, server control c, client control c_i (zero until client i first
+participates), round learning rate eta (``training.lr`` decayed, :meth:`Strategy.lr_at`)
+and server step size eta_g (``algorithm.global_lr``), a round over the sampled set S is
+
+    client i, each local step (line 10):   y <- y - eta (g_i(y) - c_i + c)
+    client i, option II (line 12):         c_i+ = c_i - c + (x - y_i) / (K_i eta)
+    server (lines 16-17):                  x <- x + eta_g * mean_{i in S}(y_i - x)
+                                           c <- c + |S|/N * mean_{i in S}(c_i+ - c_i)
+
+where K_i is the number of local steps client i actually took (``ClientResult.steps``;
+with ``max_steps_per_epoch`` and a dropped last batch it can be fewer than
+epochs x batches) and N the number of clients in the federation. The means are the
+paper's unweighted means over S (not FedAvg's sample-size weights).
+
+Clients are stateless here (any worker may run any client), so the server keeps every
+c_i in ``ServerState.extra["c_i"]`` (client id -> float32 [n_params], only for clients
+that have participated) next to ``extra["c"]``; a plan carries the correction c - c_i as
+``plan.extra["control"]`` and the client adds it to every step's gradient
+(:mod:`fedsap_ray.client`). Because the server knows x, eta and K_i it recomputes
+c_i+ from y_i itself, so nothing but the trained model comes back.
+
+Control variates live on nn.Parameter coordinates only; BatchNorm running statistics
+(also in the flat vector) get no correction and are averaged plainly
+(mean_{i in S} y_i, whatever eta_g: a server step > 1 could push a running variance
+below zero). The server step is evaluated as (1 - eta_g) x + eta_g mean(y_i) in float64,
+algebraically the line-16 update, so eta_g = 1 gives the plain mean exactly.
+
+Local optimiser: plain SGD, momentum 0 whatever ``training.momentum`` says. papers/003
+section 4.5 reports SCAFFOLD as "the strongest full-model baseline ... once its control
+variates are run under vanilla local SGD", while "under the momentum-based optimizer ...
+it diverges to chance accuracy", and reports it in that canonical configuration; the
+control variates of option II estimate the mean gradient only when the step is the plain
+gradient step. Weight decay, gradient clipping (of the raw stochastic gradient, before
+the correction is added) and the per-round learning-rate decay come from the config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fedsap_ray.algorithms.base import RunContext, Strategy
+from fedsap_ray.algorithms.registry import register
+from fedsap_ray.config import ConfigError
+from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models import model_macs
+
+
+@register("scaffold")
+class Scaffold(Strategy):
+    @dataclass(frozen=True)
+    class Options:
+        global_lr: float = 1.0  # eta_g, the server step size (Algorithm 1 line 16)
+
+        def __post_init__(self) -> None:
+            if not isinstance(self.global_lr, (int, float)) or not self.global_lr > 0:
+                raise ConfigError(f"invalid algorithm.global_lr={self.global_lr!r}: must be a number > 0")
+
+    def __init__(self, ctx: RunContext, options: Any) -> None:
+        super().__init__(ctx, options)
+        self.param_coords = ctx.layout.param_coords()  # control variates live here only
+        self.n_clients = len(ctx.federation.clients)
+
+    def init_state(self) -> ServerState:
+        """x from the seeded template, c = 0 and no client controls yet (c_i = 0 until seen)."""
+        state = super().init_state()
+        state.extra = {"c": np.zeros(self.ctx.layout.size, dtype=np.float32), "c_i": {}}
+        return state
+
+    def plan_kwargs(self, t: int, client_id: int) -> dict[str, Any]:
+        """The base plan with momentum 0: vanilla local SGD (papers/003 section 4.5)."""
+        kw = super().plan_kwargs(t, client_id)
+        kw["momentum"] = 0.0
+        return kw
+
+    def control_for(self, state: ServerState, client_id: int) -> np.ndarray:
+        """The correction c - c_i of Algorithm 1 line 10 (c_i = 0 for a client not seen yet)."""
+        c = state.extra["c"]
+        c_i = state.extra["c_i"].get(client_id)
+        return c.copy() if c_i is None else (c - c_i).astype(np.float32)
+
+    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        total = sum(layer.channels for layer in self.ctx.space.layers)
+        plans: dict[int, ClientPlan] = {}
+        for cid in self.sample_clients(t):
+            control = self.control_for(state, cid)  # sent down; the client would send Delta c_i back up
+            plans[cid] = ClientPlan(
+                values=state.params, mask=None, capacity_used=1.0,  # shared, never mutated
+                channel_counts={"n_global": total, "n_private": 0, "n_dropped": 0},
+                extra={"control": control}, side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
+                **self.plan_kwargs(t, cid),
+            )
+        return plans
+
+    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+        """Option II client controls and the server update of lines 16-17, in float64, client-id order."""
+        if not results:
+            raise ValueError(f"round {t}: SCAFFOLD needs at least one client result")
+        results = sorted(results, key=lambda r: r.client_id)
+        lr = self.lr_at(t)
+        x = state.params.astype(np.float64)
+        c = state.extra["c"].astype(np.float64)
+        pc = self.param_coords
+        y_sum = np.zeros_like(x)
+        dc_sum = np.zeros_like(x)
+        c_i = dict(state.extra["c_i"])
+        for r in results:
+            if r.values.size != x.size:
+                raise ValueError(f"client {r.client_id}: full update has {r.values.size} values, model has {x.size}")
+            if r.steps < 1:
+                raise ValueError(f"client {r.client_id} in round {t} reports {r.steps} local steps; SCAFFOLD needs K >= 1")
+            y = r.values.astype(np.float64)
+            y_sum += y
+            dc = np.zeros_like(x)  # c_i+ - c_i = -c + (x - y_i) / (K eta), parameters only
+            dc[pc] = (x[pc] - y[pc]) / (r.steps * lr) - c[pc]
+            dc_sum += dc
+            old = c_i.get(r.client_id)
+            c_i[r.client_id] = (dc if old is None else old.astype(np.float64) + dc).astype(np.float32)
+        y_mean = y_sum / len(results)
+        g = float(self.opts.global_lr)
+        params = y_mean.copy()  # buffers: plain mean
+        params[pc] = (1.0 - g) * x[pc] + g * y_mean[pc]
+        c_new = c + dc_sum / self.n_clients  # |S|/N * mean over S = sum over S / N
+        extra = dict(state.extra)
+        extra.update(c=c_new.astype(np.float32), c_i=c_i)
+        return ServerState(round=t, params=params.astype(np.float32), extra=extra)
+
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        return {"macs_per_sample": self._full_macs()}
+
+    def _full_macs(self) -> int:
+        """Multiply-accumulates per sample of the full model (memoised)."""
+        if "_macs" not in self.__dict__:
+            self._macs = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None))
+        return self._macs

@@ -1,0 +1,28 @@
+"""Uniform allocation (papers/003 section 4.1): p_i = min(p, p_max_i) with p = 0.5 for every client.
+
+It caps every client at half width, so the outer half of every layer (including the
+classifier's input columns) is trained by nobody: Proposition 3's failure mode, kept
+on purpose as the paper's coverage-violating baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.registry import register
+from fedsap_ray.config import ConfigError
+from fedsap_ray.messages import ServerState
+
+
+@register("uniform")
+class Uniform(NestedWidth):
+    @dataclass(frozen=True)
+    class Options:
+        p: float = 0.5  # papers/003 section 4.1
+
+        def __post_init__(self) -> None:
+            if not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
+                raise ConfigError(f"invalid algorithm.p={self.p!r}: must be a number in (0, 1]")
+
+    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
+        return min(float(self.opts.p), float(self.ctx.federation.clients[client_id].capacity))

@@ -1,0 +1,1 @@
+"""Study scripts (``python sweeps/<study>.py``) and the machinery they share."""

@@ -1,0 +1,264 @@
+"""analysis.confound: the papers/003 tables (3-6, Figure 6, Table 1) from hand-built results."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from analysis import confound as cf
+
+G = "__global__"
+
+
+def run_row(run_id: str, algorithm: str, seed: int, options: dict | None = None, dataset: str = "cifar10",
+            status: str = "finished") -> dict:
+    cfg = {"algorithm": {"name": algorithm, "options": options or {}}}
+    return {"run_id": run_id, "study": "confound", "algorithm": algorithm, "dataset": dataset, "seed": seed,
+            "config_json": json.dumps(cfg), "status": status}
+
+
+def round_rows(run_id: str, accs: list, caps: list, frozen: list | None = None) -> list[dict]:
+    """__global__ rows (plus a decoy domain row whose accuracy must be ignored); None = not evaluated."""
+    rows = []
+    for t, (a, c) in enumerate(zip(accs, caps), start=1):
+        ev = a is not None
+        base = {"run_id": run_id, "round": t, "eval_mode": "global", "evaluated": ev, "avg_capacity": c,
+                "frozen_params": None if frozen is None else frozen[t - 1], "bytes_up": 10}
+        rows.append({**base, "domain": G, "accuracy": a, "global_accuracy": a,
+                     "best_global_accuracy": None})
+        rows.append({**base, "domain": "d0", "accuracy": 0.99 if ev else None, "global_accuracy": None,
+                     "best_global_accuracy": None})
+    return rows
+
+
+def make_results(runs: list[dict], rounds: list[dict], clients: list[dict] | None = None,
+                 allocations: list[dict] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(runs=pd.DataFrame(runs), rounds=pd.DataFrame(rounds),
+                           clients=pd.DataFrame(clients or []), allocations=pd.DataFrame(allocations or []))
+
+
+# ----------------------------------------------------------------------------- correlations
+
+def test_partial_correlation_matches_closed_form_and_hand_p_value() -> None:
+    rng = np.random.default_rng(3)
+    n = 40
+    z = rng.normal(size=n)
+    x = 0.6 * z + rng.normal(size=n)
+    y = -0.4 * z + 0.5 * x + rng.normal(size=n)
+    rxy, rxz, ryz = (np.corrcoef(a, b)[0, 1] for a, b in ((x, y), (x, z), (y, z)))
+    closed = (rxy - rxz * ryz) / math.sqrt((1 - rxz ** 2) * (1 - ryz ** 2))
+    c = cf.partial_corr(x, y, z)
+    assert c.r == pytest.approx(closed, abs=1e-12)
+    assert c.n == n
+    df = n - 2 - 1
+    t = closed * math.sqrt(df / (1 - closed ** 2))
+    assert c.pvalue == pytest.approx(2 * stats.t.sf(abs(t), df), rel=1e-10)
+    half = 1.959963984540054 / math.sqrt(n - 3 - 1)
+    assert c.ci_low == pytest.approx(math.tanh(math.atanh(closed) - half), rel=1e-9)
+    assert c.ci_high == pytest.approx(math.tanh(math.atanh(closed) + half), rel=1e-9)
+    # plain Pearson agrees with numpy and has scipy's Fisher interval
+    p = cf.pearson(x, y)
+    assert p.r == pytest.approx(rxy, abs=1e-12)
+    half0 = 1.959963984540054 / math.sqrt(n - 3)
+    assert p.ci_low == pytest.approx(math.tanh(math.atanh(rxy) - half0), rel=1e-6)
+
+
+def test_partial_correlation_known_answers_and_constant_inputs() -> None:
+    rng = np.random.default_rng(0)
+    n = 500
+    z = rng.normal(size=n)
+    x = z + 0.5 * rng.normal(size=n)
+    y = z + 0.5 * rng.normal(size=n)
+    assert cf.pearson(x, y).r > 0.7           # a common cause makes x and y look related ...
+    assert abs(cf.partial_corr(x, y, z).r) < 0.2  # ... and controlling for it removes the relation
+    y2 = x + z
+    assert cf.partial_corr(x, y2, z).r > 0.9
+    assert cf.partial_corr(x, y2, z).pvalue < 1e-6
+    # constant inputs (e.g. every p_max equal) give NaN, no exception and no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        const = np.full(n, 0.5)
+        assert math.isnan(cf.pearson(x, const).r)
+        assert math.isnan(cf.partial_corr(x, y, const).r)
+        assert math.isnan(cf.partial_corr(const, y, z).pvalue)
+        assert math.isnan(cf.partial_corr(2 * z + 1, y, z).r)  # x is a function of the control
+        assert math.isnan(cf.pearson([1.0, 2.0], [3.0, 1.0]).r)  # too few observations
+    # missing values are dropped pairwise
+    xm = x.copy()
+    xm[:10] = np.nan
+    assert cf.pearson(xm, y).n == n - 10
+    assert cf.pearson(xm, y).r == pytest.approx(np.corrcoef(x[10:], y[10:])[0, 1])
+
+
+# ----------------------------------------------------------------------------- per run / summary
+
+def two_seed_results() -> SimpleNamespace:
+    stale = round_rows("b", [0.3, 0.8, 0.75, 0.95], [0.3, 0.4, 0.5, 0.6], [0, 0, 0, 0])
+    for r in stale[6:]:
+        r["evaluated"] = False  # round 4 skipped by eval_every: its (stale) accuracy must be ignored
+    runs = [run_row("a", "hasfl", 1), run_row("b", "hasfl", 2),
+            run_row("c", "hasfl", 1, {"coverage": False}), run_row("d", "fedavg", 1),
+            run_row("e", "fedavg", 2, {"width": "capacity"}), run_row("f", "fedprox", 1, status="failed")]
+    rounds = (round_rows("a", [0.5, 0.7, 0.6], [0.4, 0.5, 0.6], [100, 50, 10])
+              + stale
+              + round_rows("c", [0.4, 0.6, 0.2], [0.5, 0.5, 0.5], [300, 300, 300])
+              + round_rows("d", [0.6, 0.9], [1.0, 1.0], [0, 0]))
+    return make_results(runs, rounds)
+
+
+def test_variant_labels() -> None:
+    pr = cf.per_run(two_seed_results()).set_index("run_id")
+    assert pr["variant"].to_dict() == {"a": "HAS-FL", "b": "HAS-FL", "c": "HAS-FL (no coverage)", "d": "FedAvg",
+                                      "e": "FedAvg (capacity width)", "f": "FedProx"}
+    assert cf.variant_of(run_row("x", "random_budget", 1)) == "Random-budget"
+    assert cf.variant_of(run_row("x", "hasfl", 1, {"coverage": "false"})) == "HAS-FL (no coverage)"
+    assert cf.variant_of(run_row("x", "hasfl", 1, {"coverage": True})) == "HAS-FL"
+    assert cf.variant_of(run_row("x", "newalgo", 1)) == "newalgo"
+
+
+def test_per_run_and_summary_hand_computed() -> None:
+    pr = cf.per_run(two_seed_results()).set_index("run_id")
+    a, b = pr.loc["a"], pr.loc["b"]
+    assert (a.best_accuracy, a.final_accuracy) == pytest.approx((0.7, 0.6))
+    assert a.peak_to_final == pytest.approx(-0.1)
+    assert a.avg_p == pytest.approx(0.5)
+    assert a.final_frozen_params == 10
+    assert (b.best_accuracy, b.final_accuracy) == pytest.approx((0.8, 0.75))  # round 4 was not evaluated
+    assert b.peak_to_final == pytest.approx(-0.05)
+    assert b.avg_p == pytest.approx(0.45)                                      # every round counts for p
+    assert b.rounds == 4
+    assert math.isnan(pr.loc["e"].best_accuracy)                               # a run without rounds
+    st = cf.summary_table(pr.reset_index(), ["HAS-FL", "FedAvg"]).set_index("variant")
+    h = st.loc["HAS-FL"]
+    assert h.seeds == 2
+    assert h.best_mean == pytest.approx(0.75) and h.best_std == pytest.approx(np.std([0.7, 0.8], ddof=1))
+    assert h.final_mean == pytest.approx(0.675) and h.final_std == pytest.approx(np.std([0.6, 0.75], ddof=1))
+    assert h.drop_mean == pytest.approx(-0.075)
+    assert h.avg_p_mean == pytest.approx(0.475)
+    assert list(st.index) == ["HAS-FL", "FedAvg"]
+    cov = cf.coverage_table(pr.reset_index()).set_index("variant")
+    assert list(cov.index) == ["HAS-FL", "HAS-FL (no coverage)"]
+    assert cov.loc["HAS-FL", "frozen_mean"] == pytest.approx(5.0)
+    assert cov.loc["HAS-FL (no coverage)", "drop_mean"] == pytest.approx(-0.4)
+    md = cf.to_markdown(cf.summary_table(pr.reset_index(), ["HAS-FL", "FedAvg"]))
+    assert "| cifar10 | HAS-FL | 2 | 75.0 ± 7.1 | 67.5 ± 10.6 | -7.5 ± 3.5 | 0.47 ± 0.04 |" in md
+
+
+def test_matched_budget_paired_difference() -> None:
+    pr = pd.DataFrame({
+        "dataset": ["c"] * 7, "variant": ["HAS-FL"] * 4 + ["Random-budget"] * 3, "seed": [1, 2, 3, 4, 1, 2, 3],
+        "final_accuracy": [0.70, 0.75, 0.80, 0.9, 0.71, 0.70, 0.78],
+        "avg_p": [0.52, 0.50, 0.54, 0.5, 0.49, 0.48, 0.50]})
+    mb = cf.matched_budget(pr)
+    per_seed = mb[mb["seed"] != "mean"]
+    assert list(per_seed["seed"]) == [1, 2, 3]   # seed 4 has no Random-budget partner
+    assert per_seed["diff"].to_numpy() == pytest.approx([-0.01, 0.05, 0.02])
+    assert per_seed["avg_p_b"].to_numpy() == pytest.approx([0.49, 0.48, 0.50])
+    s = mb[mb["seed"] == "mean"].iloc[0]
+    assert s["diff"] == pytest.approx(0.02)
+    assert s["diff_std"] == pytest.approx(np.std([-0.01, 0.05, 0.02], ddof=1))
+    assert s["n_pairs"] == 3
+    assert s["p_value"] == pytest.approx(stats.ttest_rel([0.70, 0.75, 0.80], [0.71, 0.70, 0.78]).pvalue)
+    one = cf.matched_budget(pr[pr["seed"] == 1])
+    assert math.isnan(one[one["seed"] == "mean"].iloc[0]["p_value"])
+
+
+# ----------------------------------------------------------------------------- Table 5
+
+def alloc_rows(run_id: str, t: int, h: list, p: list, pmax: list, tv: list) -> list[dict]:
+    return [{"run_id": run_id, "round": t, "client_id": i, "capacity_max": pmax[i], "p": p[i], "h_hat": None,
+             "h_tilde": h[i], "tv_distance": tv[i], "adapted": t % 2 == 0} for i in range(len(h))]
+
+
+TV = [0.1, 0.5, 0.2, 0.7, 0.3, 0.9]
+PMAX = [0.25, 0.25, 0.5, 0.5, 1.0, 1.0]
+
+
+def test_correlation_table_uses_the_last_allocation_round() -> None:
+    allocs = (alloc_rows("a", 2, [3 * v + 1 for v in TV], [0.2, 0.25, 0.4, 0.5, 0.6, 1.0], PMAX, TV)
+              + alloc_rows("a", 1, [1.0, 0.9, 1.3, 0.2, 1.1, 0.4], [0.25] * 6, PMAX, TV))
+    clients = [{"run_id": "b", "round": t, "client_id": i, "capacity_max": PMAX[i], "capacity_used": PMAX[i],
+                "h_tilde": (TV[i] if t == 3 else -TV[i]), "tv_distance": TV[i]} for t in (3, 1) for i in range(6)]
+    res = make_results([run_row("a", "hasfl", 42), run_row("b", "hasfl", 43)], [], clients, allocs)
+    ct = cf.correlation_table(res).set_index("run_id")
+    a = ct.loc["a"]
+    assert a["source"] == "allocations" and a["round"] == 2 and a["n"] == 6
+    assert a["r_H_TV"] == pytest.approx(1.0)
+    assert a["r_H_TV|pmax"] == pytest.approx(1.0)
+    assert a["r_H_pmax"] == pytest.approx(np.corrcoef(TV, PMAX)[0, 1])
+    assert a["n_H_TV"] == 6 and a["pval_H_TV"] < 1e-6
+    # the clients-table fallback takes each client's last row (round 3 here)
+    b = ct.loc["b"]
+    assert b["source"] == "clients" and b["round"] == 3
+    assert b["r_H_TV"] == pytest.approx(1.0)
+    assert math.isnan(b["r_p_TV|pmax"])  # p == p_max exactly: nothing left after controlling for it
+
+
+def test_correlation_table_reads_a_results_folder(tmp_path, monkeypatch, capsys) -> None:
+    for name, rows in (("runs", [run_row("a", "hasfl", 42)]),
+                       ("rounds", round_rows("a", [0.5, 0.6], [0.5, 0.5], [3, 1])),
+                       ("allocations", alloc_rows("a", 1, [1.0, 0.9, 1.3, 0.2, 1.1, 0.4], [0.25] * 6, PMAX, TV)
+                        + alloc_rows("a", 2, [-v for v in TV], PMAX, PMAX, TV))):
+        (tmp_path / name).mkdir()
+        pd.DataFrame(rows).to_parquet(tmp_path / name / "a.parquet")
+    ct = cf.correlation_table(tmp_path)
+    assert len(ct) == 1 and ct.iloc[0]["round"] == 2
+    assert ct.iloc[0]["r_H_TV"] == pytest.approx(-1.0)
+    cf.main([str(tmp_path), "--all"])
+    printed = capsys.readouterr().out
+    assert "## Do the estimates measure data heterogeneity? (Table 5)" in printed
+    assert "| cifar10 | HAS-FL | 42 | allocations | 2 | 6 | -1.00 [-1.00, -1.00] (p=0) |" in printed
+    pr = cf.per_run(str(tmp_path))
+    assert pr.iloc[0]["final_frozen_params"] == 1 and pr.iloc[0]["best_accuracy"] == pytest.approx(0.6)
+    # a results.load without the allocations table: read allocations/ from the folder directly
+    real_load = cf.results.load
+    monkeypatch.setattr(cf.results, "load", lambda p: SimpleNamespace(
+        **{t: getattr(real_load(p), t) for t in ("runs", "rounds", "clients")}))
+    assert cf.correlation_table(tmp_path).iloc[0]["r_H_TV"] == pytest.approx(-1.0)
+    (tmp_path / "allocations" / "a.parquet").unlink()
+    assert cf.correlation_table(tmp_path).empty  # no allocations and no clients rows: no Table 5 rows
+
+
+# ----------------------------------------------------------------------------- Table 1, Figure 6, report
+
+def test_cost_table_reproduces_papers003_table1_cnn_cifar() -> None:
+    t = cf.cost_table("cnn_cifar", (3, 32, 32), 10)
+    assert list(t["p"]) == [0.25, 0.5, 0.75, 1.0]
+    assert [round(v, 2) for v in t["params_M"]] == [0.21, 0.82, 1.83, 3.25]
+    assert [round(v, 1) for v in t["macs_M"]] == [10.0, 39.2, 87.4, 154.9]
+    assert [round(v, 2) for v in t["upload_MB"]] == [0.82, 3.26, 7.32, 13.00]
+
+
+def test_plot_frontier_writes_a_png(tmp_path) -> None:
+    fr = cf.frontier(cf.per_run(two_seed_results()))
+    assert set(fr["variant"]) >= {"HAS-FL", "FedAvg"}
+    out = cf.plot_frontier(fr.dropna(subset=["final_mean"]), tmp_path / "fig" / "frontier.png")
+    data = out.read_bytes()
+    assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_has_sections_for_present_variants() -> None:
+    runs, rounds, allocs = [], [], []
+    for s in (1, 2):
+        for algo, accs, cap in (("hasfl", [0.5, 0.7], 0.5), ("random_budget", [0.5, 0.68], 0.48),
+                                ("fedavg", [0.7, 0.9], 1.0)):
+            rid = f"{algo}{s}"
+            runs.append(run_row(rid, algo, s))
+            rounds += round_rows(rid, accs, [cap, cap], [0, 0])
+            if algo != "fedavg":
+                allocs += alloc_rows(rid, 2, [v + 0.1 * s for v in TV], PMAX, PMAX, TV)
+    md = cf.report(make_results(runs, rounds, allocations=allocs))
+    assert "## Comparison with full-model methods (Table 6)" in md
+    assert "## Matched-budget control (section 4.4)" in md
+    assert "## Do the estimates measure data heterogeneity? (Table 5)" in md
+    assert "## Accuracy-capacity frontier (Figure 6)" in md
+    assert "Table 3" not in md and "Table 4" not in md  # FjORD / Uniform / no-coverage runs are absent
+    assert "| cifar10 | HAS-FL | Sub-model (adaptive) | 2 | 70.0 ± 0.0 | 70.0 ± 0.0 | 0.50 ± 0.00 |" in md
+    assert "| cifar10 | mean | 70.0 | 68.0 | 2.0 | 0.50 | 0.48 |" in md
+    assert "| cifar10 | HAS-FL | 1 | allocations | 2 | 6 | 1.00 [1.00, 1.00] (p=0) |" in md
