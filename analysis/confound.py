@@ -468,14 +468,16 @@ def matched_budget(per_run_df: pd.DataFrame, a: str = HASFL, b: str = RANDOM_BUD
 # ----------------------------------------------------------------------------- costs
 
 def cost_table(model_name: str, input_shape: tuple[int, ...], num_classes: int,
-               widths: Sequence[float] = (0.25, 0.5, 0.75, 1.0), vocab_size: int | None = None) -> pd.DataFrame:
+               widths: Sequence[float] = (0.25, 0.5, 0.75, 1.0), vocab_size: int | None = None,
+               width_mult: float = 1.0) -> pd.DataFrame:
     """papers/003 Table 1 from the model itself: per width p (nested channel masks) the
     trainable parameters, MACs per sample (models.model_macs) and upload size
     (4 bytes x params). Columns p, params, macs, params_M, macs_M, upload_MB."""
     from fedsap_ray.masks import ParamLayout, nested_channel_masks, param_mask, params_in_mask
     from fedsap_ray.models import build_model, model_macs
 
-    m = build_model(model_name, num_classes=num_classes, input_shape=tuple(input_shape), vocab_size=vocab_size)
+    m = build_model(model_name, num_classes=num_classes, input_shape=tuple(input_shape), vocab_size=vocab_size,
+                    width_mult=width_mult)
     space, layout = m.channel_space(), ParamLayout.from_model(m)
     rows = []
     for p in widths:

@@ -132,9 +132,10 @@ def _algorithms() -> int:
     from fedsap_ray import algorithms
 
     for name in algorithms.names():
-        opts = algorithms.get(name).Options
-        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(opts)) or "(no options)"
-        print(f"{name:<14} {fields}")
+        cls = algorithms.get(name)
+        fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options)) or "(no options)"
+        print(f"{name:<14} {cls.summary}")
+        print(f"{'':<14}   options: {fields}")
     return 0
 
 

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsap_ray.aggregation import scatter
+from fedsap_ray.algorithms.objectives import make_objective
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.messages import ClientPlan, ClientResult
@@ -89,6 +90,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     tmask = None if plan.mask is None else TorchMask.build(model, layout, plan.mask)
     anchor = [p.detach().clone() for p in params] if plan.prox_mu > 0 else None
     corrections = _control_tensors(plan, model, layout, device)
+    objective = make_objective(plan, model, layout, device)  # a strategy's own local loss and hooks
 
     opt = torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
     x_all = as_input(data.x).to(device)
@@ -113,7 +115,10 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
                 if len(idx) < 2 and n >= 2:  # BatchNorm cannot train on a single sample
                     continue
                 opt.zero_grad(set_to_none=False)
-                loss = _objective(model, x_all[idx], y_all[idx], plan.rep_gamma)
+                if objective is None:
+                    loss = _objective(model, x_all[idx], y_all[idx], plan.rep_gamma)
+                else:
+                    loss = objective.loss(model, x_all[idx], y_all[idx])
                 if anchor is not None:
                     prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
                     loss = loss + 0.5 * plan.prox_mu * prox
@@ -122,12 +127,16 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
                     mask_grads_(model, layout, tmask)
                 if collector is not None:
                     collector.after_backward()
+                if objective is not None:
+                    objective.after_backward(model)
                 if plan.grad_clip is not None:
                     torch.nn.utils.clip_grad_norm_(params, plan.grad_clip)
                 if corrections is not None:  # SCAFFOLD: g_i(y) + c - c_i, after clipping g_i(y)
                     for p, corr in corrections:
                         p.grad.add_(corr)
                 opt.step()
+                if objective is not None:
+                    objective.after_step(model)
                 losses.append(float(loss.detach()))
                 steps += 1
                 if plan.max_steps_per_epoch is not None and steps >= plan.max_steps_per_epoch:
@@ -143,6 +152,8 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     flat = layout.flatten(model)
     values = flat if plan.mask is None else flat[plan.mask]
     stats = {} if collector is None else collector.result(steps)
+    if objective is not None:
+        stats.update(objective.result(model))
     return ClientResult(
         client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
         n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0, steps=len(losses),

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--backend", choices=["local", "ray"], default="local")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once in worker processes (local backend)")
     p.add_argument("--smoke-test", action="store_true", help="smoke preset (HAS-FL adapts and normalises), one seed")
     args = p.parse_args(argv)
     preset, seeds, extra = args.preset, args.seeds, list(args.overrides)
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         preset, seeds, extra = "smoke", seeds[:1], extra + SMOKE
     out = Path(args.out)
     run_variants(out, {v: VARIANTS[v] for v in args.variants}, seeds, preset=preset, extra=extra,
-                 backend=args.backend, study="capacity_confound")
+                 backend=args.backend, jobs=args.jobs, study="capacity_confound")
     print(report(out, frontier_png=out / "frontier.png"))
     return 0
 

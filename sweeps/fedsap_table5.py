@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--backend", choices=["local", "ray"], default="local")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once in worker processes (local backend)")
     p.add_argument("--smoke-test", action="store_true", help="smoke preset, one seed, tiny model")
     args = p.parse_args(argv)
     preset, seeds, extra = args.preset, args.seeds, list(args.overrides)
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         preset, seeds, extra = "smoke", seeds[:1], extra + SMOKE
     out = Path(args.out)
     run_variants(out, {v: VARIANTS[v] for v in args.variants}, seeds, preset=preset, extra=extra,
-                 backend=args.backend, study="fedsap_table5")
+                 backend=args.backend, jobs=args.jobs, study="fedsap_table5")
     print(to_markdown(load_table(out)))
     return 0
 

@@ -48,6 +48,11 @@ def test_print_config_and_listings():
     assert r.returncode == 0 and '"local_epochs": 10' in r.stdout
     r = cli("algorithms")
     assert r.returncode == 0 and "fedprox" in r.stdout and "mu=" in r.stdout
+    from fedsap_ray import algorithms
+
+    for name in algorithms.names():  # every registered strategy is listed with its one-line summary
+        summary = algorithms.get(name).summary
+        assert summary and f"{name:<14} {summary}" in r.stdout
     r = cli("datasets")
     assert r.returncode == 0 and "embedded_digits" in r.stdout
 

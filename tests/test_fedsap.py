@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from fedsap_ray import algorithms, results
+from fedsap_ray import results
 from fedsap_ray.algorithms.fedsap import budget, roles
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.messages import ClientResult
 from conftest import make_strategy, run_rounds

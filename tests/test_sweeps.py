@@ -58,9 +58,18 @@ def test_ablation_table_matches_a_direct_computation(table5):
     assert "fedsap: single path, uniform budget" in to_markdown(table)
 
 
-def test_capacity_confound_smoke_study_reports_every_table(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def confound(tmp_path_factory):
+    out = tmp_path_factory.mktemp("confound")
     mod = _load("capacity_confound")
-    assert mod.main(["--smoke-test", "--out", str(tmp_path)]) == 0
+    assert mod.main(["--smoke-test", "--out", str(out)]) == 0
+    return mod, out
+
+
+def test_capacity_confound_smoke_study_reports_every_table(confound, capsys):
+    mod, out = confound
+    assert mod.main(["--smoke-test", "--out", str(out)]) == 0  # all finished: skipped, report printed
+    tmp_path = out
     res = results.load(tmp_path)
     assert sorted(res.runs["run_id"]) == sorted(f"{v}-s0" for v in mod.VARIANTS)
     assert (res.runs["status"] == "finished").all()
@@ -70,3 +79,15 @@ def test_capacity_confound_smoke_study_reports_every_table(tmp_path, capsys):
     assert (tmp_path / "frontier.png").stat().st_size > 0
     alloc = res.allocations[res.allocations["run_id"] == "hasfl-s0"]
     assert alloc["adapted"].any() and len(alloc) == 4 * len(res.clients["client_id"].unique())
+
+
+def test_parallel_jobs_give_the_same_numbers(confound, tmp_path):
+    import pandas as pd
+
+    mod, seq = confound
+    assert mod.main(["--smoke-test", "--out", str(tmp_path), "--jobs", "2", "--variants", "hasfl", "fjord"]) == 0
+    a, b = results.load(seq), results.load(tmp_path)
+    key = ["run_id", "round", "domain", "eval_mode"]
+    a_rounds = a.rounds[a.rounds["run_id"].isin(["hasfl-s0", "fjord-s0"])].sort_values(key).reset_index(drop=True)
+    b_rounds = b.rounds.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a_rounds.drop(columns=["round_wall_s"]), b_rounds.drop(columns=["round_wall_s"]))

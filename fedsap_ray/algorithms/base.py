@@ -34,6 +34,7 @@ class Strategy(ABC):
     """Base class: client sampling, learning-rate schedule and plan defaults."""
 
     name: ClassVar[str]
+    summary: ClassVar[str] = ""  # one line for ``fedsap-ray algorithms``
 
     @dataclass(frozen=True)
     class Options:

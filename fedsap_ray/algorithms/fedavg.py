@@ -20,6 +20,7 @@ WIDTHS = ("full", "capacity")
 
 @register("fedavg")
 class FedAvg(NestedWidth):
+    summary = "full model on every client (width=capacity: nested sub-models at p_max)"
     @dataclass(frozen=True)
     class Options:
         width: str = "full"  # full | capacity

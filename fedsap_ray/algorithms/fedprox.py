@@ -11,6 +11,7 @@ from fedsap_ray.config import ConfigError
 
 @register("fedprox")
 class FedProx(FedAvg):
+    summary = "FedAvg plus the proximal term (mu/2)||w - w^t||^2 in the local objective"
     @dataclass(frozen=True)
     class Options(FedAvg.Options):
         mu: float = 0.01

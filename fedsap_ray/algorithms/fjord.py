@@ -16,6 +16,7 @@ from fedsap_ray.seeding import rng_for
 
 @register("fjord")
 class FjORD(NestedWidth):
+    summary = "ordered dropout: each round a random tier at or below p_max (papers/003)"
     def tiers(self) -> list[float]:
         """The distinct device capacities of the federation (p_max values), ascending."""
         return sorted({float(c.capacity) for c in self.ctx.federation.clients})

@@ -53,6 +53,7 @@ def h_hat(delta_i: np.ndarray, delta_bar: np.ndarray, eps: float) -> float:
 
 @register("hasfl")
 class HasFL(NestedWidth):
+    summary = "heterogeneity-aware widths from update divergence, Eqs. 4-6, coverage guarantee"
     @dataclass(frozen=True)
     class Options:
         p_min: float = 0.4  # base capacity (section 4.1)

@@ -14,5 +14,6 @@ from fedsap_ray.messages import ServerState
 
 @register("heterofl")
 class HeteroFL(NestedWidth):
+    summary = "static nested sub-models at p_max, coordinate-wise aggregation"
     def width_for(self, state: ServerState, client_id: int, t: int) -> float:
         return float(self.ctx.federation.clients[client_id].capacity)

@@ -54,6 +54,7 @@ def match_budget(draws: np.ndarray, p_max: np.ndarray, fixed: np.ndarray, total:
 
 @register("random_budget")
 class RandomBudget(HasFL):
+    summary = "matched-budget control: random widths scaled to HAS-FL's mean allocation"
     @dataclass(frozen=True)
     class Options(HasFL.Options):
         p_low: float = 0.25  # lower end of the uniform draw (the smallest tier)

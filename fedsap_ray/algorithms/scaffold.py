@@ -52,6 +52,7 @@ from fedsap_ray.models import model_macs
 
 @register("scaffold")
 class Scaffold(Strategy):
+    summary = "full model, control variates c - c_i correct client drift (plain local SGD)"
     @dataclass(frozen=True)
     class Options:
         global_lr: float = 1.0  # eta_g, the server step size (Algorithm 1 line 16)

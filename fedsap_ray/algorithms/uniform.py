@@ -16,6 +16,7 @@ from fedsap_ray.messages import ServerState
 
 @register("uniform")
 class Uniform(NestedWidth):
+    summary = "p_i = min(0.5, p_max): every client capped at half width (no coverage)"
     @dataclass(frozen=True)
     class Options:
         p: float = 0.5  # papers/003 section 4.1

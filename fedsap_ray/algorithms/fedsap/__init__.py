@@ -10,11 +10,14 @@ from fedsap_ray.algorithms.registry import register
 
 @register("fedsap")
 class FedSAPMain(FedSAP):
+    summary = "tri-state channels, adaptive layer budgets, DGA, type-matched aggregation"
     Options = FedSAPOptions
 
 
 @register("fedsap_fixed")
 class FedSAPFixed(FedSAP):
+    summary = "FedSAP's fixed-mask, uniform-budget reference setting (Table 3 right)"
+
     @dataclass(frozen=True)
     class Options(FedSAPOptions):
         adaptive_layer_budget: int = 0

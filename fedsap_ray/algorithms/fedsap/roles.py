@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, ParamLayout
+from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.models.space import ChannelSpace
 
 _EPS = 1e-12
@@ -40,23 +40,6 @@ def utility(activation: np.ndarray, gradient: np.ndarray, space: ChannelSpace,
             lambda_a: float = 0.5, lambda_g: float = 0.5) -> np.ndarray:
     """Eq. 5: u = lambda_a * r~ + lambda_g * h~ (r: mean |activation|, h: channel gradient norm)."""
     return lambda_a * per_layer_max_normalise(activation, space) + lambda_g * per_layer_max_normalise(gradient, space)
-
-
-def filter_l1_scores(space: ChannelSpace, layout: ParamLayout, params: np.ndarray) -> np.ndarray:
-    """Initial scores before any statistics: the L1 norm of each channel's output weights (DESIGN section 5)."""
-    scores = []
-    for layer in space.layers:
-        s = np.zeros(layer.channels, dtype=np.float64)
-        for ax in layer.out:
-            if not ax.name.endswith("weight") or ax.name not in layout.names:
-                continue
-            w = layout.slice(ax.name, params).reshape(layout.shapes[layout.index(ax.name)])
-            if w.ndim < 2:  # BN scale: not a filter
-                continue
-            w = np.moveaxis(np.abs(w), ax.axis, 0).reshape(w.shape[ax.axis], -1).sum(1)
-            s += w.reshape(ax.blocks, layer.channels, ax.group).sum(axis=(0, 2))
-        scores.append(s)
-    return np.concatenate(scores)
 
 
 def layer_utility(utilities: list[np.ndarray], actives: list[np.ndarray], space: ChannelSpace) -> np.ndarray:

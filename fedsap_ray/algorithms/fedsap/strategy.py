@@ -41,6 +41,7 @@ from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
+from fedsap_ray.algorithms.pruning import filter_l1_scores
 from fedsap_ray.config import ConfigError
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -117,7 +118,7 @@ class FedSAP(Strategy):
         state = super().init_state()
         fed, space = self.ctx.federation, self.ctx.space
         n = len(fed.clients)
-        init_scores = roles.filter_l1_scores(space, self.ctx.layout, state.params)
+        init_scores = filter_l1_scores(space, self.ctx.layout, state.params)
         channels = np.array([l.channels for l in space.layers])
         states = {}
         for c in fed.clients:

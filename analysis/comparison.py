@@ -1,0 +1,85 @@
+"""The main comparison (papers/000 Table 1) from a results folder: per-domain and global accuracy
+of every method, mean over seeds.
+
+As in the paper's Table 1 (following DapperFL): each domain column is that domain's
+best-so-far accuracy over the evaluated rounds, and ``global`` is the best-so-far
+unweighted mean of the domain accuracies at the same round, so it need not equal the
+mean of the domain columns. We also give the final-round global accuracy. Every number
+comes from our runs' Parquet rows (the primary eval mode of each run: ``group`` for
+FedSAP, ``global`` otherwise), never from the paper.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from fedsap_ray import results
+
+GLOBAL = results.GLOBAL_DOMAIN
+# papers/000 Table 1 rows, in its order: (label, registry name, marked with system heterogeneity)
+TABLE1 = [
+    ("FedAvg", "fedavg", False), ("MOON", "moon", False), ("FedSR", "fedsr", False), ("FPL", "fpl", False),
+    ("FedSPU", "fedspu", False), ("FedDrop", "feddrop", True), ("FedProx", "fedprox", True), ("FedMP", "fedmp", True),
+    ("NeFL", "nefl", True), ("DapperFL", "dapperfl", True), ("FedSAP", "fedsap", True),
+]
+LABEL = {name: label for label, name, _ in TABLE1}
+
+
+def method_of(config: dict[str, Any]) -> str:
+    """Table 1 label of a run (FedAvg / FedProx note the width they trained at)."""
+    algo = config["algorithm"]
+    label = LABEL.get(algo["name"], algo["name"])
+    width = (algo.get("options") or {}).get("width")
+    if algo["name"] == "fedavg" and width == "capacity":
+        return "FedAvg (sub-models)"
+    if algo["name"] == "fedprox" and width != "capacity":
+        return "FedProx (full model)"
+    return label
+
+
+def per_run(res: results.Results) -> pd.DataFrame:
+    """One row per finished run: method, seed, best accuracy per domain, best and final global accuracy."""
+    runs = res.runs[res.runs["status"] == "finished"].copy()
+    runs["method"] = [method_of(json.loads(c)) for c in runs["config_json"]]
+    r = res.rounds[res.rounds["evaluated"].fillna(False).astype(bool)]
+    primary = r[r["domain"] == GLOBAL].groupby("run_id")["eval_mode"].first()
+    r = r[r["eval_mode"] == r["run_id"].map(primary)]
+    best = r.pivot_table(index="run_id", columns="domain", values="accuracy", aggfunc="max")
+    g = r[r["domain"] == GLOBAL].sort_values("round")
+    final = g.groupby("run_id")["accuracy"].last().rename("final_global")
+    best = best.rename(columns={GLOBAL: "global"}).join(final)
+    return runs[["run_id", "method", "seed", "dataset"]].set_index("run_id").join(best).reset_index()
+
+
+def table1(res: results.Results) -> pd.DataFrame:
+    """Mean over seeds per method (rows in the paper's order), with the seed count and global std."""
+    pr = per_run(res)
+    cols = [c for c in pr.columns if c not in ("run_id", "method", "seed", "dataset")]
+    domains = [c for c in cols if c not in ("global", "final_global")]
+    agg = pr.groupby("method")[domains + ["global", "final_global"]].mean()
+    agg["global_std"] = pr.groupby("method")["global"].std()
+    agg["seeds"] = pr.groupby("method")["seed"].nunique()
+    order = [label for label, _, _ in TABLE1 if label in agg.index] + sorted(set(agg.index) - set(LABEL.values()))
+    return agg.loc[order]
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """README table: accuracies in percent; the 'sys. het.' column says who trained sub-models."""
+    het = {label: h for label, _, h in TABLE1}
+    domains = [c for c in table.columns if c not in ("global", "final_global", "global_std", "seeds")]
+    head = ["method", "sys. het.", "seeds", *domains, "global (best)", "global (final)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for m, r in table.iterrows():
+        cells = [m, "✓" if het.get(m, "sub-models" in m) else "✗", str(int(r["seeds"]))]
+        cells += [f"{100 * r[d]:.2f}" for d in domains]
+        std = 0.0 if pd.isna(r["global_std"]) else r["global_std"]
+        cells += [f"{100 * r['global']:.2f} ± {100 * std:.2f}", f"{100 * r['final_global']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def load_table(path: str | Path) -> pd.DataFrame:
+    return table1(results.load(path))
