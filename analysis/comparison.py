@@ -48,6 +48,7 @@ def per_run(res: results.Results) -> pd.DataFrame:
     primary = r[r["domain"] == GLOBAL].groupby("run_id")["eval_mode"].first()
     r = r[r["eval_mode"] == r["run_id"].map(primary)]
     best = r.pivot_table(index="run_id", columns="domain", values="accuracy", aggfunc="max")
+    best = best[list(dict.fromkeys(r["domain"]))]  # domains in the order the runs wrote them (the dataset's)
     g = r[r["domain"] == GLOBAL].sort_values("round")
     final = g.groupby("run_id")["accuracy"].last().rename("final_global")
     best = best.rename(columns={GLOBAL: "global"}).join(final)

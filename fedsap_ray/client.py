@@ -150,7 +150,10 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     if not np.isfinite(loss_mean):
         raise FloatingPointError(f"training loss is {loss_mean} (diverged; lower training.lr?)")
     flat = layout.flatten(model)
-    values = flat if plan.mask is None else flat[plan.mask]
+    upload = None if objective is None else objective.upload_mask()
+    if upload is None:
+        upload = plan.mask
+    values = flat if upload is None else flat[upload]
     stats = {} if collector is None else collector.result(steps)
     if objective is not None:
         stats.update(objective.result(model))

@@ -116,10 +116,17 @@ def test_gpu_pinning_eight_workers_four_per_logical_gpu(tmp_path, fed):
     assert workers_per_gpu.to_dict() == {0: 4, 1: 4}
 
 
-@pytest.mark.parametrize("extra", [["algorithm.name=fedsap", "algorithm.warmup=1", "algorithm.regroup_every=1"],
-                                   ["algorithm.name=random_budget", "algorithm.warmup=1", "algorithm.t_adapt=1"]],
-                         ids=["fedsap", "random_budget"])
-def test_stateful_strategies_run_on_ray_with_the_same_numbers(tmp_path, fed, extra):
+STATEFUL = {  # strategies with server-held state, client-side objectives or per-round masks
+    "fedsap": ["algorithm.name=fedsap", "algorithm.warmup=1", "algorithm.regroup_every=1"],
+    "random_budget": ["algorithm.name=random_budget", "algorithm.warmup=1", "algorithm.t_adapt=1"],
+    **{name: [f"algorithm.name={name}", "training.rounds=2"]
+       for name in ("scaffold", "moon", "fedsr", "fpl", "fedspu", "feddrop", "fedmp", "nefl", "dapperfl")},
+}
+
+
+@pytest.mark.parametrize("name", list(STATEFUL))
+def test_stateful_strategies_run_on_ray_with_the_same_numbers(tmp_path, fed, name):
+    extra = STATEFUL[name]
     base = [o for o in TINY if not o.startswith("algorithm.")]
     cfg_local = build_config(preset="smoke", overrides=base + extra)
     run_experiment(cfg_local, tmp_path / "local", run_id="f", federation=fed)

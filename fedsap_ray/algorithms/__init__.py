@@ -2,6 +2,14 @@
 from fedsap_ray.algorithms import fedavg, fedprox, fedsap  # noqa: F401  (registration)
 from fedsap_ray.algorithms import fjord, hasfl, heterofl, random_budget, uniform  # noqa: F401  (papers/003)
 from fedsap_ray.algorithms import scaffold  # noqa: F401
+from fedsap_ray.algorithms import dapperfl  # noqa: F401
+from fedsap_ray.algorithms import moon  # noqa: F401
+from fedsap_ray.algorithms import fedsr  # noqa: F401
+from fedsap_ray.algorithms import fpl  # noqa: F401
+from fedsap_ray.algorithms import fedspu  # noqa: F401
+from fedsap_ray.algorithms import feddrop  # noqa: F401
+from fedsap_ray.algorithms import fedmp  # noqa: F401
+from fedsap_ray.algorithms import nefl  # noqa: F401
 from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.registry import get, names, parse_options, register
 

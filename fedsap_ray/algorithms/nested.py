@@ -1,16 +1,24 @@
-"""Nested-width sub-model training with coordinate-wise aggregation (papers/003 Algorithms 1-2).
+"""Sub-model training with coordinate-wise aggregation (papers/003 Algorithms 1-2).
 
-Every sub-model strategy of the capacity-confound study (HeteroFL, FjORD, Uniform,
-HAS-FL, Random-budget) and heterogeneous FedAvg share everything but the allocation
-rule, so they subclass :class:`NestedWidth` and implement only :meth:`width_for`:
+Every sub-model strategy trains, on client i in round t, the sub-network spanned by a
+set of channels per layer and lets the server average each coordinate over the
+clients that trained it. :class:`SubModelStrategy` holds that shared machinery; a
+subclass only says which channels a client trains (:meth:`SubModelStrategy.channel_masks`):
 
-- Algorithm 2: client i trains the leading ceil(p_i C_l) channels of every layer with
-  their input connections; the classifier's output units (and the LSTM's embedding) are
-  shared in full (:func:`fedsap_ray.masks.nested_channel_masks` on the model's ChannelSpace).
-- Algorithm 1 line 18: each coordinate is averaged over exactly the clients that
-  trained it, weighted by sample counts; coordinates nobody trained keep their value
-  (:func:`fedsap_ray.aggregation.masked_weighted_average`).
-- Client sampling, learning-rate decay and clipping come from :class:`Strategy`.
+- nested widths (:class:`NestedWidth`: HeteroFL, FjORD, Uniform, HAS-FL, Random-budget
+  and heterogeneous FedAvg): client i trains the leading ceil(p_i C_l) channels of every
+  layer with their input connections (Algorithm 2, :func:`fedsap_ray.masks.nested_channel_masks`);
+- arbitrary channel subsets (FedDrop's random subsets, FedMP's largest-L1 filters,
+  NeFL's depth-and-width nested sub-models), turned into parameter masks by
+  :func:`fedsap_ray.masks.param_mask`; the classifier's output units (and the LSTM's
+  embedding) are always shared in full.
+
+Aggregation is Algorithm 1 line 18: each coordinate is averaged over exactly the clients
+that trained it, weighted by sample counts; coordinates nobody trained keep their value
+(:func:`fedsap_ray.aggregation.masked_weighted_average`). Masks are pure functions of
+(state the round starts from, client, round), so :meth:`SubModelStrategy.aggregate`
+recomputes them instead of keeping them between calls. Client sampling, learning-rate
+decay and clipping come from :class:`Strategy`.
 """
 from __future__ import annotations
 
@@ -22,15 +30,102 @@ import numpy as np
 
 from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.base import Strategy
-from fedsap_ray.masks import nested_channel_masks, param_mask
+from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.models import model_macs
+from fedsap_ray.models import model_macs, weight_uses
 
 MASK_CACHE = 32  # sub-model masks kept per run (a HAS-FL run sees many distinct widths)
 
 
-class NestedWidth(Strategy):
-    """Base of the nested sub-model strategies: a subclass chooses p_i per (client, round)."""
+class SubModelStrategy(Strategy):
+    """Base of every sub-model strategy: a subclass chooses each client's channels per (state, client, round)."""
+
+    track_allocations = False  # write the ``allocations`` table (nested widths only)
+
+    @abstractmethod
+    def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
+        """Per channel layer, the channels client ``client_id`` trains in round t (None: the full model).
+
+        ``state`` is the server state the round starts from; the result must be a pure
+        function of (state, client, round) so aggregation can recompute it.
+        """
+
+    def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
+        """Strategy-specific ClientPlan fields (FedProx's mu)."""
+        return {}
+
+    def coverage(self, cmasks: ChannelMasks) -> np.ndarray:
+        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.masks`)."""
+        return param_mask(self.ctx.space, self.ctx.layout, cmasks)
+
+    def sub_model(self, state: ServerState, client_id: int, t: int) -> tuple[np.ndarray | None, int, float]:
+        """(parameter mask or None for the full model, active channels, capacity_used) of the round-t sub-model.
+
+        capacity_used is the fraction of all channels the client trains (DESIGN section 4, ``clients`` table).
+        """
+        total = self.ctx.space.total_channels
+        cmasks = self.channel_masks(state, client_id, t)
+        if cmasks is None:
+            return None, total, 1.0
+        active = int(sum(int(np.count_nonzero(m)) for m in cmasks.values()))
+        return self.coverage(cmasks), active, active / total
+
+    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        plans: dict[int, ClientPlan] = {}
+        total = self.ctx.space.total_channels
+        for cid in self.sample_clients(t):
+            mask, active, used = self.sub_model(state, cid, t)
+            values = state.params if mask is None else state.params[mask]  # full: shared, never mutated
+            plans[cid] = ClientPlan(
+                values=values, mask=mask, capacity_used=float(used),
+                channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
+                **self.plan_kwargs(t, cid), **self.extra_plan_fields(state, cid, t),
+            )
+        return plans
+
+    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+        """Algorithm 1 lines 17-19 (:meth:`merge`), then :meth:`after_aggregate` (HAS-FL's adaptation step)."""
+        ordered = sorted(results, key=lambda r: r.client_id)
+        masks = {r.client_id: self.client_mask(state, r.client_id, t) for r in ordered}
+        params = self.merge(state, ordered, masks)
+        extra = self.after_aggregate(state, params, ordered, masks, t)
+        return ServerState(round=t, params=params, extra=extra)
+
+    def merge(self, state: ServerState, results: list[ClientResult], masks: dict[int, np.ndarray | None]) -> np.ndarray:
+        """Algorithm 1 line 18: each coordinate's sample-weighted mean over the clients that trained it."""
+        return masked_weighted_average(state.params, [(masks[r.client_id], r.values, float(r.n_samples)) for r in results])
+
+    def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
+                        masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
+        """The next state's ``extra``; static allocation rules keep none."""
+        return state.extra
+
+    def client_mask(self, state: ServerState, client_id: int, t: int) -> np.ndarray | None:
+        """The client's round-t parameter mask (None: full model), recomputed from the pure rule."""
+        return self.sub_model(state, client_id, t)[0]
+
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        return {"macs_per_sample": self.mask_macs(plan.mask)}
+
+    def mask_macs(self, mask: np.ndarray | None) -> int:
+        """Multiply-accumulates per sample of the sub-model a parameter mask covers (papers/003 Table 1).
+
+        Sum over weight tensors of (covered entries) x (applications per sample): exactly
+        :func:`fedsap_ray.models.model_macs` of the channel masks the coverage came from
+        (tests/test_feddrop.py), and it also counts sub-models a channel mask alone cannot
+        describe (NeFL's skipped residual branches).
+        """
+        if mask is None:
+            if "_full_macs" not in self.__dict__:
+                self.__dict__["_full_macs"] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None))
+            return self.__dict__["_full_macs"]
+        uses = weight_uses(self.ctx.model, self.ctx.federation.input_shape)
+        layout = self.ctx.layout
+        return int(sum(int(np.count_nonzero(layout.slice(w, mask))) * n for w, n in uses.items()))
+
+
+class NestedWidth(SubModelStrategy):
+    """Base of the nested-width strategies: a subclass chooses p_i per (client, round) (Algorithm 2)."""
 
     track_allocations = True  # write the ``allocations`` table (every client's width each round)
 
@@ -42,44 +137,18 @@ class NestedWidth(Strategy):
         function of (state, client, round) so aggregation can recompute the masks.
         """
 
-    def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
-        """Strategy-specific ClientPlan fields (FedProx's mu)."""
-        return {}
-
-    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        plans: dict[int, ClientPlan] = {}
-        total = sum(layer.channels for layer in self.ctx.space.layers)
-        for cid in self.sample_clients(t):
-            p = self.width_for(state, cid, t)
-            if p >= 1.0:
-                mask, values, active = None, state.params, total  # shared, never mutated
-            else:
-                mask, active = self.nested_mask(p)
-                values = state.params[mask]
-            plans[cid] = ClientPlan(
-                values=values, mask=mask, capacity_used=min(float(p), 1.0),
-                channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
-                **self.plan_kwargs(t, cid), **self.extra_plan_fields(state, cid, t),
-            )
-        return plans
-
-    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
-        """Algorithm 1 lines 17-19, then :meth:`after_aggregate` (HAS-FL's adaptation step)."""
-        ordered = sorted(results, key=lambda r: r.client_id)
-        masks = {r.client_id: self.client_mask(state, r.client_id, t) for r in ordered}
-        params = masked_weighted_average(state.params, [(masks[r.client_id], r.values, float(r.n_samples)) for r in ordered])
-        extra = self.after_aggregate(state, params, ordered, masks, t)
-        return ServerState(round=t, params=params, extra=extra)
-
-    def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
-                        masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
-        """The next state's ``extra``; static allocation rules keep none."""
-        return state.extra
-
-    def client_mask(self, state: ServerState, client_id: int, t: int) -> np.ndarray | None:
-        """The client's round-t parameter mask (None: full model), recomputed from the pure width rule."""
+    def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
+        """The leading ceil(p_i C_l) channels of every layer (None at p_i >= 1)."""
         p = self.width_for(state, client_id, t)
-        return None if p >= 1.0 else self.nested_mask(p)[0]
+        return None if p >= 1.0 else nested_channel_masks(self.ctx.space, p)
+
+    def sub_model(self, state: ServerState, client_id: int, t: int) -> tuple[np.ndarray | None, int, float]:
+        """The width-p nested sub-model from the LRU cache; capacity_used is p_i itself."""
+        p = self.width_for(state, client_id, t)
+        if p >= 1.0:
+            return None, self.ctx.space.total_channels, 1.0
+        mask, active = self.nested_mask(p)
+        return mask, active, min(float(p), 1.0)
 
     def round_widths(self, state: ServerState, t: int) -> np.ndarray:
         """Every client's round-t width, given the state AFTER round t (stateless rules ignore it)."""

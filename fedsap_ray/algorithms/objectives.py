@@ -43,6 +43,11 @@ class LocalObjective:
         """Arrays to send back with the trained values (``ClientResult.stats``)."""
         return {}
 
+    def upload_mask(self) -> np.ndarray | None:
+        """Coordinates to upload when the client chose them itself (DapperFL's pruning); None: the plan's mask.
+        The strategy must know the same mask (e.g. from :meth:`result`) to read the values."""
+        return None
+
 
 def register_objective(name: str) -> Callable[[type[LocalObjective]], type[LocalObjective]]:
     def deco(cls: type[LocalObjective]) -> type[LocalObjective]:

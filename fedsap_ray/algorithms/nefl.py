@@ -1,0 +1,205 @@
+"""NeFL (Kang et al., IEEE TMC 2025, "NeFL: Nested Model Scaling for Federated Learning with
+System Heterogeneous Clients") at each client's keep ratio (papers/000 Table 1).
+
+NeFL cuts nested sub-models out of one global model in depth AND width: a sub-model
+skips some residual blocks and keeps the leading channels of the others, and the server
+averages every coordinate over the sub-models that contain it (NeFL's NeFedAvg, which
+for a coordinate is papers/003 Algorithm 1 line 18; :class:`~fedsap_ray.algorithms.nested.SubModelStrategy`).
+
+Budget. Client i with keep ratio kappa_i (= 1 - pruning ratio; kappa_i = 1: full model)
+gets the parameter budget of the width-only nested sub-model at kappa_i,
+B = trainable parameters of the leading ceil(kappa_i C_l) channels of every layer
+(:func:`fedsap_ray.masks.params_in_mask` over nn.Parameters, BN running statistics not
+counted), i.e. NeFL's model-size ratio gamma = B / P (P: the full model's count).
+
+Depth/width split (NeFL-WD). NeFL writes gamma = gamma_W * gamma_D (width and depth
+shares of the parameter ratio); its published NeFL-WD sub-models of ResNet34/56/110
+split the two evenly, gamma_W ~ gamma_D ~ sqrt(gamma) (the sub-model tables published
+with NeFL's code, "Details on architectures of submodels"), so ``depth_share`` = 0.5 by
+default, with
+
+1. depth: skip skippable blocks from the deepest one backwards (NeFL's depthwise
+   sub-models of ResNet18/56/110 drop later blocks first) while the full-width model without them
+   still holds at least P * gamma^depth_share trainable parameters; stop at the first
+   block whose removal would go below (so a large deep block is never traded for
+   several shallow ones);
+2. width: the largest nested width p in [kappa_i, 1] whose sub-model without the skipped
+   blocks holds at most B trainable parameters (p = kappa_i always fits, so the count
+   never exceeds the budget; the search runs over every breakpoint k / C_l at which a
+   layer's ceil(p C_l) changes).
+
+``depth_share = 0`` is width-only nesting (NeFL-W, the HeteroFL sub-models);
+``depth_share = 1`` skips as deep as the budget allows before narrowing. On ResNet18 the
+default reproduces NeFL's ResNet18 NeFL-WD table for gamma = 0.4, 0.6, 0.8 (width only:
+removing layer4.1 alone would leave gamma_D = 0.58 < sqrt(gamma)); at gamma = 0.2 it
+skips layer4.1 and layer3.1 where NeFL's table skips layer4.1 only.
+
+Skippable blocks. A residual block can be left out exactly when its shortcut is the
+identity (a :class:`~fedsap_ray.models.resnet.BasicBlock` whose ``shortcut`` is empty,
+found from the module structure): its residual branch (conv1, bn1, conv2, bn2) is left
+out of the mask, so on the client those weights and the BN scale and bias are 0, the
+branch outputs exactly 0 (train and eval mode), and the block computes relu(x) = x on its
+input, which is always post-ReLU here: an exact identity (tests/test_nefl.py). ResNet18
+has 5 such blocks (layer1.0, layer1.1, layer2.1, layer3.1, layer4.1), ResNet10 only
+layer1.0. Blocks with a projection shortcut are never skipped: without its branch such a
+block still computes relu(shortcut(x)), not an identity (NeFL's depthwise ResNet18
+sub-models do drop them, relying on its step sizes). Models without
+residual blocks (cnn_small, the CNNs, the MLP, the LSTM) fall back to width-only nesting.
+A skipped block appears in the channel masks as an empty inner channel layer
+(``layerS.B.conv1`` all False), which is how aggregation and the MAC count see it.
+
+Not modelled: NeFL's learnable step sizes (the ODE-solver view that scales each
+residual branch) and its decoupled "inconsistent" parameters (step sizes and BN layers
+kept per sub-model and averaged separately); every parameter here is one shared,
+nested parameter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from fedsap_ray.algorithms.nested import SubModelStrategy
+from fedsap_ray.algorithms.registry import register
+from fedsap_ray.config import ConfigError
+from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
+from fedsap_ray.messages import ServerState
+from fedsap_ray.models.resnet import BasicBlock
+from fedsap_ray.models.space import ParamAxis
+
+
+@dataclass(frozen=True)
+class SkippableBlock:
+    """A residual block with an identity shortcut: its branch can be left out exactly."""
+
+    name: str  # module path, e.g. "layer4.1"
+    inner: str  # its inner channel layer (the branch's conv1), e.g. "layer4.1.conv1"
+    spans: tuple[tuple[int, int], ...]  # flat-layout spans of the branch's tensors (parameters and BN stats)
+
+
+@register("nefl")
+class NeFL(SubModelStrategy):
+    summary = "nested sub-models scaled in depth (identity blocks skipped, deepest first) and width, width-only budget"
+
+    @dataclass(frozen=True)
+    class Options:
+        depth_share: float = 0.5  # gamma_D ~ gamma^depth_share (module docstring)
+
+        def __post_init__(self) -> None:
+            v = self.depth_share
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ConfigError(f"invalid algorithm.depth_share={v!r}: must be a number in [0, 1]")
+
+    # --- the sub-model ----------------------------------------------------------------
+    def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
+        kappa = float(self.ctx.federation.clients[client_id].capacity)
+        return None if kappa >= 1.0 else self.nefl_masks(kappa)
+
+    def nefl_masks(self, kappa: float) -> dict[str, np.ndarray]:
+        """Leading ceil(p C_l) channels, and an empty inner layer for every skipped block."""
+        skip, p = self.scaling(kappa)
+        out = dict(nested_channel_masks(self.ctx.space, p))
+        for blk in self.skippable():
+            if blk.name in skip:
+                out[blk.inner] = np.zeros_like(out[blk.inner])
+        return out
+
+    def coverage(self, cmasks: ChannelMasks) -> np.ndarray:
+        """The channel coverage minus the residual branch of every block whose inner layer is empty."""
+        mask = super().coverage(cmasks)
+        for blk in self.skippable():
+            if not np.any(cmasks[blk.inner]):
+                for a, b in blk.spans:
+                    mask[a:b] = False
+        return mask
+
+    # --- the depth/width rule (pure in kappa, memoised) ---------------------------------
+    def scaling(self, kappa: float) -> tuple[tuple[str, ...], float]:
+        """(skipped blocks, deepest first; width p) of the keep-ratio-kappa client (module docstring)."""
+        cache = self.__dict__.setdefault("_scaling_cache", {})
+        if kappa in cache:
+            return cache[kappa]
+        space = self.ctx.space
+        full = {layer.name: layer.channels for layer in space.layers}
+        budget = self.trainable_count(self._nested_counts(kappa), ())
+        total = self.trainable_count(full, ())
+        target = total * (budget / total) ** float(self.opts.depth_share)
+        skip: list[str] = []
+        for blk in reversed(self.skippable()):
+            if self.trainable_count(full, (*skip, blk.name)) < target:
+                break
+            skip.append(blk.name)
+        if not skip:  # width-only: exactly the nested sub-model at kappa
+            cache[kappa] = ((), kappa)
+            return cache[kappa]
+        cands = sorted({kappa} | {k / layer.channels for layer in space.layers
+                                  for k in range(1, layer.channels + 1) if kappa < k / layer.channels <= 1})
+        lo, hi = 0, len(cands) - 1  # cands[0] = kappa fits: skipping only removes parameters
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.trainable_count(self._nested_counts(cands[mid]), tuple(skip)) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        cache[kappa] = (tuple(skip), float(cands[lo]))
+        return cache[kappa]
+
+    def trainable_count(self, counts: Mapping[str, int], skip: tuple[str, ...]) -> int:
+        """Trainable parameters of the sub-model with ``counts`` leading channels per layer and ``skip`` blocks left out.
+
+        A tensor's covered count is the product over its axes of the active entries (the
+        coverage rule of :func:`fedsap_ray.masks.param_mask` is an outer product), so this
+        equals params_in_mask of :meth:`coverage` without building the mask.
+        """
+        n = 0
+        for owner, shape, axes in self._tensor_axes():
+            if owner in skip:
+                continue
+            c = 1
+            for axis, size in enumerate(shape):
+                hit = axes.get(axis)
+                c *= size if hit is None else hit[1].blocks * counts[hit[0]] * hit[1].group
+            n += c
+        return n
+
+    def budget(self, kappa: float) -> int:
+        """B: trainable parameters of the width-only nested sub-model at kappa."""
+        return self.trainable_count(self._nested_counts(kappa), ())
+
+    # --- structure, read once from the template model -----------------------------------
+    def skippable(self) -> tuple[SkippableBlock, ...]:
+        """Identity-shortcut residual blocks in forward order (empty for models without them)."""
+        if "_skippable" not in self.__dict__:
+            layout, space, out = self.ctx.layout, self.ctx.space, []
+            for name, mod in self.ctx.model.named_modules():
+                if not (isinstance(mod, BasicBlock) and len(mod.shortcut) == 0):
+                    continue
+                inner = space.output_layer_of(f"{name}.conv1.weight")
+                if inner is None:
+                    continue
+                spans = tuple(layout.span(n) for n in layout.names if n.startswith(f"{name}."))
+                out.append(SkippableBlock(name=name, inner=inner, spans=spans))
+            self.__dict__["_skippable"] = tuple(out)
+        return self.__dict__["_skippable"]
+
+    def _tensor_axes(self) -> list[tuple[str | None, tuple[int, ...], dict[int, tuple[str, ParamAxis]]]]:
+        """Per trainable tensor: (skippable block owning it or None, shape, {axis: (layer, ParamAxis)})."""
+        if "_axes" not in self.__dict__:
+            layout, space = self.ctx.layout, self.ctx.space
+            by_tensor: dict[str, dict[int, tuple[str, ParamAxis]]] = {}
+            for layer in space.layers:
+                for ax in layer.out + layer.inp:
+                    by_tensor.setdefault(ax.name, {})[ax.axis] = (layer.name, ax)
+            owners = {blk.name for blk in self.skippable()}
+            rows = []
+            for name, shape, is_param in zip(layout.names, layout.shapes, layout.is_param):
+                if not is_param:
+                    continue
+                owner = next((o for o in owners if name.startswith(f"{o}.")), None)
+                rows.append((owner, shape, by_tensor.get(name, {})))
+            self.__dict__["_axes"] = rows
+        return self.__dict__["_axes"]
+
+    def _nested_counts(self, p: float) -> dict[str, int]:
+        return {layer.name: nested_count(min(p, 1.0), layer.channels) for layer in self.ctx.space.layers}

@@ -1,0 +1,270 @@
+"""DapperFL (Jia et al. 2024): the fusion schedule, Model Fusion Pruning on hand-built models, the client's
+one-epoch-then-prune loop, DAR, reconstruction with the previous global model, and runs."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import make_strategy
+from fedsap_ray import results
+from fedsap_ray.algorithms import parse_options
+from fedsap_ray.algorithms.base import RunContext
+from fedsap_ray.algorithms.dapperfl import (MASK_KEY, OBJECTIVE, DapperFL, dar_loss, fusion_alpha, fusion_prune,
+                                            pack_channel_masks, unpack_channel_masks)
+from fedsap_ray.algorithms.pruning import l1_channel_masks
+from fedsap_ray.client import train_client
+from fedsap_ray.config import ConfigError, build_config
+from fedsap_ray.data import build_federation
+from fedsap_ray.data.base import DomainData
+from fedsap_ray.experiment import run_experiment
+from fedsap_ray.masks import ParamLayout, nested_channel_masks, nested_count, param_mask, trainable_mask
+from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models import build_model
+from fedsap_ray.runtime.local import LocalBackend
+
+TINY = ["algorithm.name=dapperfl", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
+        "training.rounds=2", "training.local_epochs=2", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+# smoke's cyclic pruning ratios: clients 0-3 keep 1.0, 0.8, 0.6, 0.4 of every layer
+
+
+@pytest.fixture(scope="module")
+def fed(single_thread):
+    return build_federation(build_config(preset="smoke", overrides=TINY))
+
+
+def _mlp(inp: int, c1: int, c2: int, classes: int = 2, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model("mlp", num_classes=classes, input_shape=(inp,), channels={"fc1": c1, "fc2": c2})
+
+
+# --- fusion schedule ---------------------------------------------------------------------------
+def test_fusion_alpha_follows_its_schedule_with_the_floor(fed):
+    """alpha_t = max(0.9 * 0.8^(t-1), alpha_min), by hand for t = 1..10 (defaults) and with a floor that binds."""
+    want = [0.9, 0.72, 0.576, 0.4608, 0.36864, 0.294912, 0.2359296, 0.18874368, 0.150994944, 0.1207959552]
+    got = [fusion_alpha(t, 0.9, 0.2, 0.1) for t in range(1, 11)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert fusion_alpha(11, 0.9, 0.2, 0.1) == 0.1  # 0.0966 < alpha_min
+    floored = [fusion_alpha(t, 0.9, 0.2, 0.2) for t in range(1, 11)]
+    np.testing.assert_allclose(floored, want[:7] + [0.2, 0.2, 0.2], rtol=1e-12)
+
+    _, strat = make_strategy(build_config(preset="smoke", overrides=TINY + ["algorithm.alpha_min=0.2"]), fed)
+    state = strat.init_state()
+    assert strat.alpha_at(1) == 0.0  # round 1: no fusion with the random initialisation
+    for t in range(2, 11):
+        assert strat.alpha_at(t) == pytest.approx(floored[t - 1], rel=1e-12)
+        assert all(p.extra["alpha"] == strat.alpha_at(t) for p in strat.configure_round(state, t).values())
+
+
+# --- Model Fusion Pruning on a hand-built model -------------------------------------------------
+def _hand_vectors(layout: ParamLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative weights, so a fused filter's l1 norm is alpha * global + (1 - alpha) * local.
+
+    fc1 filter l1 norms: global [5, 0, 3], local [0, 6, 4]; fc2: global [4, 1], local [0, 5].
+    """
+    g = np.full(layout.size, 1.0, dtype=np.float32)
+    w = np.full(layout.size, 3.0, dtype=np.float32)
+    layout.slice("fc1.weight", g)[:] = [[2.5, 2.5], [0.0, 0.0], [1.5, 1.5]]
+    layout.slice("fc1.weight", w)[:] = [[0.0, 0.0], [3.0, 3.0], [2.0, 2.0]]
+    layout.slice("fc2.weight", g)[:] = [[2.0, 1.0, 1.0], [0.5, 0.0, 0.5]]
+    layout.slice("fc2.weight", w)[:] = [[0.0, 0.0, 0.0], [2.0, 2.0, 1.0]]
+    return g, w
+
+
+def test_fusion_prune_keeps_the_largest_l1_filters_of_the_fused_model():
+    """alpha = 0.5: fused fc1 norms [2.5, 3, 3.5] keep channel 2 where the global model would keep 0 and the
+    local model 1; fused fc2 norms [2, 3] keep 1 where the global keeps 0. alpha = 0.9 weights the GLOBAL
+    model: fc1 norms [4.5, 0.6, 3.1] keep 0 (alpha on the local model would keep 1)."""
+    model = _mlp(2, 3, 2)
+    layout, space = ParamLayout.from_model(model), model.channel_space()
+    g, w = _hand_vectors(layout)
+    keep = 1 / 3  # ceil(1/3 * 3) = 1 and ceil(1/3 * 2) = 1 channel per layer
+    assert l1_channel_masks(space, layout, g, keep)["fc1"].tolist() == [True, False, False]
+    assert l1_channel_masks(space, layout, w, keep)["fc1"].tolist() == [False, True, False]
+    assert l1_channel_masks(space, layout, g, keep)["fc2"].tolist() == [True, False]
+
+    fused, cmasks, pmask = fusion_prune(space, layout, g, w, 0.5, keep)
+    assert cmasks["fc1"].tolist() == [False, False, True] and cmasks["fc2"].tolist() == [False, True]
+    np.testing.assert_array_equal(pmask, param_mask(space, layout, cmasks))
+    np.testing.assert_array_equal(layout.slice("fc1.weight", fused), [[0, 0], [0, 0], [1.75, 1.75]])
+    np.testing.assert_array_equal(layout.slice("fc1.bias", fused), [0, 0, 2.0])
+    np.testing.assert_array_equal(layout.slice("fc2.weight", fused), [[0, 0, 0], [0, 0, 0.75]])  # (0.5 + 1) / 2
+    np.testing.assert_array_equal(layout.slice("fc2.bias", fused), [0, 2.0])
+    np.testing.assert_array_equal(layout.slice("fc3.weight", fused), [[0, 2.0], [0, 2.0]])
+    np.testing.assert_array_equal(layout.slice("fc3.bias", fused), [2.0, 2.0])
+    np.testing.assert_array_equal(fused[pmask], (0.5 * g + 0.5 * w)[pmask])  # alpha * global + (1 - alpha) * local
+    assert not fused[~pmask].any()
+
+    fused9, cmasks9, pmask9 = fusion_prune(space, layout, g, w, 0.9, keep)
+    assert cmasks9["fc1"].tolist() == [True, False, False]
+    np.testing.assert_allclose(fused9[pmask9], (0.9 * g + 0.1 * w)[pmask9], rtol=1e-6)
+    np.testing.assert_allclose(layout.slice("fc1.weight", fused9)[0], [2.25, 2.25], rtol=1e-6)
+
+
+# --- the client: one full epoch, fusion, pruning, masked epochs ---------------------------------
+def _client_setup() -> tuple[torch.nn.Module, ParamLayout, DomainData]:
+    """A 6-8-8-3 MLP whose hidden filters have nearly tied l1 norms (1 + 1e-5 i for filter i), so the
+    first local epoch reorders them: pruning the global model and pruning the fusion keep different filters."""
+    model = _mlp(6, 8, 8, classes=3)
+    with torch.no_grad():
+        for lin in (model.fc1, model.fc2):
+            w = lin.weight
+            w.div_(w.abs().sum(dim=1, keepdim=True)).mul_(1 + 1e-5 * torch.arange(w.shape[0]).unsqueeze(1))
+    g = torch.Generator().manual_seed(0)
+    return model, ParamLayout.from_model(model), DomainData(torch.randn(12, 6, generator=g),
+                                                           torch.randint(0, 3, (12,), generator=g))
+
+
+def _plan(values: np.ndarray, epochs: int, gamma: float = 0.01, **extra) -> ClientPlan:
+    return ClientPlan(client_id=0, round=3, values=values, mask=None, local_epochs=epochs, batch_size=6, lr=0.1,
+                      momentum=0.9, weight_decay=1e-3, seed=7, rep_gamma=gamma, extra=extra)
+
+
+def _mfp(alpha: float = 0.6, keep: float = 0.5, steps: int = 2) -> dict:
+    return {"objective": OBJECTIVE, "alpha": alpha, "keep_ratio": keep, "prune_after_steps": steps}
+
+
+def test_client_fuses_the_one_epoch_model_with_the_global_one_and_prunes_the_fusion():
+    """E = 1: the upload is exactly fusion_prune(W, w_hat) where w_hat is one plain epoch from W with the
+    Eq. 7 loss (the same mini-batches), and the returned channel mask is the fused model's top-l1 one."""
+    model, layout, data = _client_setup()
+    space = model.channel_space()
+    w_global = layout.flatten(model)
+    plain = train_client(_plan(w_global, 1), copy.deepcopy(model), layout, data)  # no objective: client's Eq. 7 loop
+    got = train_client(_plan(w_global, 1, **_mfp()), copy.deepcopy(model), layout, data)
+    assert plain.steps == got.steps == 2
+    want, cmasks, pmask = fusion_prune(space, layout, w_global, plain.values, 0.6, 0.5)
+    by_global = l1_channel_masks(space, layout, w_global, 0.5)
+    assert any(not np.array_equal(by_global[k], cmasks[k]) for k in cmasks)  # the case tells them apart
+    np.testing.assert_array_equal(got.values, want[pmask])  # only the pruned model's coordinates go up
+    np.testing.assert_array_equal(got.stats[MASK_KEY], pack_channel_masks(space, cmasks))
+    assert [int(m.sum()) for m in cmasks.values()] == [4, 4]
+    assert plain.train_loss == got.train_loss
+
+
+def test_pruned_filters_stay_zero_in_the_later_epochs_and_the_rest_trains():
+    """E = 3: after the first epoch the client trains only the kept channels (momentum must not move the rest)."""
+    model, layout, data = _client_setup()
+    w_global = layout.flatten(model)
+    one = train_client(_plan(w_global, 1, **_mfp()), copy.deepcopy(model), layout, data)
+    three = train_client(_plan(w_global, 3, **_mfp()), copy.deepcopy(model), layout, data)
+    assert three.steps == 6
+    pmask = param_mask(model.channel_space(), layout, unpack_channel_masks(model.channel_space(), three.stats[MASK_KEY]))
+    np.testing.assert_array_equal(three.stats[MASK_KEY], one.stats[MASK_KEY])  # same first epoch, same mask
+    assert (~pmask).any() and three.values.size == one.values.size == int(pmask.sum())  # pruned model only
+    assert (three.values != one.values).mean() > 0.9
+
+
+def test_dar_enters_the_loss():
+    """gamma * mean ||f_enc(x)||^2 by hand, and gamma > 0 changes the trained model."""
+    model, layout, data = _client_setup()
+    x, y = data.x[:5], data.y[:5]
+    with torch.no_grad():
+        z = model.forward_features(x)
+        want = torch.nn.functional.cross_entropy(model.fc3(z), y) + 0.01 * (z ** 2).sum(dim=1).mean()
+        assert float(dar_loss(model, x, y, 0.01)) == pytest.approx(float(want), rel=1e-6)
+        assert float(dar_loss(model, x, y, 0.01)) > float(dar_loss(model, x, y, 0.0))
+    w_global = layout.flatten(model)
+    on = train_client(_plan(w_global, 2, gamma=0.01, **_mfp()), copy.deepcopy(model), layout, data)
+    off = train_client(_plan(w_global, 2, gamma=0.0, **_mfp()), copy.deepcopy(model), layout, data)
+    assert on.values.size != off.values.size or not np.allclose(on.values, off.values)
+
+
+# --- server: reconstruction with the previous global model --------------------------------------
+def test_reconstruction_fills_pruned_coordinates_with_the_previous_global_model(fed):
+    """Two clients on a 2-2-2 MLP, W^{t-1} = 10 everywhere; A (n = 1) uploads 1.0, B (n = 3) uploads 4.0
+    at their kept coordinates. Per coordinate, by hand:
+    kept by both (1 + 12) / 4 = 3.25; by A only (1 + 30) / 4 = 7.75; by B only (10 + 12) / 4 = 5.5;
+    by neither 10."""
+    model = _mlp(2, 2, 2)
+    layout = ParamLayout.from_model(model)
+    cfg = build_config(preset="smoke", overrides=TINY)
+    ctx = RunContext(cfg=cfg, federation=fed, model=model, layout=layout, space=model.channel_space())
+    strat = DapperFL(ctx, parse_options("dapperfl", {}))
+    prev = np.full(layout.size, 10.0, dtype=np.float32)
+    a = {"fc1": np.array([True, False]), "fc2": np.array([True, False])}
+    b = {"fc1": np.array([False, True]), "fc2": np.array([True, False])}
+    n_a, n_b = (int(param_mask(ctx.space, layout, m).sum()) for m in (a, b))
+    res = [ClientResult(client_id=1, round=1, values=np.full(n_b, 4.0, np.float32), n_samples=3, train_loss=0.0,
+                        stats={MASK_KEY: pack_channel_masks(ctx.space, b)}),
+           ClientResult(client_id=0, round=1, values=np.full(n_a, 1.0, np.float32), n_samples=1, train_loss=0.0,
+                        stats={MASK_KEY: pack_channel_masks(ctx.space, a)})]
+    new = strat.aggregate(ServerState(round=0, params=prev), res, 1).params
+    np.testing.assert_array_equal(layout.slice("fc1.weight", new), [[7.75, 7.75], [5.5, 5.5]])
+    np.testing.assert_array_equal(layout.slice("fc1.bias", new), [7.75, 5.5])
+    np.testing.assert_array_equal(layout.slice("fc2.weight", new), [[7.75, 5.5], [10, 10]])
+    np.testing.assert_array_equal(layout.slice("fc2.bias", new), [3.25, 10])
+    np.testing.assert_array_equal(layout.slice("fc3.weight", new), [[3.25, 10], [3.25, 10]])
+    np.testing.assert_array_equal(layout.slice("fc3.bias", new), [3.25, 3.25])
+
+
+# --- strategy in the loop -------------------------------------------------------------------------
+def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruction(fed):
+    """Round 2's plans carry W^1 in full with alpha_2 = 0.72 and kappa_i; every client prunes after its first
+    epoch (steps = E * prune_after_steps) to ceil(kappa_i C_l) channels per layer, not the nested ones; the
+    server state is the sample-weighted mean of the reconstructed models and holds no per-client state."""
+    cfg = build_config(preset="smoke", overrides=TINY)
+    ctx, strat = make_strategy(cfg, fed)
+    backend = LocalBackend("cpu", num_workers=1)
+    backend.start(ctx)
+    states = [strat.init_state()]
+    for t in (1, 2):
+        plans = strat.configure_round(states[-1], t)
+        outs = backend.train(plans)
+        states.append(strat.aggregate(states[-1], outs, t))
+    backend.close()
+    assert states[2].extra == {}
+    keeps = [c.capacity for c in fed.clients]
+    assert keeps == [1.0, 0.8, 0.6, 0.4]
+    nested_differs = False
+    hand = np.zeros(ctx.layout.size)
+    for r in outs:
+        p = plans[r.client_id]
+        assert p.mask is None and p.values is states[1].params
+        assert p.extra["alpha"] == pytest.approx(0.72) and p.extra["keep_ratio"] == keeps[r.client_id]
+        assert p.rep_gamma == 0.01
+        assert r.steps == 2 * p.extra["prune_after_steps"]
+        cm = unpack_channel_masks(ctx.space, r.stats[MASK_KEY])
+        for layer in ctx.space.layers:
+            assert cm[layer.name].sum() == nested_count(keeps[r.client_id], layer.channels)
+        nested = nested_channel_masks(ctx.space, keeps[r.client_id])
+        nested_differs |= any(not np.array_equal(cm[k], nested[k]) for k in cm)
+        pm = param_mask(ctx.space, ctx.layout, cm)
+        full = states[1].params.copy()
+        full[pm] = r.values
+        hand += r.n_samples * full
+    assert nested_differs
+    hand /= sum(r.n_samples for r in outs)
+    np.testing.assert_allclose(states[2].params, hand, rtol=1e-6, atol=1e-7)
+    trained = trainable_mask(ctx.layout, ctx.model)
+    assert (states[2].params[trained] != states[1].params[trained]).mean() > 0.5
+
+
+def test_options_are_validated():
+    for bad in ("algorithm.alpha_0=1.5", "algorithm.epsilon=-0.1", "algorithm.gamma=-1",
+                "algorithm.alpha_min=0.95"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
+            build_config(preset="smoke", overrides=TINY + [bad])
+
+
+# --- end to end -------------------------------------------------------------------------------------
+def _run(out, fed, extra=()):
+    cfg = build_config(preset="smoke", overrides=["algorithm.name=dapperfl", "model.width_mult=0.0625",
+                                                  "data.max_test_per_domain=40", "training.max_steps_per_epoch=3",
+                                                  *TINY[1:], *extra])
+    return run_experiment(cfg, out, run_id="d", federation=fed)
+
+
+def test_run_finishes_with_finite_accuracy_and_is_deterministic(tmp_path, fed):
+    assert _run(tmp_path / "a", fed).status == "finished"
+    _run(tmp_path / "b", fed)
+    a, b = results.load(tmp_path / "a"), results.load(tmp_path / "b")
+    acc = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]["accuracy"].to_numpy(dtype=float)
+    assert len(acc) == 2 and np.isfinite(acc).all()
+    macs = a.clients.groupby("client_id")["macs_per_sample"].first()
+    assert (macs > 0).all() and macs.is_monotonic_decreasing and macs.iloc[0] > macs.iloc[-1]  # kappa 1 -> 0.4
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))

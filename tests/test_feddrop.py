@@ -1,0 +1,140 @@
+"""FedDrop: random channel subsets at the keep ratio, coordinate-wise aggregation, AFD's score map, runs."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import make_strategy, run_rounds
+from fedsap_ray import results
+from fedsap_ray.config import ConfigError, build_config
+from fedsap_ray.data import build_federation
+from fedsap_ray.experiment import run_experiment
+from fedsap_ray.masks import nested_count, trainable_mask
+from fedsap_ray.messages import ClientResult
+from fedsap_ray.models import model_macs
+from fedsap_ray.seeding import rng_for
+
+TINY = ["algorithm.name=feddrop", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",
+        "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+# 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
+
+
+@pytest.fixture(scope="module")
+def fed(single_thread):
+    return build_federation(build_config(preset="smoke", overrides=TINY))
+
+
+def _cfg(*extra: str):
+    return build_config(preset="smoke", overrides=[*TINY, *extra])
+
+
+def _flat(cm, space) -> np.ndarray:
+    return np.concatenate([np.asarray(cm[layer.name]) for layer in space.layers])
+
+
+def test_masks_keep_the_ratio_change_every_round_and_are_seeded(fed):
+    ctx, s = make_strategy(_cfg(), fed)
+    state = s.init_state()
+    assert s.channel_masks(state, 0, 1) is None  # kappa = 1: the full model
+    for cid in (1, 2, 3, 4):
+        kappa = fed.clients[cid].capacity
+        m1, m2 = s.channel_masks(state, cid, 1), s.channel_masks(state, cid, 2)
+        for layer in ctx.space.layers:
+            assert m1[layer.name].dtype == bool
+            assert int(m1[layer.name].sum()) == int(m2[layer.name].sum()) == nested_count(kappa, layer.channels)
+        assert not np.array_equal(_flat(m1, ctx.space), _flat(m2, ctx.space))  # redrawn every round
+        # not the nested (leading-channel) sub-model
+        assert any(not m1[layer.name][:int(m1[layer.name].sum())].all() for layer in ctx.space.layers)
+    # the same seed gives the same masks from a fresh strategy; another seed does not
+    _, again = make_strategy(_cfg(), fed)
+    _, other = make_strategy(_cfg("seed=7"), fed)
+    for cid in (1, 4):
+        a = _flat(s.channel_masks(state, cid, 3), ctx.space)
+        assert np.array_equal(a, _flat(again.channel_masks(again.init_state(), cid, 3), ctx.space))
+        assert not np.array_equal(a, _flat(other.channel_masks(other.init_state(), cid, 3), ctx.space))
+
+
+def test_coordinates_outside_every_mask_stay_bit_identical(fed):
+    """Four clients at kappa = 0.25: what no client's random subset covered keeps its value bit for bit,
+    and the plans' masks are the ones aggregation recomputes."""
+    cfg = _cfg("data.num_clients=4", "capacity.scheme=explicit", "capacity.keep_ratios=[0.25, 0.25, 0.25, 0.25]",
+               "training.rounds=1")
+    f = build_federation(cfg)
+    ctx, s, states = run_rounds(cfg, f, 1)
+    plans = s.configure_round(states[0], 1)
+    assert set(plans) == {0, 1, 2, 3}
+    union = np.zeros(ctx.layout.size, dtype=bool)
+    for cid, plan in plans.items():
+        assert np.array_equal(plan.mask, s.client_mask(states[0], cid, 1))
+        assert plan.capacity_used == pytest.approx(plan.channel_counts["n_global"] / ctx.space.total_channels)
+        union |= plan.mask
+    outside, trainable = ~union, trainable_mask(ctx.layout, ctx.model)
+    assert (outside & trainable).sum() > 0
+    assert states[1].params[outside].tobytes() == states[0].params[outside].tobytes()
+    assert (states[1].params[union & trainable] != states[0].params[union & trainable]).mean() > 0.9
+
+
+def test_mask_macs_equal_model_macs_of_the_channel_masks(fed):
+    ctx, s = make_strategy(_cfg(), fed)
+    state = s.init_state()
+    for cid in (1, 4):
+        cm = s.channel_masks(state, cid, 1)
+        want = model_macs(ctx.model, fed.input_shape, cm)
+        assert s.mask_macs(s.coverage(cm)) == want
+        assert 0 < want < s.mask_macs(None)
+
+
+def test_afd_score_map_keeps_improving_submodels_and_weights_the_next_draw(fed):
+    """selection=afd, driven by hand-set losses for client 3 (kappa 0.4): no previous loss -> redraw;
+    loss 2 -> 1 -> scores 0.5 on the kept channels and the same sub-model again; loss rises -> redraw
+    with weights 1 + score."""
+    ctx, s = make_strategy(_cfg("algorithm.selection=afd"), fed)
+    state = s.init_state()
+    space = ctx.space
+
+    def step(state, t, loss):
+        mask = s.client_mask(state, 3, t)
+        r = ClientResult(client_id=3, round=t, values=state.params[mask].copy(), n_samples=10, train_loss=loss)
+        return s.aggregate(state, [r], t), _flat(s.channel_masks(state, 3, t), space)
+
+    s1, m1 = step(state, 1, 2.0)
+    assert not s1.extra["afd"]["reuse"][3] and 3 not in s1.extra["afd"]["score"]
+    s2, m2 = step(s1, 2, 1.0)
+    assert not np.array_equal(m1, m2)  # round 1 gave no improvement: a fresh draw
+    score = s2.extra["afd"]["score"][3]
+    np.testing.assert_allclose(score, np.where(m2, 0.5, 0.0))  # (l_prev - l) / l_prev on the kept channels
+    s3, m3 = step(s2, 3, 1.5)
+    assert np.array_equal(m3, m2)  # improved: the same sub-model is kept
+    assert not s3.extra["afd"]["reuse"][3] and np.array_equal(s3.extra["afd"]["score"][3], score)
+    m4 = _flat(s.channel_masks(s3, 3, 4), space)
+    assert np.array_equal(m4, _flat(s._weighted_draw(score, 0.4, rng_for(s.cfg.seed, 4, 3, "feddrop")), space))
+    for layer_start, layer in zip(np.cumsum([0] + [la.channels for la in space.layers]), space.layers):
+        assert m4[layer_start:layer_start + layer.channels].sum() == nested_count(0.4, layer.channels)
+    # weighted draws favour scored channels: over many draws they are kept more often
+    rng = np.random.default_rng(0)
+    freq = np.mean([_flat(s._weighted_draw(score, 0.4, rng), space) for _ in range(300)], axis=0)
+    assert freq[score > 0].mean() > freq[score == 0].mean()
+
+
+def test_selection_is_validated():
+    with pytest.raises(ConfigError, match="algorithm.selection"):
+        _cfg("algorithm.selection=best")
+
+
+def test_runs_finish_and_are_deterministic(tmp_path, fed):
+    cfg = build_config(preset="smoke", overrides=["algorithm.name=feddrop", "model.width_mult=0.0625",
+                                                  "data.max_test_per_domain=40", "training.max_steps_per_epoch=3",
+                                                  "training.rounds=2"])
+    f = build_federation(cfg)
+    run_experiment(cfg, tmp_path / "a", run_id="r", federation=f)
+    run_experiment(cfg, tmp_path / "b", run_id="r", federation=f)
+    a, b = results.load(tmp_path / "a"), results.load(tmp_path / "b")
+    acc = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]["accuracy"].to_numpy(dtype=float)
+    assert len(acc) == 2 and np.isfinite(acc).all()
+    cl = a.clients
+    assert cl["macs_per_sample"].gt(0).all()
+    low = cl[cl["capacity_max"] < 1]
+    assert (low["capacity_used"] < 1).all() and (low["n_dropped"] > 0).all()
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))

@@ -1,0 +1,227 @@
+"""FedSR (Nguyen et al. 2022): L2R and CMI terms by hand, the sigma -> 0 limit, the shared reference
+distributions, runs."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedsap_ray import algorithms, results
+from fedsap_ray.algorithms.fedsr import EXTRA_KEYS, FedSRObjective, gaussian_kl, l2r_term
+from fedsap_ray.client import train_client
+from fedsap_ray.config import ConfigError, build_config
+from fedsap_ray.data import build_federation
+from fedsap_ray.data.base import DomainData, Federation
+from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models import build_model
+from fedsap_ray.runtime.local import LocalBackend
+
+TINY = ["algorithm.name=fedsr", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
+        "training.rounds=1", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    return np.log1p(np.exp(x))
+
+
+def _np_kl(mu, sigma, r_mu, r_sigma) -> float:
+    """KL(N(mu, sigma^2) || N(r_mu, r_sigma^2)) per dimension in closed form, summed over d, mean over the batch."""
+    kl = 0.5 * (np.log(r_sigma ** 2 / sigma ** 2) + (sigma ** 2 + (mu - r_mu) ** 2) / r_sigma ** 2 - 1.0)
+    return float(kl.sum(axis=1).mean())
+
+
+# --- the two regularisers on fixed tensors ----------------------------------------------------
+def test_kl_term_equals_closed_form_gaussian_kl():
+    mu = np.array([[0.5, -1.0, 2.0], [0.0, 0.3, -0.7]])
+    sigma = np.array([0.2, 1.5, 0.9])  # input-independent, broadcast over the batch
+    r_mu = np.array([[0.0, 0.0, 1.0], [1.0, -0.5, 0.0]])
+    r_sigma = np.array([[1.0, 0.5, 2.0], [0.3, 1.0, 1.2]])
+    got = gaussian_kl(*(torch.tensor(a) for a in (mu, sigma, r_mu, r_sigma)))
+    assert float(got) == pytest.approx(_np_kl(mu, sigma, r_mu, r_sigma), rel=1e-12)
+    # one coordinate by hand: mu=0.5, s=0.2, r_mu=0, r_s=1 -> log(1/0.2) + (0.04 + 0.25)/2 - 0.5
+    one = gaussian_kl(*(torch.tensor([[v]], dtype=torch.float64) for v in (0.5, 0.2, 0.0, 1.0)))
+    assert float(one) == pytest.approx(np.log(5.0) + 0.29 / 2 - 0.5, rel=1e-12)
+    same = gaussian_kl(torch.tensor(r_mu), torch.tensor(r_sigma), torch.tensor(r_mu), torch.tensor(r_sigma))
+    assert float(same) == pytest.approx(0.0, abs=1e-12)  # KL of a distribution to itself
+
+
+def test_l2r_term_equals_mean_squared_norm():
+    z = np.array([[1.0, 2.0, -2.0], [0.0, -3.0, 4.0]])  # squared norms 9 and 25
+    assert float(l2r_term(torch.tensor(z))) == pytest.approx(17.0, rel=1e-12)
+
+
+def _mlp_setup(seed: int = 0) -> tuple[torch.nn.Module, ParamLayout, DomainData]:
+    torch.manual_seed(seed)
+    model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
+    g = torch.Generator().manual_seed(seed)
+    data = DomainData(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
+    return model, ParamLayout.from_model(model), data
+
+
+def _extras(model, rng: np.random.Generator | None = None, rho: float | None = None, **kw) -> dict:
+    d, c = model.feature_dim, getattr(model, model.classifier).out_features
+    rng = rng or np.random.default_rng(3)
+    out = {"rho": np.full(d, rho, np.float32) if rho is not None else rng.normal(-1.0, 0.5, d).astype(np.float32),
+           "r_mu": rng.normal(0.0, 0.5, (c, d)).astype(np.float32),
+           "r_rho": rng.normal(0.5, 0.3, (c, d)).astype(np.float32),
+           "objective": "fedsr", "alpha_l2r": 0.01, "alpha_cmi": 0.001, "noise_seed": 1234}
+    out.update(kw)
+    return out
+
+
+def _plan(layout: ParamLayout, model, **extra) -> ClientPlan:
+    return ClientPlan(client_id=0, round=1, values=layout.flatten(model), mask=None, local_epochs=2, batch_size=6,
+                      lr=0.1, momentum=0.9, weight_decay=1e-3, seed=7, extra=extra)
+
+
+def test_objective_terms_match_hand_computation_on_a_model():
+    """The client's loss: z = mu(x) + softplus(rho) * eps with eps from the plan's noise seed; the classifier
+    sees z; L2R is the mean ||z||^2 and CMI the closed-form KL to N(r_mu[y], softplus(r_rho)[y]^2)."""
+    model, layout, data = _mlp_setup()
+    ex = _extras(model, alpha_l2r=0.3, alpha_cmi=0.2)
+    obj = FedSRObjective(_plan(layout, model, **ex), model, layout, torch.device("cpu"))
+    with torch.no_grad():
+        terms = obj.terms(model, data.x, data.y)
+        mu = model.forward_features(data.x).double().numpy()
+        eps = torch.randn(mu.shape, generator=torch.Generator().manual_seed(1234)).double().numpy()
+        sigma = _softplus(ex["rho"].astype(np.float64))
+        z = mu + sigma * eps
+        y = data.y.numpy()
+        logits = model.fc3(torch.tensor(z, dtype=torch.float32))
+        ce = float(F.cross_entropy(logits, data.y))
+    assert float(terms["l2r"]) == pytest.approx(float((z ** 2).sum(1).mean()), rel=1e-5)
+    want_kl = _np_kl(mu, sigma, ex["r_mu"][y].astype(np.float64), _softplus(ex["r_rho"][y].astype(np.float64)))
+    assert float(terms["cmi"]) == pytest.approx(want_kl, rel=1e-5)
+    assert float(terms["ce"]) == pytest.approx(ce, rel=1e-5)
+    obj2 = FedSRObjective(_plan(layout, model, **ex), model, layout, torch.device("cpu"))  # same noise again
+    with torch.no_grad():
+        total = obj2.loss(model, data.x, data.y)
+    assert float(total) == pytest.approx(ce + 0.3 * float((z ** 2).sum(1).mean()) + 0.2 * want_kl, rel=1e-5)
+
+
+def test_zero_weights_and_vanishing_sigma_train_exactly_like_fedavg():
+    """alpha_L2R = alpha_CMI = 0 and sigma = softplus(-50) ~ 2e-22: z = mu(x), so every gradient is plain
+    cross-entropy's and the trained model equals the built-in loop's (FedAvg client) to float tolerance;
+    with sigma = log 2 the noise really enters the loss and training differs."""
+    model, layout, data = _mlp_setup()
+    plain = train_client(_plan(layout, model), copy.deepcopy(model), layout, data)
+    limit = train_client(_plan(layout, model, **_extras(model, rho=-50.0, alpha_l2r=0.0, alpha_cmi=0.0)),
+                         copy.deepcopy(model), layout, data)
+    np.testing.assert_allclose(limit.values, plain.values, rtol=0, atol=1e-6)
+    assert limit.train_loss == pytest.approx(plain.train_loss, rel=1e-6)
+    noisy = train_client(_plan(layout, model, **_extras(model, rho=0.0, alpha_l2r=0.0, alpha_cmi=0.0)),
+                         copy.deepcopy(model), layout, data)
+    assert np.abs(noisy.values - plain.values).max() > 1e-4
+    # one batch: the gradients themselves agree
+    a, b = copy.deepcopy(model), copy.deepcopy(model)
+    obj = FedSRObjective(_plan(layout, model, **_extras(model, rho=-50.0, alpha_l2r=0.0, alpha_cmi=0.0)), a, layout,
+                         torch.device("cpu"))
+    obj.loss(a, data.x, data.y).backward()
+    F.cross_entropy(b(data.x), data.y).backward()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=1e-7)
+
+
+def test_client_trains_and_returns_the_extra_parameters():
+    model, layout, data = _mlp_setup()
+    ex = _extras(model)
+    res = train_client(_plan(layout, model, **ex), copy.deepcopy(model), layout, data)
+    assert set(res.stats) == set(EXTRA_KEYS)
+    for k in EXTRA_KEYS:
+        assert res.stats[k].dtype == np.float32 and res.stats[k].shape == ex[k].shape
+        assert np.abs(res.stats[k] - ex[k]).max() > 0  # trained, not echoed
+    assert res.bytes_up == res.values.nbytes + sum(ex[k].nbytes for k in EXTRA_KEYS)
+    again = train_client(_plan(layout, model, **ex), copy.deepcopy(model), layout, data)
+    np.testing.assert_array_equal(again.values, res.values)  # seeded noise: deterministic
+    other = train_client(_plan(layout, model, **{**ex, "noise_seed": 99}), copy.deepcopy(model), layout, data)
+    assert not np.array_equal(other.values, res.values)
+
+
+# --- the server: shared reference distributions ------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_fed(single_thread) -> Federation:
+    return build_federation(build_config(preset="smoke", overrides=TINY))
+
+
+def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
+    cfg = build_config(preset="smoke", overrides=TINY)
+    ctx = build_context(cfg, tiny_fed)
+    strat = algorithms.get("fedsr")(ctx, algorithms.parse_options("fedsr", cfg.algorithm.options))
+    state0 = strat.init_state()
+    d, c = ctx.model.feature_dim, tiny_fed.num_classes
+    assert state0.extra["rho"].shape == (d,) and state0.extra["r_mu"].shape == (c, d)
+    assert (state0.extra["rho"] == 0).all() and (state0.extra["r_mu"] == 0).all() and (state0.extra["r_rho"] == 1).all()
+    plans = strat.configure_round(state0, 1)
+    seeds = set()
+    for p in plans.values():
+        assert p.extra["objective"] == "fedsr" and p.extra["alpha_l2r"] == 0.01 and p.extra["alpha_cmi"] == 0.001
+        assert p.side_bytes_down == sum(state0.extra[k].nbytes for k in EXTRA_KEYS)
+        for k in EXTRA_KEYS:
+            np.testing.assert_array_equal(p.extra[k], state0.extra[k])
+        seeds.add(p.extra["noise_seed"])
+    assert len(seeds) == len(plans)  # every client draws its own noise
+    backend = LocalBackend("cpu", num_workers=1)
+    backend.start(ctx)
+    outs = backend.train(plans)
+    backend.close()
+    state1 = strat.aggregate(state0, outs, 1)
+    n = np.array([r.n_samples for r in outs], dtype=np.float64)
+    assert len(set(n)) > 1  # unequal client sizes: a plain mean would differ
+    for k in EXTRA_KEYS:
+        vals = np.stack([r.stats[k].astype(np.float64) for r in outs])
+        assert all(np.abs(v - state0.extra[k]).max() > 0 for v in vals)  # every client trained them
+        want = np.tensordot(n / n.sum(), vals, axes=1)
+        np.testing.assert_allclose(state1.extra[k], want, rtol=1e-6, atol=1e-7)
+        assert np.abs(state1.extra[k] - state0.extra[k]).max() > 0
+        if np.abs(vals.mean(0) - want).max() > 1e-6:
+            assert not np.allclose(state1.extra[k], vals.mean(0), rtol=0, atol=1e-7)
+    want_params = sum(w * r.values.astype(np.float64) for w, r in zip(n, outs)) / n.sum()
+    np.testing.assert_allclose(state1.params, want_params, rtol=1e-6, atol=1e-6)
+    plans2 = strat.configure_round(state1, 2)  # the next round sends the averaged values
+    for p in plans2.values():
+        for k in EXTRA_KEYS:
+            np.testing.assert_array_equal(p.extra[k], state1.extra[k])
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError, match="algorithm.alpha_l2r"):
+        build_config(preset="smoke", overrides=TINY + ["algorithm.alpha_l2r=-0.1"])
+    with pytest.raises(ConfigError, match="algorithm.alpha_cmi"):
+        build_config(preset="smoke", overrides=TINY + ["algorithm.alpha_cmi=-1"])
+
+
+# --- public path ------------------------------------------------------------------------------
+E2E = ["algorithm.name=fedsr", "model.width_mult=0.0625", "data.max_test_per_domain=40",
+       "training.max_steps_per_epoch=3", "data.num_clients=4", "training.rounds=2"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, single_thread):
+    cfg = build_config(preset="smoke", overrides=E2E)
+    fed = build_federation(cfg)
+    out = []
+    for name in ("a", "b"):
+        path = tmp_path_factory.mktemp(f"fedsr_{name}")
+        outcome = run_experiment(cfg, path, run_id="r", federation=fed)
+        out.append((outcome, results.load(path)))
+    return out
+
+
+def test_run_finishes_with_finite_accuracy(two_runs):
+    outcome, res = two_runs[0]
+    assert outcome.status == "finished" and np.isfinite(outcome.final_global_accuracy)
+    g = res.rounds[res.rounds.domain == results.GLOBAL_DOMAIN]
+    assert len(g) == 2 and np.isfinite(g["accuracy"].to_numpy(dtype=float)).all()
+    assert (res.clients["bytes_up"] > 0).all() and res.clients["macs_per_sample"].gt(0).all()
+
+
+def test_same_seed_gives_identical_tables(two_runs):
+    (_, a), (_, b) = two_runs
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))

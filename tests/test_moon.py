@@ -1,0 +1,221 @@
+"""MOON (Li et al. 2021): the model-contrastive loss by hand, the previous-model protocol, runs."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedsap_ray import algorithms, results
+from fedsap_ray.algorithms.moon import MoonObjective, model_contrastive_loss
+from fedsap_ray.client import train_client
+from fedsap_ray.config import ConfigError, build_config
+from fedsap_ray.data import build_federation
+from fedsap_ray.data.base import DomainData, Federation
+from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models import build_model
+from fedsap_ray.runtime.local import LocalBackend
+
+TINY = ["algorithm.name=moon", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
+        "training.rounds=2", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_fed(single_thread) -> Federation:
+    return build_federation(build_config(preset="smoke", overrides=TINY))
+
+
+# --- the loss on hand-built cases -------------------------------------------------------------
+def _np_l_con(z: np.ndarray, zg: np.ndarray, zp: np.ndarray, tau: float) -> float:
+    """MOON Eq. 2 in numpy, batch mean."""
+    def cos(a, b):
+        return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    pos, neg = np.exp(cos(z, zg) / tau), np.exp(cos(z, zp) / tau)
+    return float(np.mean(-np.log(pos / (pos + neg))))
+
+
+def test_contrastive_loss_equals_closed_form():
+    z = np.array([[1.0, 0.0, 2.0], [0.5, -1.0, 0.0], [3.0, 1.0, -1.0]])
+    zg = np.array([[1.0, 0.5, 2.0], [0.0, -1.0, 0.5], [-1.0, 2.0, 0.0]])
+    zp = np.array([[-1.0, 0.0, 1.0], [0.5, 1.0, 0.0], [3.0, 1.5, -1.0]])
+    for tau in (0.5, 1.0, 0.1):
+        got = model_contrastive_loss(*(torch.tensor(a) for a in (z, zg, zp)), tau=tau)
+        assert float(got) == pytest.approx(_np_l_con(z, zg, zp, tau), rel=1e-12)
+    # first row by hand: cos(z, zg) = 5.0 / (sqrt 5 * sqrt 5.25), cos(z, zp) = 1 / (sqrt 5 * sqrt 2)
+    a, b = 5.0 / math.sqrt(5 * 5.25), 1.0 / math.sqrt(10)
+    row0 = -math.log(math.exp(a / 0.5) / (math.exp(a / 0.5) + math.exp(b / 0.5)))
+    got0 = model_contrastive_loss(*(torch.tensor(v[:1]) for v in (z, zg, zp)), tau=0.5)
+    assert float(got0) == pytest.approx(row0, rel=1e-12)
+    assert row0 < math.log(2)  # closer to the global than to the previous representation: below log 2
+
+
+def _mlp_setup(seed: int = 0) -> tuple[torch.nn.Module, ParamLayout, DomainData]:
+    torch.manual_seed(seed)
+    model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
+    g = torch.Generator().manual_seed(seed)
+    data = DomainData(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
+    return model, ParamLayout.from_model(model), data
+
+
+def _plan(layout: ParamLayout, values: np.ndarray, **extra) -> ClientPlan:
+    return ClientPlan(client_id=0, round=2, values=values, mask=None, local_epochs=2, batch_size=6, lr=0.1,
+                      momentum=0.9, weight_decay=1e-3, seed=7, extra=extra)
+
+
+def test_previous_equal_to_global_gives_log_2_and_no_gradient():
+    """z_prev = z_glob makes the two logits equal: l_con = log 2 for every input, with zero gradient."""
+    model, layout, data = _mlp_setup()
+    g = layout.flatten(model)
+    for extra in ({}, {"prev": g.copy()}):  # no previous model yet / a previous model equal to the global one
+        obj = MoonObjective(_plan(layout, g, objective="moon", mu=5.0, tau=0.5, **extra), model, layout,
+                            torch.device("cpu"))
+        scratch = copy.deepcopy(model)
+        scratch.train()
+        _, l_con = obj.contrastive(scratch, data.x)
+        assert float(l_con.detach()) == pytest.approx(math.log(2), abs=1e-7)
+        l_con.backward()
+        grads = [p.grad for p in scratch.parameters() if p.grad is not None]  # the encoder's (not the classifier)
+        assert len(grads) == 4 and max(float(gr.abs().max()) for gr in grads) < 1e-6
+
+
+def test_previous_model_is_used_with_its_own_values():
+    """With a different previous model, l_con is Eq. 2 over the three models' own representations."""
+    model, layout, data = _mlp_setup()
+    g = layout.flatten(model)
+    rng = np.random.default_rng(1)
+    prev = (g + 0.3 * rng.standard_normal(g.size)).astype(np.float32)
+    current = (g + 0.3 * rng.standard_normal(g.size)).astype(np.float32)
+    obj = MoonObjective(_plan(layout, g, objective="moon", mu=5.0, tau=0.5, prev=prev), model, layout,
+                        torch.device("cpu"))
+    np.testing.assert_array_equal(layout.flatten(obj.glob), g)
+    np.testing.assert_array_equal(layout.flatten(obj.prev), prev)
+    feats = {}
+    for name, vec in (("z", current), ("g", g), ("p", prev)):
+        m = copy.deepcopy(model)
+        layout.load_into(m, vec)
+        with torch.no_grad():
+            feats[name] = m.forward_features(data.x).double().numpy()
+    m = copy.deepcopy(model)
+    layout.load_into(m, current)
+    with torch.no_grad():
+        _, l_con = obj.contrastive(m, data.x)
+    want = _np_l_con(feats["z"], feats["g"], feats["p"], 0.5)
+    assert float(l_con) == pytest.approx(want, rel=1e-5)
+    assert abs(want - math.log(2)) > 1e-3
+    with torch.no_grad():
+        ce = torch.nn.functional.cross_entropy(m(data.x), data.y)
+        total = obj.loss(m, data.x, data.y)
+    assert float(total) == pytest.approx(float(ce) + 5.0 * want, rel=1e-5)
+
+
+def test_first_participation_trains_like_fedavg_and_a_previous_model_changes_training():
+    """No previous model: z_prev = z_glob, so the contrastive gradient vanishes and local training equals
+    plain cross-entropy (the built-in loop) to float tolerance; a distinct previous model changes it."""
+    model, layout, data = _mlp_setup()
+    g = layout.flatten(model)
+    plain = train_client(_plan(layout, g), copy.deepcopy(model), layout, data)
+    first = train_client(_plan(layout, g, objective="moon", mu=5.0, tau=0.5), copy.deepcopy(model), layout, data)
+    np.testing.assert_allclose(first.values, plain.values, rtol=0, atol=1e-6)
+    prev = (g + 0.3 * np.random.default_rng(1).standard_normal(g.size)).astype(np.float32)
+    later = train_client(_plan(layout, g, objective="moon", mu=5.0, tau=0.5, prev=prev), copy.deepcopy(model),
+                         layout, data)
+    assert np.abs(later.values - plain.values).max() > 1e-4
+    assert first.stats == {} and later.stats == {}  # nothing but the model comes back
+
+
+# --- the server's previous-model protocol ---------------------------------------------------------
+def _loop(cfg, fed: Federation, rounds: int):
+    ctx = build_context(cfg, fed)
+    strat = algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+    backend = LocalBackend("cpu", num_workers=1)
+    backend.start(ctx)
+    states, plans, outs = [strat.init_state()], [], []
+    for t in range(1, rounds + 1):
+        plans.append(strat.configure_round(states[-1], t))
+        outs.append(backend.train(plans[-1]))
+        states.append(strat.aggregate(states[-1], outs[-1], t))
+    backend.close()
+    return strat, states, plans, outs
+
+
+def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
+    """Round 2's plan of a client seen in round 1 carries exactly its round-1 trained values (counted in
+    side_bytes_down); a client not seen yet gets none; a client that sits out keeps its stored model;
+    the global model is the sample-weighted FedAvg of the round's results."""
+    cfg = build_config(preset="smoke", overrides=TINY + ["training.participation=0.5", "training.rounds=3"])
+    strat, states, plans, outs = _loop(cfg, tiny_fed, 3)
+    assert states[0].extra["prev"] == {}
+    for p in plans[0].values():
+        assert "prev" not in p.extra and p.side_bytes_down == 0 and p.extra["objective"] == "moon"
+        assert p.extra["mu"] == 5.0 and p.extra["tau"] == 0.5
+    trained1 = {r.client_id: r.values for r in outs[0]}
+    assert set(states[1].extra["prev"]) == set(trained1)
+    for cid, v in trained1.items():
+        np.testing.assert_array_equal(states[1].extra["prev"][cid], v)
+    s1, s2 = set(plans[0]), set(plans[1])
+    assert s1 & s2 and s2 - s1  # round 2 has a returning and a new client
+    for cid, p in plans[1].items():
+        if cid in s1:
+            np.testing.assert_array_equal(p.extra["prev"], trained1[cid])
+            assert not np.array_equal(p.extra["prev"], p.values)
+            assert p.side_bytes_down == trained1[cid].nbytes and p.bytes_down == p.values.nbytes + trained1[cid].nbytes
+        else:
+            assert "prev" not in p.extra and p.side_bytes_down == 0
+    trained2 = {r.client_id: r.values for r in outs[1]}
+    for cid in s1 - s2:  # sat out round 2: its previous model is still the round-1 one
+        np.testing.assert_array_equal(states[2].extra["prev"][cid], trained1[cid])
+    for cid in s2:
+        np.testing.assert_array_equal(states[2].extra["prev"][cid], trained2[cid])
+    for t in (1, 2, 3):
+        rs = outs[t - 1]
+        n = np.array([r.n_samples for r in rs], dtype=np.float64)
+        want = sum(w * r.values.astype(np.float64) for w, r in zip(n, rs)) / n.sum()
+        np.testing.assert_allclose(states[t].params, want, rtol=1e-6, atol=1e-6)
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError, match="algorithm.tau"):
+        build_config(preset="smoke", overrides=TINY + ["algorithm.tau=0"])
+    with pytest.raises(ConfigError, match="algorithm.mu"):
+        build_config(preset="smoke", overrides=TINY + ["algorithm.mu=-1"])
+
+
+# --- public path ------------------------------------------------------------------------------
+E2E = ["algorithm.name=moon", "model.width_mult=0.0625", "data.max_test_per_domain=40",
+       "training.max_steps_per_epoch=3", "data.num_clients=4", "training.rounds=2"]
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, single_thread):
+    cfg = build_config(preset="smoke", overrides=E2E)
+    fed = build_federation(cfg)
+    out = []
+    for name in ("a", "b"):
+        path = tmp_path_factory.mktemp(f"moon_{name}")
+        outcome = run_experiment(cfg, path, run_id="r", federation=fed)
+        out.append((outcome, results.load(path)))
+    return cfg, fed, out
+
+
+def test_run_finishes_with_finite_accuracy_and_counts_previous_models(two_runs):
+    cfg, fed, out = two_runs
+    outcome, res = out[0]
+    assert outcome.status == "finished" and np.isfinite(outcome.final_global_accuracy)
+    g = res.rounds[res.rounds.domain == results.GLOBAL_DOMAIN].sort_values("round")
+    assert len(g) == 2 and np.isfinite(g["accuracy"].to_numpy(dtype=float)).all()
+    # full participation: in round 2 every client also receives its previous model (4 bytes per coordinate)
+    size = ParamLayout.from_model(build_context(cfg, fed).model).size
+    down = g["bytes_down"].to_numpy(dtype=np.int64)
+    assert down[1] - down[0] == len(fed.clients) * size * 4
+
+
+def test_same_seed_gives_identical_tables(two_runs):
+    _, _, out = two_runs
+    (_, a), (_, b) = out
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
