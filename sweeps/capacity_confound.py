@@ -13,14 +13,13 @@ Resumable (``sweeps.common.run_variants``). Prints ``analysis.confound.report`` 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `analysis` from a source checkout
 
 from analysis.confound import report  # noqa: E402
-from sweeps.common import run_variants  # noqa: E402
+from sweeps.common import study_main  # noqa: E402
 
 VARIANTS: dict[str, list[str]] = {
     "hasfl": ["algorithm.name=hasfl"],
@@ -37,24 +36,8 @@ SMOKE = ["training.rounds=4", "data.max_test_per_domain=60", "model.width_mult=0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="runs/capacity_confound")
-    p.add_argument("--preset", default="confound_laptop")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--backend", choices=["local", "ray"], default="local")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once in worker processes (local backend)")
-    p.add_argument("--smoke-test", action="store_true", help="smoke preset (HAS-FL adapts and normalises), one seed")
-    args = p.parse_args(argv)
-    preset, seeds, extra = args.preset, args.seeds, list(args.overrides)
-    if args.smoke_test:
-        preset, seeds, extra = "smoke", seeds[:1], extra + SMOKE
-    out = Path(args.out)
-    run_variants(out, {v: VARIANTS[v] for v in args.variants}, seeds, preset=preset, extra=extra,
-                 backend=args.backend, jobs=args.jobs, study="capacity_confound")
-    print(report(out, frontier_png=out / "frontier.png"))
-    return 0
+    return study_main(argv, doc=__doc__, variants=VARIANTS, study="capacity_confound",
+                      default_preset="confound_laptop", smoke=SMOKE, report=lambda out: report(out, frontier_png=out / "frontier.png"))
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ runs at once in worker processes (each run writes only its own files); every run
 """
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import sys
 import time
 from dataclasses import replace
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import pyarrow.parquet as pq
 
@@ -63,3 +64,26 @@ def run_status(out: Path, run_id: str) -> str | None:
     """The ``runs`` row's status of a run in ``out`` (None: never started)."""
     f = Path(out) / "runs" / f"{run_id}.parquet"
     return pq.read_table(f).to_pylist()[0]["status"] if f.is_file() else None
+
+
+def study_main(argv: Sequence[str] | None, *, doc: str, variants: dict[str, list[str]], study: str,
+               default_preset: str, smoke: Sequence[str], report: Callable[[Path], str]) -> int:
+    """The command line every study script shares: parse, run what is missing, print the study's table."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--out", default=f"runs/{study}")
+    p.add_argument("--preset", default=default_preset)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--backend", choices=["local", "ray"], default="local")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once in worker processes (local backend)")
+    p.add_argument("--smoke-test", action="store_true", help="smoke preset, one seed, tiny model")
+    args = p.parse_args(argv)
+    preset, seeds, extra = args.preset, args.seeds, list(args.overrides)
+    if args.smoke_test:
+        preset, seeds, extra = "smoke", seeds[:1], extra + list(smoke)
+    out = Path(args.out)
+    run_variants(out, {v: variants[v] for v in args.variants}, seeds, preset=preset, extra=extra,
+                 backend=args.backend, jobs=args.jobs, study=study)
+    print(report(out))
+    return 0

@@ -1,14 +1,23 @@
-"""Shared fixtures: where the real data files are, and small configs for fast runs."""
+"""Shared fixtures and helpers: where the real data files are, small configs for fast runs, in-process
+round loops, and the end-to-end "runs finish and are deterministic" checks."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
-from fedsap_ray import algorithms
-from fedsap_ray.experiment import build_context
+from fedsap_ray import algorithms, results
+from fedsap_ray.config import ConfigError, build_config
+from fedsap_ray.data import build_federation
+from fedsap_ray.data.base import DomainData
+from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models import build_model
 from fedsap_ray.runtime.local import LocalBackend
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,18 +46,120 @@ def single_thread():
     torch.set_num_threads(n)
 
 
+TINY_BASE = ["data.max_test_per_domain=40", "model.width_mult=0.0625", "training.local_epochs=1",
+             "training.batch_size=16", "training.max_steps_per_epoch=3"]
+
+
+def tiny_overrides(algorithm: str, *extra: str) -> list[str]:
+    """Overrides of a tiny, fast config of ``algorithm`` on the smoke preset; ``extra`` comes last, so it wins."""
+    return [f"algorithm.name={algorithm}", *TINY_BASE, *extra]
+
+
+def federation_fixture(overrides, name: str = "fed", preset: str = "smoke"):
+    """A module-scoped fixture called ``name`` holding the federation of ``overrides`` (built once per module,
+    with one torch thread); a test module binds it at top level: ``fed = federation_fixture(TINY)``."""
+    @pytest.fixture(scope="module", name=name)
+    def _federation(single_thread):
+        return build_federation(build_config(preset=preset, overrides=list(overrides)))
+
+    return _federation
+
+
 def make_strategy(cfg, fed):
     """(RunContext, Strategy) for ``cfg`` on a prebuilt federation, without a backend."""
     ctx = build_context(cfg, fed)
     return ctx, algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
 
 
-def run_rounds(cfg, fed, rounds):
-    """Run the strategy in-process and return (ctx, strategy, states): states[0] initial, states[t] after round t."""
+def run_rounds_with_plans(cfg, fed, rounds):
+    """Run the strategy in-process for ``rounds`` rounds; return (ctx, strategy, states, plans, results):
+    states[0] initial and states[t] after round t; plans[t - 1] and results[t - 1] are round t's plan dict and
+    the clients' results in the order the backend returned them (the order aggregate saw)."""
     ctx, strat = make_strategy(cfg, fed)
     backend = LocalBackend("cpu", num_workers=1)
     backend.start(ctx)
-    states = [strat.init_state()]
-    for t in range(1, rounds + 1):
-        states.append(strat.aggregate(states[-1], backend.train(strat.configure_round(states[-1], t)), t))
+    states, plans, outs = [strat.init_state()], [], []
+    try:
+        for t in range(1, rounds + 1):
+            plans.append(strat.configure_round(states[-1], t))
+            outs.append(backend.train(plans[-1]))
+            states.append(strat.aggregate(states[-1], outs[-1], t))
+    finally:
+        backend.close()
+    return ctx, strat, states, plans, outs
+
+
+def run_rounds(cfg, fed, rounds):
+    """Run the strategy in-process; return (ctx, strat, states): states[0] initial, states[t] after round t."""
+    ctx, strat, states, _, _ = run_rounds_with_plans(cfg, fed, rounds)
     return ctx, strat, states
+
+
+def tiny_mlp(seed: int = 0) -> tuple[torch.nn.Module, ParamLayout, DomainData]:
+    """A seeded 6-input, 3-class MLP at width 1/32, its layout, and 12 seeded samples for client-side tests."""
+    torch.manual_seed(seed)
+    model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
+    g = torch.Generator().manual_seed(seed)
+    data = DomainData(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
+    return model, ParamLayout.from_model(model), data
+
+
+def assert_options_rejected(base_overrides, *bad: str, preset: str = "smoke") -> None:
+    """Every override in ``bad`` (``"algorithm.tau=0"``), added to ``base_overrides``, is a ConfigError
+    whose message names the option (``algorithm.tau``)."""
+    for override in bad:
+        key = override.split("=", 1)[0]
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            build_config(preset=preset, overrides=[*base_overrides, override])
+
+
+# --- end-to-end runs ----------------------------------------------------------------------------
+E2E_BASE = ["model.width_mult=0.0625", "data.max_test_per_domain=40", "training.max_steps_per_epoch=3",
+            "training.rounds=2"]
+
+
+def e2e_overrides(algorithm: str, *extra: str) -> list[str]:
+    """Overrides of a small two-round end-to-end run of ``algorithm`` on the smoke preset, plus ``extra``."""
+    return [f"algorithm.name={algorithm}", *E2E_BASE, *extra]
+
+
+def run_twice(overrides, tmp_path: Path, federation=None, *, run_id: str = "r", preset: str = "smoke"):
+    """Build the config from ``overrides``, run it with run_experiment into ``tmp_path / "a"`` and
+    ``tmp_path / "b"`` on the same federation (``federation``, or one built from the config), check that
+    both runs finished with a finite final global accuracy, and return their loaded (Results, Results)."""
+    cfg = build_config(preset=preset, overrides=list(overrides))
+    fed = federation if federation is not None else build_federation(cfg)
+    loaded = []
+    for name in ("a", "b"):
+        outcome = run_experiment(cfg, tmp_path / name, run_id=run_id, federation=fed)
+        assert outcome.status == "finished", outcome
+        assert np.isfinite(outcome.final_global_accuracy), outcome
+        loaded.append(results.load(tmp_path / name))
+    return loaded[0], loaded[1]
+
+
+def two_runs_fixture(overrides, name: str = "two_runs"):
+    """A module-scoped fixture called ``name`` holding ``run_twice(overrides, <fresh folder>)``, for modules
+    whose tests share one pair of runs: ``two_runs = two_runs_fixture(E2E)``."""
+    @pytest.fixture(scope="module", name=name)
+    def _two_runs(tmp_path_factory, single_thread):
+        return run_twice(overrides, tmp_path_factory.mktemp(name))
+
+    return _two_runs
+
+
+def global_rows(res) -> pd.DataFrame:
+    """The ``rounds`` rows of the global (all-domain) evaluation."""
+    return res.rounds[res.rounds.domain == results.GLOBAL_DOMAIN]
+
+
+def assert_finite_global_accuracy(res, rounds: int) -> None:
+    """One global row per round, each with a finite accuracy."""
+    acc = global_rows(res)["accuracy"].to_numpy(dtype=float)
+    assert len(acc) == rounds and np.isfinite(acc).all(), acc
+
+
+def assert_same_tables(a, b) -> None:
+    """The ``rounds`` and ``clients`` tables of two runs are equal but for their wall-time columns."""
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))

@@ -5,35 +5,27 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
-from conftest import make_strategy
-from fedsap_ray import results
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+                      federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.algorithms.dapperfl import (MASK_KEY, OBJECTIVE, DapperFL, dar_loss, fusion_alpha, fusion_prune,
                                             pack_channel_masks, unpack_channel_masks)
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.client import train_client
-from fedsap_ray.config import ConfigError, build_config
-from fedsap_ray.data import build_federation
+from fedsap_ray.config import build_config
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import ParamLayout, nested_channel_masks, nested_count, param_mask, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import build_model
-from fedsap_ray.runtime.local import LocalBackend
 
-TINY = ["algorithm.name=dapperfl", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.rounds=2", "training.local_epochs=2", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("dapperfl", "data.num_clients=4", "training.rounds=2", "training.local_epochs=2")
 # smoke's cyclic pruning ratios: clients 0-3 keep 1.0, 0.8, 0.6, 0.4 of every layer
 
-
-@pytest.fixture(scope="module")
-def fed(single_thread):
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+fed = federation_fixture(TINY)
 
 
 def _mlp(inp: int, c1: int, c2: int, classes: int = 2, seed: int = 0) -> torch.nn.Module:
@@ -207,15 +199,7 @@ def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruc
     epoch (steps = E * prune_after_steps) to ceil(kappa_i C_l) channels per layer, not the nested ones; the
     server state is the sample-weighted mean of the reconstructed models and holds no per-client state."""
     cfg = build_config(preset="smoke", overrides=TINY)
-    ctx, strat = make_strategy(cfg, fed)
-    backend = LocalBackend("cpu", num_workers=1)
-    backend.start(ctx)
-    states = [strat.init_state()]
-    for t in (1, 2):
-        plans = strat.configure_round(states[-1], t)
-        outs = backend.train(plans)
-        states.append(strat.aggregate(states[-1], outs, t))
-    backend.close()
+    ctx, _, states, (_, plans), (_, outs) = run_rounds_with_plans(cfg, fed, 2)
     assert states[2].extra == {}
     keeps = [c.capacity for c in fed.clients]
     assert keeps == [1.0, 0.8, 0.6, 0.4]
@@ -244,27 +228,15 @@ def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruc
 
 
 def test_options_are_validated():
-    for bad in ("algorithm.alpha_0=1.5", "algorithm.epsilon=-0.1", "algorithm.gamma=-1",
-                "algorithm.alpha_min=0.95"):
-        with pytest.raises(ConfigError, match=bad.split("=")[0].split(".")[1]):
-            build_config(preset="smoke", overrides=TINY + [bad])
+    assert_options_rejected(TINY, "algorithm.alpha_0=1.5", "algorithm.epsilon=-0.1", "algorithm.gamma=-1",
+                            "algorithm.alpha_min=0.95")
 
 
 # --- end to end -------------------------------------------------------------------------------------
-def _run(out, fed, extra=()):
-    cfg = build_config(preset="smoke", overrides=["algorithm.name=dapperfl", "model.width_mult=0.0625",
-                                                  "data.max_test_per_domain=40", "training.max_steps_per_epoch=3",
-                                                  *TINY[1:], *extra])
-    return run_experiment(cfg, out, run_id="d", federation=fed)
-
-
 def test_run_finishes_with_finite_accuracy_and_is_deterministic(tmp_path, fed):
-    assert _run(tmp_path / "a", fed).status == "finished"
-    _run(tmp_path / "b", fed)
-    a, b = results.load(tmp_path / "a"), results.load(tmp_path / "b")
-    acc = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]["accuracy"].to_numpy(dtype=float)
-    assert len(acc) == 2 and np.isfinite(acc).all()
+    """run_twice checks that both runs finish with a finite final global accuracy."""
+    a, b = run_twice(e2e_overrides("dapperfl", *TINY[1:]), tmp_path, fed, run_id="d")
+    assert_finite_global_accuracy(a, 2)
     macs = a.clients.groupby("client_id")["macs_per_sample"].first()
     assert (macs > 0).all() and macs.is_monotonic_decreasing and macs.iloc[0] > macs.iloc[-1]  # kappa 1 -> 0.4
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(a, b)

@@ -2,27 +2,21 @@
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
 
-from conftest import make_strategy, run_rounds
-from fedsap_ray import results
-from fedsap_ray.config import ConfigError, build_config
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+                      federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
+from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import nested_count, trainable_mask
 from fedsap_ray.messages import ClientResult
 from fedsap_ray.models import model_macs
 from fedsap_ray.seeding import rng_for
 
-TINY = ["algorithm.name=feddrop", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("feddrop", "data.num_clients=6")
 # 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
 
-
-@pytest.fixture(scope="module")
-def fed(single_thread):
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+fed = federation_fixture(TINY)
 
 
 def _cfg(*extra: str):
@@ -61,8 +55,7 @@ def test_coordinates_outside_every_mask_stay_bit_identical(fed):
     cfg = _cfg("data.num_clients=4", "capacity.scheme=explicit", "capacity.keep_ratios=[0.25, 0.25, 0.25, 0.25]",
                "training.rounds=1")
     f = build_federation(cfg)
-    ctx, s, states = run_rounds(cfg, f, 1)
-    plans = s.configure_round(states[0], 1)
+    ctx, s, states, (plans,), _ = run_rounds_with_plans(cfg, f, 1)
     assert set(plans) == {0, 1, 2, 3}
     union = np.zeros(ctx.layout.size, dtype=bool)
     for cid, plan in plans.items():
@@ -118,23 +111,14 @@ def test_afd_score_map_keeps_improving_submodels_and_weights_the_next_draw(fed):
 
 
 def test_selection_is_validated():
-    with pytest.raises(ConfigError, match="algorithm.selection"):
-        _cfg("algorithm.selection=best")
+    assert_options_rejected(TINY, "algorithm.selection=best")
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    cfg = build_config(preset="smoke", overrides=["algorithm.name=feddrop", "model.width_mult=0.0625",
-                                                  "data.max_test_per_domain=40", "training.max_steps_per_epoch=3",
-                                                  "training.rounds=2"])
-    f = build_federation(cfg)
-    run_experiment(cfg, tmp_path / "a", run_id="r", federation=f)
-    run_experiment(cfg, tmp_path / "b", run_id="r", federation=f)
-    a, b = results.load(tmp_path / "a"), results.load(tmp_path / "b")
-    acc = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]["accuracy"].to_numpy(dtype=float)
-    assert len(acc) == 2 and np.isfinite(acc).all()
+    a, b = run_twice(e2e_overrides("feddrop"), tmp_path)
+    assert_finite_global_accuracy(a, 2)
     cl = a.clients
     assert cl["macs_per_sample"].gt(0).all()
     low = cl[cl["capacity_max"] < 1]
     assert (low["capacity_used"] < 1).all() and (low["n_dropped"] > 0).all()
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(a, b)

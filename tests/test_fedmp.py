@@ -2,27 +2,19 @@
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
-import pytest
 
-from conftest import make_strategy, run_rounds
-from fedsap_ray import results
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+                      federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.pruning import l1_channel_masks
-from fedsap_ray.config import ConfigError, build_config
-from fedsap_ray.data import build_federation
-from fedsap_ray.experiment import run_experiment
+from fedsap_ray.config import build_config
 from fedsap_ray.masks import nested_count, param_mask
 from fedsap_ray.messages import ClientResult, ServerState
 
-TINY = ["algorithm.name=fedmp", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("fedmp", "data.num_clients=6")
 # 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
 
-
-@pytest.fixture(scope="module")
-def fed(single_thread):
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+fed = federation_fixture(TINY)
 
 
 def _cfg(*extra: str):
@@ -105,8 +97,7 @@ def test_round_masks_are_the_l1_masks_of_the_state_the_round_starts_from(fed):
     """In a real run the round-2 plans prune the model round 1 produced (the hand-built test above shows
     that a changed ranking changes the masks)."""
     cfg = _cfg("training.rounds=2")
-    ctx, s, states = run_rounds(cfg, fed, 2)
-    plans = s.configure_round(states[1], 2)
+    ctx, _, states, (_, plans), _ = run_rounds_with_plans(cfg, fed, 2)
     for cid in (1, 2, 3, 4):
         want = l1_channel_masks(ctx.space, ctx.layout, states[1].params, fed.clients[cid].capacity)
         np.testing.assert_array_equal(plans[cid].mask, param_mask(ctx.space, ctx.layout, want))
@@ -114,20 +105,11 @@ def test_round_masks_are_the_l1_masks_of_the_state_the_round_starts_from(fed):
 
 
 def test_aggregation_is_validated():
-    with pytest.raises(ConfigError, match="algorithm.aggregation"):
-        _cfg("algorithm.aggregation=mean")
+    assert_options_rejected(TINY, "algorithm.aggregation=mean")
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    cfg = build_config(preset="smoke", overrides=["algorithm.name=fedmp", "model.width_mult=0.0625",
-                                                  "data.max_test_per_domain=40", "training.max_steps_per_epoch=3",
-                                                  "training.rounds=2"])
-    f = build_federation(cfg)
-    run_experiment(cfg, tmp_path / "a", run_id="r", federation=f)
-    run_experiment(cfg, tmp_path / "b", run_id="r", federation=f)
-    a, b = results.load(tmp_path / "a"), results.load(tmp_path / "b")
-    acc = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]["accuracy"].to_numpy(dtype=float)
-    assert len(acc) == 2 and np.isfinite(acc).all()
+    a, b = run_twice(e2e_overrides("fedmp"), tmp_path)
+    assert_finite_global_accuracy(a, 2)
     assert a.clients["macs_per_sample"].gt(0).all()
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(a, b)

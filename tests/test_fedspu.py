@@ -6,27 +6,19 @@ import copy
 import math
 
 import numpy as np
-import pandas as pd
 import pytest
 
-from conftest import make_strategy
-from fedsap_ray import results
+from conftest import (assert_same_tables, federation_fixture, global_rows, make_strategy, run_rounds_with_plans,
+                      run_twice, tiny_overrides)
 from fedsap_ray.algorithms.fedspu import FrozenNeurons
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
-from fedsap_ray.data import build_federation
-from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import param_mask
-from fedsap_ray.runtime.local import LocalBackend
 
-TINY = ["algorithm.name=fedspu", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.rounds=2", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3",
-        "capacity.scheme=explicit", "capacity.keep_ratios=[0.5, 0.5, 0.25, 0.75]"]
+TINY = tiny_overrides("fedspu", "data.num_clients=4", "training.rounds=2", "capacity.scheme=explicit",
+                      "capacity.keep_ratios=[0.5, 0.5, 0.25, 0.75]")
 
-
-@pytest.fixture(scope="module")
-def tiny_fed(single_thread):
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+tiny_fed = federation_fixture(TINY, "tiny_fed")
 
 
 def _cfg(*extra: str):
@@ -110,14 +102,11 @@ def test_global_model_changes_only_where_some_client_trained(tiny_fed):
     """Round by round with half of the clients sampled: coordinates outside the union of the sampled
     clients' trained masks keep the previous global value bit for bit; inside it they move."""
     cfg = _cfg("training.participation=0.5", "training.rounds=3")
-    ctx, strat = make_strategy(cfg, tiny_fed)
-    backend = LocalBackend("cpu", num_workers=1)
-    backend.start(ctx)
-    state = strat.init_state()
+    ctx, strat, states, round_plans, _ = run_rounds_with_plans(cfg, tiny_fed, 3)
     pc = ctx.layout.param_coords()
     seen: set[int] = set()
     for t in (1, 2, 3):
-        plans = strat.configure_round(state, t)
+        state, plans, new = states[t - 1], round_plans[t - 1], states[t]
         assert len(plans) == 2
         union = np.zeros(ctx.layout.size, dtype=bool)
         for cid, p in plans.items():
@@ -125,13 +114,11 @@ def test_global_model_changes_only_where_some_client_trained(tiny_fed):
             if cid not in seen:  # never trained: frozen part of its start is w^0
                 np.testing.assert_array_equal(p.extra["frozen_values"], state.extra["init"][~p.mask])
         assert not union.all()
-        new = strat.aggregate(state, backend.train(plans), t)
         assert new.params[~union].tobytes() == state.params[~union].tobytes()
         assert (new.params[union & pc] != state.params[union & pc]).mean() > 0.9
         assert set(new.extra["personal"]) == seen | set(plans)
         seen |= set(plans)
-        state = new
-    backend.close()
+    state = states[-1]
     # 'personal' evaluation: each domain's largest client's personal model, the global model if unseen
     sets = strat.eval_sets(state)
     assert list(sets) == ["global", "personal"]
@@ -142,17 +129,12 @@ def test_global_model_changes_only_where_some_client_trained(tiny_fed):
 
 
 def test_run_finishes_and_is_deterministic(tmp_path, tiny_fed):
-    def run(out):
-        run_experiment(_cfg(), out, run_id="r", federation=tiny_fed)
-        return results.load(out)
-
-    a, b = run(tmp_path / "a"), run(tmp_path / "b")
-    g = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]
+    a, b = run_twice(TINY, tmp_path, tiny_fed)
+    g = global_rows(a)
     assert set(g["eval_mode"]) == {"global", "personal"} and len(g) == 4
     assert np.isfinite(g["accuracy"].to_numpy(dtype=float)).all()
     c = a.clients[a.clients["round"] == 1].set_index("client_id")
     assert c.loc[2, "params_trained"] < c.loc[3, "params_trained"]  # kappa 0.25 trains fewer than 0.75
     assert c.loc[2, "bytes_up"] < c.loc[3, "bytes_up"]
     assert (c["n_dropped"] == 0).all() and (c["macs_per_sample"] == c["macs_per_sample"].iloc[0]).all()
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(a, b)

@@ -5,25 +5,19 @@ from __future__ import annotations
 import copy
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray import algorithms, results
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+                      federation_fixture, run_rounds_with_plans, tiny_mlp, tiny_overrides, two_runs_fixture)
 from fedsap_ray.algorithms.fedsr import EXTRA_KEYS, FedSRObjective, gaussian_kl, l2r_term
 from fedsap_ray.client import train_client
-from fedsap_ray.config import ConfigError, build_config
-from fedsap_ray.data import build_federation
-from fedsap_ray.data.base import DomainData, Federation
-from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.config import build_config
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan
-from fedsap_ray.models import build_model
-from fedsap_ray.runtime.local import LocalBackend
 
-TINY = ["algorithm.name=fedsr", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.rounds=1", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("fedsr", "data.num_clients=4", "training.rounds=1")
 
 
 def _softplus(x: np.ndarray) -> np.ndarray:
@@ -56,14 +50,6 @@ def test_l2r_term_equals_mean_squared_norm():
     assert float(l2r_term(torch.tensor(z))) == pytest.approx(17.0, rel=1e-12)
 
 
-def _mlp_setup(seed: int = 0) -> tuple[torch.nn.Module, ParamLayout, DomainData]:
-    torch.manual_seed(seed)
-    model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
-    g = torch.Generator().manual_seed(seed)
-    data = DomainData(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
-    return model, ParamLayout.from_model(model), data
-
-
 def _extras(model, rng: np.random.Generator | None = None, rho: float | None = None, **kw) -> dict:
     d, c = model.feature_dim, getattr(model, model.classifier).out_features
     rng = rng or np.random.default_rng(3)
@@ -83,7 +69,7 @@ def _plan(layout: ParamLayout, model, **extra) -> ClientPlan:
 def test_objective_terms_match_hand_computation_on_a_model():
     """The client's loss: z = mu(x) + softplus(rho) * eps with eps from the plan's noise seed; the classifier
     sees z; L2R is the mean ||z||^2 and CMI the closed-form KL to N(r_mu[y], softplus(r_rho)[y]^2)."""
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     ex = _extras(model, alpha_l2r=0.3, alpha_cmi=0.2)
     obj = FedSRObjective(_plan(layout, model, **ex), model, layout, torch.device("cpu"))
     with torch.no_grad():
@@ -109,7 +95,7 @@ def test_zero_weights_and_vanishing_sigma_train_exactly_like_fedavg():
     """alpha_L2R = alpha_CMI = 0 and sigma = softplus(-50) ~ 2e-22: z = mu(x), so every gradient is plain
     cross-entropy's and the trained model equals the built-in loop's (FedAvg client) to float tolerance;
     with sigma = log 2 the noise really enters the loss and training differs."""
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     plain = train_client(_plan(layout, model), copy.deepcopy(model), layout, data)
     limit = train_client(_plan(layout, model, **_extras(model, rho=-50.0, alpha_l2r=0.0, alpha_cmi=0.0)),
                          copy.deepcopy(model), layout, data)
@@ -129,7 +115,7 @@ def test_zero_weights_and_vanishing_sigma_train_exactly_like_fedavg():
 
 
 def test_client_trains_and_returns_the_extra_parameters():
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     ex = _extras(model)
     res = train_client(_plan(layout, model, **ex), copy.deepcopy(model), layout, data)
     assert set(res.stats) == set(EXTRA_KEYS)
@@ -144,20 +130,16 @@ def test_client_trains_and_returns_the_extra_parameters():
 
 
 # --- the server: shared reference distributions ------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_fed(single_thread) -> Federation:
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+tiny_fed = federation_fixture(TINY, "tiny_fed")
 
 
 def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
     cfg = build_config(preset="smoke", overrides=TINY)
-    ctx = build_context(cfg, tiny_fed)
-    strat = algorithms.get("fedsr")(ctx, algorithms.parse_options("fedsr", cfg.algorithm.options))
-    state0 = strat.init_state()
+    ctx, strat, states, plan_sets, outs_sets = run_rounds_with_plans(cfg, tiny_fed, 1)
+    state0, state1, plans, outs = states[0], states[1], plan_sets[0], outs_sets[0]
     d, c = ctx.model.feature_dim, tiny_fed.num_classes
     assert state0.extra["rho"].shape == (d,) and state0.extra["r_mu"].shape == (c, d)
     assert (state0.extra["rho"] == 0).all() and (state0.extra["r_mu"] == 0).all() and (state0.extra["r_rho"] == 1).all()
-    plans = strat.configure_round(state0, 1)
     seeds = set()
     for p in plans.values():
         assert p.extra["objective"] == "fedsr" and p.extra["alpha_l2r"] == 0.01 and p.extra["alpha_cmi"] == 0.001
@@ -166,11 +148,6 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
             np.testing.assert_array_equal(p.extra[k], state0.extra[k])
         seeds.add(p.extra["noise_seed"])
     assert len(seeds) == len(plans)  # every client draws its own noise
-    backend = LocalBackend("cpu", num_workers=1)
-    backend.start(ctx)
-    outs = backend.train(plans)
-    backend.close()
-    state1 = strat.aggregate(state0, outs, 1)
     n = np.array([r.n_samples for r in outs], dtype=np.float64)
     assert len(set(n)) > 1  # unequal client sizes: a plain mean would differ
     for k in EXTRA_KEYS:
@@ -190,38 +167,18 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
 
 
 def test_options_are_validated():
-    with pytest.raises(ConfigError, match="algorithm.alpha_l2r"):
-        build_config(preset="smoke", overrides=TINY + ["algorithm.alpha_l2r=-0.1"])
-    with pytest.raises(ConfigError, match="algorithm.alpha_cmi"):
-        build_config(preset="smoke", overrides=TINY + ["algorithm.alpha_cmi=-1"])
+    assert_options_rejected(TINY, "algorithm.alpha_l2r=-0.1", "algorithm.alpha_cmi=-1")
 
 
 # --- public path ------------------------------------------------------------------------------
-E2E = ["algorithm.name=fedsr", "model.width_mult=0.0625", "data.max_test_per_domain=40",
-       "training.max_steps_per_epoch=3", "data.num_clients=4", "training.rounds=2"]
-
-
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory, single_thread):
-    cfg = build_config(preset="smoke", overrides=E2E)
-    fed = build_federation(cfg)
-    out = []
-    for name in ("a", "b"):
-        path = tmp_path_factory.mktemp(f"fedsr_{name}")
-        outcome = run_experiment(cfg, path, run_id="r", federation=fed)
-        out.append((outcome, results.load(path)))
-    return out
+two_runs = two_runs_fixture(e2e_overrides("fedsr", "data.num_clients=4"))  # both finished, finite accuracy
 
 
 def test_run_finishes_with_finite_accuracy(two_runs):
-    outcome, res = two_runs[0]
-    assert outcome.status == "finished" and np.isfinite(outcome.final_global_accuracy)
-    g = res.rounds[res.rounds.domain == results.GLOBAL_DOMAIN]
-    assert len(g) == 2 and np.isfinite(g["accuracy"].to_numpy(dtype=float)).all()
+    res, _ = two_runs
+    assert_finite_global_accuracy(res, 2)
     assert (res.clients["bytes_up"] > 0).all() and res.clients["macs_per_sample"].gt(0).all()
 
 
 def test_same_seed_gives_identical_tables(two_runs):
-    (_, a), (_, b) = two_runs
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(*two_runs)

@@ -3,30 +3,22 @@ cluster/unbiased prototypes and their trip to the next round's plans, end-to-end
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import make_strategy
-from fedsap_ray import results
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, federation_fixture,
+                      run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms.fpl import (FPLObjective, class_prototypes, cpcl_loss, finch, first_neighbour_partition,
                                        fpl_regulariser, last_epoch_start, server_prototypes, upcr_loss)
-from fedsap_ray.config import ConfigError, build_config
-from fedsap_ray.data import build_federation
-from fedsap_ray.experiment import run_experiment
+from fedsap_ray.config import build_config
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.models import build_model
-from fedsap_ray.runtime.local import LocalBackend
 
-TINY = ["algorithm.name=fpl", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.rounds=2", "training.local_epochs=2", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("fpl", "data.num_clients=4", "training.rounds=2", "training.local_epochs=2")
 
-
-@pytest.fixture(scope="module")
-def tiny_fed(single_thread):
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+tiny_fed = federation_fixture(TINY, "tiny_fed")
 
 
 def _unit(deg: float, r: float = 1.0) -> np.ndarray:
@@ -175,53 +167,35 @@ def test_round_two_plans_carry_the_prototypes(tiny_fed):
     """Round 1: CE only, no prototypes sent; the server builds them from the clients' last-epoch prototypes;
     round 2's plans carry exactly those arrays (counted in bytes_down) and the model is FedAvg's."""
     cfg = build_config(preset="smoke", overrides=TINY)
-    ctx, strat = make_strategy(cfg, tiny_fed)
-    backend = LocalBackend("cpu", num_workers=1)
-    backend.start(ctx)
-    s0 = strat.init_state()
-    p1 = strat.configure_round(s0, 1)
+    _, _, (_, s1, _), (p1, p2), (r1, r2) = run_rounds_with_plans(cfg, tiny_fed, 2)
     assert all(p.side_bytes_down == 0 and "fpl_cluster_protos" not in p.extra for p in p1.values())
-    r1 = sorted(backend.train(p1), key=lambda r: r.client_id)
     for r in r1:  # last local epoch: min(batches, 3) batches of 16 (client 1 has 29 samples: 16 + 13)
         n = tiny_fed.clients[r.client_id].n_samples
         assert p1[r.client_id].extra["fpl_collect_from"] == last_epoch_start(n, 16, 2, 3) == r.steps // 2
         assert int(r.stats["fpl_counts"].sum()) == min(n, 48)
-    s1 = strat.aggregate(s0, r1, 1)
-    want = server_prototypes(r1, tiny_fed.num_classes)
+    want = server_prototypes(r1, tiny_fed.num_classes)  # from the results in the order aggregate received them
     for k, v in want.items():
         np.testing.assert_array_equal(s1.extra[k], v)
     assert s1.extra["fpl_has_proto"].all() and len(s1.extra["fpl_cluster_labels"]) >= tiny_fed.num_classes
     n_w = np.array([r.n_samples for r in r1], dtype=np.float64)
     fedavg = (np.stack([r.values for r in r1]).astype(np.float64) * n_w[:, None]).sum(0) / n_w.sum()
     np.testing.assert_allclose(s1.params, fedavg, rtol=1e-5, atol=1e-6)
-    p2 = strat.configure_round(s1, 2)
     for p in p2.values():
         for k, v in want.items():
             np.testing.assert_array_equal(p.extra[k], v)
         assert p.side_bytes_down == sum(v.nbytes for v in want.values()) > 0
         assert p.extra["objective"] == "fpl" and p.extra["fpl_tau"] == 0.02
-    r2 = backend.train(p2)
     assert all(np.isfinite(r.train_loss) for r in r2)
-    backend.close()
 
 
 def test_tau_is_validated():
-    with pytest.raises(ConfigError, match="algorithm.tau"):
-        build_config(preset="smoke", overrides=TINY + ["algorithm.tau=0"])
+    assert_options_rejected(TINY, "algorithm.tau=0")
 
 
 # --- end to end -------------------------------------------------------------------------------
-def _run(out, fed):
-    cfg = build_config(preset="smoke", overrides=TINY)
-    run_experiment(cfg, out, run_id="r", federation=fed)
-    return results.load(out)
-
-
 def test_run_finishes_and_is_deterministic(tmp_path, tiny_fed):
-    a, b = _run(tmp_path / "a", tiny_fed), _run(tmp_path / "b", tiny_fed)
-    g = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]
-    assert len(g) == 2 and np.isfinite(g["accuracy"].to_numpy(dtype=float)).all()
+    a, b = run_twice(TINY, tmp_path, tiny_fed)
+    assert_finite_global_accuracy(a, 2)
     r2 = a.rounds[(a.rounds["round"] == 2)]
     assert (r2["bytes_down"] > a.rounds[a.rounds["round"] == 1]["bytes_down"].iloc[0]).all()  # prototypes go down
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(a, b)

@@ -5,29 +5,23 @@ import copy
 import math
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
-from fedsap_ray import algorithms, results
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+                      federation_fixture, global_rows, run_rounds_with_plans, tiny_mlp, tiny_overrides,
+                      two_runs_fixture)
 from fedsap_ray.algorithms.moon import MoonObjective, model_contrastive_loss
 from fedsap_ray.client import train_client
-from fedsap_ray.config import ConfigError, build_config
+from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.data.base import DomainData, Federation
-from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.experiment import build_context
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan
-from fedsap_ray.models import build_model
-from fedsap_ray.runtime.local import LocalBackend
 
-TINY = ["algorithm.name=moon", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.rounds=2", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("moon", "data.num_clients=4", "training.rounds=2")
 
-
-@pytest.fixture(scope="module")
-def tiny_fed(single_thread) -> Federation:
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+tiny_fed = federation_fixture(TINY, "tiny_fed")
 
 
 # --- the loss on hand-built cases -------------------------------------------------------------
@@ -54,14 +48,6 @@ def test_contrastive_loss_equals_closed_form():
     assert row0 < math.log(2)  # closer to the global than to the previous representation: below log 2
 
 
-def _mlp_setup(seed: int = 0) -> tuple[torch.nn.Module, ParamLayout, DomainData]:
-    torch.manual_seed(seed)
-    model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
-    g = torch.Generator().manual_seed(seed)
-    data = DomainData(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
-    return model, ParamLayout.from_model(model), data
-
-
 def _plan(layout: ParamLayout, values: np.ndarray, **extra) -> ClientPlan:
     return ClientPlan(client_id=0, round=2, values=values, mask=None, local_epochs=2, batch_size=6, lr=0.1,
                       momentum=0.9, weight_decay=1e-3, seed=7, extra=extra)
@@ -69,7 +55,7 @@ def _plan(layout: ParamLayout, values: np.ndarray, **extra) -> ClientPlan:
 
 def test_previous_equal_to_global_gives_log_2_and_no_gradient():
     """z_prev = z_glob makes the two logits equal: l_con = log 2 for every input, with zero gradient."""
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     g = layout.flatten(model)
     for extra in ({}, {"prev": g.copy()}):  # no previous model yet / a previous model equal to the global one
         obj = MoonObjective(_plan(layout, g, objective="moon", mu=5.0, tau=0.5, **extra), model, layout,
@@ -85,7 +71,7 @@ def test_previous_equal_to_global_gives_log_2_and_no_gradient():
 
 def test_previous_model_is_used_with_its_own_values():
     """With a different previous model, l_con is Eq. 2 over the three models' own representations."""
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     g = layout.flatten(model)
     rng = np.random.default_rng(1)
     prev = (g + 0.3 * rng.standard_normal(g.size)).astype(np.float32)
@@ -116,7 +102,7 @@ def test_previous_model_is_used_with_its_own_values():
 def test_first_participation_trains_like_fedavg_and_a_previous_model_changes_training():
     """No previous model: z_prev = z_glob, so the contrastive gradient vanishes and local training equals
     plain cross-entropy (the built-in loop) to float tolerance; a distinct previous model changes it."""
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     g = layout.flatten(model)
     plain = train_client(_plan(layout, g), copy.deepcopy(model), layout, data)
     first = train_client(_plan(layout, g, objective="moon", mu=5.0, tau=0.5), copy.deepcopy(model), layout, data)
@@ -129,26 +115,12 @@ def test_first_participation_trains_like_fedavg_and_a_previous_model_changes_tra
 
 
 # --- the server's previous-model protocol ---------------------------------------------------------
-def _loop(cfg, fed: Federation, rounds: int):
-    ctx = build_context(cfg, fed)
-    strat = algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
-    backend = LocalBackend("cpu", num_workers=1)
-    backend.start(ctx)
-    states, plans, outs = [strat.init_state()], [], []
-    for t in range(1, rounds + 1):
-        plans.append(strat.configure_round(states[-1], t))
-        outs.append(backend.train(plans[-1]))
-        states.append(strat.aggregate(states[-1], outs[-1], t))
-    backend.close()
-    return strat, states, plans, outs
-
-
 def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
     """Round 2's plan of a client seen in round 1 carries exactly its round-1 trained values (counted in
     side_bytes_down); a client not seen yet gets none; a client that sits out keeps its stored model;
     the global model is the sample-weighted FedAvg of the round's results."""
     cfg = build_config(preset="smoke", overrides=TINY + ["training.participation=0.5", "training.rounds=3"])
-    strat, states, plans, outs = _loop(cfg, tiny_fed, 3)
+    _, _, states, plans, outs = run_rounds_with_plans(cfg, tiny_fed, 3)
     assert states[0].extra["prev"] == {}
     for p in plans[0].values():
         assert "prev" not in p.extra and p.side_bytes_down == 0 and p.extra["objective"] == "moon"
@@ -179,35 +151,20 @@ def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
 
 
 def test_options_are_validated():
-    with pytest.raises(ConfigError, match="algorithm.tau"):
-        build_config(preset="smoke", overrides=TINY + ["algorithm.tau=0"])
-    with pytest.raises(ConfigError, match="algorithm.mu"):
-        build_config(preset="smoke", overrides=TINY + ["algorithm.mu=-1"])
+    assert_options_rejected(TINY, "algorithm.tau=0", "algorithm.mu=-1")
 
 
 # --- public path ------------------------------------------------------------------------------
-E2E = ["algorithm.name=moon", "model.width_mult=0.0625", "data.max_test_per_domain=40",
-       "training.max_steps_per_epoch=3", "data.num_clients=4", "training.rounds=2"]
-
-
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory, single_thread):
-    cfg = build_config(preset="smoke", overrides=E2E)
-    fed = build_federation(cfg)
-    out = []
-    for name in ("a", "b"):
-        path = tmp_path_factory.mktemp(f"moon_{name}")
-        outcome = run_experiment(cfg, path, run_id="r", federation=fed)
-        out.append((outcome, results.load(path)))
-    return cfg, fed, out
+E2E = e2e_overrides("moon", "data.num_clients=4")
+two_runs = two_runs_fixture(E2E)  # both finished with a finite final global accuracy
 
 
 def test_run_finishes_with_finite_accuracy_and_counts_previous_models(two_runs):
-    cfg, fed, out = two_runs
-    outcome, res = out[0]
-    assert outcome.status == "finished" and np.isfinite(outcome.final_global_accuracy)
-    g = res.rounds[res.rounds.domain == results.GLOBAL_DOMAIN].sort_values("round")
-    assert len(g) == 2 and np.isfinite(g["accuracy"].to_numpy(dtype=float)).all()
+    res, _ = two_runs
+    assert_finite_global_accuracy(res, 2)
+    cfg = build_config(preset="smoke", overrides=E2E)
+    fed = build_federation(cfg)  # the federation the runs used (built from the same config)
+    g = global_rows(res).sort_values("round")
     # full participation: in round 2 every client also receives its previous model (4 bytes per coordinate)
     size = ParamLayout.from_model(build_context(cfg, fed).model).size
     down = g["bytes_down"].to_numpy(dtype=np.int64)
@@ -215,7 +172,4 @@ def test_run_finishes_with_finite_accuracy_and_counts_previous_models(two_runs):
 
 
 def test_same_seed_gives_identical_tables(two_runs):
-    _, _, out = two_runs
-    (_, a), (_, b) = out
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(*two_runs)

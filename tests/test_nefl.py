@@ -2,28 +2,23 @@
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
-from conftest import make_strategy, run_rounds
-from fedsap_ray import results
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+                      federation_fixture, make_strategy, run_rounds, run_twice, tiny_overrides)
 from fedsap_ray.aggregation import scatter
-from fedsap_ray.config import ConfigError, build_config
+from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.experiment import build_context
 from fedsap_ray.masks import nested_channel_masks, param_mask, params_in_mask, trainable_mask
 from fedsap_ray.models import build_model, model_macs
 
-TINY = ["algorithm.name=nefl", "model.name=resnet18", "data.num_clients=6", "data.max_test_per_domain=40",
-        "model.width_mult=0.0625", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("nefl", "model.name=resnet18", "data.num_clients=6")
 # ResNet18 at width 1/16: streams of 4/8/16/32 channels; 6 clients with keep ratios 1, .8, .6, .4, .2, 1
 ALL_FIVE = ("layer4.1", "layer3.1", "layer2.1", "layer1.1", "layer1.0")
 
-
-@pytest.fixture(scope="module")
-def fed(single_thread):
-    return build_federation(build_config(preset="smoke", overrides=TINY))
+fed = federation_fixture(TINY)
 
 
 def _cfg(*extra: str):
@@ -140,25 +135,19 @@ def test_skipped_branches_stay_bit_identical_after_a_round(fed):
 
 
 def test_depth_share_is_validated():
-    with pytest.raises(ConfigError, match="algorithm.depth_share"):
-        _cfg("algorithm.depth_share=1.5")
+    assert_options_rejected(TINY, "algorithm.depth_share=1.5")
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    cfg = build_config(preset="smoke", overrides=["algorithm.name=nefl", "model.name=resnet18", "model.width_mult=0.0625",
-                                                  "data.max_test_per_domain=40", "training.max_steps_per_epoch=3",
-                                                  "training.rounds=2"])
+    e2e = e2e_overrides("nefl", "model.name=resnet18")
+    cfg = build_config(preset="smoke", overrides=e2e)
     f = build_federation(cfg)
-    run_experiment(cfg, tmp_path / "a", run_id="r", federation=f)
-    run_experiment(cfg, tmp_path / "b", run_id="r", federation=f)
-    a, b = results.load(tmp_path / "a"), results.load(tmp_path / "b")
-    acc = a.rounds[a.rounds.domain == results.GLOBAL_DOMAIN]["accuracy"].to_numpy(dtype=float)
-    assert len(acc) == 2 and np.isfinite(acc).all()
+    a, b = run_twice(e2e, tmp_path, f)
+    assert_finite_global_accuracy(a, 2)
     cl = a.clients
     assert cl["macs_per_sample"].gt(0).all()
     ctx = build_context(cfg, f)
     small = cl[np.isclose(cl["capacity_max"], 0.2)]  # skips every identity block: fewer MACs than width-only at 0.2
     width_only = model_macs(ctx.model, f.input_shape, nested_channel_masks(ctx.space, 0.2))
     assert len(small) and (small["macs_per_sample"] < width_only).all()
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(a, b)

@@ -5,45 +5,22 @@ import copy
 import dataclasses
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray import algorithms, results
-from fedsap_ray.algorithms.base import Strategy
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, federation_fixture,
+                      run_rounds_with_plans, tiny_mlp, tiny_overrides)
+from fedsap_ray import results
 from fedsap_ray.client import train_client
-from fedsap_ray.config import ConfigError, ExperimentConfig, build_config
-from fedsap_ray.data import build_federation
-from fedsap_ray.data.base import DomainData, Federation
-from fedsap_ray.experiment import build_context, run_experiment
+from fedsap_ray.config import build_config
+from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.models import build_model
-from fedsap_ray.runtime.local import LocalBackend
+from fedsap_ray.messages import ClientPlan, ClientResult
 
-TINY = ["algorithm.name=scaffold", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
-        "training.rounds=2", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
+TINY = tiny_overrides("scaffold", "data.num_clients=4", "training.rounds=2")
 
-
-@pytest.fixture(scope="module")
-def tiny_fed(single_thread) -> Federation:
-    return build_federation(build_config(preset="smoke", overrides=TINY))
-
-
-def _loop(cfg: ExperimentConfig, fed: Federation, rounds: int) -> tuple[Strategy, list[ServerState], list[dict], list[list]]:
-    """Drive configure_round / train / aggregate in-process; return every state, plan set and result list."""
-    ctx = build_context(cfg, fed)
-    strat = algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
-    backend = LocalBackend("cpu", num_workers=1)
-    backend.start(ctx)
-    states, plans, outs = [strat.init_state()], [], []
-    for t in range(1, rounds + 1):
-        plans.append(strat.configure_round(states[-1], t))
-        outs.append(backend.train(plans[-1]))
-        states.append(strat.aggregate(states[-1], outs[-1], t))
-    backend.close()
-    return strat, states, plans, outs
+tiny_fed = federation_fixture(TINY, "tiny_fed")
 
 
 def test_one_client_scaffold_is_local_sgd(tiny_fed):
@@ -54,8 +31,8 @@ def test_one_client_scaffold_is_local_sgd(tiny_fed):
     common = ["training.rounds=3", "training.weight_decay=0.0005", "training.grad_clip=1.0", "training.lr_decay=0.9"]
     sc = build_config(preset="smoke", overrides=TINY + common + ["training.momentum=0.9"])
     avg = build_config(preset="smoke", overrides=TINY + common + ["algorithm.name=fedavg", "training.momentum=0"])
-    _, s_states, s_plans, _ = _loop(sc, one, 3)
-    _, a_states, _, _ = _loop(avg, one, 3)
+    _, _, s_states, s_plans, _ = run_rounds_with_plans(sc, one, 3)
+    _, _, a_states, _, _ = run_rounds_with_plans(avg, one, 3)
     assert all(p.momentum == 0.0 for plans in s_plans for p in plans.values())
     for s, a in zip(s_states[1:], a_states[1:]):
         np.testing.assert_array_equal(s.params, a.params)
@@ -77,8 +54,8 @@ def test_control_variates_match_hand_computation(tiny_fed):
     count and eta_g = 0.5; round 2 samples one client seen in round 1 and one not seen yet."""
     cfg = build_config(preset="smoke", overrides=TINY + ["training.participation=0.5", "training.local_epochs=2",
                                                          "training.lr_decay=0.5", "algorithm.global_lr=0.5"])
-    strat, states, plans, outs = _loop(cfg, tiny_fed, 2)
-    n_clients, pc = len(tiny_fed.clients), strat.ctx.layout.param_coords()
+    ctx, _, states, plans, outs = run_rounds_with_plans(cfg, tiny_fed, 2)
+    n_clients, pc = len(tiny_fed.clients), ctx.layout.param_coords()
     assert (~pc).any()  # the model has BN running statistics: they must get no control variate
     s1, s2 = set(plans[0]), set(plans[1])
     assert len(s1) == 2 and s1 & s2 and s2 - s1
@@ -117,14 +94,6 @@ def test_control_variates_match_hand_computation(tiny_fed):
     assert np.abs(c_hand).max() > 0
 
 
-def _mlp_setup(seed: int = 0) -> tuple[torch.nn.Module, ParamLayout, DomainData]:
-    torch.manual_seed(seed)
-    model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
-    g = torch.Generator().manual_seed(seed)
-    data = DomainData(torch.randn(12, 6, generator=g), torch.randint(0, 3, (12,), generator=g))
-    return model, ParamLayout.from_model(model), data
-
-
 def _mlp_plan(layout: ParamLayout, model: torch.nn.Module, **extra) -> ClientPlan:
     return ClientPlan(client_id=0, round=1, values=layout.flatten(model), mask=None, local_epochs=1, batch_size=6,
                       lr=0.1, momentum=0.0, weight_decay=1e-2, grad_clip=0.05, seed=7, extra=extra)
@@ -133,7 +102,7 @@ def _mlp_plan(layout: ParamLayout, model: torch.nn.Module, **extra) -> ClientPla
 def test_client_adds_correction_after_clipping():
     """The client step is y <- y - lr (clip(g) + c - c_i + wd y): checked against a hand-rolled torch loop
     over two steps, with clipping active so adding the correction before clipping would fail."""
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     init = copy.deepcopy(model)
     rng = np.random.default_rng(0)
     control = (0.5 * rng.standard_normal(layout.size)).astype(np.float32)
@@ -166,7 +135,7 @@ def test_client_adds_correction_after_clipping():
 
 def test_control_must_cover_the_flat_vector():
     """A wrongly sized control is a client error, not a silent broadcast."""
-    model, layout, data = _mlp_setup()
+    model, layout, data = tiny_mlp()
     with pytest.raises(Exception, match="control"):
         train_client(_mlp_plan(layout, model, control=np.zeros(layout.size - 1, np.float32)), model, layout, data)
 
@@ -180,8 +149,7 @@ def test_steps_survive_pickling():
 
 
 def test_global_lr_is_validated():
-    with pytest.raises(ConfigError, match="global_lr"):
-        build_config(preset="smoke", overrides=TINY + ["algorithm.global_lr=0"])
+    assert_options_rejected(TINY, "algorithm.global_lr=0")
 
 
 def _run(out, fed, extra=(), **kw):
@@ -204,9 +172,7 @@ def test_run_finishes_and_resume_is_exact(tmp_path, tiny_fed):
     assert outcome.status == "finished"
     _run(tmp_path / "whole", tiny_fed, extra)
     a, b = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
-    acc = b.rounds[b.rounds.domain == results.GLOBAL_DOMAIN]["accuracy"].to_numpy(dtype=float)
-    assert len(acc) == 3 and np.isfinite(acc).all()
+    assert_finite_global_accuracy(b, 3)
     assert b.clients["macs_per_sample"].gt(0).all()
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
-    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    assert_same_tables(a, b)
     assert a.runs.loc[0, "status"] == "finished" and a.runs.loc[0, "rounds_done"] == 3

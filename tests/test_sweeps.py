@@ -91,3 +91,24 @@ def test_parallel_jobs_give_the_same_numbers(confound, tmp_path):
     a_rounds = a.rounds[a.rounds["run_id"].isin(["hasfl-s0", "fjord-s0"])].sort_values(key).reset_index(drop=True)
     b_rounds = b.rounds.sort_values(key).reset_index(drop=True)
     pd.testing.assert_frame_equal(a_rounds.drop(columns=["round_wall_s"]), b_rounds.drop(columns=["round_wall_s"]))
+
+
+def test_main_comparison_smoke_runs_every_table1_method_and_the_table_is_right(tmp_path, capsys):
+    from analysis.comparison import TABLE1, per_run, table1
+
+    mod = _load("main_comparison")
+    assert mod.main(["--smoke-test", "--out", str(tmp_path)]) == 0
+    res = results.load(tmp_path)
+    assert sorted(res.runs["algorithm"]) == sorted(name for _, name, _ in TABLE1)
+    assert (res.runs["status"] == "finished").all()
+    table = table1(res)
+    assert list(table.index) == [label for label, _, _ in TABLE1]  # the paper's row order
+    r = res.rounds[(res.rounds["run_id"] == "fedmp-s0") & res.rounds["evaluated"]]
+    assert table.loc["FedMP", "street"] == pytest.approx(r[r["domain"] == "street"]["accuracy"].max())
+    g = r[r["domain"] == "__global__"]
+    assert table.loc["FedMP", "global"] == pytest.approx(g["accuracy"].max())
+    assert table.loc["FedMP", "final_global"] == pytest.approx(g.sort_values("round")["accuracy"].iloc[-1])
+    sap = per_run(res).set_index("method").loc["FedSAP"]  # FedSAP is read from its primary mode ('group')
+    grp = res.rounds[(res.rounds["run_id"] == "fedsap-s0") & (res.rounds["eval_mode"] == "group")]
+    assert sap["global"] == pytest.approx(grp[grp["domain"] == "__global__"]["accuracy"].max())
+    assert "| FedSAP | ✓ | 1 |" in capsys.readouterr().out
