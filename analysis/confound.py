@@ -47,14 +47,14 @@ VARIANT_TYPE = {
     "Uniform": "Sub-model (fixed)",
 }
 TABLE3_VARIANTS = (HASFL, "FjORD", "Uniform")                      # section 4.2
-TABLE4_VARIANTS = (HASFL, HASFL_NO_COVERAGE, "HeteroFL")           # section 4.3
+TABLE4_VARIANTS = (HASFL, HASFL_NO_COVERAGE, "HeteroFL", "Uniform")  # section 4.3 (+ Uniform: Prop. 3's case)
 TABLE6_VARIANTS = ("FedAvg", "SCAFFOLD", "FedProx", HASFL, RANDOM_BUDGET)  # section 4.5
 VARIANT_ORDER = ("FedAvg", "SCAFFOLD", "FedProx", HASFL, HASFL_NO_COVERAGE, RANDOM_BUDGET,
                  "HeteroFL", "FjORD", "Uniform")
 
 # summary name -> per_run column
 METRICS = {"best": "best_accuracy", "final": "final_accuracy", "drop": "peak_to_final", "avg_p": "avg_p",
-           "frozen": "final_frozen_params"}
+           "frozen": "final_frozen_params", "widest": "widest_p_late"}
 # Table 5 columns: key -> (x, y, control or None)
 CORRELATIONS = {
     "H_TV": ("h_tilde", "tv_distance", None),
@@ -142,7 +142,10 @@ def per_run(res: Any) -> pd.DataFrame:
     maximum, final the last evaluated round, peak_to_final = final - best (Table 4 "Peak→final Δ").
     avg_p is the mean over rounds of ``avg_capacity`` (Tables 3/6 "Avg. p", Figure 6 p̄);
     ``final_frozen_params`` is ``frozen_params`` at the last round that reports it
-    (Proposition 3's frozen coordinates).
+    (Proposition 3's frozen coordinates); ``widest_p_late`` is the mean over the last
+    :data:`LATE_ROUNDS` rounds of the widest width any participant trained (from the
+    ``clients`` table): below 1, the outer slice of every layer went untrained in those
+    rounds even when it was covered earlier (HAS-FL without the guarantee after warm-up).
     """
     res = _load(res)
     runs = res.runs.copy()
@@ -154,7 +157,7 @@ def per_run(res: Any) -> pd.DataFrame:
         "seed": _col(runs, "seed", None), "status": _col(runs, "status", None),
     }).set_index("run_id")
     rounds = res.rounds
-    cols = ["rounds", "best_accuracy", "final_accuracy", "peak_to_final", "avg_p", "final_frozen_params"]
+    cols = ["rounds", "best_accuracy", "final_accuracy", "peak_to_final", "avg_p", "final_frozen_params", "widest_p_late"]
     if rounds.empty:
         for c in cols:
             out[c] = np.nan
@@ -181,8 +184,22 @@ def per_run(res: Any) -> pd.DataFrame:
         rounds=("round", "max"),
         avg_p=("avg_capacity", "mean"),
         final_frozen_params=("frozen", lambda s: s.dropna().iloc[-1] if s.notna().any() else np.nan)), how="outer")
+    stats_ = stats_.join(_widest_late(res.clients).rename("widest_p_late"), how="left")
     out = out.join(stats_[cols])
     return out.reset_index()
+
+
+LATE_ROUNDS = 10
+
+
+def _widest_late(clients: pd.DataFrame) -> pd.Series:
+    """Per run: mean over its last LATE_ROUNDS rounds of max(capacity_used) over that round's clients."""
+    if clients is None or clients.empty or "capacity_used" not in clients.columns:
+        return pd.Series(dtype=float)
+    widest = clients.groupby(["run_id", "round"])["capacity_used"].max().reset_index()
+    last = widest.groupby("run_id")["round"].transform("max")
+    late = widest[widest["round"] > last - LATE_ROUNDS]
+    return late.groupby("run_id")["capacity_used"].mean()
 
 
 def _finished(pr: pd.DataFrame) -> pd.DataFrame:
@@ -223,9 +240,10 @@ def summary_table(per_run_df: pd.DataFrame, variants: Sequence[str] | None = Non
 
 
 def coverage_table(per_run_df: pd.DataFrame) -> pd.DataFrame:
-    """papers/003 Table 4: HAS-FL with and without the coverage guarantee and HeteroFL —
-    best, final, peak-to-final drop, average p and final frozen coordinates (mean ± std)."""
-    return summary_table(per_run_df, TABLE4_VARIANTS, metrics=("best", "final", "drop", "avg_p", "frozen"))
+    """papers/003 Table 4: HAS-FL with and without the coverage guarantee and HeteroFL (plus Uniform,
+    the every-client-capped case of Proposition 3) — best, final, peak-to-final drop, average p,
+    final frozen coordinates and the widest width trained late in the run (mean ± std)."""
+    return summary_table(per_run_df, TABLE4_VARIANTS, metrics=("best", "final", "drop", "avg_p", "frozen", "widest"))
 
 
 def frontier(per_run_df: pd.DataFrame) -> pd.DataFrame:
@@ -494,7 +512,7 @@ def cost_table(model_name: str, input_shape: tuple[int, ...], num_classes: int,
 HEADERS = {
     "dataset": "dataset", "variant": "variant", "type": "type", "seeds": "seeds", "seed": "seed",
     "best": "Best acc. (%)", "final": "Final acc. (%)", "drop": "Peak→final Δ (pp)", "avg_p": "Avg. p",
-    "frozen": "Frozen params (final)", "n": "clients", "source": "source", "round": "round",
+    "frozen": "Frozen params (final)", "widest": "Widest p (last 10 rounds)", "n": "clients", "source": "source", "round": "round",
     "H_TV": "r(H̃, TV)", "H_pmax": "r(H̃, p_max)", "H_TV|pmax": "r(H̃, TV | p_max)", "p_TV|pmax": "r(p, TV | p_max)",
     "final_a": "final a (%)", "final_b": "final b (%)", "diff": "a − b (pp)", "diff_std": "std (pp)",
     "avg_p_a": "avg. p a", "avg_p_b": "avg. p b", "n_pairs": "pairs", "p_value": "paired t p-value",
@@ -515,7 +533,7 @@ def _fmt(col: str, v: Any) -> str:
         return f"{100 * float(v):.1f}"
     if col in _COUNT:
         return f"{int(round(float(v))):,}" if col in ("frozen", "final_frozen_params", "params", "macs") else f"{int(round(float(v)))}"
-    if col.startswith("avg_p"):
+    if col.startswith("avg_p") or col == "widest":
         return f"{float(v):.2f}"
     if col in _DIGITS:
         return f"{float(v):.{_DIGITS[col]}f}"
@@ -606,9 +624,10 @@ def report(path_or_res: Any, *, finished_only: bool = True, frontier_png: str | 
     v4 = _present(pr, TABLE4_VARIANTS)
     if len(v4) >= 2:
         section("Coverage-guarantee ablation (Table 4)", to_markdown(summary_table(
-            pr, v4, metrics=("best", "final", "drop", "avg_p", "frozen"))),
+            pr, v4, metrics=("best", "final", "drop", "avg_p", "frozen", "widest"))),
             "Peak→final Δ = final − best accuracy; frozen params = coordinates no client has covered since "
-            "initialisation, at the end of training.")
+            "initialisation, at the end of training; widest p = the widest width any sampled client trained, "
+            f"mean over the last {LATE_ROUNDS} rounds (below 1: the outer slices went untrained late in the run).")
     state_runs = set(pr["run_id"])
     ct = correlation_table(res)
     if not ct.empty:

@@ -262,3 +262,17 @@ def test_report_has_sections_for_present_variants() -> None:
     assert "| cifar10 | HAS-FL | Sub-model (adaptive) | 2 | 70.0 ± 0.0 | 70.0 ± 0.0 | 0.50 ± 0.00 |" in md
     assert "| cifar10 | mean | 70.0 | 68.0 | 2.0 | 0.50 | 0.48 |" in md
     assert "| cifar10 | HAS-FL | 1 | allocations | 2 | 6 | 1.00 [1.00, 1.00] (p=0) |" in md
+
+
+def test_widest_width_late_in_the_run_from_the_clients_table() -> None:
+    """Mean over the last LATE_ROUNDS rounds of the widest width a participant trained (hand-computed)."""
+    last = cf.LATE_ROUNDS + 2
+    clients = []
+    for t in range(1, last + 1):
+        widths = [1.0, 0.25] if t <= 2 else ([0.6, 0.25] if t % 2 else [0.5, 0.4])
+        clients += [{"run_id": "a", "round": t, "client_id": i, "capacity_used": w} for i, w in enumerate(widths)]
+    res = make_results([run_row("a", "hasfl", 1, {"coverage": False})],
+                       round_rows("a", [0.5] * last, [0.5] * last, [0] * last), clients)
+    pr = cf.per_run(res).set_index("run_id")
+    late = [0.6 if t % 2 else 0.5 for t in range(3, last + 1)]  # rounds 1-2 (width 1.0) are not late
+    assert pr.loc["a", "widest_p_late"] == pytest.approx(np.mean(late))
