@@ -25,8 +25,8 @@ official code (QinbinLi/MOON ``main.py``: ``global_model.eval()``, previous nets
 Previous model: clients are stateless here (any worker may run any client), so the server
 keeps every client's last trained model in ``ServerState.extra["prev"]`` (client id ->
 float32 flat vector, only for clients that have trained) and sends it as
-``plan.extra["prev"]``; it is counted in ``side_bytes_down`` (a real MOON client keeps it
-locally, so this is the simulator's transport cost of a stateless client). "Previous" means
+``plan.extra["prev"]``; it is not counted in ``bytes_down`` (a real MOON client keeps it
+locally: shipping it is the simulator's cost of stateless clients, not MOON's). "Previous" means
 the model of the client's last participation, as in the official code, whose model pool
 holds each party's net as it was after its last local training.
 
@@ -163,7 +163,9 @@ class Moon(NestedWidth):
         prev = state.extra["prev"].get(client_id)
         if prev is not None:
             extra["prev"] = prev  # shared with the state, never mutated
-        return {"extra": extra, "side_bytes_down": 0 if prev is None else int(prev.nbytes)}
+        # a real MOON client keeps its previous model on the device: shipping it is a simulation
+        # artefact (clients are stateless here), so it is not counted in bytes_down
+        return {"extra": extra}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
