@@ -28,7 +28,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rounds.frozen_params and the allocations table
 GLOBAL_DOMAIN = "__global__"
 
 # (column, arrow type, description): the single place the columns are documented.

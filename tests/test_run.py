@@ -161,3 +161,17 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
     pd.testing.assert_frame_equal(a.allocations, b.allocations)
     assert len(a.allocations) == 4 * 4  # every client, every round
     assert a.runs.loc[0, "status"] == "finished" and a.runs.loc[0, "rounds_done"] == 4
+
+
+def test_a_schema_1_folder_still_loads(tmp_path, tiny_fed):
+    """Folders written before rounds.frozen_params and the allocations table load with those as nulls / empty."""
+    import pyarrow.parquet as pq
+
+    _run(tmp_path, tiny_fed)
+    f = tmp_path / "rounds" / "r.parquet"
+    old = pq.read_table(f)
+    pq.write_table(old.drop(["frozen_params"]), f)  # what version 1 wrote
+    res = results.load(tmp_path)
+    assert res.rounds["frozen_params"].isna().all() and len(res.rounds) == old.num_rows
+    assert res.allocations.empty and "p" in res.allocations.columns
+    assert (res.runs["schema_version"] == results.SCHEMA_VERSION).all()
