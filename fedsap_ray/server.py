@@ -17,7 +17,6 @@ from torch import nn
 
 from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.evaluate import evaluate_domains, summarise
-from fedsap_ray.masks import trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.results import GLOBAL_DOMAIN, RunWriter
 
@@ -60,7 +59,7 @@ class Server:
         self.primary_mode: str | None = None  # the first eval mode: drives global/best accuracy
         self.last_global = float("nan")
         self.last_summary: RoundSummary | None = None
-        self.trainable = trainable_mask(ctx.layout, ctx.model)
+        self.trainable = ctx.trainable
         # union of every plan's coverage since initialisation (papers/003 Proposition 3)
         self.ever_covered = np.zeros_like(self.trainable)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -15,7 +16,7 @@ from torch import nn
 
 from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data.base import Federation
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import ChannelSpace
 from fedsap_ray.seeding import rng_for, seed_for
@@ -28,6 +29,11 @@ class RunContext:
     model: nn.Module  # template: strategies read shapes, never train it
     layout: ParamLayout
     space: ChannelSpace
+
+    @cached_property
+    def trainable(self) -> np.ndarray:
+        """Coordinates that are nn.Parameters (not BN running statistics), computed once per run."""
+        return trainable_mask(self.layout, self.model)
 
 
 class Strategy(ABC):

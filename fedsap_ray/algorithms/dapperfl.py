@@ -65,7 +65,7 @@ from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config import ConfigError
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
-                              nested_count, param_mask, trainable_mask)
+                              nested_count, param_mask)
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs
 from fedsap_ray.models.space import ChannelSpace
@@ -290,7 +290,7 @@ class DapperFL(Strategy):
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         pmask = self.upload_mask_of(result, plan.round)
-        trained = int((pmask & trainable_mask(self.ctx.layout, self.ctx.model)).sum())
+        trained = int((pmask & self.ctx.trainable).sum())
         return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"])), "params_trained": trained}
 
     def pruned_macs(self, keep: float) -> int:

@@ -30,7 +30,6 @@ import numpy as np
 from fedsap_ray.algorithms.nested import NestedWidth
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config import ConfigError
-from fedsap_ray.masks import trainable_mask
 from fedsap_ray.messages import ClientResult, ServerState
 
 
@@ -102,7 +101,7 @@ class HasFL(NestedWidth):
         o = self.opts
         h_tilde, latest = state.extra["h_tilde"].copy(), state.extra["h_hat"].copy()
         delta_bar = params.astype(np.float64) - state.params
-        trainable = self._trainable()
+        trainable = self.ctx.trainable
         for r in results:
             m = masks[r.client_id]
             sel = trainable if m is None else trainable[m]  # trainable coordinates among the client's
@@ -128,10 +127,6 @@ class HasFL(NestedWidth):
         raw = float(state.extra["h_hat"][client_id])
         return {"h_hat": None if np.isnan(raw) else raw, "h_tilde": float(state.extra["h_tilde"][client_id])}
 
-    def _trainable(self) -> np.ndarray:
-        if "_trainable_cache" not in self.__dict__:
-            self.__dict__["_trainable_cache"] = trainable_mask(self.ctx.layout, self.ctx.model)
-        return self.__dict__["_trainable_cache"]
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
