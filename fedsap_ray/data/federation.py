@@ -146,9 +146,14 @@ def partition_clients(splits_domains: list[str], train: dict[str, DomainData],
     raise ValueError(f"unknown data.partition={data.partition!r}; allowed: domain, dirichlet, natural, iid")
 
 
-def build_federation(cfg: ExperimentConfig) -> Federation:
-    """The run's data: capped per-domain pools and test sets, clients with capacities and TV."""
-    splits = load_splits(cfg)
+def build_federation(cfg: ExperimentConfig, splits: DomainSplits | None = None) -> Federation:
+    """The run's data: capped per-domain pools and test sets, clients with capacities and TV.
+
+    ``splits``: the dataset's splits when the caller already has them (e.g. the node-shared,
+    memory-mapped ones of :func:`fedsap_ray.data.node_cache.shared_splits`); else ``load_splits(cfg)``.
+    """
+    if splits is None:
+        splits = load_splits(cfg)
     data = cfg.data
     train, test, natural = _cap_splits(splits, data, int(cfg.seed))
     parts = partition_clients(list(splits.domains), train, natural, data, int(cfg.seed))

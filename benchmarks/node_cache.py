@@ -1,0 +1,69 @@
+"""What a trial pays to get its dataset: a fresh load in every process vs the node-local cache.
+
+Every Tune trial is a new worker process. Without the node cache each one decodes the
+dataset again (``load_splits``: for the embedded dataset, inflating its compressed
+``.npz`` cache; for real datasets, decoding JPEG/PNG/idx files) and holds its own copy.
+With :func:`fedsap_ray.data.node_cache.shared_splits` the first process writes ``.npy``
+files once and every later one memory-maps them. Measured in the same invocation, each
+in ``--processes`` fresh subprocesses (the cost a trial sees), for the given preset:
+
+- ``fresh``: ``build_federation(cfg)`` (what a trial did before),
+- ``node_cache``: ``build_federation(cfg, shared_splits(cfg))`` with the entry built
+  beforehand (the cost every trial after the first sees),
+
+plus the resident memory (RSS) each process ends with. One JSON line on stdout.
+
+    python benchmarks/node_cache.py                              # laptop preset (embedded dataset)
+    python benchmarks/node_cache.py --preset confound_laptop     # real MNIST from ../shared/data
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import statistics
+
+CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from fedsap_ray.config import build_config
+from fedsap_ray.data.federation import build_federation
+from fedsap_ray.data.node_cache import shared_splits
+t_import = time.perf_counter()
+cfg = build_config(preset=sys.argv[1], seed=0)
+fed = build_federation(cfg, shared_splits(cfg, sys.argv[3])) if sys.argv[2] == "node_cache" else build_federation(cfg)
+n = sum(len(v) for v in fed.train.values())
+print(json.dumps({"data_s": time.perf_counter() - t_import, "samples": n,
+                  "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def measure(mode: str, preset: str, cache: str, n: int) -> dict:
+    runs = []
+    for _ in range(n):
+        out = subprocess.run([sys.executable, "-c", CHILD, preset, mode, cache], capture_output=True, text=True,
+                             check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {"data_s_median": statistics.median(r["data_s"] for r in runs),
+            "maxrss_mb_median": statistics.median(r["maxrss_mb"] for r in runs), "samples": runs[0]["samples"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="laptop")
+    p.add_argument("--processes", type=int, default=5)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as cache:
+        subprocess.run([sys.executable, "-c", CHILD, args.preset, "node_cache", cache], check=True,
+                       capture_output=True)  # the first trial on the node builds the entry
+        fresh = measure("fresh", args.preset, cache, args.processes)
+        cached = measure("node_cache", args.preset, cache, args.processes)
+    print(json.dumps({"preset": args.preset, "processes": args.processes, "fresh": fresh, "node_cache": cached,
+                      "time_ratio": cached["data_s_median"] / fresh["data_s_median"],
+                      "rss_ratio": cached["maxrss_mb_median"] / fresh["maxrss_mb_median"]}))
+
+
+if __name__ == "__main__":
+    main()
