@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     d = sub.add_parser("datasets", help="list datasets and whether their files are present")
     d.add_argument("--root", help="look for the files under this folder instead of each dataset's default")
     sub.add_parser("algorithms", help="list registered algorithms and their options")
+    c = sub.add_parser("compact", help="merge the per-run Parquet files of final runs into one file per table "
+                       "(running and resumable runs are left alone)")
+    c.add_argument("out", help="results folder or URI (e.g. runs/sweep, s3://bucket/sweep)")
     return p
 
 
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             return _datasets(args)
         if args.command == "algorithms":
             return _algorithms()
+        if args.command == "compact":
+            return _compact(args)
     except ConfigError as e:
         print(f"fedsap-ray: error: {e}", file=sys.stderr)
         return 2
@@ -136,6 +141,21 @@ def _algorithms() -> int:
         fields = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Options)) or "(no options)"
         print(f"{name:<14} {cls.summary}")
         print(f"{'':<14}   options: {fields}")
+    return 0
+
+
+def _compact(args) -> int:
+    from fedsap_ray import results
+
+    try:
+        n = results.compact(args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"fedsap-ray: error: compact {args.out}: {e}", file=sys.stderr)
+        return 2
+    rewritten = f", rewrote {n['files_rewritten']} older compacted files" if n["files_rewritten"] else ""
+    print(f"{args.out}: compacted {n['runs_compacted']} runs; wrote {n['files_written']} compacted files"
+          f"{rewritten}, removed {n['files_removed']} per-run files; left the per-run files of "
+          f"{n['runs_kept']} running or resumable runs")
     return 0
 
 

@@ -8,8 +8,13 @@ Layout of an output folder (DESIGN section 4)::
     OUT/layers/<run_id>.parquet    one row per (round, client, layer): where the budget went (FedSAP)
     OUT/allocations/<run_id>.parquet  one row per (round, client) for ALL clients: widths and
                                    heterogeneity estimates of the sub-model allocation strategies
+    OUT/<table>/compacted-<uuid8>.parquet  rows of many final runs (:func:`compact`,
+                                   ``fedsap-ray compact OUT``)
 
-so ``pandas.read_parquet(OUT / "rounds")`` reads a whole sweep. Each file is rewritten
+so ``pandas.read_parquet(OUT / "rounds")`` reads a whole sweep; :func:`load` reads it in
+one multi-threaded pyarrow dataset scan per table, from a local folder or a URI
+(``s3://bucket/sweep``, anything ``pyarrow.fs.FileSystem.from_uri`` accepts), and gives
+each run's rows exactly once even after an interrupted compaction. Each file is rewritten
 after every round through a temporary file whose name starts with ``.`` (which pyarrow
 ignores) and :func:`os.replace`, so a run killed at any moment leaves only complete
 files: the rounds finished so far and a ``runs`` row whose status says what happened.
@@ -18,14 +23,20 @@ that an older file lacks as nulls).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 SCHEMA_VERSION = 2  # 2: rounds.frozen_params and the allocations table
@@ -49,7 +60,7 @@ RUNS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("config_hash", pa.string(), "stable hash of the config (resources excluded)"),
     ("started_at", pa.timestamp("us", tz="UTC"), "start time"),
     ("finished_at", pa.timestamp("us", tz="UTC"), "end time (null while running)"),
-    ("status", pa.string(), "running | finished | failed | interrupted"),
+    ("status", pa.string(), "running | finished | failed | interrupted | stopped (ended early by a Tune scheduler)"),
     ("error", pa.string(), "error message when status is failed"),
     ("package_version", pa.string(), "fedsap_ray version"),
     ("wall_s", pa.float64(), "wall time so far, seconds"),
@@ -213,26 +224,260 @@ class Results:
         return getattr(self, table)
 
 
-def read_table(path: Path, table: str) -> pd.DataFrame:
-    """Read one table of a results folder (every run in it), with every schema column present."""
-    folder = Path(path) / table
-    files = sorted(f for f in folder.glob("*.parquet") if not f.name.startswith((".", "_"))) if folder.is_dir() else []
-    sch = schema(table)
-    if not files:
-        return sch.empty_table().to_pandas()
-    parts = []
-    for f in files:
-        t = pq.read_table(f)
-        for field in sch:  # files from older schema versions: add the missing columns as nulls
-            if field.name not in t.column_names:
-                t = t.append_column(field, pa.nulls(len(t), field.type))
-        parts.append(t.select(sch.names).cast(sch))
-    return pa.concat_tables(parts).to_pandas()
+def _check_table(table: str) -> None:
+    if table not in TABLES:
+        raise ValueError(f"invalid table={table!r}: allowed values are {sorted(TABLES)}")
+
+
+# ----------------------------------------------------------------------------- where the results are
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})  # a single PUT is atomic there; rename is a copy
+FINAL_STATUSES = ("finished", "failed", "stopped", "interrupted")  # a run with these writes no more rows
+COMPACTED_PREFIX = "compacted-"  # OUT/<table>/compacted-<uuid8>.parquet: rows of many final runs
+_ROW_GROUP = 1 << 17
+
+
+def is_uri(path: str | Path) -> bool:
+    """True for a string with a scheme (``s3://``, ``file://``...); a :class:`Path` is always local."""
+    return isinstance(path, str) and bool(_URI.match(path))
+
+
+def filesystem(path: str | Path) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) for a local folder or a URI ``FileSystem.from_uri`` accepts."""
+    if not is_uri(path):
+        return pafs.LocalFileSystem(), Path(path).absolute().as_posix()
+    try:
+        fs, inner = pafs.FileSystem.from_uri(str(path))
+    except (ValueError, NotImplementedError, OSError) as e:
+        raise ValueError(f"invalid results location {str(path)!r}: {e}; use a local path or a URI that "
+                         "pyarrow.fs.FileSystem.from_uri accepts (file://, s3://, gs://, hdfs://, abfs://)") from e
+    return fs, inner.rstrip("/") or inner
+
+
+def _is_dir(fs: pafs.FileSystem, base: str) -> bool:
+    return fs.get_file_info(base).type == pafs.FileType.Directory
+
+
+@dataclass
+class _Listing:
+    per_run: dict[str, pafs.FileInfo]  # run_id (file stem) -> its file
+    compacted: list[pafs.FileInfo]
+
+
+def _list_table(fs: pafs.FileSystem, base: str, table: str) -> _Listing:
+    """The table's Parquet files; names starting with "." (temporary) or "_" are not results."""
+    infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", allow_not_found=True))
+    per_run: dict[str, pafs.FileInfo] = {}
+    compacted: list[pafs.FileInfo] = []
+    for info in sorted(infos, key=lambda i: i.path):
+        name = info.base_name
+        if info.type != pafs.FileType.File or name.startswith((".", "_")) or not name.endswith(".parquet"):
+            continue
+        if name.startswith(COMPACTED_PREFIX):
+            compacted.append(info)
+        else:
+            per_run[name[: -len(".parquet")]] = info
+    return _Listing(per_run, compacted)
+
+
+def _run_ids(fs: pafs.FileSystem, path: str) -> set[str]:
+    with fs.open_input_file(path) as f:
+        col = pq.ParquetFile(f).read(columns=["run_id"]).column("run_id")
+    return set(pc.unique(col).to_pylist())
+
+
+def _dataset(fs: pafs.FileSystem, paths: list[str], table: str) -> ds.FileSystemDataset:
+    """One dataset over many files; the explicit schema adds columns an older file lacks as nulls."""
+    return ds.FileSystemDataset.from_paths(paths, schema=schema(table), format=ds.ParquetFileFormat(),
+                                           filesystem=fs)
+
+
+def _sources(fs: pafs.FileSystem, listing: _Listing) -> tuple[list[str], list[tuple[str, set[str]]]]:
+    """Files to read whole, and compacted files to read without some runs, so each run is read once.
+
+    A run's per-run file wins over compacted rows of the same run (after an interrupted
+    :func:`compact` both hold the same rows; after a re-run under the same id the per-run
+    file is the newer); among compacted files the first (by name) wins.
+    """
+    whole = [i.path for i in listing.per_run.values()]
+    partial: list[tuple[str, set[str]]] = []
+    seen = set(listing.per_run)
+    for c in listing.compacted:
+        ids = _run_ids(fs, c.path)
+        skip = ids & seen
+        if not skip:
+            whole.append(c.path)
+        elif skip != ids:
+            partial.append((c.path, skip))
+        seen |= ids
+    return sorted(whole), partial
+
+
+def _readahead(fs: pafs.FileSystem) -> int:
+    """Files read at once: pyarrow's default locally; many on remote stores, where latency dominates."""
+    return 4 if fs.type_name == "local" else 64
+
+
+def _read_arrow(fs: pafs.FileSystem, base: str, table: str, columns: list[str] | None = None) -> pa.Table:
+    whole, partial = _sources(fs, _list_table(fs, base, table))
+    kw: dict[str, Any] = {"columns": columns, "fragment_readahead": _readahead(fs)}
+    parts = [_dataset(fs, whole, table).to_table(**kw)] if whole else []
+    for path, skip in partial:
+        parts.append(_dataset(fs, [path], table).to_table(filter=~pc.field("run_id").isin(sorted(skip)), **kw))
+    if not parts:
+        empty = schema(table).empty_table()
+        return empty.select(columns) if columns else empty
+    return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+def read_table(path: str | Path, table: str) -> pd.DataFrame:
+    """Read one table of a results folder (every run in it), with every schema column present.
+
+    ``path`` is a local folder or a URI (``s3://bucket/sweep``, ``file:///...``). All files
+    are read in one multi-threaded pyarrow dataset scan; per-run and compacted files
+    together give each run's rows exactly once.
+    """
+    _check_table(table)
+    fs, base = filesystem(path)
+    return _read_arrow(fs, base, table).to_pandas()
 
 
 def load(path: str | Path) -> Results:
-    """Load a results folder (one run or a whole sweep) as pandas DataFrames."""
-    p = Path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(f"no results folder at {p}")
-    return Results(*(read_table(p, t) for t in ("runs", *DATA_TABLES)))
+    """Load a results folder (one run or a whole sweep; local path or URI) as pandas DataFrames."""
+    fs, base = filesystem(path)
+    if not _is_dir(fs, base):
+        raise FileNotFoundError(f"no results folder at {path}")
+    return Results(*(_read_arrow(fs, base, t).to_pandas() for t in ("runs", *DATA_TABLES)))
+
+
+def run_statuses(path: str | Path) -> dict[str, str]:
+    """run_id -> status of every run in a results folder (per-run and compacted files); {} if none."""
+    fs, base = filesystem(path)
+    t = _read_arrow(fs, base, "runs", columns=["run_id", "status"])
+    return dict(zip(t.column("run_id").to_pylist(), t.column("status").to_pylist()))
+
+
+# ----------------------------------------------------------------------------- compaction
+
+@contextmanager
+def atomic_output(fs: pafs.FileSystem, path: str) -> Iterator[pa.NativeFile]:
+    """A stream whose bytes appear at ``path`` only once complete.
+
+    Object stores: written to memory, then one upload (a single PUT is atomic). Other
+    filesystems: a temporary file named ``.<name>.<uuid>.tmp`` (readers skip it) moved into
+    place.
+    """
+    parent, name = path.rsplit("/", 1)
+    if fs.type_name in _OBJECT_STORES:
+        buf = pa.BufferOutputStream()
+        yield buf
+        data = buf.getvalue()
+        with fs.open_output_stream(path, compression=None) as out:
+            out.write(data)
+        return
+    fs.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with fs.open_output_stream(tmp, compression=None) as out:
+            yield out
+        fs.move(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.delete_file(tmp)
+        raise
+
+
+def _write_batches(fs: pafs.FileSystem, path: str, table: str, batches: Iterator[pa.RecordBatch]) -> int:
+    """Stream batches into one Parquet file (row groups of ~128k rows); return the row count."""
+    sch, rows = schema(table), 0
+    with atomic_output(fs, path) as sink, pq.ParquetWriter(sink, sch) as w:
+        buf: list[pa.RecordBatch] = []
+        n = 0
+        for b in batches:
+            buf.append(b)
+            n += b.num_rows
+            if n >= _ROW_GROUP:
+                w.write_table(pa.Table.from_batches(buf).cast(sch))
+                rows, buf, n = rows + n, [], 0
+        if buf:
+            w.write_table(pa.Table.from_batches(buf).cast(sch))
+            rows += n
+    return rows
+
+
+def _checkpointed(fs: pafs.FileSystem, base: str) -> set[str]:
+    infos = fs.get_file_info(pafs.FileSelector(f"{base}/checkpoints", allow_not_found=True))
+    return {i.base_name[: -len(".pkl")] for i in infos
+            if i.type == pafs.FileType.File and i.base_name.endswith(".pkl") and not i.base_name.startswith(".")}
+
+
+def _unchanged(fs: pafs.FileSystem, info: pafs.FileInfo) -> bool:
+    now = fs.get_file_info(info.path)
+    return now.type == pafs.FileType.File and now.mtime == info.mtime and now.size == info.size
+
+
+def compact(path: str | Path) -> dict[str, int]:
+    """Merge the per-run files of final runs into one ``compacted-<uuid8>.parquet`` per table.
+
+    Thousands of tiny per-run files make every listing and scan slow (worst on object
+    stores); one file per table loads in one read. A run is compacted when its ``runs``
+    status is final (:data:`FINAL_STATUSES`) and it has no checkpoint left (an interrupted
+    or failed run that still has one can be resumed, and resuming reads its per-run files).
+    Running runs are never touched.
+
+    Safe to interrupt at any moment: the compacted file is written atomically before any
+    per-run file is deleted, and readers let a run's per-run file win over compacted rows,
+    so every row is read exactly once; running ``compact`` again finishes the job (per-run
+    files older than the compacted file that holds their run are deleted; newer ones, from a
+    re-run under the same id, replace the run's compacted rows). A per-run file that changed
+    while compacting is kept. Returns counts: ``runs_compacted``, ``files_written``,
+    ``files_rewritten`` (older compacted files that lost a re-run run), ``files_removed``
+    and ``runs_kept`` (runs with per-run files left because they are running or resumable).
+    """
+    fs, base = filesystem(path)
+    if not _is_dir(fs, base):
+        raise FileNotFoundError(f"no results folder at {path}")
+    statuses = run_statuses(path)
+    resumable = _checkpointed(fs, base)
+    final = {r for r, s in statuses.items() if s in FINAL_STATUSES and r not in resumable}
+    done: set[str] = set()
+    kept: set[str] = set()
+    written = rewritten = removed = 0
+    for table in (*DATA_TABLES, "runs"):  # runs last: until then a status is still found per run
+        listing = _list_table(fs, base, table)
+        kept |= {r for r in listing.per_run if r not in final}
+        todo = {r: i for r, i in listing.per_run.items() if r in final}
+        if not todo:
+            continue
+        ids = {c.path: _run_ids(fs, c.path) for c in listing.compacted}
+        fresh = {}
+        for r, info in todo.items():
+            covering = [c for c in listing.compacted if r in ids[c.path]]
+            # a leftover of an interrupted compaction is older than the file holding its rows
+            if not covering or any(info.mtime >= c.mtime for c in covering):
+                fresh[r] = info
+        if fresh:
+            new = f"{base}/{table}/{COMPACTED_PREFIX}{uuid.uuid4().hex[:8]}.parquet"
+            paths = sorted(i.path for i in fresh.values())
+            _write_batches(fs, new, table, _dataset(fs, paths, table).to_batches(fragment_readahead=_readahead(fs)))
+            written += 1
+            for c in listing.compacted:  # drop superseded rows of re-run runs from older compacted files
+                drop = ids[c.path] & fresh.keys()
+                if not drop:
+                    continue
+                rest = _dataset(fs, [c.path], table).to_batches(filter=~pc.field("run_id").isin(sorted(drop)))
+                if drop == ids[c.path]:
+                    fs.delete_file(c.path)
+                else:
+                    _write_batches(fs, c.path, table, rest)
+                rewritten += 1
+        for r, info in todo.items():
+            if _unchanged(fs, info):
+                fs.delete_file(info.path)
+                removed += 1
+                done.add(r)
+            else:
+                kept.add(r)
+    return {"runs_compacted": len(done - kept), "files_written": written, "files_rewritten": rewritten,
+            "files_removed": removed, "runs_kept": len(kept)}

@@ -1,0 +1,286 @@
+"""Results storage: one-scan loading, compaction (interruptible), and remote destinations (file://)."""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import pickle
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+
+from fedsap_ray import results
+from fedsap_ray.cli import main as cli_main
+from fedsap_ray.storage import ResultsDestination
+
+T0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("load_results_bench",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "load_results.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# the per-file reader results.read_table had before the dataset scan (the reference, kept in the benchmark)
+old_read_table = _benchmark_module().old_read_table
+
+
+def write_run(out: Path, run_id: str, status: str = "finished", rounds: int = 3, v1: bool = False,
+              acc_shift: float = 0.0, checkpoint: bool = False) -> None:
+    """A tiny run written the way RunWriter writes it: one file per table (no allocations in version 1)."""
+    sv = 1 if v1 else results.SCHEMA_VERSION
+    base = {"schema_version": sv, "run_id": run_id}
+    results.write_atomic(results.to_table("runs", [{
+        **base, "status": status, "seed": hash(run_id) % 97, "rounds": rounds, "rounds_done": rounds,
+        "started_at": T0, "finished_at": None if status == "running" else T0 + dt.timedelta(seconds=5),
+        "final_global_accuracy": 0.5 + acc_shift, "algorithm": "fedavg"}]), out / "runs" / f"{run_id}.parquet")
+    rnd = [{**base, "round": t, "domain": d, "accuracy": 0.1 * t + acc_shift, "frozen_params": 7 * t,
+            "evaluated": True, "n_test": 10} for t in range(1, rounds + 1) for d in ("a", "b", results.GLOBAL_DOMAIN)]
+    rt = results.to_table("rounds", rnd)
+    if v1:  # what schema version 1 wrote: no frozen_params column, no allocations table
+        rt = rt.drop(["frozen_params"])
+    results.write_atomic(rt, out / "rounds" / f"{run_id}.parquet")
+    cl = [{**base, "round": t, "client_id": c, "capacity_used": 0.25 * (c + 1), "worker": "local"}
+          for t in range(1, rounds + 1) for c in range(2)]
+    results.write_atomic(results.to_table("clients", cl), out / "clients" / f"{run_id}.parquet")
+    la = [{**base, "round": t, "client_id": c, "layer": f"layer{k}", "channels": 8, "keep_ratio": 0.5}
+          for t in range(1, rounds + 1) for c in range(2) for k in range(2)]
+    results.write_atomic(results.to_table("layers", la), out / "layers" / f"{run_id}.parquet")
+    if not v1:
+        al = [{**base, "round": t, "client_id": c, "p": 0.5, "adapted": t == 2} for t in range(1, rounds + 1)
+              for c in range(3)]
+        results.write_atomic(results.to_table("allocations", al), out / "allocations" / f"{run_id}.parquet")
+    if checkpoint:
+        (out / "checkpoints").mkdir(parents=True, exist_ok=True)
+        (out / "checkpoints" / f"{run_id}.pkl").write_bytes(pickle.dumps({"round": rounds}))
+
+
+KEYS = {"runs": ["run_id"], "rounds": ["run_id", "round", "domain"], "clients": ["run_id", "round", "client_id"],
+        "layers": ["run_id", "round", "client_id", "layer"], "allocations": ["run_id", "round", "client_id"]}
+
+
+def canon(res: results.Results, table: str) -> pd.DataFrame:
+    return res[table].sort_values(KEYS[table]).reset_index(drop=True)
+
+
+def assert_same(a: results.Results, b: results.Results) -> None:
+    for t in ("runs", *results.DATA_TABLES):
+        pd.testing.assert_frame_equal(canon(a, t), canon(b, t))
+
+
+def n_parquet(out: Path) -> int:
+    return sum(1 for _ in Path(out).glob("*/*.parquet"))
+
+
+# ----------------------------------------------------------------------------- loading
+
+def test_dataset_reader_equals_the_per_file_reader_on_500_runs(tmp_path):
+    for i in range(500):
+        write_run(tmp_path, f"r{i:03d}", rounds=2, v1=(i % 50 == 7))  # a few version-1 files among them
+    res = results.load(tmp_path)
+    for t in ("runs", *results.DATA_TABLES):
+        pd.testing.assert_frame_equal(res[t], old_read_table(tmp_path, t))  # same rows, same order, same dtypes
+    assert len(res.runs) == 500 and len(res.rounds) == 500 * 2 * 3
+    v1 = res.rounds[res.rounds["schema_version"] == 1]
+    assert len(v1) == 10 * 6 and v1["frozen_params"].isna().all()
+    assert res.rounds.loc[res.rounds["schema_version"] == 2, "frozen_params"].notna().all()
+
+
+def test_version_1_folder_loads_with_nulls_and_ignores_temp_files(tmp_path):
+    write_run(tmp_path, "old", v1=True)
+    (tmp_path / "rounds" / ".old.parquet.abcd1234.tmp").write_bytes(b"half a file")
+    (tmp_path / "rounds" / "_SUCCESS").write_bytes(b"")
+    res = results.load(tmp_path)
+    assert len(res.rounds) == 9 and res.rounds["frozen_params"].isna().all()
+    assert res.allocations.empty and list(res.allocations.columns) == results.schema("allocations").names
+    assert str(res.runs["started_at"].dtype) == "datetime64[us, UTC]"
+
+
+def test_load_via_uri_and_bad_input(tmp_path):
+    write_run(tmp_path, "a")
+    assert_same(results.load(tmp_path.as_uri()), results.load(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no results folder"):
+        results.load(tmp_path / "missing")
+    with pytest.raises(ValueError, match="nosuch://x"):
+        results.load("nosuch://x")
+    with pytest.raises(ValueError, match="table='round'.*rounds"):
+        results.read_table(tmp_path, "round")
+    assert results.run_statuses(tmp_path / "missing") == {}
+
+
+# ----------------------------------------------------------------------------- compaction
+
+def sweep(out: Path, n: int = 20) -> None:
+    for i in range(n):
+        write_run(out, f"f{i:02d}", status=("finished", "failed", "stopped", "interrupted")[i % 4], v1=(i == 3))
+    write_run(out, "live", status="running")
+    write_run(out, "resumable", status="interrupted", checkpoint=True)
+
+
+def test_compact_gives_the_same_frames_from_far_fewer_files(tmp_path):
+    sweep(tmp_path)
+    before = results.load(tmp_path)
+    files_before = n_parquet(tmp_path)
+    n = results.compact(tmp_path)
+    assert n == {"runs_compacted": 20, "files_written": 5, "files_rewritten": 0, "files_removed": 20 * 5 - 1,
+                 "runs_kept": 2}
+    assert_same(results.load(tmp_path), before)
+    assert n_parquet(tmp_path) == files_before - n["files_removed"] + n["files_written"] == 5 + 2 * 5
+    # the running and the resumable run keep their per-run files (a run rewrites/resumes from them)
+    for t in ("runs", *results.DATA_TABLES):
+        assert (tmp_path / t / "live.parquet").is_file() and (tmp_path / t / "resumable.parquet").is_file()
+        assert not (tmp_path / t / "f00.parquet").exists()
+        assert len(list((tmp_path / t).glob("compacted-*.parquet"))) == 1
+    assert results.run_statuses(tmp_path) == {**{f"f{i:02d}": ("finished", "failed", "stopped", "interrupted")[i % 4]
+                                                 for i in range(20)}, "live": "running", "resumable": "interrupted"}
+    assert results.compact(tmp_path)["files_written"] == 0  # nothing left to do
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 19, 45, 98])  # deletions done before the interruption
+def test_interrupted_compaction_loads_every_row_once_and_a_second_compact_finishes(tmp_path, monkeypatch, stop_after):
+    sweep(tmp_path)
+    before = results.load(tmp_path)
+    real, calls = results._unchanged, []
+
+    def interrupt(fs, info):  # called right before each per-run file is deleted
+        if len(calls) == stop_after:
+            raise KeyboardInterrupt
+        calls.append(info.path)
+        return real(fs, info)
+
+    monkeypatch.setattr(results, "_unchanged", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        results.compact(tmp_path)
+    monkeypatch.undo()
+    assert_same(results.load(tmp_path), before)  # compacted + leftover per-run files: each row once
+    assert set(results.run_statuses(tmp_path)) == set(before.runs["run_id"])
+    results.compact(tmp_path)
+    assert_same(results.load(tmp_path), before)
+    for t in ("runs", *results.DATA_TABLES):
+        left = sorted(f.name for f in (tmp_path / t).glob("*.parquet") if not f.name.startswith("compacted-"))
+        assert left == ["live.parquet", "resumable.parquet"]
+        for f in (tmp_path / t).glob("compacted-*.parquet"):  # no run in two compacted files
+            others = [g for g in (tmp_path / t).glob("compacted-*.parquet") if g != f]
+            ids = set(pq.read_table(f, columns=["run_id"])["run_id"].to_pylist())
+            assert not any(ids & set(pq.read_table(g, columns=["run_id"])["run_id"].to_pylist()) for g in others)
+
+
+def test_leftover_per_run_files_of_a_finished_compaction_load_once(tmp_path):
+    """The brief's simulation: compacted files written, per-run files put back (as if not yet deleted)."""
+    sweep(tmp_path, n=8)
+    before = results.load(tmp_path)
+    saved = {f: (f.read_bytes(), f.stat().st_mtime_ns) for f in tmp_path.glob("*/f0*.parquet")}
+    results.compact(tmp_path)
+    for f, (data, mtime) in saved.items():
+        f.write_bytes(data)
+        os.utime(f, ns=(mtime, mtime))  # as old as when compact read it
+    assert_same(results.load(tmp_path), before)
+    n = results.compact(tmp_path)
+    assert n["files_written"] == 0 and n["files_rewritten"] == 0 and n["files_removed"] == len(saved)
+    assert_same(results.load(tmp_path), before)
+    assert not any(f.exists() for f in saved)
+
+
+def test_a_failed_write_leaves_no_compacted_file(tmp_path, monkeypatch):
+    sweep(tmp_path, n=4)
+    files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+
+    class Broken(pq.ParquetWriter):
+        def write_table(self, *a, **k):
+            raise OSError("disk full")
+
+    monkeypatch.setattr(results.pq, "ParquetWriter", Broken)
+    with pytest.raises(OSError, match="disk full"):
+        results.compact(tmp_path)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()) == files  # temp removed
+
+
+def test_a_run_rerun_after_compaction_replaces_its_compacted_rows(tmp_path):
+    """A failed run without checkpoint is re-run from scratch under the same id (sweeps do that)."""
+    sweep(tmp_path, n=8)
+    results.compact(tmp_path)
+    write_run(tmp_path, "f01", status="running", rounds=2, acc_shift=0.5)  # f01 had failed; re-run starts
+    res = results.load(tmp_path)
+    assert results.run_statuses(tmp_path)["f01"] == "running"
+    assert res.rounds[res.rounds.run_id == "f01"]["accuracy"].round(6).tolist() == [0.6] * 3 + [0.7] * 3
+    assert results.compact(tmp_path)["runs_kept"] == 3  # live, resumable and the running re-run
+    write_run(tmp_path, "f01", status="finished", rounds=2, acc_shift=0.5)
+    expected = results.load(tmp_path)
+    n = results.compact(tmp_path)
+    assert n["runs_compacted"] == 1 and n["files_rewritten"] == 5  # f01 left the older compacted files
+    assert_same(results.load(tmp_path), expected)
+    assert results.run_statuses(tmp_path)["f01"] == "finished"
+    assert len(expected.rounds[expected.rounds.run_id == "f01"]) == 6
+
+
+def test_cli_compact(tmp_path, capsys):
+    sweep(tmp_path, n=4)
+    before = results.load(tmp_path)
+    assert cli_main(["compact", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "compacted 4 runs" in out and "removed 19 per-run files" in out and "2 running or resumable" in out
+    assert_same(results.load(tmp_path), before)
+    assert cli_main(["compact", str(tmp_path / "nope")]) == 2
+    assert "no results folder" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- destinations
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_file_uri_destination_push_pull_and_checkpoint_deletion(tmp_path):
+    remote = tmp_path / "bucket" / "sweep"
+    dest = ResultsDestination(remote.as_uri(), staging_root=tmp_path / "stage")
+    assert dest.is_remote and dest.uri == remote.as_uri() and dest.local.parent == tmp_path / "stage"
+    for i, status in enumerate(["finished", "running"]):
+        write_run(dest.local, f"r{i}", status=status, checkpoint=(status == "running"))
+        dest.push(f"r{i}")
+    assert files_of(remote) == files_of(dest.local)  # every table file and the checkpoint, nothing else
+    assert not any(p.name.startswith(".") for p in remote.rglob("*"))  # no temporary files left
+    assert_same(results.load(dest.uri), results.load(dest.local))
+    assert dest.statuses() == {"r0": "finished", "r1": "running"}
+    # another node resumes r1: pull into a fresh staging dir restores exactly its files
+    other = ResultsDestination(remote.as_uri(), staging_root=tmp_path / "node2")
+    (other.local / "rounds").mkdir(parents=True)
+    (other.local / "rounds" / "r1.parquet").write_bytes(b"stale")  # an older attempt on this node
+    (other.local / "layers").mkdir()
+    (other.local / "layers" / "r1.parquet").write_bytes(b"not at the destination")
+    other.pull("r1")
+    assert files_of(other.local) == {k: v for k, v in files_of(remote).items() if "r1" in k}
+    # r1 finishes there: its checkpoint is removed locally, and push removes it at the destination
+    write_run(other.local, "r1", status="finished")
+    (other.local / "checkpoints" / "r1.pkl").unlink()
+    other.push("r1")
+    assert not (remote / "checkpoints" / "r1.pkl").exists()
+    assert results.run_statuses(remote.as_uri()) == {"r0": "finished", "r1": "finished"}
+    before = results.load(remote.as_uri())
+    pd.testing.assert_frame_equal(canon(before, "rounds").query("run_id == 'r1'").reset_index(drop=True),
+                                  canon(results.load(other.local), "rounds"))  # r1 as finished on node 2
+    assert results.compact(remote.as_uri())["runs_compacted"] == 2  # compaction works through the URI too
+    assert_same(results.load(remote.as_uri()), before)
+    assert sorted(p.name[:10] for p in (remote / "rounds").iterdir()) == ["compacted-"]
+
+
+def test_local_destination_is_a_no_op(tmp_path):
+    for out in (tmp_path / "o", str(tmp_path / "o"), "runs/relative"):
+        dest = ResultsDestination(out)
+        assert not dest.is_remote and dest.local == Path(out) and dest.uri == str(out)
+    dest = ResultsDestination(tmp_path / "o")
+    write_run(dest.local, "a", checkpoint=True)
+    before = files_of(dest.local)
+    dest.pull("a")
+    dest.push("a")
+    assert files_of(dest.local) == before and sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+    assert dest.statuses() == {"a": "finished"}
+    with pytest.raises(ValueError, match="run_id='../x'"):
+        dest.push("../x")
+    with pytest.raises(ValueError, match="nosuch://b"):
+        ResultsDestination("nosuch://b/sweep", staging_root=tmp_path)
