@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from analysis import sweep
 from fedsap_ray import results
 
 GLOBAL = results.GLOBAL_DOMAIN
@@ -44,14 +45,8 @@ def per_run(res: results.Results) -> pd.DataFrame:
     """One row per finished run: method, seed, best accuracy per domain, best and final global accuracy."""
     runs = res.runs[res.runs["status"] == "finished"].copy()
     runs["method"] = [method_of(json.loads(c)) for c in runs["config_json"]]
-    r = res.rounds[res.rounds["evaluated"].fillna(False).astype(bool)]
-    primary = r[r["domain"] == GLOBAL].groupby("run_id")["eval_mode"].first()
-    r = r[r["eval_mode"] == r["run_id"].map(primary)]
-    best = r.pivot_table(index="run_id", columns="domain", values="accuracy", aggfunc="max")
-    best = best[list(dict.fromkeys(r["domain"]))]  # domains in the order the runs wrote them (the dataset's)
-    g = r[r["domain"] == GLOBAL].sort_values("round")
-    final = g.groupby("run_id")["accuracy"].last().rename("final_global")
-    best = best.rename(columns={GLOBAL: "global"}).join(final)
+    best = sweep.domain_best(res.rounds).join(sweep.global_accuracy(res.rounds)["final_global_accuracy"])
+    best = best.rename(columns={"final_global_accuracy": "final_global"})
     return runs[["run_id", "method", "seed", "dataset"]].set_index("run_id").join(best).reset_index()
 
 

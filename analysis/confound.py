@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from analysis import sweep
 from fedsap_ray import results
 
 GLOBAL = results.GLOBAL_DOMAIN
@@ -162,18 +163,8 @@ def per_run(res: Any) -> pd.DataFrame:
         for c in cols:
             out[c] = np.nan
         return out.reset_index()
-    g = rounds[rounds["domain"] == GLOBAL].copy()
-    g["_mode"] = _col(g, "eval_mode", None).fillna("")
-    g["_order"] = np.arange(len(g))
-    primary = g.groupby("run_id")["_mode"].first()
-    g = g[g["_mode"] == g["run_id"].map(primary)].sort_values(["run_id", "round", "_order"])
-    acc = pd.to_numeric(_col(g, "global_accuracy"), errors="coerce")
-    g["_acc"] = acc.fillna(pd.to_numeric(_col(g, "accuracy"), errors="coerce"))
-    evaluated = _col(g, "evaluated", None)
-    evaluated = evaluated.astype("boolean").fillna(g["_acc"].notna()).astype(bool)
-    ev = g[evaluated & g["_acc"].notna()]
-    stats_ = pd.DataFrame({"best_accuracy": ev.groupby("run_id")["_acc"].max(),
-                           "final_accuracy": ev.groupby("run_id")["_acc"].last()})
+    stats_ = sweep.global_accuracy(rounds).rename(columns={"best_global_accuracy": "best_accuracy",
+                                                            "final_global_accuracy": "final_accuracy"})
     stats_["peak_to_final"] = stats_["final_accuracy"] - stats_["best_accuracy"]
     # per-round quantities: the same on every row of a round, so take one per (run, round)
     all_rows = rounds.assign(avg_capacity=pd.to_numeric(_col(rounds, "avg_capacity"), errors="coerce"),
@@ -252,13 +243,13 @@ def frontier(per_run_df: pd.DataFrame) -> pd.DataFrame:
     return summary_table(per_run_df, metrics=("final", "avg_p"))
 
 
-def plot_frontier(df: pd.DataFrame, path: str | Path) -> Path:
-    """Write Figure 6 (final accuracy vs. average per-round capacity, error bars = std over
-    seeds in both axes, one labelled point per variant; one panel per dataset) as a PNG."""
+def frontier_figure(df: pd.DataFrame) -> Any:
+    """Figure 6 as a matplotlib Figure (Agg canvas, no pyplot state): final accuracy vs. average
+    per-round capacity, error bars = std over seeds in both axes, one labelled point per variant;
+    one panel per dataset. ``df`` is :func:`frontier`'s table."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    path = Path(path)
     datasets = list(dict.fromkeys(df["dataset"])) if "dataset" in df.columns else [None]
     fig = Figure(figsize=(5.0 * max(1, len(datasets)), 4.0))
     FigureCanvasAgg(fig)
@@ -279,8 +270,14 @@ def plot_frontier(df: pd.DataFrame, path: str | Path) -> Path:
         if len(part):
             ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
+    return fig
+
+
+def plot_frontier(df: pd.DataFrame, path: str | Path) -> Path:
+    """Write Figure 6 (:func:`frontier_figure`) as a PNG."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=120)
+    frontier_figure(df).savefig(path, format="png", dpi=120)
     return path
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis import sweep
 from fedsap_ray import results
 
 GLOBAL = "__global__"
@@ -32,15 +33,8 @@ def per_run(res: results.Results) -> pd.DataFrame:
     """One row per run: variant, seed, best / final global accuracy, DGA agreement (mean over DGA rounds)."""
     runs = res.runs.copy()
     runs["variant"] = [variant_of(json.loads(c)) for c in runs["config_json"]]
-    g = res.rounds[(res.rounds["domain"] == GLOBAL) & res.rounds["evaluated"].fillna(False).astype(bool)]
-    primary = g.groupby("run_id")["eval_mode"].first()  # the first mode written is the primary one
-    g = g[g["eval_mode"] == g["run_id"].map(primary)]
-    acc = g.groupby("run_id").agg(best_global_accuracy=("accuracy", "max"),
-                                  final_global_accuracy=("accuracy", "last"))
-    dga = res.rounds.dropna(subset=["n_groups"]).drop_duplicates(["run_id", "round"])
-    dga = dga.groupby("run_id").agg(n_groups=("n_groups", "mean"), ari_domain=("ari_domain", "mean"),
-                                    ari_capacity=("ari_capacity", "mean"))
-    out = runs[["run_id", "variant", "seed", "status", "rounds_done"]].set_index("run_id").join(acc).join(dga)
+    out = runs[["run_id", "variant", "seed", "status", "rounds_done"]].set_index("run_id")
+    out = out.join(sweep.global_accuracy(res.rounds)).join(sweep.grouping_stats(res.rounds))
     return out.reset_index()
 
 

@@ -1,0 +1,167 @@
+"""FedSAP's ablation tables from a results folder (papers/000 Figure 4, Tables 2 and 5, and the DGA
+grouping controls).
+
+Each table is a list of (label, options) rows matched against the runs' resolved options
+(:func:`analysis.sweep.option_table`): a row's runs are those of its algorithm that set exactly
+those options and leave every other one at its default (or at the study's shared protocol), so
+rows never depend on run ids. Accuracies are our runs' best-so-far / final global accuracy (and
+best-so-far per domain for Figure 4), mean ± std over seeds.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis import sweep
+from analysis.plots import color, finish, new_figure
+
+# papers/000 Figure 4: FedSAP (selected adaptive configuration) without DGA, SGP or both.
+FIGURE4 = [("FedSAP", {"dga": "gradient", "sgp": True}), ("w/o DGA", {"dga": "none", "sgp": True}),
+           ("w/o SGP", {"dga": "gradient", "sgp": False}), ("w/o DGA & SGP", {"dga": "none", "sgp": False})]
+# papers/000 Table 5: rows = aggregation path (sgp), columns = layer-budget rule, both with DGA on.
+PATHS = [("Single path (w/o Tri-State)", False), ("Tri-state type-matched (FedSAP)", True)]
+BUDGETS = [("Uniform layer budget", 0), ("Adaptive layer budget", 1)]
+# papers/000 Table 2: the layer whose gradients DGA compares, under the fixed-mask reference setting.
+TABLE2 = [("Conv1", "conv1"), ("Layer1", "layer1"), ("Layer2", "layer2"), ("Layer3", "layer3")]
+# DGA controls: how the pseudo-groups are formed (gradient similarity, true domains, random, one group).
+DGA_CONTROLS = ("gradient", "oracle", "random", "none")
+FEDSAP_ALGORITHMS = ("fedsap", "fedsap_fixed")
+NON_DOMAIN = ("best", "final", "n_groups", "ari_domain", "ari_capacity")
+
+
+def figure4_table(res: Any) -> pd.DataFrame:
+    """papers/000 Figure 4: FedSAP, w/o DGA (``dga=none``), w/o SGP (``sgp=false``) and without both,
+    with best / final global accuracy and the best-so-far accuracy of each domain."""
+    return sweep.option_table(res, "fedsap", FIGURE4, domains=True).rename(columns={"row": "ablation"})
+
+
+def table5_table(res: Any) -> pd.DataFrame:
+    """papers/000 Table 5 as a long table: one row per (aggregation path, layer-budget rule) cell with
+    runs (``fedsap``, DGA on); columns ``path`` and ``budget`` place it in the 2x2 (:func:`table5_grid`)."""
+    cells = [(f"{p} / {b}", {"dga": "gradient", "sgp": sgp, "adaptive_layer_budget": ab})
+             for p, sgp in PATHS for b, ab in BUDGETS]
+    t = sweep.option_table(res, "fedsap", cells)
+    where = {f"{p} / {b}": (p, b) for p, _ in PATHS for b, _ in BUDGETS}
+    t.insert(0, "path", [where[r][0] for r in t["row"]])
+    t.insert(1, "budget", [where[r][1] for r in t["row"]])
+    return t.drop(columns="row")
+
+
+def table5_grid(table: pd.DataFrame, value: str = "best_mean") -> pd.DataFrame:
+    """The 2x2 view of :func:`table5_table` (rows: aggregation path, columns: budget rule, the
+    paper's order; NaN for a cell without runs). ``value`` is any column, e.g. of :func:`sweep.pm_table`."""
+    grid = table.pivot(index="path", columns="budget", values=value) if len(table) else pd.DataFrame()
+    grid = grid.reindex(index=[p for p, _ in PATHS], columns=[b for b, _ in BUDGETS])
+    grid.index.name, grid.columns.name = "aggregation path", "layer budget"
+    return grid
+
+
+def table2_table(res: Any) -> pd.DataFrame:
+    """papers/000 Table 2: ``fedsap_fixed`` with DGA gradients from conv1 / layer1 / layer2 / layer3,
+    in that order, with ``delta`` = best_mean minus Conv1's best_mean (NaN without a Conv1 row)."""
+    t = sweep.option_table(res, "fedsap_fixed", [(label, {"dga_layer": layer}) for label, layer in TABLE2])
+    t = t.rename(columns={"row": "gradient source"})
+    base = t.loc[t["gradient source"] == TABLE2[0][0], "best_mean"]
+    t["delta"] = t["best_mean"] - (float(base.iloc[0]) if len(base) else np.nan)
+    return t
+
+
+def dga_controls_table(res: Any) -> pd.DataFrame:
+    """FedSAP with DGA from gradients vs. the oracle (true domains), random groups and none, with how
+    well the pseudo-groups matched: mean ARI vs. the domains and vs. the capacity tiers and the
+    number of groups (each a mean over DGA rounds, then mean ± std over seeds)."""
+    t = sweep.option_table(res, "fedsap", [(m, {"dga": m}) for m in DGA_CONTROLS], grouping=True)
+    return t.rename(columns={"row": "dga"})
+
+
+def baselines_table(res: Any) -> pd.DataFrame:
+    """The non-FedSAP runs of the folder (e.g. heterogeneous FedAvg at the same keep ratios, the floor
+    under every ablation cell), one row per distinct config (:func:`analysis.sweep.config_label`)."""
+    res = sweep.load_sweep(res)
+    runs = res.runs[~res.runs["algorithm"].isin(FEDSAP_ALGORITHMS) & (res.runs["status"] == "finished")]
+    pr = runs[["run_id", "variant", "seed"]].assign(baseline=[sweep.config_label(r) for _, r in runs.iterrows()])
+    pr = pr.set_index("run_id").join(sweep.global_accuracy(sweep.table(res, "rounds"))).reset_index()
+    out = sweep.mean_std(pr, "baseline", {"best": "best_global_accuracy", "final": "final_global_accuracy"})
+    names = pr.groupby("baseline", sort=False)["variant"].agg(lambda v: ", ".join(dict.fromkeys(v)))
+    out.insert(1, "variants", out["baseline"].map(names))
+    return out
+
+
+def report(res: Any) -> str:
+    """Every ablation table of a folder as markdown (accuracies in %, mean ± std over seeds); a table
+    whose runs the folder lacks says so."""
+    res = sweep.load_sweep(res)
+    out = ["# FedSAP ablations (papers/000)", ""]
+
+    def section(title: str, table: pd.DataFrame, note: str = "") -> None:
+        body = sweep.to_markdown(table) if len(table) else "No runs of this table in the folder."
+        out.extend([f"## {title}", ""] + ([note, ""] if note else []) + [body, ""])
+
+    section("Component ablation (Figure 4)", sweep.pm_table(figure4_table(res)),
+            "Per-domain columns: best-so-far accuracy of the domain; best / final: global accuracy.")
+    t5 = table5_table(res)
+    grid = table5_grid(sweep.pm_table(t5), "best") if len(t5) else t5
+    section("Aggregation path x layer-budget rule (Table 5)", grid.reset_index() if len(t5) else grid,
+            "Best-so-far global accuracy, DGA on.")
+    t2 = sweep.pm_table(table2_table(res))
+    if len(t2):
+        t2["delta"] = [f"{100 * d:+.1f}" if not pd.isna(d) else "–" for d in t2["delta"]]
+    section("DGA gradient source (Table 2)", t2, "Fixed-mask reference setting; delta = best minus Conv1's (pp).")
+    section("DGA controls", sweep.pm_table(dga_controls_table(res)),
+            "ARI of the pseudo-groups vs. the true domains and vs. the capacity tiers, mean over DGA rounds.")
+    section("Baselines", sweep.pm_table(baselines_table(res)))
+    return "\n".join(out)
+
+
+def _domains(table: pd.DataFrame) -> list[str]:
+    stems = [c[:-5] for c in table.columns if c.endswith("_mean") and c[:-5] + "_std" in table.columns]
+    return [s for s in stems if s not in NON_DOMAIN]
+
+
+def plot_ablation(table: pd.DataFrame, path: str | Path | None = None, metric: str = "best") -> Any:
+    """Figure 4 style grouped bars: for each domain (best-so-far) and the global accuracy
+    (``metric``), one bar per row of ``table`` (any table here, e.g. :func:`figure4_table`), error
+    bars = std over seeds."""
+    if table.empty:
+        raise sweep.MissingData("no runs for this table")
+    label = table.columns[0]
+    groups = [(d, d) for d in _domains(table)] + [(f"global ({metric})", metric)]
+    fig, axes = new_figure(1, ncols=1, panel=(max(5.0, 1.5 + 0.35 * len(groups) * len(table)), 3.8))
+    ax = axes[0]
+    width = 0.8 / len(table)
+    x = np.arange(len(groups))
+    for i, (_, r) in enumerate(table.iterrows()):
+        means = np.array([100 * r[f"{c}_mean"] for _, c in groups], dtype=float)
+        stds = np.nan_to_num(np.array([100 * r[f"{c}_std"] for _, c in groups], dtype=float))
+        ax.bar(x - 0.4 + width * (i + 0.5), means, width, yerr=stds, capsize=2, label=str(r[label]),
+               color=color(i, len(table)))
+    ax.set_xticks(x, [g for g, _ in groups])
+    ax.set_ylabel("accuracy (%)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    return finish(fig, path)
+
+
+def plot_table5(table: pd.DataFrame, path: str | Path | None = None, metric: str = "best") -> Any:
+    """The 2x2 of :func:`table5_table` as an annotated grid: colour = mean ``metric`` accuracy,
+    text = mean ± std (%) and seeds; an empty cell says so."""
+    if table.empty:
+        raise sweep.MissingData("no Table 5 runs")
+    mean, std = table5_grid(table, f"{metric}_mean"), table5_grid(table, f"{metric}_std")
+    seeds = table5_grid(table, "seeds")
+    fig, axes = new_figure(1, ncols=1, panel=(6.2, 3.6))
+    ax = axes[0]
+    im = ax.imshow(100 * mean.to_numpy(float), cmap="viridis")
+    for i in range(mean.shape[0]):
+        for j in range(mean.shape[1]):
+            m, s, n = mean.iat[i, j], std.iat[i, j], seeds.iat[i, j]
+            text = "no runs" if pd.isna(m) else f"{100 * m:.1f}" + ("" if pd.isna(s) else f" ± {100 * s:.1f}") + f"\n({int(n)} seeds)"
+            ax.text(j, i, text, ha="center", va="center", color="white" if not pd.isna(m) else "black", fontsize=9)
+    ax.set_xticks(range(mean.shape[1]), [c.replace(" layer", "\nlayer") for c in mean.columns])
+    ax.set_yticks(range(mean.shape[0]), list(mean.index), fontsize=8)
+    ax.set_title(f"{metric} global accuracy (%)")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    return finish(fig, path)
