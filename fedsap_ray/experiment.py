@@ -137,6 +137,11 @@ class RunSession:
         return 0 if state is None else state.round
 
 
+class RunStopped(Exception):
+    """Raised by a progress callback to end a run early on purpose (e.g. a Tune scheduler
+    stopping a weak trial): the run is closed with status ``stopped``, not ``failed``."""
+
+
 def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None) -> RunOutcome:
     """The driver loop shared by both backends (for Ray, ``session`` forwards to the ServerActor)."""
     try:
@@ -145,6 +150,8 @@ def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None)
             summary = session.step(t)
             if progress is not None:
                 progress(summary)
+    except RunStopped as e:
+        return session.finish("stopped", str(e) or "stopped early by its caller")
     except KeyboardInterrupt:
         session.finish("interrupted", "interrupted by the user")
         raise

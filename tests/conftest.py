@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -163,3 +165,33 @@ def assert_same_tables(a, b) -> None:
     """The ``rounds`` and ``clients`` tables of two runs are equal but for their wall-time columns."""
     pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Study scripts (sweeps/*.py) run as users run them: a subprocess, its own local Ray
+# --------------------------------------------------------------------------------------------------
+
+
+def run_study(study: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python sweeps/<study>.py ARGS`` from the repository root; returns the finished process."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(REPO / "sweeps" / f"{study}.py"), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def smoke_study(tmp_path_factory):
+    """``smoke_study(study)``: the results folder of ``sweeps/<study>.py --smoke-test``, run once per session
+    (the sweep tests and the notebook tests read the same folders)."""
+    done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
+
+    def get(study: str) -> Path:
+        if study not in done:
+            out = tmp_path_factory.mktemp(f"smoke-{study}") / "out"
+            proc = run_study(study, "--smoke-test", "--out", str(out))
+            assert proc.returncode == 0, f"{study} --smoke-test failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+            done[study] = (out, proc)
+        return done[study][0]
+
+    get.proc = lambda study: done[study][1]  # the finished process (stdout holds the printed table)
+    return get

@@ -1,8 +1,6 @@
 """Ray backend: same numbers as local, worker death recovery, client errors, GPU pinning."""
 from __future__ import annotations
 
-import threading
-import time
 
 import pandas as pd
 import pytest
@@ -68,17 +66,19 @@ def test_ray_reproduces_local_tables_exactly(tmp_path, fed, local_run, workers):
 def test_worker_killed_mid_round_is_replaced(tmp_path, fed, local_run):
     killed = {}
 
+    def worker0_names() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("-w0")}
+
+    earlier = worker0_names()  # pools of earlier tests may still be listed while their kill completes
+
     def kill_a_worker_during_round_2(summary):
+        """Kill worker 0 as round 1 ends: ray.kill is asynchronous, so round 2's first plans go to a dying
+        worker (in flight or refused), whichever way the timing falls."""
         if summary.round != 1:
             return
-
-        def kill():
-            time.sleep(0.3)
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("-w0")]
-            actor = ray.get_actor(names[0], namespace="fedsap-tests")
-            ray.kill(actor)
-            killed["name"] = names[0]
-        threading.Thread(target=kill, daemon=True).start()
+        names = sorted(worker0_names() - earlier)
+        ray.kill(ray.get_actor(names[0], namespace="fedsap-tests"))
+        killed["name"] = names[0]
 
     outcome = _ray(tmp_path, fed, ["resources.num_workers=2", "resources.cpus_per_worker=0.5"],
                    progress=kill_a_worker_during_round_2)

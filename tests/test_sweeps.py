@@ -1,114 +1,282 @@
-"""Study scripts run in --smoke-test mode (as CI does), resume safely, and their tables are right."""
+"""Study scripts under Ray Tune: flat config boundary, smoke runs (what CI runs), resume after a killed
+driver, failure reporting, and the Optuna study resumed across invocations."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
-from fedsap_ray import results
+from fedsap_ray import algorithms, results
+from fedsap_ray.config import ConfigError
+from conftest import REPO, run_study
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "sweeps" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"sweep_{name}", REPO / "sweeps" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
 @pytest.fixture(scope="module")
-def table5(tmp_path_factory):
-    out = tmp_path_factory.mktemp("t5")
-    mod = _load("fedsap_table5")
-    assert mod.main(["--smoke-test", "--out", str(out), "--variants", "fedsap", "single-uniform", "fedavg-het"]) == 0
-    return mod, out
+def common():
+    from sweeps import common
+
+    return common
 
 
-def test_smoke_study_writes_every_variant(table5):
-    _, out = table5
-    res = results.load(out)
-    assert sorted(res.runs["run_id"]) == ["fedavg-het-s0", "fedsap-s0", "single-uniform-s0"]
-    assert (res.runs["status"] == "finished").all()
+def _flat(common, **extra):
+    return {"algorithm.name": "fedsap_fixed", "algorithm.g_target": 0.8, "training.rounds": 3, "seed": 1,
+            "_study": "sensitivity", "_preset": "smoke", "_out": "/tmp/x", "_variant": "g_target=0.8", **extra}
 
 
-def test_rerun_skips_finished_runs(table5, capsys):
-    mod, out = table5
-    before = {f.name: f.stat().st_mtime_ns for f in (out / "rounds").iterdir()}
-    mod.main(["--smoke-test", "--out", str(out), "--variants", "fedsap"])
-    after = {f.name: f.stat().st_mtime_ns for f in (out / "rounds").iterdir()}
-    assert before == after
-    assert "skipped" in capsys.readouterr().err
+# ----------------------------------------------------------------------------------------------
+# The flat-dict boundary and trial resources
+# ----------------------------------------------------------------------------------------------
+def test_flat_tune_config_becomes_the_typed_config(common):
+    (cfg,), (run_id,) = common.to_configs(_flat(common))
+    assert run_id == "g_target=0.8-s1"
+    assert (cfg.seed, cfg.study, cfg.preset, cfg.training.rounds) == (1, "sensitivity", "smoke", 3)
+    assert cfg.algorithm.name == "fedsap_fixed" and cfg.algorithm.options["g_target"] == 0.8
+    # the same trial from override strings (what the scripts write) gives the same config
+    flat = {**common.flat_overrides(["algorithm.name=fedsap_fixed", "algorithm.g_target=0.8", "training.rounds=3"]),
+            **{k: v for k, v in _flat(common).items() if k.startswith("_") or k == "seed"}}
+    assert common.to_configs(flat)[0][0] == cfg
+    cfgs, ids = common.to_configs(_flat(common, _seeds=[0, 2], _variant=None))
+    assert [c.seed for c in cfgs] == [0, 2] and ids[0].endswith("-s0") and ids[1].endswith("-s2")
+    assert ids[0].startswith("t") and ids[0][:-3] == ids[1][:-3]  # sampled trials: one hash for all seeds
 
 
-def test_ablation_table_matches_a_direct_computation(table5):
-    from analysis.fedsap import ablation_table, to_markdown
-
-    _, out = table5
-    res = results.load(out)
-    table = ablation_table(res)
-    g = res.rounds[(res.rounds.domain == "__global__") & res.rounds.evaluated]
-    best = g[g.eval_mode == "group"].groupby("run_id")["accuracy"].max()
-    assert table.loc["fedsap: tri-state, adaptive budget", "best_mean"] == pytest.approx(best["fedsap-s0"])
-    avg = g[g.eval_mode == "global"].groupby("run_id")["accuracy"].max()
-    assert table.loc["fedavg (heterogeneous)", "best_mean"] == pytest.approx(avg["fedavg-het-s0"])
-    assert np.isnan(table.loc["fedavg (heterogeneous)", "ari_domain"])
-    assert "fedsap: single path, uniform budget" in to_markdown(table)
+@pytest.mark.parametrize("key,value,field", [("algorithm.g_target", 1.5, "algorithm.g_target"),
+                                             ("training.rounds", 0, "training.rounds"),
+                                             ("model.nope", 1, "model.nope")])
+def test_a_bad_trial_value_is_rejected_naming_the_field(common, key, value, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        common.to_configs(_flat(common, **{key: value}))
 
 
-@pytest.fixture(scope="module")
-def confound(tmp_path_factory):
-    out = tmp_path_factory.mktemp("confound")
-    mod = _load("capacity_confound")
-    assert mod.main(["--smoke-test", "--out", str(out)]) == 0
-    return mod, out
+def test_placement_group_has_a_server_bundle_and_one_per_client_worker(common):
+    pgf = common.trial_resources(_flat(common, _workers=3, _server_cpus=0.5, **{"resources.cpus_per_worker": 2,
+                                                                              "resources.gpus_per_worker": 0.25}))
+    assert pgf.bundles == [{"CPU": 0.5}] + [{"CPU": 2.0, "GPU": 0.25}] * 3
+    pgf = common.trial_resources(_flat(common, _workers=2, _seeds=[0, 1, 2], _variant=None))
+    assert pgf.bundles == [{"CPU": 1.0}] + [{"CPU": 1.0}] * 6  # lockstep seeds: workers for every run
+    assert common.trial_resources(_flat(common, _workers=0)).bundles == [{"CPU": 1.0}]
 
 
-def test_capacity_confound_smoke_study_reports_every_table(confound, capsys):
-    mod, out = confound
-    assert mod.main(["--smoke-test", "--out", str(out)]) == 0  # all finished: skipped, report printed
-    tmp_path = out
-    res = results.load(tmp_path)
-    assert sorted(res.runs["run_id"]) == sorted(f"{v}-s0" for v in mod.VARIANTS)
-    assert (res.runs["status"] == "finished").all()
-    out = capsys.readouterr().out
-    for heading in ("Table 3", "Table 4", "Table 5", "Matched-budget", "Table 6", "Figure 6"):
-        assert heading in out
-    assert (tmp_path / "frontier.png").stat().st_size > 0
-    alloc = res.allocations[res.allocations["run_id"] == "hasfl-s0"]
-    assert alloc["adapted"].any() and len(alloc) == 4 * len(res.clients["client_id"].unique())
+# ----------------------------------------------------------------------------------------------
+# The studies' grids
+# ----------------------------------------------------------------------------------------------
+def test_sensitivity_grid_is_the_papers_one_factor_design():
+    mod = _load("sensitivity")
+    from sweeps.common import flat_overrides
+
+    # papers/000 Table 7's value lists, around the fixed-mask reference (0.9, 0.1, 0.3)
+    assert mod.GRID == {"g_target": [0.5, 0.6, 0.7, 0.8, 0.9, 0.95], "tau_var": [0.05, 0.1, 0.2, 0.3, 0.5],
+                        "beta_ema": [0.3, 0.5, 0.7, 0.9]}
+    assert len(mod.VARIANTS) == 1 + 5 + 4 + 3  # the reference point runs once
+    ref = flat_overrides(mod.VARIANTS["ref"])
+    assert ref["algorithm.name"] == "fedsap_fixed"
+    for name, ov in mod.VARIANTS.items():
+        diff = {k: v for k, v in flat_overrides(ov).items() if ref.get(k) != v}
+        if name == "ref":
+            assert diff == {}
+        else:
+            factor, value = name.split("=")
+            assert diff == {f"algorithm.{factor}": float(value)}
 
 
-def test_parallel_jobs_give_the_same_numbers(confound, tmp_path):
-    import pandas as pd
+def test_ablation_variants_are_distinct_configs():
+    from fedsap_ray.config import build_config
 
-    mod, seq = confound
-    assert mod.main(["--smoke-test", "--out", str(tmp_path), "--jobs", "2", "--variants", "hasfl", "fjord"]) == 0
-    a, b = results.load(seq), results.load(tmp_path)
-    key = ["run_id", "round", "domain", "eval_mode"]
-    a_rounds = a.rounds[a.rounds["run_id"].isin(["hasfl-s0", "fjord-s0"])].sort_values(key).reset_index(drop=True)
-    b_rounds = b.rounds.sort_values(key).reset_index(drop=True)
-    pd.testing.assert_frame_equal(a_rounds.drop(columns=["round_wall_s"]), b_rounds.drop(columns=["round_wall_s"]))
+    mod = _load("ablation")
+    hashes = {build_config(preset="smoke", overrides=ov, seed=0).config_hash() for ov in mod.VARIANTS.values()}
+    assert len(hashes) == len(mod.VARIANTS) == 13
 
 
-def test_main_comparison_smoke_runs_every_table1_method_and_the_table_is_right(tmp_path, capsys):
-    from analysis.comparison import TABLE1, per_run, table1
-
+def test_main_comparison_runs_every_registered_algorithm():
     mod = _load("main_comparison")
-    assert mod.main(["--smoke-test", "--out", str(tmp_path)]) == 0
-    res = results.load(tmp_path)
-    assert sorted(res.runs["algorithm"]) == sorted(name for _, name, _ in TABLE1)
-    assert (res.runs["status"] == "finished").all()
+    assert sorted(mod.VARIANTS) == algorithms.names()
+
+
+# ----------------------------------------------------------------------------------------------
+# Smoke runs (one per script, shared with tests/test_notebooks.py through the session fixture)
+# ----------------------------------------------------------------------------------------------
+def _check_complete(out: Path, expected_ids: set[str], rounds: int) -> results.Results:
+    res = results.load(out)
+    assert set(res.runs["run_id"]) == expected_ids
+    assert len(res.runs) == len(expected_ids)  # exactly one runs row per trial
+    assert (res.runs["status"] == "finished").all(), res.runs[["run_id", "status", "error"]]
+    key = ["run_id", "round", "domain", "eval_mode"]
+    assert not res.rounds.duplicated(key).any()
+    per_run = res.rounds.groupby("run_id")["round"].agg(["min", "max", "nunique"])
+    assert (per_run["min"] == 1).all() and (per_run["max"] == rounds).all() and (per_run["nunique"] == rounds).all()
+    return res
+
+
+@pytest.mark.parametrize("study,rounds", [("sensitivity", 3), ("ablation", 3), ("main_comparison", 3),
+                                          ("capacity_confound", 4)])
+def test_smoke_study_writes_one_run_per_grid_point_and_seed(smoke_study, study, rounds):
+    out = smoke_study(study)
+    mod = _load(study)
+    _check_complete(out, {f"{v}-s0" for v in mod.VARIANTS}, rounds)
+    proc = smoke_study.proc(study)
+    assert "trials" in proc.stderr and "best best_global_accuracy" in proc.stderr  # the live progress line
+    assert "|" in proc.stdout  # the study's table
+
+
+def test_client_workers_run_inside_each_trials_placement_group(smoke_study):
+    """Every trial reported, every round, that its ClientWorker actors sit in its own placement group
+    (Tune's per-round results, as written to the sweep's ``_tune`` folder)."""
+    import json
+
+    reports = [json.loads(line) for f in (smoke_study("sensitivity") / "_tune" / "sensitivity").glob("*/result.json")
+               for line in f.read_text().splitlines() if line.strip()]
+    assert len({r["run_id"] for r in reports}) == 13 and len(reports) == 13 * 3  # one report per round
+    assert all(r["workers_in_trial_placement_group"] is True for r in reports)
+    assert {r["round"] for r in reports} == {1, 2, 3}
+
+
+def test_sensitivity_table_is_read_from_the_runs(smoke_study):
+    from analysis.sensitivity import sensitivity_table
+
+    res = results.load(smoke_study("sensitivity"))
+    table = sensitivity_table(res)
+    g = res.rounds[(res.rounds["domain"] == "__global__") & res.rounds["evaluated"]]
+    best = g[g["eval_mode"] == "group"].groupby("run_id")["accuracy"].max()  # FedSAP's primary mode
+    for factor in ("g_target", "tau_var", "beta_ema"):  # the reference run sits on every factor's curve
+        row = table[(table["factor"] == factor) & table["reference"].astype(bool)].iloc[0]
+        assert row["best_mean"] == pytest.approx(best["ref-s0"])
+    row = table[(table["factor"] == "tau_var") & (table["value"] == 0.5)].iloc[0]
+    assert row["best_mean"] == pytest.approx(best["tau_var=0.5-s0"])
+
+
+def test_main_comparison_table_matches_a_direct_computation(smoke_study):
+    from analysis.comparison import table1
+
+    res = results.load(smoke_study("main_comparison"))
     table = table1(res)
-    assert list(table.index) == [label for label, _, _ in TABLE1]  # the paper's row order
     r = res.rounds[(res.rounds["run_id"] == "fedmp-s0") & res.rounds["evaluated"]]
     assert table.loc["FedMP", "street"] == pytest.approx(r[r["domain"] == "street"]["accuracy"].max())
     g = r[r["domain"] == "__global__"]
     assert table.loc["FedMP", "global"] == pytest.approx(g["accuracy"].max())
-    assert table.loc["FedMP", "final_global"] == pytest.approx(g.sort_values("round")["accuracy"].iloc[-1])
-    sap = per_run(res).set_index("method").loc["FedSAP"]  # FedSAP is read from its primary mode ('group')
-    grp = res.rounds[(res.rounds["run_id"] == "fedsap-s0") & (res.rounds["eval_mode"] == "group")]
-    assert sap["global"] == pytest.approx(grp[grp["domain"] == "__global__"]["accuracy"].max())
-    assert "| FedSAP | ✓ | 1 |" in capsys.readouterr().out
+
+
+def test_a_finished_sweep_reruns_nothing_and_needs_resume(smoke_study):
+    out = smoke_study("capacity_confound")
+    before = {f.name: f.stat().st_mtime_ns for f in (out / "rounds").iterdir()}
+    proc = run_study("capacity_confound", "--smoke-test", "--out", str(out))
+    assert proc.returncode == 2 and "--resume" in proc.stderr and "--out" in proc.stderr
+    proc = run_study("capacity_confound", "--smoke-test", "--out", str(out), "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "0 to run" in proc.stderr and "Table 3" in proc.stdout
+    assert before == {f.name: f.stat().st_mtime_ns for f in (out / "rounds").iterdir()}
+
+
+# ----------------------------------------------------------------------------------------------
+# A killed driver, resumed
+# ----------------------------------------------------------------------------------------------
+KILL_VARIANTS = ["ref", "g_target=0.5", "tau_var=0.05", "beta_ema=0.5", "beta_ema=0.9"]
+
+
+def _statuses(out: Path) -> dict[str, str]:
+    folder = out / "runs"
+    if not folder.is_dir():
+        return {}
+    out_ = {}
+    for f in folder.glob("*.parquet"):
+        try:
+            out_[f.stem] = pq.read_table(f).to_pylist()[0]["status"]
+        except Exception:  # being replaced right now
+            pass
+    return out_
+
+
+def test_a_sweep_whose_driver_is_killed_resumes_every_trial_exactly_once(tmp_path):
+    out = tmp_path / "out"
+    args = ["--smoke-test", "--out", str(out), "--max-concurrent", "1", "--set", "training.rounds=5",
+            "--variants", *KILL_VARIANTS]
+    proc = subprocess.Popen([sys.executable, str(REPO / "sweeps" / "sensitivity.py"), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.time() + 600
+    try:
+        while time.time() < deadline:  # kill once one trial is finished and the next is part-way
+            st = _statuses(out)
+            done = [k for k, v in st.items() if v == "finished"]
+            if done and any(v == "running" for v in st.values()):
+                rounds = results.load(out).rounds
+                mid = rounds[~rounds["run_id"].isin(done)]
+                if len(mid) and mid["round"].max() >= 1:
+                    break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.2)
+        else:
+            pytest.fail("the sweep did not get part-way in time")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (its local Ray)
+        proc.wait()
+    before = _statuses(out)
+    finished_before = {k for k, v in before.items() if v == "finished"}
+    partial = {k for k, v in before.items() if v != "finished"}
+    assert finished_before and partial
+    stamps = {k: (out / "rounds" / f"{k}.parquet").stat().st_mtime_ns for k in finished_before}
+    resumed = run_study("sensitivity", *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"{len(finished_before)} finished earlier" in resumed.stderr
+    res = _check_complete(out, {f"{v}-s0" for v in KILL_VARIANTS}, 5)
+    # finished trials were not re-run; the interrupted one continued from its checkpoint
+    assert stamps == {k: (out / "rounds" / f"{k}.parquet").stat().st_mtime_ns for k in finished_before}
+    assert not list((out / "checkpoints").glob("*.pkl"))
+    assert res.runs.set_index("run_id").loc[sorted(partial), "rounds_done"].eq(5).all()
+
+
+def test_a_failing_trial_is_retried_and_reported_with_its_error(tmp_path):
+    out, empty = tmp_path / "out", tmp_path / "empty"
+    empty.mkdir()  # exists (so the config is valid) but holds no dataset files: every trial fails at load
+    proc = run_study("sensitivity", "--smoke-test", "--out", str(out), "--variants", "ref", "g_target=0.5",
+                     "--max-failures", "1", "--set", "data.name=digits", "--set", f"data.root={empty}")
+    assert proc.returncode == 1
+    assert "2 trial(s) failed" in proc.stderr
+    assert "ref-s0" in proc.stderr and "g_target=0.5-s0" in proc.stderr
+    assert "DatasetUnavailable" in proc.stderr
+    runs = results.load(out).runs.set_index("run_id")  # not silently dropped: the runs table says why
+    assert set(runs.index) == {"ref-s0", "g_target=0.5-s0"} and (runs["status"] == "failed").all()
+    assert runs["error"].str.contains("DatasetUnavailable").all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Optuna: the study survives across invocations
+# ----------------------------------------------------------------------------------------------
+def test_tune_smoke_resumes_its_optuna_study(tmp_path):
+    import optuna
+
+    out = tmp_path / "tune"
+    first = run_study("tune", "--smoke-test", "--out", str(out), "--num-samples", "2")
+    assert first.returncode == 0, first.stderr[-4000:]
+    storage = f"sqlite:///{out / 'optuna.db'}"
+    study = optuna.load_study(study_name="fedsap-tune", storage=storage)
+    done1 = [(t.number, t.params, t.value) for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done1) == 2
+    again = run_study("tune", "--smoke-test", "--out", str(out), "--num-samples", "2")
+    assert again.returncode == 2 and "--resume" in again.stderr  # never silently mixed into an old study
+    second = run_study("tune", "--smoke-test", "--out", str(out), "--num-samples", "4", "--resume")
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert "2 trials completed, 2 to run" in second.stderr
+    study = optuna.load_study(study_name="fedsap-tune", storage=storage)
+    done2 = [(t.number, t.params, t.value) for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done2) == 4 and done2[:2] == done1  # the first invocation's trials are kept as they were
+    res = results.load(out)
+    assert res.runs["run_id"].nunique() == len(res.runs) >= 4
+    assert set(res.runs["status"]) <= {"finished", "stopped"} and "finished" in set(res.runs["status"])
+    trials = pd.read_parquet(out / "optuna_trials.parquet")
+    assert len(trials) == 4 and trials["value"].notna().all()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable
@@ -92,7 +93,9 @@ class ClientWorker:
         self.gpu_id = int(gpu_ids[0]) if gpu_ids else None
 
     def info(self) -> dict[str, Any]:
-        return {"name": self.name, "gpu_id": self.gpu_id, "pid": os.getpid(), "device": str(self.device)}
+        pg = ray.util.get_current_placement_group()
+        return {"name": self.name, "gpu_id": self.gpu_id, "pid": os.getpid(), "device": str(self.device),
+                "placement_group": pg.id.hex() if pg is not None else None}
 
     def train(self, plan: ClientPlan) -> ClientResult:
         domain, idx = self.client_index[plan.client_id]
@@ -119,7 +122,7 @@ class RayWorkerPool:
         pools = {d: (v.x.numpy(), v.y.numpy()) for d, v in fed.train.items()}
         self._init_args = (ray.put(ctx.model), ray.put(ctx.layout), ray.put(pools),
                            ray.put({c.client_id: (c.domain, c.indices) for c in fed.clients}))
-        self.run_tag = f"fedsap-{ctx.cfg.config_hash()}-{os.getpid()}"
+        self.run_tag = f"fedsap-{ctx.cfg.config_hash()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"  # unique per pool
         n = pool_size(self.cfg, len(fed.clients))
         self.workers = [self._spawn() for _ in range(n)]
         ray.get([w.info.remote() for w in self.workers])  # fail fast if a worker cannot start

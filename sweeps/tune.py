@@ -1,0 +1,155 @@
+"""Optuna search over FedSAP's hyperparameters under Ray Tune, with early stopping.
+
+    python sweeps/tune.py --out runs/tune --num-samples 40                  # laptop preset, one seed per trial
+    python sweeps/tune.py --out runs/tune --num-samples 40 --seeds 0 1 2    # objective: mean over three seeds
+    python sweeps/tune.py --out runs/tune --num-samples 60 --resume         # 20 more trials in the same study
+    python sweeps/tune.py --smoke-test                                      # 3 tiny trials
+    optuna trials --storage sqlite:///runs/tune/optuna.db --study-name fedsap-tune   # inspect with Optuna
+
+Search: Ray Tune's ``OptunaSearch`` (TPE, seeded by ``--sampler-seed``) over the
+channel-role hyperparameters of papers/000's sensitivity study (g_target, tau_var,
+beta_EMA), the budget temperature and the DGA similarity threshold tau_sim (ranges in
+``SPACE``). Scheduler: ASHA on ``round`` stops weak trials early (``--grace-period``).
+Objective: best-so-far global accuracy, averaged over ``--seeds`` when several are given
+(the seeds of a trial run in lockstep, so ASHA compares means at equal rounds).
+
+The Optuna study lives in durable storage (default ``sqlite:///<out>/optuna.db``, or any
+Optuna storage URL by ``--storage``) under ``--study-name``: ``--resume`` continues it
+(completed trials keep informing the sampler; trials left RUNNING by a killed driver are
+marked FAIL) until it holds ``--num-samples`` completed trials. Every trial's runs are
+written to the results folder like any sweep (run id ``t<hash of the config>-s<seed>``),
+and the study's trial table to ``<out>/optuna_trials.parquet``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `sweeps` from a source checkout
+
+import optuna  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.fs as pafs  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+from ray import tune  # noqa: E402
+from ray.tune.schedulers import ASHAScheduler  # noqa: E402
+from ray.tune.search.optuna import OptunaSearch  # noqa: E402
+
+from fedsap_ray.config import ConfigError  # noqa: E402
+from fedsap_ray.storage import ResultsDestination  # noqa: E402
+from sweeps.common import (METRIC, add_common_args, flat_overrides, options_from, report_failures,  # noqa: E402
+                           run_trials, to_configs)
+
+STUDY = "tune"
+# FedSAP's hyperparameters and their search ranges (papers/000 Table 7 brackets the first three)
+SPACE = {
+    "algorithm.g_target": tune.uniform(0.5, 0.95),
+    "algorithm.tau_var": tune.loguniform(0.02, 0.5),
+    "algorithm.beta_ema": tune.uniform(0.0, 0.9),
+    "algorithm.temperature": tune.loguniform(0.25, 4.0),
+    "algorithm.tau_sim": tune.uniform(0.2, 0.8),
+}
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, study=STUDY, default_preset="laptop")
+    p.set_defaults(seeds=[0])
+    p.add_argument("--algorithm", default="fedsap", choices=["fedsap", "fedsap_fixed"])
+    p.add_argument("--num-samples", type=int, default=None,
+                   help="completed trials the study should hold (default 40; --smoke-test 3)")
+    p.add_argument("--storage", default=None, help="Optuna storage URL (default sqlite:///<out>/optuna.db)")
+    p.add_argument("--study-name", default="fedsap-tune")
+    p.add_argument("--sampler-seed", type=int, default=0)
+    p.add_argument("--grace-period", type=int, default=None, help="ASHA: rounds before a trial can be stopped "
+                                                                  "(default a quarter of the rounds)")
+    return p.parse_args(argv)
+
+
+def storage_url(args: argparse.Namespace, dest: ResultsDestination) -> str:
+    if args.storage:
+        return args.storage
+    if dest.is_remote:
+        raise ConfigError(f"invalid --storage: required when --out is a URI ({dest.uri}); e.g. "
+                          "postgresql://user@host/db or sqlite:////shared/optuna.db")
+    Path(dest.local).mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{(Path(dest.local) / 'optuna.db').resolve()}"
+
+
+def open_study(url: str, name: str, resume: bool) -> tuple[optuna.storages.BaseStorage, int]:
+    """The study's storage and how many trials it has completed; stale RUNNING trials become FAIL."""
+    storage = optuna.storages.get_storage(url)
+    exists = name in optuna.study.get_all_study_names(storage=storage)
+    if exists and not resume:
+        raise ConfigError(f"invalid --study-name={name!r}: the study already exists in {url}; "
+                          "pass --resume to continue it or choose another --study-name / --out")
+    if not exists:
+        return storage, 0
+    study = optuna.load_study(study_name=name, storage=storage)
+    for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+        storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)  # left by a killed driver
+    done = len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)))
+    return storage, done
+
+
+def trials_table(study: optuna.Study) -> str:
+    df = study.trials_dataframe(attrs=("number", "value", "state", "params"))
+    if df.empty:
+        return "(no trials)"
+    df = df.sort_values("value", ascending=False, na_position="last")
+    return df.to_string(index=False, float_format=lambda v: f"{v:.4f}")
+
+
+def write_trials(study: optuna.Study, dest: ResultsDestination) -> None:
+    df = study.trials_dataframe(attrs=("number", "value", "state", "params", "datetime_start", "datetime_complete"))
+    df["state"] = df["state"].astype(str)
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    if dest.is_remote:
+        fs, root = pafs.FileSystem.from_uri(dest.uri)
+        pq.write_table(table, f"{root.rstrip('/')}/optuna_trials.parquet", filesystem=fs)
+    else:
+        pq.write_table(table, Path(dest.local) / "optuna_trials.parquet")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        opts = options_from(args, smoke=[])
+        target = args.num_samples if args.num_samples is not None else (3 if args.smoke_test else 40)
+        dest = ResultsDestination(opts.out)
+        url = storage_url(args, dest)
+        storage, done = open_study(url, args.study_name, opts.resume)
+        rounds_cfg = to_configs(base_space(args, opts))[0][0]
+    except ConfigError as e:
+        print(f"tune.py: {e}", file=sys.stderr)
+        return 2
+    rounds = rounds_cfg.training.rounds
+    todo = max(0, target - done)
+    print(f"tune: study {args.study_name!r} in {url}: {done} trials completed, {todo} to run "
+          f"(objective {METRIC}, mean over seeds {opts.seeds}); results in {opts.out}", file=sys.stderr)
+    failures = []
+    if todo:
+        searcher = OptunaSearch(metric=METRIC, mode="max", study_name=args.study_name, storage=storage,
+                                sampler=optuna.samplers.TPESampler(seed=args.sampler_seed + done))
+        scheduler = ASHAScheduler(time_attr="round", metric=METRIC, mode="max", max_t=rounds,
+                                  grace_period=args.grace_period or max(1, rounds // 4), reduction_factor=3)
+        failures = run_trials([], opts, STUDY, search_alg=searcher, scheduler=scheduler, num_samples=todo,
+                              param_space={**SPACE, **base_space(args, opts)})
+    study = optuna.load_study(study_name=args.study_name, storage=storage)
+    write_trials(study, dest)
+    print(f"Optuna study {args.study_name!r} ({len(study.trials)} trials; best first)")
+    print(trials_table(study))
+    return report_failures(failures)
+
+
+def base_space(args: argparse.Namespace, opts) -> dict:
+    """The constant part of every trial's flat config."""
+    return {**flat_overrides([f"algorithm.name={args.algorithm}", *opts.extra]), "_seeds": list(opts.seeds),
+            "_study": STUDY, "_preset": opts.preset, "_out": opts.out, "_workers": opts.workers_per_trial,
+            "_server_cpus": opts.server_cpus}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
