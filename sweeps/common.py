@@ -214,6 +214,7 @@ class LiveProgress(tune.Callback):
         self.running: set[str] = set()
         self.done = self.failed = 0
         self.best: tuple[float, str] | None = None
+        self.errored: list = []  # trials that failed after their retries
         self._last = ("", 0.0)
         self.t0 = time.perf_counter()
 
@@ -252,6 +253,7 @@ class LiveProgress(tune.Callback):
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         self.running.discard(trial.trial_id)
         self.failed += 1
+        self.errored.append(trial)
         self._show()
 
     def on_experiment_end(self, trials, **info) -> None:
@@ -270,6 +272,9 @@ def connect(address: str | None) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
+        # workers of a local Ray inherit this environment: let them import `sweeps` from a source checkout
+        repo = str(Path(__file__).resolve().parents[1])
+        os.environ["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
 
 
@@ -323,13 +328,13 @@ def run_trials(trials: list[dict[str, Any]], opts: SweepOptions, study: str, *, 
             name=study, storage_path=storage, verbose=0, callbacks=[progress],
             failure_config=tune.FailureConfig(max_failures=opts.max_failures)),
     )
-    grid = tuner.fit()
+    tuner.fit()
     failures = []
-    for res in grid:
-        if res.error is not None:
-            name = _trial_name_from_config(res.config)
-            cause = getattr(res.error, "cause", None) or res.error
-            failures.append((name, f"{cause.__class__.__name__}: {cause}".strip().splitlines()[-1][:500]))
+    for trial in progress.errored:
+        error = trial.get_pickled_error() or trial.get_error()
+        cause = getattr(error, "cause", None) or error
+        failures.append((_trial_name_from_config(trial.config),
+                         f"{cause.__class__.__name__}: {cause}".strip().splitlines()[-1][:500]))
     return failures
 
 
@@ -373,7 +378,9 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions
         server_cpus = min(server_cpus, 0.5)
     if args.workers_per_trial < 0:
         raise ConfigError(f"invalid --workers-per-trial={args.workers_per_trial}: must be >= 0")
-    return SweepOptions(out=str(args.out), preset=preset, seeds=seeds, address=args.address,
+    # Tune runs each trial in its own working directory: a relative local --out must be made absolute here
+    out = str(args.out) if ResultsDestination(args.out).is_remote else str(Path(args.out).resolve())
+    return SweepOptions(out=out, preset=preset, seeds=seeds, address=args.address,
                         max_concurrent=args.max_concurrent, resume=args.resume,
                         workers_per_trial=args.workers_per_trial, server_cpus=server_cpus,
                         max_failures=args.max_failures, extra=extra)

@@ -172,10 +172,10 @@ def assert_same_tables(a, b) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def run_study(study: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    """``python sweeps/<study>.py ARGS`` from the repository root; returns the finished process."""
+def run_study(study: str, *args: str, timeout: float = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python sweeps/<study>.py ARGS`` from ``cwd`` (the repository root); returns the finished process."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, str(REPO / "sweeps" / f"{study}.py"), *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, str(REPO / "sweeps" / f"{study}.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

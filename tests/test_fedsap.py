@@ -143,6 +143,26 @@ def test_all_global_single_group_equals_fedavg(fed):
     assert (s1[-1].extra["groups"] == 0).all()
 
 
+def test_without_sgp_the_grouping_changes_no_number_with_sgp_it_does(fed):
+    """The ablation's reading (sweeps/ablation.py, DESIGN section 5): with sgp=false every active channel is
+    Global, so pseudo-groups route nothing and dga=gradient / dga=none give bit-identical models; with SGP
+    on (Private channels exist at g_target 0.5) the grouping changes the model."""
+    def final(*extra):
+        cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "training.rounds=3",
+                                                             "algorithm.g_target=0.5", "algorithm.tau_var=0",
+                                                             *extra])
+        _, _, states = _loop(cfg, fed, 3)
+        return states[-1]
+
+    no_sgp = final("algorithm.sgp=false")
+    np.testing.assert_array_equal(no_sgp.params, final("algorithm.sgp=false", "algorithm.dga=none").params)
+    assert not any((st == PRIVATE).any() for st in no_sgp.extra["states"].values())
+    grouped, alone = final(), final("algorithm.dga=none")
+    assert any((st == PRIVATE).any() for st in grouped.extra["states"].values())
+    assert len(set(grouped.extra["groups"])) < len(alone.extra["groups"])  # DGA merged some clients
+    assert not np.array_equal(grouped.params, alone.params)
+
+
 def test_fixed_masks_do_not_change_after_warmup(fed):
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap_fixed", "algorithm.warmup=1",
                                                          "training.rounds=4"])

@@ -162,7 +162,7 @@ def test_sensitivity_table_is_read_from_the_runs(smoke_study):
 
 
 def test_main_comparison_table_matches_a_direct_computation(smoke_study):
-    from analysis.comparison import table1
+    from analysis.comparison import table1, to_markdown
 
     res = results.load(smoke_study("main_comparison"))
     table = table1(res)
@@ -170,6 +170,9 @@ def test_main_comparison_table_matches_a_direct_computation(smoke_study):
     assert table.loc["FedMP", "street"] == pytest.approx(r[r["domain"] == "street"]["accuracy"].max())
     g = r[r["domain"] == "__global__"]
     assert table.loc["FedMP", "global"] == pytest.approx(g["accuracy"].max())
+    # methods beyond the paper's table are marked by what their clients trained
+    md = to_markdown(table)
+    assert "| hasfl | ✓ |" in md and "| scaffold | ✗ |" in md and "| FedSPU | ✗ |" in md
 
 
 def test_a_finished_sweep_reruns_nothing_and_needs_resume(smoke_study):
@@ -243,8 +246,9 @@ def test_a_sweep_whose_driver_is_killed_resumes_every_trial_exactly_once(tmp_pat
 def test_a_failing_trial_is_retried_and_reported_with_its_error(tmp_path):
     out, empty = tmp_path / "out", tmp_path / "empty"
     empty.mkdir()  # exists (so the config is valid) but holds no dataset files: every trial fails at load
-    proc = run_study("sensitivity", "--smoke-test", "--out", str(out), "--variants", "ref", "g_target=0.5",
-                     "--max-failures", "1", "--set", "data.name=digits", "--set", f"data.root={empty}")
+    # a relative --out lands where the user ran the script (trials run in their own working directories)
+    proc = run_study("sensitivity", "--smoke-test", "--out", "out", "--variants", "ref", "g_target=0.5",
+                     "--max-failures", "1", "--set", "data.name=digits", "--set", f"data.root={empty}", cwd=tmp_path)
     assert proc.returncode == 1
     assert "2 trial(s) failed" in proc.stderr
     assert "ref-s0" in proc.stderr and "g_target=0.5-s0" in proc.stderr
