@@ -215,12 +215,14 @@ class LiveProgress(tune.Callback):
         self.done = self.failed = 0
         self.best: tuple[float, str] | None = None
         self.errored: list = []  # trials that failed after their retries
+        self.retries = 0
         self._last = ("", 0.0)
         self.t0 = time.perf_counter()
 
     def line(self) -> str:
         best = "-" if self.best is None else f"{self.best[0]:.4f} ({self.best[1]})"
-        return (f"trials {self.done}/{self.total} done, {len(self.running)} running, {self.failed} failed; "
+        retried = f" ({self.retries} retries)" if self.retries else ""
+        return (f"trials {self.done}/{self.total} done, {len(self.running)} running, {self.failed} failed{retried}; "
                 f"best {self.metric} {best}; {time.perf_counter() - self.t0:.0f} s")
 
     def _show(self, force: bool = False) -> None:
@@ -248,6 +250,10 @@ class LiveProgress(tune.Callback):
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
         self.running.discard(trial.trial_id)
         self.done += 1
+        self._show()
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        self.retries += 1  # failed, and FailureConfig restarts it (it resumes from its checkpoint)
         self._show()
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:

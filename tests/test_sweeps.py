@@ -250,7 +250,7 @@ def test_a_failing_trial_is_retried_and_reported_with_its_error(tmp_path):
     proc = run_study("sensitivity", "--smoke-test", "--out", "out", "--variants", "ref", "g_target=0.5",
                      "--max-failures", "1", "--set", "data.name=digits", "--set", f"data.root={empty}", cwd=tmp_path)
     assert proc.returncode == 1
-    assert "2 trial(s) failed" in proc.stderr
+    assert "2 trial(s) failed" in proc.stderr and "2 failed (2 retries)" in proc.stderr  # each retried once
     assert "ref-s0" in proc.stderr and "g_target=0.5-s0" in proc.stderr
     assert "DatasetUnavailable" in proc.stderr
     runs = results.load(out).runs.set_index("run_id")  # not silently dropped: the runs table says why
