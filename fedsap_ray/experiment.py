@@ -57,6 +57,22 @@ def _now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
+def run_row(cfg: ExperimentConfig, *, dataset: str, num_clients: int, notes: str = "") -> dict:
+    """The provenance part of a run's ``runs`` row (status, times and accuracies are added by the writer's caller)."""
+    return dict(study=cfg.study, algorithm=cfg.algorithm.name, dataset=dataset, model=cfg.model.name,
+                preset=cfg.preset, seed=cfg.seed, num_clients=num_clients, rounds=cfg.training.rounds,
+                backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
+                started_at=_now(), package_version=fedsap_ray.__version__, dataset_notes=notes)
+
+
+def record_failed_start(cfg: ExperimentConfig, out: str | Path, run_id: str, error: BaseException) -> None:
+    """A ``runs`` row (status ``failed``, the error) for a run that failed before it could start
+    (e.g. its data could not be loaded), so a sweep's runs table shows every trial."""
+    row = run_row(cfg, dataset=cfg.data.name, num_clients=cfg.data.num_clients)
+    RunWriter(Path(out), run_id).set_run(dict(row, status="failed", error=f"{error.__class__.__name__}: {error}",
+                                              finished_at=row["started_at"], rounds_done=0))
+
+
 class RunSession:
     """One run's server side: context, strategy, backend, writer and the round loop.
 
@@ -79,12 +95,8 @@ class RunSession:
         self.backend = backend if backend is not None else make_backend(cfg)
         self.server = Server(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
                              device=pick_device(cfg.resources.device))
-        self.base_row = dict(study=cfg.study, algorithm=cfg.algorithm.name, dataset=self.ctx.federation.dataset,
-                             model=cfg.model.name, preset=cfg.preset, seed=cfg.seed,
-                             num_clients=len(self.ctx.federation.clients), rounds=cfg.training.rounds,
-                             backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
-                             started_at=_now(), package_version=fedsap_ray.__version__,
-                             dataset_notes=self.ctx.federation.notes)
+        fed = self.ctx.federation
+        self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes)
         self.state: ServerState | None = None
         self.prior_wall_s = 0.0
         self._resumed: ServerState | None = None

@@ -53,7 +53,7 @@ from fedsap_ray import checkpoint  # noqa: E402
 from fedsap_ray.config import PRESETS, ConfigError, ExperimentConfig, build_config, parse_override  # noqa: E402
 from fedsap_ray.data.federation import build_federation  # noqa: E402
 from fedsap_ray.data.node_cache import shared_splits  # noqa: E402
-from fedsap_ray.experiment import RunSession, RunStopped  # noqa: E402
+from fedsap_ray.experiment import RunSession, RunStopped, record_failed_start  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
 
 METRIC = "best_global_accuracy"  # what the live line, Optuna and the schedulers rank trials by
@@ -176,19 +176,7 @@ def _local_status(dest: ResultsDestination, run_id: str) -> str | None:
 
 
 def _record_failure(dest: ResultsDestination, cfg: ExperimentConfig, run_id: str, e: BaseException) -> None:
-    """A ``runs`` row (status ``failed``, the error) for a run that failed before it could start."""
-    import datetime as dt
-
-    import fedsap_ray
-    from fedsap_ray.results import RunWriter
-
-    now = dt.datetime.now(dt.timezone.utc)
-    RunWriter(dest.local, run_id).set_run(dict(
-        study=cfg.study, algorithm=cfg.algorithm.name, dataset=cfg.data.name, model=cfg.model.name, preset=cfg.preset,
-        seed=cfg.seed, num_clients=cfg.data.num_clients, rounds=cfg.training.rounds, rounds_done=0,
-        backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(), started_at=now,
-        finished_at=now, status="failed", error=f"{e.__class__.__name__}: {e}",
-        package_version=fedsap_ray.__version__))
+    record_failed_start(cfg, dest.local, run_id, e)
     dest.push(run_id)
 
 
@@ -311,7 +299,7 @@ def run_trials(trials: list[dict[str, Any]], opts: SweepOptions, study: str, *, 
         print(f"note: --out {opts.out} is a local path: trials on other nodes of the cluster write to that path on "
               "their own disk; use a shared filesystem path or a URI (--out s3://bucket/sweep) so every result "
               "lands in one place", file=sys.stderr)
-    storage = dest.uri.rstrip("/") + "/_tune" if dest.is_remote else str(Path(opts.out).resolve() / "_tune")
+    storage = dest.uri.rstrip("/") + "/_tune" if dest.is_remote else str(Path(dest.local) / "_tune")  # absolute
     if param_space is None:
         param_space = {"trial": tune.grid_search(trials)}
         total = len(trials)
