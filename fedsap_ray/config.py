@@ -12,6 +12,7 @@ the defaults; algorithm-specific options (e.g. FedProx ``mu``) live in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -39,9 +40,10 @@ def _check_ratio(name: str, v: float, *, low_open: bool = False) -> None:
 
 
 def _check_pos(name: str, v: Any, *, allow_zero: bool = False) -> None:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (v >= 0 if allow_zero else v > 0)
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+          and (v >= 0 if allow_zero else v > 0))  # isfinite first: comparisons are never true for NaN
     if not ok:
-        _fail(name, v, "must be " + ("a non-negative number" if allow_zero else "a positive number"))
+        _fail(name, v, "must be " + ("a non-negative finite number" if allow_zero else "a positive finite number"))
 
 
 def _check_choice(name: str, v: Any, choices: typing.Iterable[str]) -> None:
@@ -49,6 +51,9 @@ def _check_choice(name: str, v: Any, choices: typing.Iterable[str]) -> None:
     if v not in choices:
         _fail(name, v, "allowed values are " + ", ".join(choices))
 
+
+SEED_MAX = 2**32 - 1  # the seed range every numpy/torch seeding API accepts
+SEED_ALLOWED = f"must be an integer in [0, {SEED_MAX}] (0 <= seed < 2**32)"
 
 DATASETS = ("embedded_digits", "digits", "digits_offline", "office_caltech", "cifar10", "emnist", "mnist", "shakespeare")
 PARTITIONS = ("domain", "dirichlet", "natural", "iid")
@@ -87,7 +92,11 @@ class DataConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 _fail(f"data.{f}", v, "must be null or an integer >= 1")
         if self.root is not None:
-            if not Path(self.root).expanduser().exists():
+            try:
+                exists = Path(self.root).expanduser().exists()
+            except (ValueError, RuntimeError, OSError):  # a NUL byte, ~unknown_user, a name too long
+                exists = False
+            if not exists:
                 _fail("data.root", self.root, "the directory does not exist (point it at the dataset files, or leave it null)")
 
 
@@ -114,6 +123,9 @@ class CapacityConfig:
             _fail("capacity.tier_shares", list(self.tier_shares), f"must have one entry per tier ({len(self.tiers)} tiers)")
         for s in self.tier_shares:
             _check_pos("capacity.tier_shares", s, allow_zero=True)
+        if not 0 < sum(float(s) for s in self.tier_shares) < math.inf:
+            _fail("capacity.tier_shares", [float(s) for s in self.tier_shares],
+                  "the shares (relative client counts per tier) must have a finite sum > 0")
         if self.keep_ratios is not None:
             for p in self.keep_ratios:
                 _check_ratio("capacity.keep_ratios", p, low_open=True)
@@ -217,8 +229,8 @@ class ExperimentConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
-            _fail("seed", self.seed, "must be an integer >= 0")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
+            _fail("seed", self.seed, SEED_ALLOWED)
         if not isinstance(self.study, str) or not self.study:
             _fail("study", self.study, "must be a non-empty string")
         kr = self.capacity.keep_ratios
@@ -451,6 +463,41 @@ def _construct(cls: type, d: Any, prefix: str) -> Any:
         raise ConfigError(f"invalid {prefix.rstrip('.')}: {e}") from e
 
 
+INT64_MAX = 2**63 - 1  # what the Parquet int64 columns (seed, rounds, num_clients...) can hold
+_SCALAR_ERRORS = {
+    float: {"finite_number": "must be a finite number (not NaN or infinity)"},
+    int: {"greater_than_equal": "must be an integer between -2**63 and 2**63-1",
+          "less_than_equal": "must be an integer between -2**63 and 2**63-1"},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(tp: type) -> Any:
+    """A pydantic validator for one scalar type: strict (no "1" for 1, no bools for numbers),
+    no NaN or infinity (a NaN slips through every hand-written ``v <= 0`` check), and
+    integers within int64."""
+    from pydantic import ConfigDict, Field, TypeAdapter
+
+    if tp is int:
+        return TypeAdapter(typing.Annotated[int, Field(strict=True, ge=-INT64_MAX - 1, le=INT64_MAX)])
+    return TypeAdapter(tp, config=ConfigDict(strict=True, allow_inf_nan=False))
+
+
+def _scalar(tp: type, v: Any, name: str) -> Any:
+    """``v`` as a ``tp`` (int or float), or a one-line ConfigError naming ``name``."""
+    from pydantic import ValidationError
+
+    if isinstance(v, bool):  # a bool is an int to Python, never a number to a config
+        _fail(name, v, "must be a number" if tp is float else "must be an integer")
+    try:
+        return _adapter(tp).validate_python(v)
+    except ValidationError as e:
+        kind = e.errors()[0]["type"]
+        if name == "seed" and kind in _SCALAR_ERRORS[int]:
+            _fail(name, v, SEED_ALLOWED)
+        _fail(name, v, _SCALAR_ERRORS[tp].get(kind, "must be a number" if tp is float else "must be an integer"))
+
+
 def _coerce(tp: Any, v: Any, name: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -470,13 +517,11 @@ def _coerce(tp: Any, v: Any, name: str) -> Any:
             _fail(name, v, "must be a mapping")
         return dict(v)
     if tp is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            _fail(name, v, "must be a number")
-        return float(v)
+        return _scalar(float, v, name)
     if tp is int:
-        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, float) and v.is_integer())):
-            _fail(name, v, "must be an integer")
-        return int(v)
+        if isinstance(v, float) and v.is_integer():  # YAML/JSON may spell an integer 3.0
+            v = int(v)
+        return _scalar(int, v, name)
     if tp is bool:
         if not isinstance(v, bool):
             _fail(name, v, "must be true or false")
