@@ -105,6 +105,8 @@ def _run(args) -> int:
     except DatasetUnavailable as e:
         print(f"fedsap-ray: error: data.name={cfg.data.name!r}: {e}", file=sys.stderr)
         return 2
+    except ConfigError:  # bad input found once the data was loaded (e.g. more clients than samples)
+        raise
     except KeyboardInterrupt:
         print(f"fedsap-ray: interrupted; finished rounds are in {out}. Continue with: "
               f"fedsap-ray run --out {out} --resume <run_id> (see {out}/runs)", file=sys.stderr)

@@ -21,7 +21,7 @@ def tier_counts(shares: np.ndarray | tuple[float, ...], num_clients: int) -> np.
     """
     s = np.asarray(shares, dtype=np.float64)
     if s.ndim != 1 or len(s) == 0 or (s < 0).any() or s.sum() <= 0:
-        raise ValueError(f"capacity.tier_shares={list(s)} must be non-negative with a positive sum")
+        raise ValueError(f"capacity.tier_shares={s.tolist()} must be non-negative with a positive sum")
     quota = num_clients * s / s.sum()
     counts = np.floor(quota + 1e-9).astype(np.int64)  # tolerance: 20*7/20 must not floor to 6
     left = num_clients - int(counts.sum())

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.partition import office_split
-from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
+from fedsap_ray.data.registry import DomainSplits, FileStatus, corrupt_file_errors, register_dataset, unreadable
 from fedsap_ray.data.status import atomic_save_npz, cache_home, data_home, shared_data_root, unavailable
 
 IMAGE_SIZE = 32
@@ -261,7 +261,16 @@ def load_digit_domain(domain: str, layout: Layout | None, root: Path, download: 
     if layout is None or layout.kind == "torchvision":
         return _torchvision_domain(domain, root, download)
     if layout.kind == "shared":
-        return _shared_domain(domain, layout.paths[0])
+        path = layout.paths[0]
+        try:
+            return _shared_domain(domain, path)
+        except corrupt_file_errors() as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            source = " (its origin is in SOURCE.txt there)" if (path.parent / "SOURCE.txt").is_file() else ""
+            raise unreadable(f"digits domain {domain!r}", path, e,
+                             f"put a good copy of {path.name} in {path.parent}{source}, or remove it and use "
+                             "torchvision's files with --set data.download=true") from e
     return _folder_domain(layout)
 
 

@@ -32,10 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsap_ray.config import DataConfig, ExperimentConfig
+from fedsap_ray.config import ConfigError, DataConfig, ExperimentConfig
 from fedsap_ray.data.base import ClientSpec, DomainData, Federation
 from fedsap_ray.data.capacity import assign_capacities
 from fedsap_ray.data.partition import (
+    PartitionError,
     assign_domains,
     dirichlet_label_skew,
     domain_protocol,
@@ -44,7 +45,7 @@ from fedsap_ray.data.partition import (
     natural_partition,
     tv_distance,
 )
-from fedsap_ray.data.registry import DatasetSource, DomainSplits, get_source
+from fedsap_ray.data.registry import DatasetSource, DatasetUnavailable, DomainSplits, get_source, unreadable
 
 _PURPOSE_PARTITION = 101
 _PURPOSE_TRAIN_CAP = 102
@@ -59,7 +60,28 @@ def resolve_root(data: DataConfig, source: DatasetSource) -> Path:
 
 @functools.lru_cache(maxsize=4)
 def _load_cached(name: str, root: str, download: bool, seed: int) -> DomainSplits:
-    return get_source(name).load(Path(root), download=download, seed=seed)
+    source = get_source(name)
+    try:
+        return source.load(Path(root), download=download, seed=seed)
+    except DatasetUnavailable:
+        raise
+    except _DAMAGED as e:  # a loader without its own per-file message: name the dataset's folder
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise unreadable(name, Path(root), e, source.how_to_obtain) from e
+
+
+def _damaged() -> tuple[type[BaseException], ...]:
+    """Errors that only a truncated or damaged file raises (ValueError/KeyError are left to the loaders)."""
+    import pickle
+    import tarfile
+    import zipfile
+    import zlib
+
+    return (zipfile.BadZipFile, zlib.error, EOFError, pickle.UnpicklingError, tarfile.TarError, OSError)
+
+
+_DAMAGED = _damaged()
 
 
 def load_splits(cfg: ExperimentConfig) -> DomainSplits:
@@ -113,6 +135,20 @@ def _labels(dd: DomainData) -> np.ndarray:
     return dd.y.numpy() if hasattr(dd.y, "numpy") else np.asarray(dd.y)
 
 
+def partition_clients_checked(splits_domains: list[str], train: dict[str, DomainData],
+                              natural: dict[str, np.ndarray] | None, data: DataConfig,
+                              seed: int) -> list[tuple[str, np.ndarray]]:
+    """:func:`partition_clients`, with a partition the data cannot give refused as bad input
+    (:class:`ConfigError` naming the field, e.g. more clients than samples) before any training."""
+    try:
+        return partition_clients(splits_domains, train, natural, data, seed)
+    except PartitionError as e:
+        section, _, name = e.field.partition(".")
+        value = getattr(data, name, e.value) if section == "data" else e.value  # the config's value, not a per-domain count
+        raise ConfigError(f"invalid {e.field}={value!r}: data.name={data.name}, data.partition={data.partition}: "
+                          f"{e}") from e
+
+
 def partition_clients(splits_domains: list[str], train: dict[str, DomainData],
                       natural: dict[str, np.ndarray] | None, data: DataConfig,
                       seed: int) -> list[tuple[str, np.ndarray]]:
@@ -131,8 +167,9 @@ def partition_clients(splits_domains: list[str], train: dict[str, DomainData],
                     parts = dirichlet_label_skew(_labels(train[d]), len(ids), data.alpha, rng, data.min_samples)
                 else:
                     parts = iid_split(len(train[d]), len(ids), rng)
-            except ValueError as e:
-                raise ValueError(f"domain {d!r} ({len(train[d])} training samples, {len(ids)} clients): {e}") from e
+            except PartitionError as e:
+                raise PartitionError(e.field, e.value, f"domain {d!r} ({len(train[d])} training samples, "
+                                     f"{len(ids)} clients): {e}") from e
             for cid, idx in zip(ids, parts):
                 out[cid] = (d, idx)
         return [o for o in out if o is not None]
@@ -156,7 +193,7 @@ def build_federation(cfg: ExperimentConfig, splits: DomainSplits | None = None) 
         splits = load_splits(cfg)
     data = cfg.data
     train, test, natural = _cap_splits(splits, data, int(cfg.seed))
-    parts = partition_clients(list(splits.domains), train, natural, data, int(cfg.seed))
+    parts = partition_clients_checked(list(splits.domains), train, natural, data, int(cfg.seed))
     rho, cap = assign_capacities(cfg.capacity, data.num_clients, int(cfg.seed))
 
     used = [d for d in splits.domains if any(cd == d for cd, _ in parts)]

@@ -29,6 +29,16 @@ def as_rng(rng: RngLike, purpose: int) -> np.random.Generator:
     raise TypeError(f"rng must be a numpy Generator or a non-negative int seed, got {rng!r}")
 
 
+class PartitionError(ValueError):
+    """A partition the config asks for cannot be made from the data: ``field`` names the
+    config field to change and ``value`` its value, so a run can refuse it as bad input
+    (exit 2) before any training."""
+
+    def __init__(self, field: str, value: object, message: str) -> None:
+        super().__init__(message)
+        self.field, self.value = field, value
+
+
 def _check_clients(num_clients: int) -> None:
     if not isinstance(num_clients, (int, np.integer)) or isinstance(num_clients, bool) or num_clients < 1:
         raise ValueError(f"num_clients must be an integer >= 1, got {num_clients!r}")
@@ -49,8 +59,9 @@ def assign_domains(domains: list[str], num_clients: int, rng: RngLike) -> list[s
     if not domains:
         raise ValueError("at least one domain is needed")
     if num_clients < len(domains):
-        raise ValueError(f"every domain needs a client: num_clients={num_clients} "
-                         f"< {len(domains)} domains ({', '.join(domains)})")
+        raise PartitionError("data.num_clients", num_clients,
+                             f"every domain needs a client: num_clients={num_clients} < {len(domains)} domains "
+                             f"({', '.join(domains)}); use at least {len(domains)} clients")
     extra = as_rng(rng, _PURPOSE_DOMAIN).integers(0, len(domains), num_clients - len(domains))
     return list(domains) + [domains[int(k)] for k in extra]
 
@@ -79,9 +90,14 @@ def domain_protocol(domain_sizes: Mapping[str, int], num_clients: int, fraction:
         n = int(domain_sizes[d])
         m = max(1, _round_half_up(fraction * n))
         ids = [i for i, cd in enumerate(client_domain) if cd == d]
+        if len(ids) > n:
+            raise PartitionError("data.num_clients", num_clients,
+                                 f"{len(ids)} clients drawn for domain {d!r} but it has only {n} training samples "
+                                 "(every client needs at least one); use fewer clients")
         if m * len(ids) > n:
-            raise ValueError(f"data.client_fraction={fraction} is too large for domain {d!r}: {len(ids)} clients x "
-                             f"{m} samples > {n} training samples (disjoint draws); lower the fraction")
+            raise PartitionError("data.client_fraction", fraction,
+                                 f"data.client_fraction={fraction} is too large for domain {d!r}: {len(ids)} clients x "
+                                 f"{m} samples > {n} training samples (disjoint draws); lower the fraction")
         perm = gen.permutation(n)
         for j, cid in enumerate(ids):
             out[cid] = (d, np.sort(perm[j * m:(j + 1) * m]).astype(np.int64))
@@ -109,8 +125,12 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float, rng
     n = len(labels)
     if alpha <= 0:
         raise ValueError(f"alpha (data.alpha) must be > 0, got {alpha}")
+    if num_clients > n:
+        raise PartitionError("data.num_clients", num_clients,
+                             f"num_clients={num_clients} exceeds the {n} samples (every client needs at least one)")
     if min_samples * num_clients > n:
-        raise ValueError(f"data.min_samples={min_samples} x num_clients={num_clients} exceeds the {n} samples")
+        raise PartitionError("data.min_samples", min_samples,
+                             f"data.min_samples={min_samples} x num_clients={num_clients} exceeds the {n} samples")
     gen = as_rng(rng, _PURPOSE_DIRICHLET)
     classes = np.unique(labels)
     by_class = [np.nonzero(labels == k)[0] for k in classes]
@@ -125,15 +145,17 @@ def dirichlet_label_skew(labels: np.ndarray, num_clients: int, alpha: float, rng
         clients = [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
         if min(len(c) for c in clients) >= min_samples:
             return clients
-    raise ValueError(f"dirichlet partition: no draw in {max_tries} tries gave every one of {num_clients} clients "
-                     f">= {min_samples} samples (data.alpha={alpha}); raise alpha or lower data.min_samples")
+    raise PartitionError("data.alpha", alpha,
+                         f"dirichlet partition: no draw in {max_tries} tries gave every one of {num_clients} clients "
+                         f">= {min_samples} samples (data.alpha={alpha}); raise alpha or lower data.min_samples")
 
 
 def iid_split(n: int, num_clients: int, rng: RngLike) -> list[np.ndarray]:
     """Uniformly random split of ``range(n)`` into near-equal parts (sizes differ by <= 1)."""
     _check_clients(num_clients)
     if n < num_clients:
-        raise ValueError(f"iid split: {n} samples cannot give each of {num_clients} clients one")
+        raise PartitionError("data.num_clients", num_clients,
+                             f"iid split: {n} samples cannot give each of {num_clients} clients one")
     perm = as_rng(rng, _PURPOSE_IID).permutation(n)
     return [np.sort(p).astype(np.int64) for p in np.array_split(perm, num_clients)]
 
@@ -146,7 +168,8 @@ def natural_partition(natural: Mapping[str, np.ndarray], num_clients: int) -> li
     """
     _check_clients(num_clients)
     if len(natural) < num_clients:
-        raise ValueError(f"natural partition: only {len(natural)} natural clients for num_clients={num_clients}")
+        raise PartitionError("data.num_clients", num_clients,
+                             f"natural partition: only {len(natural)} natural clients for num_clients={num_clients}")
     ranked = sorted(natural.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:num_clients]
     return [(name, np.sort(np.asarray(idx, dtype=np.int64))) for name, idx in ranked]
 

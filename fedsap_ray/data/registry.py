@@ -18,6 +18,29 @@ class DatasetUnavailable(FileNotFoundError):
     """Files are missing and downloads are off; the message names the path and how to get the data."""
 
 
+class DatasetUnreadable(DatasetUnavailable):
+    """A data file is there but cannot be read (truncated, damaged); the message names it and
+    says to fetch it again. Bad input like a missing file: the run stops before any work."""
+
+
+def corrupt_file_errors() -> tuple[type[BaseException], ...]:
+    """What numpy/zipfile/h5py/pickle/tar raise on a truncated or damaged file."""
+    import pickle
+    import tarfile
+    import zipfile
+    import zlib
+
+    return (zipfile.BadZipFile, zlib.error, EOFError, pickle.UnpicklingError, tarfile.TarError, OSError, ValueError,
+            KeyError)
+
+
+def unreadable(what: str, path: Path, error: BaseException, how: str) -> DatasetUnreadable:
+    """One line: which file, what went wrong, and how to get a good copy."""
+    first = str(error).splitlines()[0] if str(error) else ""
+    return DatasetUnreadable(f"{what}: {path} is unreadable ({error.__class__.__name__}: {first}); the file is "
+                             f"truncated or damaged: fetch it again ({how})")
+
+
 @dataclass
 class DomainSplits:
     dataset: str  # honest name shown in outputs

@@ -1,0 +1,67 @@
+"""Helpers of the fault tests: the CLI in-process, a tiny run, a small tmpfs."""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from fedsap_ray.cli import main
+from fedsap_ray.config import build_config
+from fedsap_ray.experiment import run_experiment
+
+TINY = ["algorithm.name=fedavg", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
+        "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3", "training.rounds=3"]
+
+
+def cli(capsys, *args: str) -> tuple[int, list[str]]:
+    """``fedsap-ray ARGS`` in this process: (exit code, non-empty stderr lines)."""
+    rc = main(list(args))
+    err = capsys.readouterr().err
+    return rc, [line for line in err.splitlines() if line.strip()]
+
+
+def tiny_run(out: Path, run_id: str, *extra: str, stop_after: int | None = None, **kw):
+    """A tiny run (3 rounds); ``stop_after``: interrupted (like Ctrl-C) after that round."""
+    cfg = build_config(preset="smoke", overrides=[*TINY, *extra])
+
+    def stop(summary):
+        if summary.round == stop_after:
+            raise KeyboardInterrupt
+
+    if stop_after is None:
+        return run_experiment(cfg, out, run_id=run_id, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, out, run_id=run_id, progress=stop, **kw)
+    return None
+
+
+def temp_files(folder: Path) -> list[Path]:
+    return [p for p in folder.rglob("*") if p.is_file() and (p.name.endswith(".tmp") or ".tmp" in p.suffixes)]
+
+
+def runs_row(out: Path, run_id: str) -> dict:
+    return pq.read_table(out / "runs" / f"{run_id}.parquet").to_pylist()[0]
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, options: str):
+    """A tmpfs mounted at ``where`` (skips the test, with the reason, where mounting is not permitted)."""
+    where.mkdir(parents=True, exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command here; the test needs a small tmpfs")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip() or r.returncode}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def sets(overrides: list[str]) -> list[str]:
+    """``--set`` arguments for ``overrides``."""
+    return [a for o in overrides for a in ("--set", o)]
