@@ -1,7 +1,7 @@
 """``fedsap-ray`` / ``python -m fedsap_ray``.
 
 Exit codes: 0 success, 1 the run failed, 2 bad input (one line naming the field, the
-value and what is allowed; nothing was run), 130 interrupted.
+value and what is allowed; nothing was run or written), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -25,7 +25,11 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--backend", choices=["local", "ray"], help="where clients train (default: config resources.backend)")
     r.add_argument("--address", help="Ray cluster address (auto or HOST:PORT) for --backend ray")
     r.add_argument("--seed", type=int, help="run seed (overrides the config)")
-    r.add_argument("--run-id", help="run id (default: config hash + random suffix)")
+    r.add_argument("--run-id", help="run id (default: config hash + random suffix); 1-128 characters from "
+                   "A-Z a-z 0-9 . _ = -, starting with a letter or digit; an id already in --out is refused "
+                   "unless --overwrite")
+    r.add_argument("--overwrite", action="store_true", help="replace the run with the same --run-id in --out "
+                   "(all its rows are deleted once the new run's input checks passed)")
     r.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run in --out from its last finished round "
                    "(uses the run's stored config; only --backend/--address may change)")
     r.add_argument("--quiet", action="store_true", help="no per-round progress lines")
@@ -57,10 +61,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resolve(args) -> "object":
+    from fedsap_ray import results
+
     file_data = load_file(args.config) if args.config else None
     overrides = list(args.overrides)
+    if args.run_id is not None:
+        results.check_run_id(args.run_id, "--run-id")
     if args.resume:
-        if args.config or args.overrides or args.preset or args.seed is not None or args.run_id:
+        results.check_run_id(args.resume, "--resume")
+        if args.config or args.overrides or args.preset or args.seed is not None or args.run_id or args.overwrite:
             raise ConfigError(f"invalid --resume={args.resume!r}: a resumed run keeps its stored config; "
                               "only --out, --backend and --address may be given")
         file_data = _stored_config(Path(args.out), args.resume)
@@ -72,19 +81,20 @@ def _resolve(args) -> "object":
 
 
 def _stored_config(out: Path, run_id: str) -> dict:
-    import pyarrow.parquet as pq
-
-    from fedsap_ray import checkpoint
+    from fedsap_ray import checkpoint, guard
 
     f = out / "runs" / f"{run_id}.parquet"
     if not f.is_file():
         raise ConfigError(f"invalid --resume={run_id!r}: no run with that id in {out}/runs")
-    row = pq.read_table(f).to_pylist()[0]
-    if row["status"] == "finished":
+    row = guard._read_first_row(f, f"--resume={run_id!r}")
+    if row.get("status") == "finished":
         raise ConfigError(f"invalid --resume={run_id!r}: the run already finished")
     if not checkpoint.path_for(out, run_id).is_file():
         raise ConfigError(f"invalid --resume={run_id!r}: no checkpoint at {checkpoint.path_for(out, run_id)}")
-    return json.loads(row["config_json"])
+    try:
+        return json.loads(row["config_json"])
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"invalid --resume={run_id!r}: {f} holds no readable config_json ({e})") from e
 
 
 def _run(args) -> int:
@@ -94,14 +104,15 @@ def _run(args) -> int:
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return 0
-    from fedsap_ray.experiment import run_experiment
+    from fedsap_ray.experiment import new_run_id, run_experiment
     from fedsap_ray.progress import ProgressPrinter
 
     out = Path(args.out)
+    run_id = args.resume or args.run_id or new_run_id(cfg)
     printer = None if args.quiet else ProgressPrinter(cfg.training.rounds)
     try:
-        outcome = run_experiment(cfg, out, run_id=args.resume or args.run_id, progress=printer,
-                                 resume=bool(args.resume))
+        outcome = run_experiment(cfg, out, run_id=run_id, progress=printer, resume=bool(args.resume),
+                                 overwrite=args.overwrite)
     except DatasetUnavailable as e:
         print(f"fedsap-ray: error: data.name={cfg.data.name!r}: {e}", file=sys.stderr)
         return 2

@@ -121,8 +121,10 @@ class RunSession:
 
     def step(self, t: int) -> RoundSummary:
         assert self.state is not None, "RunSession.start() first"
-        self.state = self.server.round(self.state, t)
-        checkpoint.save(self.out, self.run_id, self.state, self.server.metrics_state())
+        state = self.server.round(self.state, t)
+        checkpoint.save(self.out, self.run_id, state, self.server.metrics_state(),
+                        tables=self.writer.tables_written())
+        self.state = state  # only now is round t done: a resume can continue after it
         self.writer.set_run(self._row("running"))
         return self.server.last_summary
 
@@ -173,23 +175,47 @@ def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None)
     return session.finish("finished")
 
 
+def new_run_id(cfg: ExperimentConfig) -> str:
+    """A fresh run id: the config hash plus a random suffix."""
+    return f"{cfg.config_hash()}-{uuid.uuid4().hex[:6]}"
+
+
 def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None = None,
                    progress: Callable[[RoundSummary], None] | None = None,
-                   federation: Federation | None = None, backend=None, resume: bool = False) -> RunOutcome:
+                   federation: Federation | None = None, backend=None, resume: bool = False,
+                   overwrite: bool = False) -> RunOutcome:
     """Run ``cfg`` and write its ``runs``/``rounds``/``clients`` rows under ``out``.
 
     ``resume=True`` continues run ``run_id`` from its last checkpoint in ``out``; the
     finished tables equal those of an uninterrupted run.
+
+    Before anything is written (each refusal a :class:`ConfigError` naming the field):
+    the run id must be safe as a file name, ``out`` a writable folder, the device
+    present, and the id not in use by another process (:class:`fedsap_ray.guard.RunClaim`,
+    held for the whole run); a new run refuses an id ``out`` already holds unless
+    ``overwrite`` (the old run's rows are then deleted, once the new run's data checks
+    passed); a resume refuses when a file the run had written is missing or unreadable.
     """
+    from fedsap_ray import guard, results
+
     if resume and not run_id:
         raise ConfigError("invalid resume: needs the run_id of the run to continue")
-    run_id = run_id or f"{cfg.config_hash()}-{uuid.uuid4().hex[:6]}"
-    if cfg.resources.backend == "ray" and backend is None:
-        from fedsap_ray.runtime.ray import run_on_ray  # Ray is imported only here
+    run_id = results.check_run_id(run_id, "--resume" if resume else "--run-id") if run_id else new_run_id(cfg)
+    out = Path(out)
+    if backend is None:
+        guard.check_device(cfg)
+    with guard.claimed(out, run_id, resume=resume, overwrite=overwrite) as claim:
+        # loading the data checks the partition against it (e.g. more clients than samples)
+        fed = federation if federation is not None else build_federation(cfg)
+        if claim["previous"] is not None:  # --overwrite, and this run's input is good: drop the old rows
+            results.remove_run(out, run_id)
+            checkpoint.remove(out, run_id)
+        if cfg.resources.backend == "ray" and backend is None:
+            from fedsap_ray.runtime.ray import run_on_ray  # Ray is imported only here
 
-        return run_on_ray(cfg, Path(out).resolve(), run_id, progress=progress, federation=federation, resume=resume)
-    session = RunSession(cfg, out, run_id, federation=federation, backend=backend, resume=resume)
-    return drive(session, cfg.training.rounds, progress)
+            return run_on_ray(cfg, out.resolve(), run_id, progress=progress, federation=fed, resume=resume)
+        session = RunSession(cfg, out, run_id, federation=fed, backend=backend, resume=resume)
+        return drive(session, cfg.training.rounds, progress)
 
 
 def _scratch(ctx: RunContext) -> list:

@@ -24,6 +24,7 @@ that an older file lacks as nulls).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
 import uuid
@@ -171,6 +172,79 @@ def to_table(table: str, rows: list[dict[str, Any]]) -> pa.Table:
     return pa.Table.from_pydict(cols, schema=sch)
 
 
+# ----------------------------------------------------------------------------- run ids
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,127}")
+RUN_ID_RULE = ("1 to 128 characters from A-Z a-z 0-9 . _ = -, starting with a letter or digit, "
+               "without '..' and not starting with 'compacted-'")
+
+
+def check_run_id(run_id: Any, field: str = "run_id") -> str:
+    """``run_id`` if it is safe as a file name in every table folder, else a ConfigError naming ``field``.
+
+    A run id becomes ``OUT/<table>/<run_id>.parquet``: a path separator or ``..`` would
+    write outside the table folder (``../x`` put every table on one file), and a
+    ``compacted-`` prefix would be read as a compacted file.
+    """
+    from fedsap_ray.config import ConfigError  # late: config is the lighter module
+
+    if (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id
+            or run_id.startswith(COMPACTED_PREFIX)):
+        raise ConfigError(f"invalid {field}={run_id!r}: a run id is {RUN_ID_RULE}")
+    return run_id
+
+
+def run_files(out: Path, run_id: str) -> list[Path]:
+    """The run's per-run files that exist under the local folder ``out`` (every table)."""
+    return [f for t in TABLES if (f := Path(out) / t / f"{run_id}.parquet").is_file()]
+
+
+def in_compacted(out: Path, run_id: str) -> bool:
+    """True when a compacted ``runs`` file in the local folder ``out`` holds the run."""
+    fs, base = filesystem(Path(out))
+    return any(run_id in _run_ids(fs, c.path) for c in _list_table(fs, base, "runs").compacted)
+
+
+def remove_run(out: Path, run_id: str) -> int:
+    """Delete every row of run ``run_id`` from the local folder ``out`` (per-run files, and its
+    rows in compacted files, which are rewritten without them); return the files changed.
+
+    Used by ``--overwrite``: a new run under an old id must not inherit a table the new
+    run does not write (e.g. the old run's ``layers``).
+    """
+    fs, base = filesystem(Path(out))
+    changed = 0
+    for table in TABLES:
+        listing = _list_table(fs, base, table)
+        if run_id in listing.per_run:
+            fs.delete_file(listing.per_run[run_id].path)
+            changed += 1
+        for c in listing.compacted:
+            ids = _run_ids(fs, c.path)
+            if run_id not in ids:
+                continue
+            if ids == {run_id}:
+                fs.delete_file(c.path)
+            else:
+                rest = _dataset(fs, [c.path], table).to_batches(filter=pc.field("run_id") != run_id)
+                _write_batches(fs, c.path, table, rest)
+            changed += 1
+    return changed
+
+
+def remove_temp_files(out: Path, run_id: str) -> list[Path]:
+    """Delete the temporary files a killed writer of this run left (``.<run_id>.parquet.*.tmp``).
+
+    Only call it while holding the run's claim (no live writer of the run can own them).
+    """
+    gone = []
+    for t in TABLES:
+        for f in (Path(out) / t).glob(f".{glob.escape(run_id)}.parquet.*.tmp"):
+            f.unlink(missing_ok=True)
+            gone.append(f)
+    return gone
+
+
 def write_atomic(table: pa.Table, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
@@ -183,8 +257,12 @@ class RunWriter:
 
     def __init__(self, out: Path, run_id: str) -> None:
         self.out = Path(out)
-        self.run_id = run_id
+        self.run_id = check_run_id(run_id)
         self.rows: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
+
+    def tables_written(self) -> list[str]:
+        """The per-round tables this run has rows in (and so files for, after a flush)."""
+        return [t for t in DATA_TABLES if self.rows[t]]
 
     def set_run(self, row: dict[str, Any]) -> None:
         self.rows["runs"] = [{"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **row}]

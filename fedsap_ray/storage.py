@@ -52,8 +52,7 @@ class ResultsDestination:
     @staticmethod
     def _files(run_id: str) -> list[str]:
         """The run's files relative to an output folder: one per table plus the checkpoint."""
-        if not run_id or "/" in run_id or "\\" in run_id or run_id.startswith((".", "_")):
-            raise ValueError(f"invalid run_id={run_id!r}: a non-empty file name not starting with '.' or '_'")
+        results.check_run_id(run_id)  # a ConfigError (ValueError) naming it: no path separators, no '..'
         return [f"{t}/{run_id}.parquet" for t in results.TABLES] + [f"checkpoints/{run_id}.pkl"]
 
     def pull(self, run_id: str) -> None:

@@ -77,6 +77,15 @@ def pool_size(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, float]
     return n
 
 
+def check_cluster(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, float] | None = None) -> None:
+    """On the driver, before any actor starts: the cluster can host the workers, and has a GPU
+    when ``resources.device=cuda`` (otherwise the run would fail in round 1, not as bad input)."""
+    cluster = ray.cluster_resources() if cluster is None else cluster
+    if cfg.resources.device == "cuda" and cluster.get("GPU", 0.0) <= 0:
+        raise ConfigError("invalid resources.device='cuda': the Ray cluster has no GPUs; use auto or cpu")
+    pool_size(cfg, num_clients, cluster)  # ConfigError naming the resource that does not fit
+
+
 @ray.remote
 class ClientWorker:
     """Hosts many virtual clients; holds no state that could change a number (a replacement is identical)."""
@@ -232,6 +241,7 @@ def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Calla
 
     fed = federation if federation is not None else build_federation(cfg)
     connect(cfg)
+    check_cluster(cfg, len(fed.clients))
     here = ray.get_runtime_context().get_node_id()
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
     actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed, resume)

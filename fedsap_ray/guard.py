@@ -1,0 +1,243 @@
+"""What a run checks before it writes anything: its output folder, who owns its run id, the
+device, and (for a resume) that everything the run had written is still there.
+
+Each refusal is a :class:`~fedsap_ray.config.ConfigError` (one line naming the option or
+field, exit code 2 from the CLI), raised before the first byte of results is written, so
+bad input never costs an existing run. No Ray and no torch at import time.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow.parquet as pq
+
+from fedsap_ray import checkpoint, results
+from fedsap_ray.config import ConfigError, ExperimentConfig
+
+
+def check_out(out: Path) -> bool:
+    """Make sure ``out`` is a folder this process can create files in; return whether it was created.
+
+    Probes by creating (and removing) an empty file, which also works as root, where
+    permission bits do not refuse anything.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"invalid --out={str(out)!r}: it is a file, not a folder")
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"invalid --out={str(out)!r}: cannot create the folder ({e.strerror or e})") from e
+    probe = out / f".write-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        os.close(fd)
+        probe.unlink()
+    except OSError as e:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise ConfigError(f"invalid --out={str(out)!r}: the folder is not writable ({e.strerror or e})") from e
+    return created
+
+
+def check_device(cfg: ExperimentConfig) -> None:
+    """``resources.device=cuda`` on the local backend needs a GPU this process can use."""
+    if cfg.resources.device != "cuda" or cfg.resources.backend != "local":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("invalid resources.device='cuda': no CUDA GPU is available to this process "
+                          "(torch.cuda.is_available() is False); use auto or cpu")
+
+
+class RunClaim:
+    """Exclusive ownership of (``out``, ``run_id``) while a run writes it.
+
+    An ``flock`` on ``OUT/.<run_id>.lock``: the kernel drops it when the process ends,
+    however it ends (a ``kill -9`` leaves no stale claim), and a second process that asks
+    for the same run id while the first runs is refused at once. Under the claim,
+    leftovers of the run's earlier writers (temporary files) are safe to delete.
+    """
+
+    def __init__(self, out: Path, run_id: str, *, field: str = "--run-id") -> None:
+        self.out, self.run_id, self.field = Path(out), run_id, field
+        self.path = self.out / f".{run_id}.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                    raise ConfigError(f"invalid {self.field}={self.run_id!r}: another process (pid {holder}) is "
+                                      f"running this run in {self.out} right now") from None
+                raise
+            try:  # the holder before us may have unlinked the file: then lock the new one
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+                self._fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.path.unlink()  # while still locked: a waiter re-checks the inode (see acquire)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "RunClaim":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def existing_run(out: Path, run_id: str) -> str | None:
+    """How run ``run_id`` is present in ``out``: its ``runs`` status, ``"present"`` when only
+    some of its files are there, or None when the folder holds nothing of it."""
+    out = Path(out)
+    f = out / "runs" / f"{run_id}.parquet"
+    if f.is_file():
+        try:
+            return str(pq.read_table(f, columns=["status"]).column("status")[0].as_py())
+        except Exception:  # unreadable: still the run's file
+            return "present"
+    if results.run_files(out, run_id) or checkpoint.path_for(out, run_id).is_file():
+        return "present"
+    if (out / "runs").is_dir() and results.in_compacted(out, run_id):
+        return "present (compacted)"
+    return None
+
+
+def refuse_existing(out: Path, run_id: str, *, overwrite: bool) -> str | None:
+    """Refuse a new run under an id ``out`` already holds, unless ``overwrite``; return the old status."""
+    status = existing_run(out, run_id)
+    if status is not None and not overwrite:
+        raise ConfigError(f"invalid --run-id={run_id!r}: {out} already holds a run with this id (status {status}); "
+                          "choose another --run-id, continue it with --resume, or pass --overwrite to replace it")
+    return status
+
+
+def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
+    """Everything a resume of ``run_id`` needs, readable: its ``runs`` row (not finished), its
+    checkpoint, and every table file the run had written by the checkpoint's round (the
+    ``rounds`` file holding each of those rounds). Returns the checkpoint.
+
+    Without this a resume would start from the checkpoint and silently rewrite a missing
+    table from the resumed round on, losing the rounds before it.
+    """
+    out = Path(out)
+    field = f"--resume={run_id!r}"
+    runs_file = out / "runs" / f"{run_id}.parquet"
+    if not runs_file.is_file():
+        raise ConfigError(f"invalid {field}: no run with that id in {out}/runs")
+    row = _read_first_row(runs_file, field)
+    if row.get("status") == "finished":
+        raise ConfigError(f"invalid {field}: the run already finished")
+    ck_path = checkpoint.path_for(out, run_id)
+    if not ck_path.is_file():
+        raise ConfigError(f"invalid {field}: no checkpoint at {ck_path}")
+    try:
+        ck = checkpoint.load(out, run_id)
+    except checkpoint.CheckpointUnreadable as e:
+        raise ConfigError(f"invalid {field}: {e}") from e
+    done = int(ck["state"].round)
+    # older checkpoints do not list their tables: every run writes a rounds row per round
+    expected = ck.get("tables") if "tables" in ck else (["rounds"] if done > 0 else [])
+    for table in expected:
+        f = out / table / f"{run_id}.parquet"
+        if not f.is_file():
+            raise ConfigError(f"invalid {field}: {f} is missing (the run had written rounds 1-{done} of its "
+                              f"{table} table); restore the file, or start the run afresh (--run-id ID --overwrite)")
+        try:
+            rounds = set(pq.read_table(f, columns=["round"]).column("round").to_pylist())
+        except Exception as e:
+            raise ConfigError(f"invalid {field}: {f} is unreadable ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); restore the file, or start the run "
+                              "afresh (--run-id ID --overwrite)") from e
+        lost = sorted(set(range(1, done + 1)) - rounds) if table == "rounds" else []
+        if lost:
+            raise ConfigError(f"invalid {field}: {f} lacks rounds {_spans(lost)} of the {done} the checkpoint "
+                              "holds; restore the file, or start the run afresh (--run-id ID --overwrite)")
+    return ck
+
+
+def _read_first_row(f: Path, field: str) -> dict[str, Any]:
+    try:
+        rows = pq.read_table(f).to_pylist()
+    except Exception as e:
+        raise ConfigError(f"invalid {field}: {f} is unreadable ({e.__class__.__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''})") from e
+    if not rows:
+        raise ConfigError(f"invalid {field}: {f} holds no row")
+    return rows[0]
+
+
+def _spans(xs: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    out, start = [], xs[0]
+    for a, b in zip(xs, xs[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
+
+
+def remove_leftovers(out: Path, run_id: str) -> None:
+    """Temporary files of this run's earlier, killed writers (call under the run's claim)."""
+    results.remove_temp_files(out, run_id)
+    checkpoint.remove_temp_files(out, run_id)
+
+
+@contextlib.contextmanager
+def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterator[dict[str, Any]]:
+    """The checks and the claim around a run: yields ``{"checkpoint": ..., "previous": status}``.
+
+    ``previous`` is the status of an old run under the same id that ``--overwrite`` will
+    replace (the caller removes its rows only once its own input checks passed).
+    """
+    created = check_out(out)
+    claim = RunClaim(out, run_id, field="--resume" if resume else "--run-id")
+    try:
+        claim.acquire()
+    except ConfigError:
+        if created:
+            with contextlib.suppress(OSError):
+                Path(out).rmdir()
+        raise
+    try:
+        info: dict[str, Any] = {"checkpoint": None, "previous": None}
+        if resume:
+            info["checkpoint"] = check_resumable(out, run_id)
+        else:
+            info["previous"] = refuse_existing(out, run_id, overwrite=overwrite)
+        remove_leftovers(out, run_id)
+        yield info
+    except ConfigError:
+        claim.release()
+        if created:  # refused before any result was written: leave no empty folder behind
+            with contextlib.suppress(OSError):
+                Path(out).rmdir()
+        raise
+    finally:
+        claim.release()
