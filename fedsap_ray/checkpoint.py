@@ -27,14 +27,22 @@ class CheckpointUnreadable(ValueError):
 def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, Any],
          tables: list[str] | None = None) -> None:
     """Write the checkpoint atomically; ``tables``: the per-round tables the run has written
-    so far, so a resume can tell a missing table file from one the run never had."""
+    so far, so a resume can tell a missing table file from one the run never had.
+
+    On any failure (e.g. a full disk) the temporary file is removed: a half-written
+    checkpoint the size of the model would otherwise keep the disk full.
+    """
     path = path_for(out, run_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump({"state": state, "server": server_metrics, "tables": list(tables or [])}, f,
-                    protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump({"state": state, "server": server_metrics, "tables": list(tables or [])}, f,
+                        protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def load(out: Path, run_id: str) -> dict[str, Any]:

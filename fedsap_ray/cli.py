@@ -1,7 +1,8 @@
 """``fedsap-ray`` / ``python -m fedsap_ray``.
 
-Exit codes: 0 success, 1 the run failed, 2 bad input (one line naming the field, the
-value and what is allowed; nothing was run or written), 130 interrupted.
+Exit codes: 0 success, 1 the run failed (the original error first; a failure to record
+it follows on an ``also:`` line), 2 bad input (one line naming the field, the value and
+what is allowed; nothing was run or written), 130 interrupted.
 """
 from __future__ import annotations
 
@@ -118,17 +119,26 @@ def _run(args) -> int:
         return 2
     except ConfigError:  # bad input found once the data was loaded (e.g. more clients than samples)
         raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print(f"fedsap-ray: interrupted; finished rounds are in {out}. Continue with: "
               f"fedsap-ray run --out {out} --resume <run_id> (see {out}/runs)", file=sys.stderr)
+        _print_notes(e)
         return 130
     except Exception as e:  # the run itself failed; the runs row records the traceback
         print(f"fedsap-ray: run failed: {e.__class__.__name__}: {e}", file=sys.stderr)
+        _print_notes(e)
         return 1
     print(f"run {outcome.run_id}: {outcome.status} in {outcome.wall_s:.1f}s; final global accuracy "
           f"{outcome.final_global_accuracy:.4f}, best {outcome.best_global_accuracy:.4f}; results in {out}/"
           "{runs,rounds,clients,layers}")
     return 0
+
+
+def _print_notes(e: BaseException) -> None:
+    """Errors that happened while closing the failed run (e.g. its runs row could not be
+    written), after the original error, never instead of it."""
+    for note in getattr(e, "__notes__", None) or []:
+        print(f"fedsap-ray: also: {note}", file=sys.stderr)
 
 
 def _datasets(args) -> int:

@@ -166,13 +166,32 @@ def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None)
                 progress(summary)
     except RunStopped as e:
         return session.finish("stopped", str(e) or "stopped early by its caller")
-    except KeyboardInterrupt:
-        session.finish("interrupted", "interrupted by the user")
+    except KeyboardInterrupt as e:
+        _finish_after(session, e, "interrupted", "interrupted by the user")
         raise
     except BaseException as e:
-        session.finish("failed", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=5)}")
+        _finish_after(session, e, "failed", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=5)}")
         raise
     return session.finish("finished")
+
+
+def _finish_after(session, error: BaseException, status: str, message: str) -> None:
+    """Close the run after ``error`` without ever replacing it: if recording the status fails
+    too (e.g. the disk that broke the round is still full), that second error becomes a
+    note on the first (``error.__notes__``), which the caller re-raises."""
+    try:
+        session.finish(status, message)
+    except Exception as second:
+        add_note(error, f"the runs row could not be updated to status {status!r}: "
+                        f"{second.__class__.__name__}: {str(second).splitlines()[0] if str(second) else ''}")
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python >= 3.11), or the same ``__notes__`` list on 3.10."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 def new_run_id(cfg: ExperimentConfig) -> str:

@@ -246,10 +246,16 @@ def remove_temp_files(out: Path, run_id: str) -> list[Path]:
 
 
 def write_atomic(table: pa.Table, path: Path) -> None:
+    """Write ``table`` to ``path`` via a temporary file and :func:`os.replace`; on any failure
+    (e.g. a full disk) the temporary file is removed, so it neither fills the disk nor lingers."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class RunWriter:

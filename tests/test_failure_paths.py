@@ -1,0 +1,72 @@
+"""A failed run keeps its original error and leaves nothing behind: a full disk, a runs row that
+cannot be written."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from faultkit import TINY, cli, runs_row, sets, temp_files, tmpfs
+from fedsap_ray import checkpoint, results
+from fedsap_ray.config import build_config
+from fedsap_ray.experiment import run_experiment
+
+
+def test_a_full_disk_keeps_the_original_error_leaves_no_temp_file_and_resumes_once_freed(tmp_path, capsys):
+    # the issue's reproduction: a 2 MB tmpfs holds no checkpoint of the smoke run at all
+    with tmpfs(tmp_path / "small", "size=2m") as mnt:
+        rc, lines = cli(capsys, "run", "--preset", "smoke", "--quiet", "--out", str(mnt / "o"), "--run-id", "full")
+        assert rc == 1
+        assert lines[0] == "fedsap-ray: run failed: OSError: [Errno 28] No space left on device", lines
+        assert temp_files(mnt) == []
+        row = runs_row(mnt / "o", "full")  # writable again once the temporary checkpoint was removed
+        assert row["status"] == "failed" and "No space left on device" in row["error"]
+    # the disk fills during round 2; freeing it lets the run resume to the end
+    with tmpfs(tmp_path / "big", "size=8m") as mnt:
+        out = mnt / "o"
+        filler = mnt / "filler"
+
+        def fill_after_round_1(summary):
+            if summary.round == 1:
+                st = os.statvfs(mnt)
+                with open(filler, "wb") as f:  # leave less than a checkpoint, more than a runs row
+                    os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - 96 * 1024)
+
+        cfg = build_config(preset="smoke", overrides=["algorithm.name=fedavg", "training.rounds=3"])
+        with pytest.raises(OSError) as e:
+            run_experiment(cfg, out, run_id="r", progress=fill_after_round_1)
+        assert e.value.errno == 28 and not getattr(e.value, "__notes__", None)
+        assert temp_files(mnt) == []
+        row = runs_row(out, "r")
+        assert row["status"] == "failed" and "No space left on device" in row["error"] and row["rounds_done"] == 1
+        filler.unlink()
+        rc, lines = cli(capsys, "run", "--quiet", "--out", str(out), "--resume", "r")
+        assert rc == 0, lines
+        assert runs_row(out, "r")["status"] == "finished"
+        assert sorted(results.load(out).rounds["round"].unique()) == [1, 2, 3]
+        assert temp_files(mnt) == [] and not checkpoint.path_for(out, "r").exists()
+
+
+def test_a_runs_row_that_cannot_be_written_never_replaces_the_error(tmp_path, capsys, monkeypatch):
+    from fedsap_ray.results import RunWriter
+    from fedsap_ray.server import Server
+
+    real_round, real_set_run = Server.round, RunWriter.set_run
+
+    def round_2_breaks(self, state, t):
+        if t == 2:
+            raise RuntimeError("boom in round 2")
+        return real_round(self, state, t)
+
+    def set_run(self, row):
+        if row["status"] != "running":
+            raise OSError(28, "No space left on device")
+        return real_set_run(self, row)
+
+    monkeypatch.setattr(Server, "round", round_2_breaks)
+    monkeypatch.setattr(RunWriter, "set_run", set_run)
+    rc, lines = cli(capsys, "run", "--preset", "smoke", "--quiet", "--out", str(tmp_path), "--run-id", "x",
+                    *sets(TINY))
+    assert rc == 1
+    assert lines[0] == "fedsap-ray: run failed: RuntimeError: boom in round 2", lines
+    assert lines[1].startswith("fedsap-ray: also: the runs row could not be updated to status 'failed': OSError")
