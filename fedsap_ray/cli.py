@@ -2,12 +2,13 @@
 
 Exit codes: 0 success, 1 the run failed (the original error first; a failure to record
 it follows on an ``also:`` line), 2 bad input (one line naming the field, the value and
-what is allowed; nothing was run or written), 130 interrupted.
+what is allowed; nothing was run or written), 130 interrupted (with the ``--resume`` line).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def _run(args) -> int:
         raise
     except KeyboardInterrupt as e:
         print(f"fedsap-ray: interrupted; finished rounds are in {out}. Continue with: "
-              f"fedsap-ray run --out {out} --resume <run_id> (see {out}/runs)", file=sys.stderr)
+              f"fedsap-ray run --out {shlex.quote(str(out))} --resume {run_id}", file=sys.stderr)
         _print_notes(e)
         return 130
     except Exception as e:  # the run itself failed; the runs row records the traceback

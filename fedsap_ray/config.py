@@ -107,7 +107,7 @@ class CapacityConfig:
     scheme: str = "cyclic"  # cyclic | tiers | full | explicit
     pruning_ratios: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)  # FedSAP: rho_i = ratios[i % 5]
     tiers: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # HAS-FL p_max values
-    tier_shares: tuple[float, ...] = (7, 7, 3, 3)  # relative counts (7/7/3/3 of 20 clients)
+    tier_shares: tuple[float, ...] = (7.0, 7.0, 3.0, 3.0)  # relative counts (7/7/3/3 of 20 clients)
     keep_ratios: tuple[float, ...] | None = None  # explicit per-client keep ratio / p_max
 
     def __post_init__(self) -> None:

@@ -110,6 +110,9 @@ class RunSession:
                     raise ConfigError(f"invalid resume={run_id!r}: the run was made with another config "
                                       f"(hash {old['config_hash']}, now {cfg.config_hash()})")
                 self.base_row["started_at"] = old["started_at"]
+                # the provenance stays the bytes the run started with (a re-serialised config
+                # can spell the same numbers differently, e.g. 7 as 7.0)
+                self.base_row["config_json"] = old["config_json"] or self.base_row["config_json"]
                 self.prior_wall_s = float(old["wall_s"] or 0.0)
         self.writer.set_run(self._row("running"))
 

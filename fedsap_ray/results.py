@@ -28,6 +28,7 @@ import glob
 import os
 import re
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,14 +350,59 @@ class _Listing:
     compacted: list[pafs.FileInfo]
 
 
+# the columns that identify a table's rows: a file in the table's folder must have them
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "runs": ("run_id", "status"), "rounds": ("run_id", "round", "domain"),
+    "clients": ("run_id", "round", "client_id"), "layers": ("run_id", "round", "client_id", "layer"),
+    "allocations": ("run_id", "round", "client_id", "p"),
+}
+
+
+def foreign_reason(names: list[str], table: str) -> str | None:
+    """Why a file with columns ``names`` is not a file of ``table`` (None: it is one).
+
+    A file of this table (any schema version) has the table's key columns and no column
+    outside its schema; a file of another table placed in the folder fails one of the two,
+    and reading it would give rows that are null in almost every column.
+    """
+    cols = {n for n, _, _ in TABLES[table]}
+    extra = sorted(set(names) - cols)
+    missing = [k for k in KEY_COLUMNS[table] if k not in names]
+    if not extra and not missing:
+        return None
+    why = []
+    if missing:
+        why.append(f"lacks the key column(s) {', '.join(missing)}")
+    if extra:
+        why.append(f"has column(s) {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} that {table} has not")
+    return " and ".join(why)
+
+
+def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str) -> str | None:
+    try:
+        with fs.open_input_file(info.path) as f:
+            names = pq.read_schema(f).names
+    except (OSError, pa.ArrowException):
+        return None  # unreadable: let the reader report it, naming the file
+    return foreign_reason(names, table)
+
+
 def _list_table(fs: pafs.FileSystem, base: str, table: str) -> _Listing:
-    """The table's Parquet files; names starting with "." (temporary) or "_" are not results."""
+    """The table's Parquet files; names starting with "." (temporary) or "_" are not results.
+
+    A Parquet file of another table placed in the folder is skipped with a warning (see
+    :func:`foreign_reason`), never read as rows of this table nor compacted or deleted.
+    """
     infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", allow_not_found=True))
     per_run: dict[str, pafs.FileInfo] = {}
     compacted: list[pafs.FileInfo] = []
     for info in sorted(infos, key=lambda i: i.path):
         name = info.base_name
         if info.type != pafs.FileType.File or name.startswith((".", "_")) or not name.endswith(".parquet"):
+            continue
+        reason = _foreign(fs, info, table)
+        if reason is not None:
+            warnings.warn(f"skipped {info.path}: not a file of the {table} table: it {reason}", stacklevel=3)
             continue
         if name.startswith(COMPACTED_PREFIX):
             compacted.append(info)

@@ -5,7 +5,12 @@ import subprocess
 import sys
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
+
+from faultkit import TINY, runs_row, sets, tiny_run
+from fedsap_ray import results
+from faultkit import cli as in_process
 
 
 def cli(*args, timeout=300):
@@ -87,3 +92,38 @@ def test_ray_backend_smoke_from_the_cli(tmp_path):
     clients = pd.read_parquet(tmp_path / "clients")
     assert clients["worker"].str.startswith("fedsap-").all()
     assert pd.read_parquet(tmp_path / "runs").loc[0, "backend"] == "ray"
+
+
+def test_a_resume_keeps_the_stored_config_json_byte_for_byte(tmp_path, capsys):
+    tiny_run(tmp_path, "r", stop_after=1)
+    f = tmp_path / "runs" / "r.parquet"
+    t = pq.read_table(f)
+    row = t.to_pylist()[0]
+    # a row written before the defaults were floats: the same config, with 7 where a rebuild writes 7.0
+    old_json = row["config_json"].replace('"tier_shares":[7.0,7.0,3.0,3.0]', '"tier_shares":[7,7,3,3]')
+    assert old_json != row["config_json"]
+    results.write_atomic(results.to_table("runs", [{**row, "config_json": old_json}]), f)
+    rc, lines = in_process(capsys, "run", "--quiet", "--out", str(tmp_path), "--resume", "r")
+    assert rc == 0, lines
+    assert runs_row(tmp_path, "r")["config_json"] == old_json
+
+
+def test_the_interrupt_message_names_the_run_to_resume(tmp_path, capsys, monkeypatch):
+    from fedsap_ray.server import Server
+
+    real_round = Server.round
+
+    def ctrl_c_in_round_2(self, state, t):
+        if t == 2:
+            raise KeyboardInterrupt
+        return real_round(self, state, t)
+
+    monkeypatch.setattr(Server, "round", ctrl_c_in_round_2)
+    rc, lines = in_process(capsys, "run", "--preset", "smoke", "--quiet", "--out", str(tmp_path),
+                    *sets(TINY))
+    assert rc == 130
+    (run_id,) = [p.stem for p in (tmp_path / "runs").glob("*.parquet")]
+    assert lines[-1].endswith(f"--resume {run_id}"), lines
+    monkeypatch.setattr(Server, "round", real_round)
+    rc, lines = in_process(capsys, "run", "--quiet", "--out", str(tmp_path), "--resume", run_id)
+    assert rc == 0, lines

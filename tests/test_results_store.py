@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -284,3 +285,19 @@ def test_local_destination_is_a_no_op(tmp_path):
         dest.push("../x")
     with pytest.raises(ValueError, match="nosuch://b"):
         ResultsDestination("nosuch://b/sweep", staging_root=tmp_path)
+
+
+def test_a_file_of_another_table_is_skipped_with_a_warning(tmp_path):
+    write_run(tmp_path, "r")
+    shutil.copy(tmp_path / "runs" / "r.parquet", tmp_path / "rounds" / "intruder.parquet")
+    shutil.copy(tmp_path / "clients" / "r.parquet", tmp_path / "runs" / "intruder2.parquet")
+    with pytest.warns(UserWarning) as caught:
+        res = results.load(tmp_path)
+    said = " ".join(str(w.message) for w in caught)
+    assert "intruder.parquet: not a file of the rounds table" in said
+    assert "intruder2.parquet: not a file of the runs table" in said
+    assert set(res.rounds["run_id"]) == {"r"} and res.rounds["round"].notna().all()
+    assert res.runs["run_id"].tolist() == ["r"]
+    with pytest.warns(UserWarning):
+        results.compact(tmp_path)
+    assert (tmp_path / "rounds" / "intruder.parquet").is_file()  # left alone, not compacted or deleted
