@@ -54,6 +54,7 @@ from fedsap_ray.config import PRESETS, ConfigError, ExperimentConfig, build_conf
 from fedsap_ray.data.federation import build_federation  # noqa: E402
 from fedsap_ray.data.node_cache import shared_splits  # noqa: E402
 from fedsap_ray.experiment import RunSession, RunStopped, record_failed_start  # noqa: E402
+from fedsap_ray.runtime import reaper  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
 
 METRIC = "best_global_accuracy"  # what the live line, Optuna and the schedulers rank trials by
@@ -270,6 +271,8 @@ def connect(address: str | None) -> None:
         repo = str(Path(__file__).resolve().parents[1])
         os.environ["PYTHONPATH"] = os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+        # Ray's agents outlive a kill -9 of this driver by about a minute (fedsap_ray.runtime.reaper)
+        reaper.start()
 
 
 @dataclass

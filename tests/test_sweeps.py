@@ -2,6 +2,7 @@
 driver, failure reporting, and the Optuna study resumed across invocations."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -16,6 +17,7 @@ import pytest
 
 from fedsap_ray import algorithms, results
 from fedsap_ray.config import ConfigError
+from fedsap_ray.runtime import reaper
 from conftest import REPO, run_study
 
 pytestmark = pytest.mark.slow
@@ -205,6 +207,18 @@ def _statuses(out: Path) -> dict[str, str]:
     return out_
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0]
+    except OSError:
+        return "?"
+
+
+def _alive(pid: int, started: int) -> bool:
+    st = reaper._stat(pid)
+    return st is not None and st[1] == started
+
+
 def test_a_sweep_whose_driver_is_killed_resumes_every_trial_exactly_once(tmp_path):
     out = tmp_path / "out"
     args = ["--smoke-test", "--out", str(out), "--max-concurrent", "1", "--set", "training.rounds=5",
@@ -225,8 +239,18 @@ def test_a_sweep_whose_driver_is_killed_resumes_every_trial_exactly_once(tmp_pat
             time.sleep(0.2)
         else:
             pytest.fail("the sweep did not get part-way in time")
+        started = reaper.descendants(proc.pid)  # its local Ray: GCS, raylet, agents, trial and worker actors
+        assert any(_comm(p) == "ray::DashboardAgent" for p in started), [_comm(p) for p in started]
+        os.kill(proc.pid, signal.SIGKILL)  # the driver alone, as a user's kill -9 would
+        proc.wait()
+        # Ray's own agents would linger ~60 s (a fixed timeout in Ray); fedsap_ray.runtime.reaper ends them
+        deadline = time.time() + 40
+        while time.time() < deadline and [p for p, t in started.items() if _alive(p, t)]:
+            time.sleep(0.5)
+        assert not [(p, _comm(p)) for p, t in started.items() if _alive(p, t)]
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the driver and everything it started (its local Ray)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left of the driver's process group
         proc.wait()
     before = _statuses(out)
     finished_before = {k for k, v in before.items() if v == "finished"}

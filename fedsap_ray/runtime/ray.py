@@ -36,6 +36,7 @@ from fedsap_ray.client import ClientError, pick_device, train_client
 from fedsap_ray.config import ConfigError, ExperimentConfig
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.runtime import reaper
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
@@ -55,6 +56,7 @@ def connect(cfg: ExperimentConfig) -> None:
         ray.init(include_dashboard=cfg.resources.dashboard, _node_ip_address="127.0.0.1",
                  dashboard_host="127.0.0.1", log_to_driver=True,
                  _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+        reaper.start()  # a kill -9 of this driver must not leave Ray's agents behind
 
 
 def pool_size(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, float] | None = None) -> int:
