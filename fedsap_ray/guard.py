@@ -113,29 +113,29 @@ class RunClaim:
 
 
 def existing_run(out: Path, run_id: str) -> str | None:
-    """How run ``run_id`` is present in ``out``: its ``runs`` status, ``"present"`` when only
-    some of its files are there, or None when the folder holds nothing of it."""
+    """What ``out`` holds of run ``run_id`` (e.g. ``"status finished"``, ``"rows in a compacted file"``),
+    or None when it holds nothing of it."""
     out = Path(out)
     f = out / "runs" / f"{run_id}.parquet"
     if f.is_file():
         try:
-            return str(pq.read_table(f, columns=["status"]).column("status")[0].as_py())
+            return f"status {pq.read_table(f, columns=['status']).column('status')[0].as_py()}"
         except Exception:  # unreadable: still the run's file
-            return "present"
+            return "an unreadable runs file"
     if results.run_files(out, run_id) or checkpoint.path_for(out, run_id).is_file():
-        return "present"
+        return "some of its files"
     if (out / "runs").is_dir() and results.in_compacted(out, run_id):
-        return "present (compacted)"
+        return "rows in a compacted file"
     return None
 
 
 def refuse_existing(out: Path, run_id: str, *, overwrite: bool) -> str | None:
-    """Refuse a new run under an id ``out`` already holds, unless ``overwrite``; return the old status."""
-    status = existing_run(out, run_id)
-    if status is not None and not overwrite:
-        raise ConfigError(f"invalid --run-id={run_id!r}: {out} already holds a run with this id (status {status}); "
+    """Refuse a new run under an id ``out`` already holds, unless ``overwrite``; return what it holds."""
+    held = existing_run(out, run_id)
+    if held is not None and not overwrite:
+        raise ConfigError(f"invalid --run-id={run_id!r}: {out} already holds a run with this id ({held}); "
                           "choose another --run-id, continue it with --resume, or pass --overwrite to replace it")
-    return status
+    return held
 
 
 def check_resumable(out: Path, run_id: str) -> dict[str, Any]:

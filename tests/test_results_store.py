@@ -301,3 +301,20 @@ def test_a_file_of_another_table_is_skipped_with_a_warning(tmp_path):
     with pytest.warns(UserWarning):
         results.compact(tmp_path)
     assert (tmp_path / "rounds" / "intruder.parquet").is_file()  # left alone, not compacted or deleted
+
+
+def test_remove_run_deletes_one_runs_rows_from_per_run_and_compacted_files(tmp_path):
+    """What --overwrite does before a new run takes the id: no row of the old run is left to show through."""
+    from fedsap_ray import guard
+
+    for r in ("a", "b"):
+        write_run(tmp_path, r)
+    results.compact(tmp_path)
+    write_run(tmp_path, "c")
+    assert guard.existing_run(tmp_path, "a") == "rows in a compacted file"
+    assert guard.existing_run(tmp_path, "c") == "status finished" and guard.existing_run(tmp_path, "z") is None
+    results.remove_run(tmp_path, "a")
+    res = results.load(tmp_path)
+    for t in ("runs", *results.DATA_TABLES):
+        assert set(res[t]["run_id"]) == {"b", "c"}, t
+    assert guard.existing_run(tmp_path, "a") is None

@@ -61,6 +61,11 @@ def _hold_claim(out: Path, run_id: str) -> subprocess.Popen:
     return p
 
 
+def test_resume_takes_no_new_run_options(tmp_path, capsys):
+    rc, lines = cli(capsys, "run", "--out", str(tmp_path), "--resume", "r", "--overwrite")
+    assert rc == 2 and len(lines) == 1 and "invalid --resume='r'" in lines[0], lines
+
+
 def test_a_run_id_another_process_is_running_is_refused_and_a_killed_holder_leaves_no_claim(tmp_path, capsys):
     out = tmp_path / "o"
     out.mkdir()
