@@ -216,6 +216,8 @@ def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterato
     ``previous`` is the status of an old run under the same id that ``--overwrite`` will
     replace (the caller removes its rows only once its own input checks passed).
     """
+    from fedsap_ray.data.registry import DatasetUnavailable  # late: the data package imports torch
+
     created = check_out(out)
     claim = RunClaim(out, run_id, field="--resume" if resume else "--run-id")
     try:
@@ -233,7 +235,7 @@ def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterato
             info["previous"] = refuse_existing(out, run_id, overwrite=overwrite)
         remove_leftovers(out, run_id)
         yield info
-    except ConfigError:
+    except (ConfigError, DatasetUnavailable):
         claim.release()
         if created:  # refused before any result was written: leave no empty folder behind
             with contextlib.suppress(OSError):

@@ -45,3 +45,4 @@ def test_a_truncated_mnist_npz_names_the_file_and_says_to_fetch_it_again(tmp_pat
                     "--set", "data.partition=iid", "--set", f"data.root={tmp_path}")
     assert rc == 2 and len(lines) == 1, lines
     assert "data.name='mnist'" in lines[0] and str(f) in lines[0] and "fetch it again" in lines[0], lines
+    assert not (tmp_path / "o").exists()
