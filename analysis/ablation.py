@@ -26,8 +26,11 @@ PATHS = [("Single path (w/o Tri-State)", False), ("Tri-state type-matched (FedSA
 BUDGETS = [("Uniform layer budget", 0), ("Adaptive layer budget", 1)]
 # papers/000 Table 2: the layer whose gradients DGA compares, under the fixed-mask reference setting.
 TABLE2 = [("Conv1", "conv1"), ("Layer1", "layer1"), ("Layer2", "layer2"), ("Layer3", "layer3")]
-# DGA controls: how the pseudo-groups are formed (gradient similarity, true domains, random, one group).
-DGA_CONTROLS = ("gradient", "oracle", "random", "none")
+# DGA controls: how the pseudo-groups are formed (similarity of the trained gradient, or of the probe
+# gradient, true domains, random, one group each).
+DGA_CONTROLS = [("gradient", {"dga": "gradient", "dga_source": "train"}),
+                ("gradient (probe)", {"dga": "gradient", "dga_source": "probe"}),
+                *((m, {"dga": m, "dga_source": "train"}) for m in ("oracle", "random", "none"))]
 FEDSAP_ALGORITHMS = ("fedsap", "fedsap_fixed")
 NON_DOMAIN = ("best", "final", "n_groups", "ari_domain", "ari_capacity")
 
@@ -70,10 +73,10 @@ def table2_table(res: Any) -> pd.DataFrame:
 
 
 def dga_controls_table(res: Any) -> pd.DataFrame:
-    """FedSAP with DGA from gradients vs. the oracle (true domains), random groups and none, with how
+    """FedSAP with DGA from trained or probe gradients vs. the oracle (true domains), random groups and none, with how
     well the pseudo-groups matched: mean ARI vs. the domains and vs. the capacity tiers and the
     number of groups (each a mean over DGA rounds, then mean ± std over seeds)."""
-    t = sweep.option_table(res, "fedsap", [(m, {"dga": m}) for m in DGA_CONTROLS], grouping=True)
+    t = sweep.option_table(res, "fedsap", DGA_CONTROLS, grouping=True)
     return t.rename(columns={"row": "dga"})
 
 
