@@ -31,7 +31,10 @@ Statistics: when ``plan.stats`` names any of :data:`KNOWN_STATS`, a
 model's activation modules; gradients read after masking, before clipping; the DGA
 layer is ``plan.extra["dga_layer"]``, default ``conv1``) and its arrays go into
 ``ClientResult.stats``. It only reads, so the trained values are the same bit for bit;
-with no statistics requested nothing is hooked or copied.
+with no statistics requested nothing is hooked or copied. ``plan.extra["probe"]`` (FedSAP's
+``dga_source=probe``) computes :func:`fedsap_ray.stats.probe_gradient` before training and
+returns it as ``dga_gradient``; the model is reloaded from the plan afterwards, so training is
+unaffected.
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ from fedsap_ray.algorithms.objectives import make_objective
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.messages import ClientPlan, ClientResult
-from fedsap_ray.stats import ChannelStats
+from fedsap_ray.stats import ChannelStats, probe_gradient
 
 KNOWN_STATS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")  # fedsap_ray.stats
 
@@ -83,6 +86,9 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     if unknown:
         raise ValueError(f"unknown statistics requested: {unknown}")
     t0 = time.perf_counter()
+    probe = plan.extra.get("probe")  # FedSAP dga_source=probe: a gradient of the received probe model, before training
+    probe_grad = (None if probe is None else
+                  probe_gradient(model, layout, probe, data, plan.extra.get("dga_layer", "conv1"), plan.batch_size, device))
     start = scatter(plan.values, plan.mask, layout.size)
     model.to(device)
     layout.load_into(model, start)
@@ -155,6 +161,8 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
         upload = plan.mask
     values = flat if upload is None else flat[upload]
     stats = {} if collector is None else collector.result(steps)
+    if probe_grad is not None:
+        stats["dga_gradient"] = probe_grad
     if objective is not None:
         stats.update(objective.result(model))
     return ClientResult(

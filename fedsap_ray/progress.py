@@ -27,5 +27,8 @@ class ProgressPrinter:
         if s.extra.get("n_groups") is not None:
             dga = (f"  DGA {s.extra['n_groups']} groups (ARI domains {s.extra['ari_domain']:.2f}, "
                    f"capacities {s.extra['ari_capacity']:.2f})")
+        motion = ""
+        if s.extra.get("n_reactivated") is not None:
+            motion = f"  masks +{s.extra['n_reactivated']} back, {s.extra['n_role_switches']} G<->P"
         print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
-              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{dga}", file=self.stream, flush=True)
+              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{dga}{motion}", file=self.stream, flush=True)

@@ -41,7 +41,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = 2  # 2: rounds.frozen_params and the allocations table
+SCHEMA_VERSION = 3  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated, n_role_switches
 GLOBAL_DOMAIN = "__global__"
 
 # (column, arrow type, description): the single place the columns are documented.
@@ -95,6 +95,11 @@ ROUNDS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("ari_capacity", pa.float64(), "FedSAP: adjusted Rand index of the pseudo-groups vs. the capacity tiers (DGA rounds)"),
     ("frozen_params", pa.int64(),
      "trainable coordinates no client has covered since initialisation, after this round (papers/003 Prop. 3)"),
+    ("domain_coverage", pa.float64(),
+     "share of trainable coordinates some client of this domain has trained since round 1 (global row: any client)"),
+    ("n_reactivated", pa.int64(),
+     "FedSAP: client-channels Dropped in a client's mask of this round and active in its next one"),
+    ("n_role_switches", pa.int64(), "FedSAP: client-channels switching Global <-> Private between this round and the next"),
 ]
 
 CLIENTS_COLUMNS: list[tuple[str, pa.DataType, str]] = [

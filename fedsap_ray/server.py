@@ -60,8 +60,10 @@ class Server:
         self.last_global = float("nan")
         self.last_summary: RoundSummary | None = None
         self.trainable = ctx.trainable
-        # union of every plan's coverage since initialisation (papers/003 Proposition 3)
+        # union of every plan's coverage since initialisation (papers/003 Proposition 3), overall and per
+        # domain: the coordinates some client of that domain has trained (Proposition 3 per domain)
         self.ever_covered = np.zeros_like(self.trainable)
+        self.domain_covered = {d: np.zeros_like(self.trainable) for d in ctx.federation.domains}
 
     @property
     def best(self) -> float:
@@ -71,12 +73,14 @@ class Server:
     def metrics_state(self) -> dict[str, Any]:
         """The running metrics a checkpoint must carry so a resumed run writes the same rows."""
         return {"best_by_mode": dict(self.best_by_mode), "primary_mode": self.primary_mode,
-                "last_global": self.last_global, "ever_covered": self.ever_covered.copy()}
+                "last_global": self.last_global, "ever_covered": self.ever_covered.copy(),
+                "domain_covered": {d: m.copy() for d, m in self.domain_covered.items()}}
 
     def restore_metrics(self, m: dict[str, Any]) -> None:
         self.best_by_mode = dict(m["best_by_mode"])
         self.primary_mode, self.last_global = m["primary_mode"], m["last_global"]
         self.ever_covered = np.asarray(m["ever_covered"], dtype=bool).copy()
+        self.domain_covered = {d: np.asarray(v, dtype=bool).copy() for d, v in m["domain_covered"].items()}
 
     def round(self, state: ServerState, t: int) -> ServerState:
         t0 = time.perf_counter()
@@ -84,10 +88,13 @@ class Server:
         if not plans:
             raise RuntimeError(f"round {t}: the strategy selected no clients")
         for plan in plans.values():
+            dom = self.domain_covered[self.ctx.federation.clients[plan.client_id].domain]
             if plan.mask is None:
                 self.ever_covered[:] = True
+                dom[:] = True
             else:
                 self.ever_covered |= plan.mask
+                dom |= plan.mask
         results = sorted(self.backend.train(plans), key=lambda r: r.client_id)
         missing = set(plans) - {r.client_id for r in results}
         if missing:
@@ -111,7 +118,9 @@ class Server:
         bytes_down = sum(p.bytes_down for p in plans.values())
         train_loss = float(sum(r.train_loss * r.n_samples for r in results) / max(n_total, 1))
         avg_cap = float(np.mean([p.capacity_used for p in plans.values()]))
-        frozen = int(self.trainable.sum() - (self.ever_covered & self.trainable).sum())
+        n_trainable = int(self.trainable.sum())
+        frozen = n_trainable - int((self.ever_covered & self.trainable).sum())
+        coverage = {d: int((m & self.trainable).sum()) / n_trainable for d, m in self.domain_covered.items()}
         common: dict[str, Any] = dict(round=t, avg_capacity=avg_cap, frozen_params=frozen, n_clients=len(results), bytes_up=bytes_up,
                                       bytes_down=bytes_down, train_loss=train_loss, round_wall_s=wall,
                                       **self.strategy.round_columns(state))
@@ -131,12 +140,14 @@ class Server:
                      worst_domain_accuracy=s["worst_domain_accuracy"])
             for d, (acc, loss) in per_domain.items():
                 rows.append(dict(domain=d, eval_mode=mode, evaluated=True, accuracy=acc, loss=loss,
-                                 n_test=len(fed.test[d]), **g, **common))
+                                 n_test=len(fed.test[d]), domain_coverage=coverage.get(d), **g, **common))
             rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode=mode, evaluated=True, accuracy=s["global_accuracy"],
-                             loss=s["loss"], n_test=sum(len(v) for v in fed.test.values()), **g, **common))
+                             loss=s["loss"], n_test=sum(len(v) for v in fed.test.values()),
+                             domain_coverage=1.0 - frozen / n_trainable, **g, **common))
         if not by_mode:
             rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode=None, evaluated=False,
-                             best_global_accuracy=None if np.isnan(self.best) else self.best, **common))
+                             best_global_accuracy=None if np.isnan(self.best) else self.best,
+                             domain_coverage=1.0 - frozen / n_trainable, **common))
         self.writer.add("rounds", rows)
         client_rows = []
         for r in results:

@@ -197,3 +197,41 @@ class ChannelStats:
             flat = [(self._grad_sum[n] / n_steps).reshape(-1).cpu() for n in self._dga_names]
             out["dga_gradient"] = torch.cat(flat).numpy().astype(np.float32)
         return out
+
+
+def probe_gradient(model: nn.Module, layout: ParamLayout, probe: dict, data: "DomainData", prefix: str,
+                   batch_size: int, device: torch.device) -> np.ndarray:
+    """FedSAP's ``dga_source=probe`` (an addition to papers/000 Eq. 4's input): the mean gradient of the
+    cross-entropy of the probe model (``probe["values"]`` at ``probe["mask"]``, zeros elsewhere) on a
+    fixed seeded subset of ``probe["samples"]`` local samples, for every parameter of ``prefix``,
+    flattened in layout order (the same vector shape as ``dga_gradient``).
+
+    Nothing is trained: ``model`` is scratch and the caller loads its own values afterwards. The
+    batches run in training mode (BatchNorm on batch statistics), as local training does.
+    """
+    from fedsap_ray.aggregation import scatter
+    from fedsap_ray.data.base import as_input
+    from fedsap_ray.masks import TorchMask, mask_grads_
+
+    mask = np.asarray(probe["mask"], dtype=bool)
+    layout.load_into(model, scatter(np.asarray(probe["values"], dtype=np.float32), mask, layout.size))
+    model.to(device)
+    model.train()
+    n = len(data)
+    gen = torch.Generator().manual_seed(int(probe["seed"]))
+    idx = torch.randperm(n, generator=gen)[: min(n, int(probe["samples"]))]
+    names = [nm for nm, p in zip(layout.names, layout.is_param) if p and nm.startswith(f"{prefix}.")]
+    if not names:
+        raise ValueError(f"probe_gradient: no parameter starts with {prefix + '.'!r}")
+    model.zero_grad(set_to_none=True)
+    x_all, y_all = as_input(data.x[idx]).to(device), data.y[idx].to(device)
+    for s in range(0, len(idx), batch_size):
+        xb, yb = x_all[s:s + batch_size], y_all[s:s + batch_size]
+        if len(yb) < 2 and len(idx) >= 2:  # BatchNorm cannot run on a single sample in training mode
+            continue
+        (torch.nn.functional.cross_entropy(model(xb), yb, reduction="sum") / len(idx)).backward()
+    mask_grads_(model, layout, TorchMask.build(model, layout, mask))
+    params = dict(model.named_parameters())
+    out = torch.cat([params[nm].grad.detach().reshape(-1).cpu() for nm in names]).numpy().astype(np.float32)
+    model.zero_grad(set_to_none=True)
+    return out

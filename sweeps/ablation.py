@@ -1,6 +1,6 @@
 """FedSAP's ablations (papers/000): Figure 4, Table 5, Table 2 and the DGA controls.
 
-    python sweeps/ablation.py --out runs/ablation --seeds 0 1 2     # laptop preset, 39 trials
+    python sweeps/ablation.py --out runs/ablation --seeds 0 1 2     # laptop preset, 42 trials
     python sweeps/ablation.py --smoke-test                          # minutes on 2 cores
 
 - Figure 4 (main adaptive configuration): ``full``; ``no-dga`` (dga=none: no pseudo-domain
@@ -14,11 +14,13 @@
 - Table 2 (DGA gradient source, fixed-mask reference setting ``fedsap_fixed``):
   ``fixed-conv1`` / ``fixed-layer1`` / ``fixed-layer2`` / ``fixed-layer3``.
 - DGA controls (main configuration): ``dga-oracle`` (the true domains) and ``dga-random``
-  (random groups of the gradient grouping's sizes), next to ``full`` and ``no-dga``.
+  (random groups of the gradient grouping's sizes), next to ``full`` and ``no-dga``;
+  ``dga-probe`` groups by the probe gradient (``dga_source=probe``: one common sub-model's
+  gradient on each client's data before training) instead of the trained gradient.
 
 - ``fedavg-het``: heterogeneous FedAvg at the same keep ratios, the floor under every cell.
 
-Shared runs are not repeated: 13 variants per seed. Prints every table at the end
+Shared runs are not repeated: 14 variants per seed. Prints every table at the end
 (``analysis.ablation``); ``analysis/notebooks/ablation.ipynb`` plots them.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ VARIANTS: dict[str, list[str]] = {
     # DGA controls (with full and no-dga)
     "dga-oracle": [*MAIN, "algorithm.dga=oracle"],
     "dga-random": [*MAIN, "algorithm.dga=random"],
+    "dga-probe": [*MAIN, "algorithm.dga_source=probe"],
     # the reference below every cell: heterogeneous FedAvg (sub-models at the same keep ratios)
     "fedavg-het": ["algorithm.name=fedavg", "algorithm.width=capacity"],
 }

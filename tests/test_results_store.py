@@ -90,7 +90,7 @@ def test_dataset_reader_equals_the_per_file_reader_on_500_runs(tmp_path):
     assert len(res.runs) == 500 and len(res.rounds) == 500 * 2 * 3
     v1 = res.rounds[res.rounds["schema_version"] == 1]
     assert len(v1) == 10 * 6 and v1["frozen_params"].isna().all()
-    assert res.rounds.loc[res.rounds["schema_version"] == 2, "frozen_params"].notna().all()
+    assert res.rounds.loc[res.rounds["schema_version"] == results.SCHEMA_VERSION, "frozen_params"].notna().all()
 
 
 def test_version_1_folder_loads_with_nulls_and_ignores_temp_files(tmp_path):

@@ -103,7 +103,7 @@ def test_ablation_variants_are_distinct_configs():
 
     mod = _load("ablation")
     hashes = {build_config(preset="smoke", overrides=ov, seed=0).config_hash() for ov in mod.VARIANTS.values()}
-    assert len(hashes) == len(mod.VARIANTS) == 13
+    assert len(hashes) == len(mod.VARIANTS) == 14
 
 
 def test_main_comparison_runs_every_registered_algorithm():

@@ -42,17 +42,79 @@ def utility(activation: np.ndarray, gradient: np.ndarray, space: ChannelSpace,
     return lambda_a * per_layer_max_normalise(activation, space) + lambda_g * per_layer_max_normalise(gradient, space)
 
 
-def layer_utility(utilities: list[np.ndarray], actives: list[np.ndarray], space: ChannelSpace) -> np.ndarray:
-    """U_l: mean utility over (client, channel) pairs where the client kept the channel active
-    (Algorithm 1 line 11; a dropped channel's zero utility says nothing about the layer)."""
+def layer_utility(activations: list[np.ndarray], gradients: list[np.ndarray], actives: list[np.ndarray],
+                  weights: np.ndarray, space: ChannelSpace, entries_per_channel: np.ndarray,
+                  lambda_a: float = 0.5, lambda_g: float = 0.5) -> np.ndarray:
+    """U_l, the layer-level importance score (Algorithm 1 line 11; the input of Eq. 2's softmax).
+
+    The paper says the server "averages channel utilities across clients to obtain layer-level
+    importance scores" without saying over which scope the two signals are normalised. Eq. 5's
+    per-layer max normalisation cannot be that scope: it maps every layer's best channel to 1, so
+    a layer mean of it measures how *flat* a layer's utilities are, not how much the layer matters
+    (with it the adaptive counts stayed within a channel or two of uniform). Our reading: for the
+    layer score each client's signals are normalised by their maximum over its whole network, so
+    layers stay comparable, and the gradient is taken per parameter entry (the channel's gradient
+    norm divided by sqrt of the entries it owns) so that a layer with a larger fan-in is not
+    favoured for its size alone. Per client and layer the score is the mean over the channels the
+    client kept active (a Dropped channel's zero statistics say nothing about the layer), and the
+    server's U_l is the sample-weighted mean over the clients that kept some channel of the layer.
+    """
     off = layer_offsets(space)
-    u = np.stack(utilities)
-    a = np.stack(actives).astype(bool)
-    out = np.zeros(len(space.layers))
+    rms_scale = np.repeat(1.0 / np.sqrt(np.maximum(np.asarray(entries_per_channel, np.float64), 1.0)),
+                          [l.channels for l in space.layers])
+    num = np.zeros(len(space.layers))
+    den = np.zeros(len(space.layers))
+    for a, g, on, w in zip(activations, gradients, actives, weights):
+        on = np.asarray(on, dtype=bool)
+        if not on.any():
+            continue
+        r = np.asarray(a, np.float64)
+        h = np.asarray(g, np.float64) * rms_scale
+        r_max, h_max = r[on].max(), h[on].max()
+        u = (lambda_a * (r / r_max if r_max > 0 else 0 * r) + lambda_g * (h / h_max if h_max > 0 else 0 * h))
+        for i in range(len(space.layers)):
+            seg = slice(off[i], off[i + 1])
+            if on[seg].any():
+                num[i] += w * u[seg][on[seg]].mean()
+                den[i] += w
+    return np.where(den > 0, num / np.maximum(den, _EPS), 0.0)
+
+
+def federation_utility(prev: np.ndarray | None, utilities: list[np.ndarray], actives: list[np.ndarray],
+                       weights: np.ndarray) -> np.ndarray:
+    """The server's utility estimate of every channel (Algorithm 1 line 14's ranking, over all channels).
+
+    Channel c's estimate is the sample-weighted mean of the Eq. 5 utilities measured by the clients
+    that held c active in their latest statistics; where no such client exists this time, the
+    previous estimate is kept (NaN: never measured). A client cannot measure a channel it dropped
+    (its activation and gradient are exactly 0), so without this estimate a Dropped channel could
+    never rank back into its top-k.
+    """
+    u = np.stack(utilities).astype(np.float64)
+    on = np.stack(actives).astype(bool)
+    w = np.asarray(weights, dtype=np.float64)[:, None] * on
+    den = w.sum(0)
+    est = np.where(den > 0, (w * u).sum(0) / np.maximum(den, _EPS), np.nan)
+    if prev is not None:
+        est = np.where(den > 0, est, prev)
+    return est
+
+
+def selection_scores(own: np.ndarray, held: np.ndarray, estimate: np.ndarray | None,
+                     space: ChannelSpace) -> np.ndarray:
+    """Scores a client's top-k ranks (Algorithm 1 line 14): its own Eq. 5 utility on the channels it
+    held when it measured them, the federation's estimate (:func:`federation_utility`) elsewhere.
+    A channel nobody has measured yet scores the layer's mean estimate (a neutral prior).
+    ``estimate=None`` gives the client's own utilities alone (``selection=own``)."""
+    if estimate is None:
+        return np.asarray(own, dtype=np.float64)
+    est = np.asarray(estimate, dtype=np.float64).copy()
+    off = layer_offsets(space)
     for i in range(len(space.layers)):
-        seg_u, seg_a = u[:, off[i]:off[i + 1]], a[:, off[i]:off[i + 1]]
-        out[i] = seg_u[seg_a].mean() if seg_a.any() else 0.0
-    return out
+        seg = est[off[i]:off[i + 1]]
+        known = np.isfinite(seg)
+        seg[~known] = seg[known].mean() if known.any() else 0.0
+    return np.where(np.asarray(held, dtype=bool), np.asarray(own, dtype=np.float64), est)
 
 
 def select_active(scores: np.ndarray, counts: np.ndarray, space: ChannelSpace) -> np.ndarray:
@@ -90,8 +152,13 @@ def dispersion(activations: list[np.ndarray], actives: list[np.ndarray], groups:
 
 
 def ema(prev: np.ndarray | None, new: np.ndarray, beta: float) -> np.ndarray:
-    """d~ <- beta * d~_prev + (1 - beta) * d (papers/000 'smooths these scores with an EMA'); d~ starts at 0."""
-    prev = np.zeros_like(new) if prev is None else prev
+    """d~ <- beta * d~_prev + (1 - beta) * d (papers/000: FedSAP "smooths these scores with an EMA").
+
+    The paper gives no initial value. Starting from 0 would scale the first post-warm-up
+    dispersion by (1 - beta), i.e. halve it at beta = 0.5, and bias roles towards Global for
+    the first rounds for no stated reason, so d~ starts at the first observation."""
+    if prev is None:
+        return np.asarray(new, dtype=np.float64).copy()
     return beta * prev + (1.0 - beta) * new
 
 

@@ -1,5 +1,5 @@
 """FedSAP (papers/000, Algorithm 1): adaptive layer budgets, tri-state masks, DGA, SGP,
-type-matched aggregation, client-specific models. Readings of DESIGN section 5.
+type-matched aggregation, client-specific models.
 
 Round t, for the participating clients (Algorithm 1):
 - configure (line 3): client i gets the Eq. 9 model W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P}
@@ -14,6 +14,34 @@ Round t, for the participating clients (Algorithm 1):
   (Eq. 4), utilities (Eq. 5), layer budgets (Eq. 2), top-k active channels, EMA
   dispersion (Eq. 6) and roles with the g_target floor (Eq. 3).
 
+Masks in motion (readings of lines 11-16 that keep the partition able to change):
+- Line 14 ranks *all* channels of a layer. A client measures nothing on a channel it
+  dropped (activation and gradient are exactly 0), so its own utility alone would never
+  bring a Dropped channel back. The server therefore keeps a utility estimate for every
+  channel (sample-weighted over the clients that held it, kept across rounds:
+  :func:`roles.federation_utility`) and a client ranks its own measured utility where it
+  held the channel and that estimate elsewhere (:func:`roles.selection_scores`).
+- Line 11's layer score normalises each client's signals over its whole network, not per
+  layer, so that a layer whose channels matter more receives more budget
+  (:func:`roles.layer_utility` says why).
+- Role changes take the freshest copy. W_G and every group's Private vector carry, per
+  coordinate, the round they were last aggregated. A client's Eq. 9 model takes its
+  role's copy unless the other copy it can see (W_G, or its group's Private vector) was
+  trained more recently: a channel turning Private starts from W_G when the group has
+  not trained its Private copy since W_G last moved, and one turning Global starts from
+  the group's Private copy when W_G is the older one (ties: the role's copy). Without
+  this a channel turning Private loaded a copy last refreshed at the previous regrouping
+  and one turning Global the W_G value from whenever it was last Global.
+- The dispersion EMA starts at its first observation (:func:`roles.ema`).
+- ``dga_source=probe`` (an addition; the default ``train`` is the paper's gradient after
+  local training): on DGA rounds every client computes, before training, the gradient
+  of one common sub-model (W_G at the channels every participating client holds) on a
+  fixed seeded set of ``probe_samples`` of its own samples, and Eq. 4 compares those.
+  The trained gradient is shaped by each client's own sub-model, so it groups clients
+  by capacity as much as by domain; the probe runs the same model on every client, so
+  only the data differ. The probe values a client does not already hold count in its
+  bytes_down.
+
 Readings beyond the paper text (documented, configurable where it matters):
 - Warm-up rounds (``warmup``): every active channel Global; the first round's active
   channels are those with the largest filter L1 norms (no statistics yet).
@@ -27,12 +55,15 @@ Readings beyond the paper text (documented, configurable where it matters):
   computed at the end of warm-up.
 - Evaluation (``eval_mode``): ``group`` evaluates each domain with W_G plus the Private
   parameters of the pseudo-group holding most of that domain's clients (ties: lowest
-  group id), at the coordinates any member of that group holds as Private; ``global_only``
-  evaluates W_G alone.
+  group id), at the coordinates any member of that group holds as Private (where the
+  Private copy is not older than W_G); ``global_only`` evaluates W_G alone.
+- Records: ``n_reactivated`` (client-channels Dropped in a client's previous mask and
+  active in its next one) and ``n_role_switches`` (Global <-> Private) per round.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -43,12 +74,13 @@ from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
 from fedsap_ray.algorithms.pruning import filter_l1_scores
 from fedsap_ray.config import ConfigError
-from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
+from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, param_mask, tristate_param_masks
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.seeding import rng_for, seed_for
 
 MASK_MODES = ("dynamic", "fixed")
 DGA_LAYERS = ("conv1", "layer1", "layer2", "layer3")
+DGA_SOURCES = ("train", "probe")
 
 
 @dataclass(frozen=True)
@@ -71,6 +103,8 @@ class FedSAPOptions:
     tau_sim: float = 0.5
     warmup: int = 10
     regroup_every: int = 5
+    dga_source: str = "train"  # train: the paper's gradient after local training; probe: see the module docstring
+    probe_samples: int = 256  # samples per client in the probe gradient (dga_source=probe)
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> None:
@@ -92,13 +126,15 @@ class FedSAPOptions:
         if not -1 <= self.tau_sim <= 1:
             bad("tau_sim", "must be in [-1, 1] (a cosine similarity)")
         for f, choices in (("masks", MASK_MODES), ("dga", DGA_MODES), ("dga_layer", DGA_LAYERS),
-                           ("dga_method", DGA_METHODS)):
+                           ("dga_method", DGA_METHODS), ("dga_source", DGA_SOURCES)):
             if getattr(self, f) not in choices:
                 bad(f, "allowed values are " + ", ".join(choices))
         if self.warmup < 0:
             bad("warmup", "must be an integer >= 0")
         if self.regroup_every < 1:
             bad("regroup_every", "must be an integer >= 1")
+        if self.probe_samples < 2:
+            bad("probe_samples", "must be an integer >= 2")
 
 
 class FedSAP(Strategy):
@@ -131,6 +167,11 @@ class FedSAP(Strategy):
             "states": states,  # client -> int8 [channels], the masks of the next round
             "utility": {},  # client -> latest Eq. 5 utility
             "activation": {},  # client -> latest mean |activation| per channel
+            "gradient": {},  # client -> latest channel gradient norm
+            "measured_on": {},  # client -> channels it held active when it measured the above
+            "estimate": None,  # federation utility estimate of every channel (NaN: never measured)
+            "stamp_g": np.zeros(state.params.size, dtype=np.int32),  # round W_G last moved, per coordinate
+            "stamp_p": {},  # group id -> the same for its Private vector
             "dga_grads": {},  # client -> latest DGA gradient
             "d_tilde": None,
             "frozen": False,
@@ -139,36 +180,76 @@ class FedSAP(Strategy):
         }
         if self.opts.dga == "none":
             state.extra["private"] = {int(k): state.params.copy() for k in range(n)}
+            state.extra["stamp_p"] = {int(k): np.zeros(state.params.size, dtype=np.int32) for k in range(n)}
         return state
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         ex = state.extra
         plans = {}
-        stats = ("channel_activation", "channel_gradient") + (("dga_gradient",) if self.is_dga_round(t) else ())
-        for cid in self.sample_clients(t):
+        dga_round = self.is_dga_round(t)
+        probe = dga_round and self.opts.dga_source == "probe"
+        stats = ("channel_activation", "channel_gradient") + (("dga_gradient",) if dga_round and not probe else ())
+        clients = self.sample_clients(t)
+        probe_mask = self._probe_mask(ex, clients) if probe else None
+        probe_values = None if probe_mask is None else state.params[probe_mask]
+        for cid in clients:
             st = ex["states"][cid]
             group = int(ex["groups"][cid])
             gmask, pmask = self._masks(st)
             active = gmask | pmask
-            model = self.client_model(state, cid)
+            model, _, take_private = self._client_view(state, cid)
+            extra: dict[str, Any] = {"dga_layer": self.opts.dga_layer, "states": st}
+            side_down = 0
+            if probe_mask is not None:
+                extra["probe"] = {"mask": probe_mask, "values": probe_values,
+                                  "samples": int(self.opts.probe_samples),
+                                  "seed": seed_for(self.cfg.seed, 0, cid, "dga-probe")}  # fixed per client
+                # the client already holds W_G's value where it trains a coordinate from W_G
+                missing = probe_mask & ~(active & ~take_private)
+                side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
                 values=model[active], mask=active, capacity_used=float((st != DROPPED).mean()),
                 channel_counts=roles.role_counts(st), pseudo_group=group, stats=stats,
-                extra={"dga_layer": self.opts.dga_layer, "states": st}, rep_gamma=float(self.opts.gamma),
+                extra=extra, rep_gamma=float(self.opts.gamma), side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )
         return plans
 
+    def _probe_mask(self, ex: dict, clients: list[int]) -> np.ndarray:
+        """Parameter mask of the probe's common sub-model: the channels every client of the round holds.
+        A layer nobody shares keeps its one best channel by the federation estimate (else the first),
+        so the probe's forward pass never goes through an empty layer."""
+        space = self.ctx.space
+        common = np.logical_and.reduce([ex["states"][c] != DROPPED for c in clients])
+        est = ex["estimate"]
+        off = roles.layer_offsets(space)
+        for i in range(len(space.layers)):
+            seg = slice(off[i], off[i + 1])
+            if not common[seg].any():
+                score = np.nan_to_num(est[seg], nan=-np.inf) if est is not None else np.zeros(off[i + 1] - off[i])
+                common[off[i] + int(np.argmax(score))] = True
+        return param_mask(space, self.ctx.layout, roles.split(common, space))
+
     def client_model(self, state: ServerState, cid: int) -> np.ndarray:
-        """Eq. 9: W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P} (full-size; uncovered coordinates from W_G)."""
+        """Eq. 9: W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P} (full-size; uncovered coordinates from W_G),
+        each active coordinate from the fresher of its two copies (module docstring)."""
+        return self._client_view(state, cid)[0]
+
+    def _client_view(self, state: ServerState, cid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(Eq. 9 model, round each coordinate's value was last aggregated, where it comes from the
+        group's Private vector)."""
         ex = state.extra
-        _, pmask = self._masks(ex["states"][cid])
-        private = ex["private"].get(int(ex["groups"][cid]))
-        if private is None or not pmask.any():
-            return state.params
-        out = state.params.copy()
-        out[pmask] = private[pmask]
-        return out
+        gmask, pmask = self._masks(ex["states"][cid])
+        k = int(ex["groups"][cid])
+        private = ex["private"].get(k)
+        stamp_g = ex["stamp_g"]
+        if private is None:
+            return state.params, stamp_g, np.zeros(stamp_g.size, dtype=bool)
+        stamp_p = ex["stamp_p"][k]
+        take = (pmask & (stamp_p >= stamp_g)) | (gmask & (stamp_p > stamp_g))
+        if not take.any():
+            return state.params, stamp_g, take
+        return np.where(take, private, state.params), np.where(take, stamp_p, stamp_g), take
 
     def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
         ex = dict(state.extra)
@@ -183,16 +264,20 @@ class FedSAP(Strategy):
             if pmask.any():
                 priv_contrib.setdefault(int(ex["groups"][r.client_id]), []).append((pmask, full[pmask], w))
         params = masked_weighted_average(state.params, glob_contrib)  # Eq. 8, Global branch
-        private = dict(ex["private"])
+        stamp_g = ex["stamp_g"].copy()
+        stamp_g[np.logical_or.reduce([m for m, _, _ in glob_contrib])] = t
+        private, stamp_p = dict(ex["private"]), dict(ex["stamp_p"])
         for k, contrib in priv_contrib.items():  # Eq. 8, Private branch, within group k
             private[k] = masked_weighted_average(private.get(k, state.params), contrib)
+            stamp_p[k] = stamp_p.get(k, np.zeros_like(stamp_g)).copy()
+            stamp_p[k][np.logical_or.reduce([m for m, _, _ in contrib])] = t
         new = ServerState(round=t, params=params, extra=ex)
-        ex["private"] = private
+        ex["private"], ex["stamp_g"], ex["stamp_p"] = private, stamp_g, stamp_p
         self._update_statistics(ex, results)
         info: dict[str, Any] = {}
         if self.is_dga_round(t):
             info = self._regroup(new, t)
-        self._next_masks(new, t)
+        info.update(self._next_masks(new, t))
         ex["round_info"] = info
         return new
 
@@ -200,13 +285,17 @@ class FedSAP(Strategy):
     def _update_statistics(self, ex: dict, results: list[ClientResult]) -> None:
         space = self.ctx.space
         util, act, grads = dict(ex["utility"]), dict(ex["activation"]), dict(ex["dga_grads"])
+        chan_grad, measured = dict(ex["gradient"]), dict(ex["measured_on"])
         for r in results:
             a, g = r.stats["channel_activation"], r.stats["channel_gradient"]
             act[r.client_id] = a.astype(np.float64)
+            chan_grad[r.client_id] = g.astype(np.float64)
+            measured[r.client_id] = ex["states"][r.client_id] != DROPPED  # the mask it trained under
             util[r.client_id] = roles.utility(a, g, space, self.opts.lambda_a, self.opts.lambda_g)
             if "dga_gradient" in r.stats:
                 grads[r.client_id] = r.stats["dga_gradient"]
         ex["utility"], ex["activation"], ex["dga_grads"] = util, act, grads
+        ex["gradient"], ex["measured_on"] = chan_grad, measured
 
     def _regroup(self, state: ServerState, t: int) -> dict[str, Any]:
         """DGA (Eq. 4): new pseudo-groups; new groups' Private sets from their members' models."""
@@ -226,47 +315,67 @@ class FedSAP(Strategy):
             groups[np.array(ids)] = new
             groups = _canonical(groups)
         members = {int(k): [c.client_id for c in fed.clients if groups[c.client_id] == k] for k in np.unique(groups)}
-        private = {}
+        private, stamp_p = {}, {}
         for k, mem in members.items():
-            models = [(None, self.client_model(state, i), float(fed.clients[i].n_samples)) for i in mem]
+            views = [self._client_view(state, i) for i in mem]
+            models = [(None, v[0], float(fed.clients[i].n_samples)) for v, i in zip(views, mem)]
             private[k] = masked_weighted_average(state.params, models)
-        ex["private"], ex["groups"] = private, groups
+            stamp_p[k] = np.maximum.reduce([v[1] for v in views])  # the freshest value that went into it
+        ex["private"], ex["stamp_p"], ex["groups"] = private, stamp_p, groups
         domains = [c.domain for c in fed.clients]
         capacities = [c.capacity for c in fed.clients]
         return {"n_groups": int(len(members)), "ari_domain": dga.agreement(groups, domains),
                 "ari_capacity": dga.agreement(groups, capacities)}
 
-    def _next_masks(self, state: ServerState, t: int) -> None:
+    def _next_masks(self, state: ServerState, t: int) -> dict[str, int]:
+        """Lines 11-17 for round t+1; returns how the masks moved (``n_reactivated``, ``n_role_switches``)."""
         ex, o, space, fed = state.extra, self.opts, self.ctx.space, self.ctx.federation
         if ex["frozen"]:
-            return
+            return {"n_reactivated": 0, "n_role_switches": 0}
         channels = np.array([l.channels for l in space.layers])
         seen = sorted(ex["utility"])
         if not seen:
-            return
-        actives = [ex["states"][i] != DROPPED for i in seen]
+            return {}
+        actives = [ex["measured_on"][i] for i in seen]
+        weights = np.array([fed.clients[i].n_samples for i in seen], dtype=np.float64)
         warm = self.in_warmup(t + 1)  # masks for round t+1
         if not warm:
             d = roles.dispersion([ex["activation"][i] for i in seen], actives, ex["groups"][np.array(seen)])
             ex["d_tilde"] = roles.ema(ex["d_tilde"], d, o.beta_ema)
-        layer_u = roles.layer_utility([ex["utility"][i] for i in seen], actives, space)
+        ex["estimate"] = roles.federation_utility(ex["estimate"], [ex["utility"][i] for i in seen], actives, weights)
+        layer_u = roles.layer_utility([ex["activation"][i] for i in seen], [ex["gradient"][i] for i in seen],
+                                      actives, weights, space, self._entries_per_channel, o.lambda_a, o.lambda_g)
         states, counts_by_client = dict(ex["states"]), dict(ex["layer_counts"])
+        reactivated = switches = 0
         for c in fed.clients:
             if c.client_id not in ex["utility"]:
                 continue  # no statistics yet: keep its initial mask
             counts = budget.layer_channel_counts(c.capacity, channels, layer_u, temperature=o.temperature,
                                                  adaptive=bool(o.adaptive_layer_budget))
-            active = roles.select_active(ex["utility"][c.client_id], counts, space)
+            scores = roles.selection_scores(ex["utility"][c.client_id], ex["measured_on"][c.client_id],
+                                            ex["estimate"], space)
+            active = roles.select_active(scores, counts, space)
             if warm:
                 st = np.where(active, GLOBAL, DROPPED).astype(np.int8)
             else:
                 st = roles.assign_roles(active, ex["d_tilde"], space, tau_var=o.tau_var, g_target=o.g_target,
                                         sgp=o.sgp)
+            old = states[c.client_id]
+            reactivated += int(((old == DROPPED) & (st != DROPPED)).sum())
+            switches += int((((old == GLOBAL) & (st == PRIVATE)) | ((old == PRIVATE) & (st == GLOBAL))).sum())
             states[c.client_id] = st
             counts_by_client[c.client_id] = counts
         ex["states"], ex["layer_counts"] = states, counts_by_client
         if o.masks == "fixed" and not warm:
             ex["frozen"] = True
+        return {"n_reactivated": reactivated, "n_role_switches": switches}
+
+    @cached_property
+    def _entries_per_channel(self) -> np.ndarray:
+        """Per layer, the gradient-carrying entries one channel owns (filters, biases, BN affine)."""
+        layout = self.ctx.layout
+        sizes = {n: int(np.prod(s)) for n, s, p in zip(layout.names, layout.shapes, layout.is_param) if p}
+        return np.array([sum(sizes.get(ax.name, 0) for ax in l.out) / l.channels for l in self.ctx.space.layers])
 
     # --- masks and records -------------------------------------------------------------
     def _masks(self, st: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -295,9 +404,9 @@ class FedSAP(Strategy):
                     for c in fed.clients:
                         if groups[c.client_id] == k:
                             pm |= self._masks(ex["states"][c.client_id])[1]
-                    if pm.any():
-                        model = state.params.copy()
-                        model[pm] = private[pm]
+                    take = pm & (ex["stamp_p"][k] >= ex["stamp_g"])  # the Private copy where it is not older
+                    if take.any():
+                        model = np.where(take, private, state.params)
                 group_models[k] = model
             out[d] = group_models[k]
         return {"group": out, "global_only": {d: state.params for d in fed.domains}}
