@@ -54,6 +54,8 @@ VARIANTS: dict[str, list[str]] = {
     # the reference below every cell: heterogeneous FedAvg (sub-models at the same keep ratios)
     "fedavg-het": ["algorithm.name=fedavg", "algorithm.width=capacity"],
 }
+STUDY = "ablation"
+DEFAULT_PRESET = "laptop"
 SMOKE: list[str] = []
 
 
@@ -62,7 +64,7 @@ def report(out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return study_main(argv, doc=__doc__, variants=VARIANTS, study="ablation", default_preset="laptop",
+    return study_main(argv, doc=__doc__, variants=VARIANTS, study=STUDY, default_preset=DEFAULT_PRESET,
                       smoke=SMOKE, report=report)
 
 
