@@ -60,7 +60,7 @@ def _line(text: Any) -> str:
 def cell(text: Any) -> str:
     """Plain text safe in a Markdown table cell or paragraph: one line, and no character that GitHub
     would read as a cell end, an HTML tag (``<root>``) or emphasis (``*.png``)."""
-    return _line(text).replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+    return _line(text).replace("<", "&lt;").replace("*", "\\*")
 
 
 def code(text: Any) -> str:

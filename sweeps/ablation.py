@@ -5,7 +5,7 @@
 
 - Figure 4 (main adaptive configuration): ``full``; ``no-dga`` (dga=none: no pseudo-domain
   grouping, each client its own group); ``no-sgp`` (sgp=false: no Global/Private split,
-  every active channel Global); ``no-dga-no-sgp``. In our reading (DESIGN section 5) the
+  every active channel Global); ``no-dga-no-sgp``. In our reading (docs/readings.md#without-sgp) the
   groups only route Private channels, so without SGP the DGA setting cannot change a
   number: the last two bars coincide by construction, which the table shows as such.
 - Table 5 (2 x 2, aggregation path x layer-budget rule, dga=gradient): ``full``

@@ -1,4 +1,4 @@
-"""The Ray Tune machinery every study script shares (DESIGN section 9: thin sweep scripts).
+"""The Ray Tune machinery every study script shares (docs/architecture.md#design-rules: thin sweep scripts).
 
 A *trial* is one simulation (or, for ``tune.py``'s mean-over-seeds objective, the same
 config at several seeds run in lockstep). Tune hands the trainable a flat dict of dotted
