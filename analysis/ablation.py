@@ -80,6 +80,28 @@ def dga_controls_table(res: Any) -> pd.DataFrame:
     return t.rename(columns={"row": "dga"})
 
 
+def mask_motion_table(res: Any) -> pd.DataFrame:
+    """How FedSAP's masks moved, one row per run: mean client-channels re-activated per round and
+    Global <-> Private switches per round (rounds 1..R-1: the last round prepares no masks), and the
+    final share of trainable coordinates that some client of each domain has trained (``domain_coverage``
+    at the last evaluated round, primary eval mode). Runs written before these columns existed are left out."""
+    res = sweep.load_sweep(res)
+    runs = res.runs[res.runs["algorithm"].isin(FEDSAP_ALGORITHMS) & (res.runs["status"] == "finished")]
+    rounds = sweep.table(res, "rounds")
+    if runs.empty or "n_reactivated" not in rounds.columns:
+        return pd.DataFrame()
+    rounds = rounds[rounds["run_id"].isin(runs["run_id"])]
+    per_round = rounds.drop_duplicates(["run_id", "round"]).sort_values(["run_id", "round"])
+    last = per_round.groupby("run_id")["round"].transform("max")
+    moves = per_round[per_round["round"] < last].groupby("run_id")[["n_reactivated", "n_role_switches"]].mean()
+    cov = sweep.primary_rounds(rounds)
+    cov = cov[cov["round"] == cov.groupby("run_id")["round"].transform("max")]
+    cov = cov.pivot_table(index="run_id", columns="domain", values="domain_coverage", aggfunc="first")
+    cov = cov[[d for d in dict.fromkeys(rounds["domain"]) if d in cov.columns and d != sweep.GLOBAL]]
+    out = runs[["run_id", "variant", "seed"]].set_index("run_id").join(moves).join(cov.add_prefix("coverage "))
+    return out.dropna(subset=["n_reactivated"]).sort_values(["variant", "seed"]).reset_index()
+
+
 def baselines_table(res: Any) -> pd.DataFrame:
     """The non-FedSAP runs of the folder (e.g. heterogeneous FedAvg at the same keep ratios, the floor
     under every ablation cell), one row per distinct config (:func:`analysis.sweep.config_label`)."""
@@ -115,6 +137,10 @@ def report(res: Any) -> str:
     section("DGA gradient source (Table 2)", t2, "Fixed-mask reference setting; delta = best minus Conv1's (pp).")
     section("DGA controls", sweep.pm_table(dga_controls_table(res)),
             "ARI of the pseudo-groups vs. the true domains and vs. the capacity tiers, mean over DGA rounds.")
+    motion = mask_motion_table(res)
+    section("How the masks moved", motion.round(3),
+            "Mean client-channels re-activated (Dropped -> active) and Global <-> Private switches per round; "
+            "coverage: share of trainable coordinates some client of the domain trained since round 1.")
     section("Baselines", sweep.pm_table(baselines_table(res)))
     return "\n".join(out)
 

@@ -354,3 +354,18 @@ def test_bad_dga_source_is_rejected():
         build_config(preset="smoke", overrides=["algorithm.dga_source=oracle"])
     with pytest.raises(ConfigError, match="algorithm.probe_samples"):
         build_config(preset="smoke", overrides=["algorithm.probe_samples=1"])
+
+
+def test_mask_motion_table_reads_the_rounds_table(tmp_path, fed):
+    from analysis import ablation
+
+    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "training.rounds=3"])
+    run_experiment(cfg, tmp_path, run_id="m-s0", federation=fed)
+    t = ablation.mask_motion_table(tmp_path).set_index("run_id")
+    r = results.load(tmp_path).rounds
+    per_round = r.drop_duplicates("round").set_index("round")
+    assert t.loc["m-s0", "n_reactivated"] == pytest.approx(per_round.loc[[1, 2], "n_reactivated"].mean())
+    last = r[(r["round"] == 3) & (r["eval_mode"] == "group")].set_index("domain")
+    for d in fed.domains:
+        assert t.loc["m-s0", f"coverage {d}"] == pytest.approx(last.loc[d, "domain_coverage"])
+    assert "How the masks moved" in ablation.report(tmp_path)

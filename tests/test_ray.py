@@ -118,6 +118,8 @@ def test_gpu_pinning_eight_workers_four_per_logical_gpu(tmp_path, fed):
 
 STATEFUL = {  # strategies with server-held state, client-side objectives or per-round masks
     "fedsap": ["algorithm.name=fedsap", "algorithm.warmup=1", "algorithm.regroup_every=1"],
+    "fedsap-probe": ["algorithm.name=fedsap", "algorithm.warmup=1", "algorithm.regroup_every=1",
+                     "algorithm.dga_source=probe"],
     "random_budget": ["algorithm.name=random_budget", "algorithm.warmup=1", "algorithm.t_adapt=1"],
     **{name: [f"algorithm.name={name}", "training.rounds=2"]
        for name in ("scaffold", "moon", "fedsr", "fpl", "fedspu", "feddrop", "fedmp", "nefl", "dapperfl")},

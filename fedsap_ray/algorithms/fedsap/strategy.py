@@ -63,6 +63,7 @@ Readings beyond the paper text (documented, configurable where it matters):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -191,6 +192,7 @@ class FedSAP(Strategy):
         stats = ("channel_activation", "channel_gradient") + (("dga_gradient",) if dga_round and not probe else ())
         clients = self.sample_clients(t)
         probe_mask = self._probe_mask(ex, clients) if probe else None
+        probe_values = None if probe_mask is None else state.params[probe_mask]
         for cid in clients:
             st = ex["states"][cid]
             group = int(ex["groups"][cid])
@@ -200,7 +202,7 @@ class FedSAP(Strategy):
             extra: dict[str, Any] = {"dga_layer": self.opts.dga_layer, "states": st}
             side_down = 0
             if probe_mask is not None:
-                extra["probe"] = {"mask": probe_mask, "values": state.params[probe_mask],
+                extra["probe"] = {"mask": probe_mask, "values": probe_values,
                                   "samples": int(self.opts.probe_samples),
                                   "seed": seed_for(self.cfg.seed, 0, cid, "dga-probe")}  # fixed per client
                 # the client already holds W_G's value where it trains a coordinate from W_G
@@ -369,16 +371,12 @@ class FedSAP(Strategy):
             ex["frozen"] = True
         return {"n_reactivated": reactivated, "n_role_switches": switches}
 
-    @property
+    @cached_property
     def _entries_per_channel(self) -> np.ndarray:
         """Per layer, the gradient-carrying entries one channel owns (filters, biases, BN affine)."""
-        cached = self.__dict__.get("_entries")
-        if cached is None:
-            layout = self.ctx.layout
-            sizes = {n: int(np.prod(s)) for n, s, p in zip(layout.names, layout.shapes, layout.is_param) if p}
-            cached = np.array([sum(sizes.get(ax.name, 0) for ax in l.out) / l.channels for l in self.ctx.space.layers])
-            self.__dict__["_entries"] = cached
-        return cached
+        layout = self.ctx.layout
+        sizes = {n: int(np.prod(s)) for n, s, p in zip(layout.names, layout.shapes, layout.is_param) if p}
+        return np.array([sum(sizes.get(ax.name, 0) for ax in l.out) / l.channels for l in self.ctx.space.layers])
 
     # --- masks and records -------------------------------------------------------------
     def _masks(self, st: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
