@@ -1,6 +1,6 @@
 """Capacity-confound tables (papers/003, "Capacity Confounds in Adaptive Sub-model FL").
 
-Rebuilds the paper's result tables from our Parquet results folder (DESIGN section 4),
+Rebuilds the paper's result tables from our Parquet results folder (docs/reference/results.md),
 never from the paper's numbers:
 
 - Tables 3 and 6 (sections 4.2, 4.5): best / final accuracy and average width p per

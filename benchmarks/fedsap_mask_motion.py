@@ -5,7 +5,8 @@ one) and Global <-> Private switches; at the end: the share of trainable coordin
 client of each domain trained (the union of the plan masks: ``rounds.domain_coverage``), the
 channels a domain never saw, and each client's layer budget. It reads only the plans' tri-state
 masks, so it measures an older commit the same way as today's code (which records the same
-figures in ``rounds.n_reactivated`` / ``domain_coverage``). The README's before/after figures:
+figures in ``rounds.n_reactivated`` / ``domain_coverage``). The before/after figures of
+docs/guides/running.md#what-the-default-run-gives:
 
     git worktree add /tmp/before dcd2d6f
     PYTHONPATH=/tmp/before python benchmarks/fedsap_mask_motion.py --seed 0 --out before_s0.json

@@ -1,7 +1,7 @@
 """Per-run checkpoints: the explicit ServerState after every round, written atomically.
 
 Every random choice is seeded by (run seed, round, client, purpose) and the state is
-explicit (DESIGN section 9), so a run resumed from round t's checkpoint produces the
+explicit (docs/architecture.md#determinism), so a run resumed from round t's checkpoint produces the
 same numbers as one that was never interrupted. The file is removed when the run
 finishes.
 """

@@ -19,7 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedsap-ray", description="Simulate heterogeneous federated learning; results go to Parquet.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one experiment")
-    r.add_argument("--config", help="YAML or JSON config file (keys as in DESIGN section 4)")
+    r.add_argument("--config", help="YAML or JSON config file (keys as in docs/reference/config.md)")
     r.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset (default: laptop)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set training.rounds=20 (repeatable)")
@@ -131,7 +131,7 @@ def _run(args) -> int:
         return 1
     print(f"run {outcome.run_id}: {outcome.status} in {outcome.wall_s:.1f}s; final global accuracy "
           f"{outcome.final_global_accuracy:.4f}, best {outcome.best_global_accuracy:.4f}; results in {out}/"
-          "{runs,rounds,clients,layers}")
+          "{" + ",".join(written_tables(out, outcome.run_id)) + "}")
     return 0
 
 
@@ -140,6 +140,13 @@ def _print_notes(e: BaseException) -> None:
     written), after the original error, never instead of it."""
     for note in getattr(e, "__notes__", None) or []:
         print(f"fedsap-ray: also: {note}", file=sys.stderr)
+
+
+def written_tables(out: Path, run_id: str) -> list[str]:
+    """The result tables that hold a file of ``run_id`` in ``out`` (a FedAvg run writes no ``layers``)."""
+    from fedsap_ray.results import TABLES
+
+    return [t for t in TABLES if (out / t / f"{run_id}.parquet").is_file()]
 
 
 def _datasets(args) -> int:

@@ -7,7 +7,7 @@ decay of a zero weight keep them exactly zero, and because a dropped channel's B
 weight and bias are zero too its activation is exactly zero, so the forward pass equals
 that of the physically sliced sub-model (tested in tests/test_masks.py). Only the
 covered coordinates are sent back, so BatchNorm running statistics of channels the
-client did not train never reach the server (DESIGN section 6, BatchNorm: statistics
+client did not train never reach the server (docs/architecture.md#batchnorm: statistics
 follow their channel like parameters do).
 
 Local update: mini-batch SGD with momentum and weight decay (papers/000 Appendix C),
@@ -77,7 +77,7 @@ def train_client(
         return _train(plan, model, layout, data, device or torch.device("cpu"))
     except ClientError:
         raise
-    except Exception as e:  # errors carry round and client id (DESIGN section 9)
+    except Exception as e:  # errors carry round and client id (docs/architecture.md#design-rules)
         raise ClientError(f"client {plan.client_id} failed in round {plan.round}: {e.__class__.__name__}: {e}") from e
 
 

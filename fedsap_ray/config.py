@@ -1,4 +1,4 @@
-"""Typed, validated experiment configuration (DESIGN section 4).
+"""Typed, validated experiment configuration (docs/reference/config.md is generated from it).
 
 One frozen dataclass tree is the single source of truth for a run. It loads from
 YAML/JSON and from ``--set a.b=value`` overrides, and is validated *before any work*:
@@ -65,13 +65,13 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Which dataset, where its files are, and how it is split over clients (DESIGN section 6)."""
+    """Which dataset, where its files are, and how it is split over clients (docs/guides/data.md)."""
 
-    name: str = "embedded_digits"
+    name: str = "embedded_digits"  # registered dataset (docs/reference/datasets.md)
     root: str | None = None  # None: the dataset's default location (cache dir or ../shared/data)
-    download: bool = False
+    download: bool = False  # let torchvision fetch missing files (clusters); off: a missing file is an error
     partition: str = "domain"  # domain (Digits/Office protocol) | dirichlet | natural | iid
-    num_clients: int = 10
+    num_clients: int = 10  # clients in the federation
     client_fraction: float = 0.01  # share of its domain's training set each client gets (domain protocol)
     alpha: float = 0.3  # Dirichlet concentration (dirichlet partition)
     min_samples: int = 10  # every client keeps at least this many samples (dirichlet partition)
@@ -135,7 +135,9 @@ class CapacityConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "resnet10"
+    """Which network every client trains (the maskable models of ``fedsap_ray/models``)."""
+
+    name: str = "resnet10"  # resnet10/resnet18 (FedSAP), cnn_cifar/cnn_emnist/char_lstm (papers/003), cnn_small, mlp
     width_mult: float = 1.0  # scales every layer's channel count (tests and laptops use < 1)
 
     def __post_init__(self) -> None:
@@ -149,16 +151,16 @@ class ModelConfig:
 class TrainingConfig:
     """Federated protocol and the client optimizer (papers/000 Table 4; papers/003 section 4.1)."""
 
-    rounds: int = 100
-    local_epochs: int = 10
-    batch_size: int = 64
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    rounds: int = 100  # communication rounds
+    local_epochs: int = 10  # local epochs per round (E)
+    batch_size: int = 64  # local mini-batch size
+    lr: float = 0.01  # client SGD learning rate (round 1; see lr_decay)
+    momentum: float = 0.9  # client SGD momentum
+    weight_decay: float = 5e-4  # client SGD weight decay
     lr_decay: float = 1.0  # multiplicative per round (papers/003: 0.995)
     grad_clip: float | None = None  # max gradient L2 norm (None: off)
     participation: float = 1.0  # fraction of clients sampled per round (papers/003: 0.5)
-    eval_every: int = 1
+    eval_every: int = 1  # evaluate every this many rounds (the last round is always evaluated)
     max_steps_per_epoch: int | None = None  # cap on mini-batches per local epoch (None: full pass)
 
     def __post_init__(self) -> None:
@@ -181,7 +183,8 @@ class TrainingConfig:
 class AlgorithmConfig:
     """Strategy name plus its own options (validated by the strategy's options dataclass)."""
 
-    name: str = "fedsap"
+    name: str = "fedsap"  # registry name (docs/reference/algorithms.md)
+    # the algorithm's own options; set as --set algorithm.<option>=VALUE
     options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -192,11 +195,14 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class ResourcesConfig:
-    backend: str = "local"
+    """Where and how clients train. Left out of the config hash; of these fields only ``torch_threads``
+    can change a number (see its comment)."""
+
+    backend: str = "local"  # local: clients train in this process; ray: ClientWorker actors
     device: str = "auto"  # auto: CUDA when available, else CPU
     num_workers: int | None = None  # concurrent clients; None: local = CPU count / torch_threads, Ray = from cluster resources
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0  # CPUs each Ray ClientWorker reserves
+    gpus_per_worker: float = 0.0  # GPU fraction each Ray ClientWorker reserves (e.g. 0.25: four workers per GPU)
     address: str | None = None  # Ray cluster address; None: RAY_ADDRESS or a local Ray on 127.0.0.1
     dashboard: bool = False  # start the Ray dashboard (on 127.0.0.1) when starting a local Ray
     # Intra-op threads of every client's training and of evaluation. Part of the numerics:
@@ -218,9 +224,13 @@ class ResourcesConfig:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    study: str = "default"
-    seed: int = 0
-    preset: str = "custom"
+    """The whole run. Besides each field's own check: ``capacity.keep_ratios`` needs one entry per
+    client, ``partition=domain`` needs a dataset with several domains and ``partition=natural``
+    exists only for Shakespeare."""
+
+    study: str = "default"  # a label stored with every result (the sweep scripts set it to the study's name)
+    seed: int = 0  # seeds every random draw of the run (partition, initialisation, sampling, batches)
+    preset: str = "custom"  # the preset the config started from (set by build_config; recorded in the runs table)
     data: DataConfig = field(default_factory=DataConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -348,6 +358,24 @@ PRESETS["paper_shakespeare"] = deep_merge(_CONFOUND, {
 PRESETS["confound_laptop"] = deep_merge(_CONFOUND, {
     "data": {"name": "mnist", "max_train_per_domain": 20000, "max_test_per_domain": 2000},
     "model": {"name": "cnn_small", "width_mult": 0.5}, "training": {"rounds": 50, "local_epochs": 1, "batch_size": 32}})
+
+# What each preset is for, one line each (the generated docs/reference/config.md lists them; a
+# preset without a line here fails the docs check).
+PRESET_NOTES: dict[str, str] = {
+    "smoke": "seconds: a tiny federation on the embedded data in which every mechanism runs (FedSAP warm-up 1 "
+             "and a DGA regrouping every round; HAS-FL and Random-budget warm-up 2, adaptation every round)",
+    "laptop": "the default: minutes on 2 CPU cores, the embedded four-domain digits under the Digits protocol "
+              "(FedSAP warm-up 5, regrouping every 5 rounds)",
+    "paper": "the published Digits protocol (papers/000 Appendix C, Table 4): real Digits, 10 clients with 1% "
+             "of their domain each, ResNet10, 100 rounds of 10 local epochs",
+    "paper_cifar10": "papers/003 section 4.1 on CIFAR-10: 20 clients, Dirichlet(0.3), p_max tiers 7x0.25 / "
+                     "7x0.5 / 3x0.75 / 3x1.0, 10 clients a round, 200 rounds of 5 local epochs, the CIFAR-10 CNN",
+    "paper_emnist": "the same protocol on EMNIST ByClass with the EMNIST CNN and one local epoch",
+    "paper_shakespeare": "the same protocol on Shakespeare: the 20 roles with the most lines, the character "
+                         "LSTM, one local epoch, lr 0.1, clipping at 5",
+    "confound_laptop": "the papers/003 protocol at laptop scale on real MNIST from ../shared/data: 20,000 "
+                       "training images, cnn_small at half width, 50 rounds of one local epoch",
+}
 
 
 class _YamlLoader(yaml.SafeLoader):

@@ -1,4 +1,5 @@
-"""Held-out evaluation: per-domain top-1 accuracy and mean cross-entropy (DESIGN section 4, rounds)."""
+"""Held-out evaluation: per-domain top-1 accuracy and mean cross-entropy (the ``rounds`` table,
+docs/reference/results.md#rounds)."""
 from __future__ import annotations
 
 import queue

@@ -1,4 +1,4 @@
-"""Channel masks -> parameter masks over one flat float32 layout (DESIGN section 4).
+"""Channel masks -> parameter masks over one flat float32 layout (docs/architecture.md#channel-spaces-and-masks).
 
 Parameters travel as flat float32 buffers (:class:`ParamLayout`): every parameter plus
 the BatchNorm running statistics, in ``state_dict`` order. A *channel mask* is a bool
@@ -13,7 +13,7 @@ output rows, embeddings) are always covered. This is papers/003 Algorithm 2 line
 from the retained channels of layer l-1") for an arbitrary, not only leading, subset.
 
 BatchNorm: running statistics are part of the layout and follow their channel like
-its affine parameters (DESIGN section 6, first remedy: statistics kept per channel
+its affine parameters (docs/architecture.md#batchnorm: statistics kept per channel
 and role). A client's dropped channels are uncovered, so whatever its local forward
 pass writes into their running statistics is never uploaded or aggregated. For the
 active channels the masked full-size model computes exactly the sliced sub-model's

@@ -1,4 +1,4 @@
-"""Typed messages between server and clients (DESIGN section 3), checked when built.
+"""Typed messages between server and clients (docs/architecture.md#one-round), checked when built.
 
 Parameters travel as flat float32 numpy buffers laid out by
 :class:`fedsap_ray.masks.ParamLayout`. A plan sends only the coordinates the client

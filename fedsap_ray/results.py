@@ -1,6 +1,6 @@
 """Parquet results: one typed schema per table, atomic writes, and :func:`load`.
 
-Layout of an output folder (DESIGN section 4)::
+Layout of an output folder (docs/reference/results.md is generated from the declarations below)::
 
     OUT/runs/<run_id>.parquet      one row per run (provenance: the resolved config)
     OUT/rounds/<run_id>.parquet    one row per (round, domain) plus a ``__global__`` row
@@ -160,6 +160,15 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
     "allocations": ALLOCATIONS_COLUMNS,
 }
 DATA_TABLES = ("rounds", "clients", "layers", "allocations")  # per-round tables (everything but runs)
+# What one row of each table is (docs/reference/results.md is generated from these declarations).
+TABLE_ROWS: dict[str, str] = {
+    "runs": "one row per run: its provenance (the resolved config), status, times and headline accuracies",
+    "rounds": f"one row per (round, evaluated model, test domain) plus a '{GLOBAL_DOMAIN}' row per round and model",
+    "clients": "one row per (round, participating client): its data, capacity, mask and cost",
+    "layers": "one row per (round, client, channel layer): where a client's channel budget went (FedSAP)",
+    "allocations": "one row per (round, client) for every client of the federation, sampled or not: the widths "
+                   "and heterogeneity estimates of the sub-model allocation strategies",
+}
 
 
 def schema(table: str) -> pa.Schema:

@@ -1,7 +1,7 @@
 """Every random choice draws from a generator seeded by (run seed, round, client, purpose).
 
 That is what makes numbers independent of which worker runs which client, and of
-the order clients run in (DESIGN section 3).
+the order clients run in (docs/architecture.md#determinism).
 """
 from __future__ import annotations
 

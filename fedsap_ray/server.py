@@ -1,4 +1,4 @@
-"""The round loop (DESIGN section 3), pure and backend-agnostic.
+"""The round loop (docs/architecture.md#one-round), pure and backend-agnostic.
 
     plans   = strategy.configure_round(state, t)
     results = backend.train(plans)             # any order, any worker

@@ -1,6 +1,6 @@
 """Per-channel statistics a FedSAP client uploads after local training (papers/000 Eq. 4-6, Algorithm 1 line 6).
 
-:class:`ChannelStats` watches the LAST local epoch (DESIGN section 5) and returns, as
+:class:`ChannelStats` watches the LAST local epoch (docs/readings.md#statistics) and returns, as
 float32 numpy arrays, only the keys it was asked for:
 
 - ``channel_activation`` [space.total_channels], layers concatenated in ``space.layers``

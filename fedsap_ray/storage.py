@@ -9,7 +9,7 @@ place; :meth:`ResultsDestination.pull` brings a run's files to whichever node re
 Readers (:func:`fedsap_ray.results.load`) read the destination URI directly.
 
 ``file://`` URIs take the remote path too (with the local filesystem behind it), so that
-path is testable without an object store. No Ray here (DESIGN section 2).
+path is testable without an object store. No Ray here (docs/architecture.md#layout).
 """
 from __future__ import annotations
 

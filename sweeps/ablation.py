@@ -5,7 +5,7 @@
 
 - Figure 4 (main adaptive configuration): ``full``; ``no-dga`` (dga=none: no pseudo-domain
   grouping, each client its own group); ``no-sgp`` (sgp=false: no Global/Private split,
-  every active channel Global); ``no-dga-no-sgp``. In our reading (DESIGN section 5) the
+  every active channel Global); ``no-dga-no-sgp``. In our reading (docs/readings.md#without-sgp) the
   groups only route Private channels, so without SGP the DGA setting cannot change a
   number: the last two bars coincide by construction, which the table shows as such.
 - Table 5 (2 x 2, aggregation path x layer-budget rule, dga=gradient): ``full``
@@ -54,6 +54,8 @@ VARIANTS: dict[str, list[str]] = {
     # the reference below every cell: heterogeneous FedAvg (sub-models at the same keep ratios)
     "fedavg-het": ["algorithm.name=fedavg", "algorithm.width=capacity"],
 }
+STUDY = "ablation"
+DEFAULT_PRESET = "laptop"
 SMOKE: list[str] = []
 
 
@@ -62,7 +64,7 @@ def report(out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return study_main(argv, doc=__doc__, variants=VARIANTS, study="ablation", default_preset="laptop",
+    return study_main(argv, doc=__doc__, variants=VARIANTS, study=STUDY, default_preset=DEFAULT_PRESET,
                       smoke=SMOKE, report=report)
 
 

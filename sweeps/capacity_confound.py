@@ -40,12 +40,14 @@ VARIANTS: dict[str, list[str]] = {
     "fedprox": ["algorithm.name=fedprox", "algorithm.mu=1.0"],  # papers/003 section 4.5: "the standard mu = 1.0"
     "scaffold": ["algorithm.name=scaffold"],
 }
+STUDY = "capacity_confound"
+DEFAULT_PRESET = "confound_laptop"
 SMOKE = ["training.rounds=4"]  # past HAS-FL's smoke warm-up: adaptation steps at rounds 2-4
 
 
 def main(argv: list[str] | None = None) -> int:
-    return study_main(argv, doc=__doc__, variants=VARIANTS, study="capacity_confound",
-                      default_preset="confound_laptop", smoke=SMOKE, report=_report)
+    return study_main(argv, doc=__doc__, variants=VARIANTS, study=STUDY, default_preset=DEFAULT_PRESET,
+                      smoke=SMOKE, report=_report)
 
 
 def _report(out: str) -> str:

@@ -1,4 +1,4 @@
-"""The Ray Tune machinery every study script shares (DESIGN section 9: thin sweep scripts).
+"""The Ray Tune machinery every study script shares (docs/architecture.md#design-rules: thin sweep scripts).
 
 A *trial* is one simulation (or, for ``tune.py``'s mean-over-seeds objective, the same
 config at several seeds run in lockstep). Tune hands the trainable a flat dict of dotted
@@ -352,8 +352,9 @@ def _trial_name(trial) -> str:
 # --------------------------------------------------------------------------------------
 def add_common_args(p: argparse.ArgumentParser, *, study: str, default_preset: str) -> None:
     p.add_argument("--out", default=f"runs/{study}", help="results folder: a path or a URI (s3://..., gs://...)")
-    p.add_argument("--preset", default=default_preset, choices=sorted(PRESETS))
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--preset", default=default_preset, choices=sorted(PRESETS),
+                   help=f"base config of every trial (default: {default_preset})")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one trial per variant and seed")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: what the resources fit)")
     p.add_argument("--resume", action="store_true", help="continue a sweep in --out: finished trials are skipped, "
@@ -365,6 +366,8 @@ def add_common_args(p: argparse.ArgumentParser, *, study: str, default_preset: s
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every trial, e.g. training.rounds=50")
     p.add_argument("--smoke-test", action="store_true", help="tiny and fast: what CI runs")
+    p.add_argument("--dry-run", action="store_true", help="validate every trial's config, print the trials and "
+                                                          "exit: no Ray, nothing trained, --out not read")
 
 
 def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions:
@@ -407,18 +410,36 @@ def pending(trials: list[dict[str, Any]], opts: SweepOptions) -> list[dict[str, 
     return [t for t, i in zip(trials, ids) if statuses.get(i) != "finished"]
 
 
-def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, Sequence[str]], study: str,
-               default_preset: str, smoke: Sequence[str], report: Callable[[str], str]) -> int:
-    """The command line of every grid study: parse, run what is missing under Tune, print the table."""
+def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
+                 default_preset: str) -> argparse.ArgumentParser:
+    """The command line of a grid study (also read by ``fedsap_ray.docgen`` for the reference pages)."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0], epilog=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=study, default_preset=default_preset)
-    p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants))
-    args = p.parse_args(argv)
+    p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants),
+                   help="a subset of the grid (default: every variant)")
+    return p
+
+
+def print_plan(trials: list[dict[str, Any]], opts: SweepOptions, study: str) -> None:
+    """``--dry-run``: one line per trial (run id and its config overrides), every config already validated."""
+    print(f"{study}: {len(trials)} trials, preset {opts.preset}, seeds {opts.seeds}; results would go to {opts.out}")
+    for t in trials:
+        overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(t.items()) if not k.startswith("_") and k != "seed")
+        print(f"  {to_configs(t)[1][0]}: {overrides}")
+
+
+def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, Sequence[str]], study: str,
+               default_preset: str, smoke: Sequence[str], report: Callable[[str], str]) -> int:
+    """The command line of every grid study: parse, run what is missing under Tune, print the table."""
+    args = study_parser(doc=doc, variants=variants, study=study, default_preset=default_preset).parse_args(argv)
     try:
         opts = options_from(args, smoke)
         chosen = args.variants
         trials = grid_trials({v: variants[v] for v in chosen}, opts, study)
+        if args.dry_run:
+            print_plan(trials, opts, study)
+            return 0
         todo = pending(trials, opts)
     except ConfigError as e:
         print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr)

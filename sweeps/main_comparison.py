@@ -32,6 +32,8 @@ def variants() -> dict[str, list[str]]:
 
 
 VARIANTS = variants()
+STUDY = "main_comparison"
+DEFAULT_PRESET = "laptop"
 SMOKE: list[str] = []
 
 
@@ -40,7 +42,7 @@ def report(out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return study_main(argv, doc=__doc__, variants=VARIANTS, study="main_comparison", default_preset="laptop",
+    return study_main(argv, doc=__doc__, variants=VARIANTS, study=STUDY, default_preset=DEFAULT_PRESET,
                       smoke=SMOKE, report=report)
 
 

@@ -41,6 +41,8 @@ def variants() -> dict[str, list[str]]:
 
 
 VARIANTS = variants()
+STUDY = "sensitivity"
+DEFAULT_PRESET = "laptop"
 SMOKE: list[str] = []
 
 
@@ -50,7 +52,7 @@ def report(out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return study_main(argv, doc=__doc__, variants=VARIANTS, study="sensitivity", default_preset="laptop",
+    return study_main(argv, doc=__doc__, variants=VARIANTS, study=STUDY, default_preset=DEFAULT_PRESET,
                       smoke=SMOKE, report=report)
 
 

@@ -52,20 +52,38 @@ SPACE = {
 }
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The command line (also read by ``fedsap_ray.docgen`` for the reference pages)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=STUDY, default_preset="laptop")
     p.set_defaults(seeds=[0])
-    p.add_argument("--algorithm", default="fedsap", choices=["fedsap", "fedsap_fixed"])
+    p.add_argument("--algorithm", default="fedsap", choices=["fedsap", "fedsap_fixed"],
+                   help="FedSAP's main setting or its fixed-mask reference setting")
     p.add_argument("--num-samples", type=int, default=None,
                    help="completed trials the study should hold (default 40; --smoke-test 3)")
     p.add_argument("--storage", default=None, help="Optuna storage URL (default sqlite:///<out>/optuna.db)")
-    p.add_argument("--study-name", default="fedsap-tune")
-    p.add_argument("--sampler-seed", type=int, default=0)
+    p.add_argument("--study-name", default="fedsap-tune", help="the Optuna study's name in --storage")
+    p.add_argument("--sampler-seed", type=int, default=0, help="seed of the TPE sampler")
     p.add_argument("--grace-period", type=int, default=None, help="ASHA: rounds before a trial can be stopped "
                                                                   "(default a quarter of the rounds)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def check_space(args: argparse.Namespace, opts) -> list[dict]:
+    """Validate the trial config at both ends of every search range (``--dry-run``); return those configs."""
+    base = base_space(args, opts)
+    corners = []
+    for key, domain in SPACE.items():
+        for value in (domain.lower, domain.upper):
+            flat = {**base, key: value}
+            to_configs(flat)  # raises ConfigError naming the field
+            corners.append({key: value})
+    return corners
 
 
 def storage_url(args: argparse.Namespace, dest: ResultsDestination) -> str:
@@ -118,10 +136,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = options_from(args, smoke=[])
         target = args.num_samples if args.num_samples is not None else (3 if args.smoke_test else 40)
+        rounds_cfg = to_configs(base_space(args, opts))[0][0]
+        if args.dry_run:
+            check_space(args, opts)
+            print(f"tune: up to {target} completed trials of {args.algorithm} (preset {opts.preset}, seeds "
+                  f"{opts.seeds}, {rounds_cfg.training.rounds} rounds) over "
+                  + ", ".join(f"{k} [{d.lower}, {d.upper}]" for k, d in SPACE.items())
+                  + f"; study {args.study_name!r}, results would go to {opts.out}")
+            return 0
         dest = ResultsDestination(opts.out)
         url = storage_url(args, dest)
         storage, done = open_study(url, args.study_name, opts.resume)
-        rounds_cfg = to_configs(base_space(args, opts))[0][0]
     except ConfigError as e:
         print(f"tune.py: {e}", file=sys.stderr)
         return 2

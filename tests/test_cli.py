@@ -48,6 +48,19 @@ def test_smoke_run_writes_rounds(tmp_path):
     assert sorted(rounds["round"].unique()) == [1, 2]
 
 
+def test_closing_line_names_every_table_written(tmp_path):
+    """HAS-FL writes allocations and no layers: the closing line lists exactly the tables on disk."""
+    from fedsap_ray import results
+
+    r = cli("run", "--preset", "smoke", "--out", str(tmp_path), "--quiet", "--set", "algorithm.name=hasfl",
+            "--set", "training.rounds=1", "--set", "model.width_mult=0.0625", "--set", "data.max_test_per_domain=40",
+            "--set", "training.max_steps_per_epoch=2")
+    assert r.returncode == 0, r.stderr
+    on_disk = [t for t in results.TABLES if (tmp_path / t).is_dir()]
+    assert on_disk == ["runs", "rounds", "clients", "allocations"]
+    assert r.stdout.rstrip().endswith(f"results in {tmp_path}/{{{','.join(on_disk)}}}"), r.stdout
+
+
 def test_print_config_and_listings():
     r = cli("run", "--preset", "paper", "--print-config")
     assert r.returncode == 0 and '"local_epochs": 10' in r.stdout

@@ -1,4 +1,4 @@
-"""FedSAP Domain-Guided Assignment (papers/000 Eq. 4, Appendix C; DESIGN section 5)."""
+"""FedSAP Domain-Guided Assignment (papers/000 Eq. 4, Appendix C; docs/readings.md#dga)."""
 from __future__ import annotations
 
 import numpy as np

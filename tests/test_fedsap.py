@@ -144,7 +144,7 @@ def test_all_global_single_group_equals_fedavg(fed):
 
 
 def test_without_sgp_the_grouping_changes_no_number_with_sgp_it_does(fed):
-    """The ablation's reading (sweeps/ablation.py, DESIGN section 5): with sgp=false every active channel is
+    """The ablation's reading (sweeps/ablation.py, docs/readings.md#without-sgp): with sgp=false every active channel is
     Global, so pseudo-groups route nothing and dga=gradient / dga=none give bit-identical models; with SGP
     on (Private channels exist at g_target 0.5) the grouping changes the model."""
     def final(*extra):

@@ -1,4 +1,4 @@
-"""Partitions, capacities, ground-truth TV and build_federation (DESIGN sections 5-6)."""
+"""Partitions, capacities, ground-truth TV and build_federation (docs/guides/data.md#partitions-and-capacities)."""
 from __future__ import annotations
 
 import numpy as np

@@ -106,6 +106,20 @@ def test_ablation_variants_are_distinct_configs():
     assert len(hashes) == len(mod.VARIANTS) == 14
 
 
+def test_dry_run_validates_and_lists_the_trials_without_running_them(tmp_path, capsys):
+    out = tmp_path / "out"
+    ablation, tune = _load("ablation"), _load("tune")
+    assert ablation.main(["--out", str(out), "--seeds", "0", "1", "--variants", "full", "no-sgp", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "ablation: 4 trials, preset laptop, seeds [0, 1]" in text
+    assert 'no-sgp-s1: algorithm.name="fedsap" algorithm.sgp=false' in text
+    assert ablation.main(["--out", str(out), "--dry-run", "--set", "training.rounds=-1"]) == 2  # validated
+    assert "training.rounds=-1" in capsys.readouterr().err
+    assert tune.main(["--out", str(out), "--num-samples", "5", "--seeds", "0", "1", "--dry-run"]) == 0
+    assert "up to 5 completed trials of fedsap" in capsys.readouterr().out
+    assert not out.exists()  # nothing was written, no Optuna study opened
+
+
 def test_main_comparison_runs_every_registered_algorithm():
     mod = _load("main_comparison")
     assert sorted(mod.VARIANTS) == algorithms.names()

@@ -1,4 +1,4 @@
-"""Strategies, one module each, registered by name (DESIGN section 4)."""
+"""Strategies, one module each, registered by name (docs/architecture.md#strategies)."""
 from fedsap_ray.algorithms import fedavg, fedprox, fedsap  # noqa: F401  (registration)
 from fedsap_ray.algorithms import fjord, hasfl, heterofl, random_budget, uniform  # noqa: F401  (papers/003)
 from fedsap_ray.algorithms import scaffold  # noqa: F401

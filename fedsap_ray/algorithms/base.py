@@ -1,4 +1,4 @@
-"""The Strategy contract (DESIGN section 4) and the pieces every strategy shares.
+"""The Strategy contract (docs/architecture.md#strategies) and the pieces every strategy shares.
 
 A strategy is built with a :class:`RunContext` (config, federation, model template,
 parameter layout) and then only sees explicit :class:`ServerState` objects, so state
@@ -58,7 +58,7 @@ class Strategy(ABC):
 
     @abstractmethod
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        """The plans of round t (DESIGN section 3), keyed by client id."""
+        """The plans of round t (docs/architecture.md#one-round), keyed by client id."""
 
     @abstractmethod
     def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:

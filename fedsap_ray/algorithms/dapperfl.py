@@ -35,7 +35,7 @@ pruned weights refilled from the previous global model before the weighted avera
 
 - No fusion in round 1 (alpha = 0): the reference code skips it in round 0, and W^0 is the random
   initialisation, which carries no knowledge of the other domains that the fusion exists to inject.
-- DAR as the squared l2 norm (papers/000 Eq. 7, the form DESIGN attributes to DapperFL); the
+- DAR as the squared l2 norm (the form of papers/000 Eq. 7; docs/readings.md#baselines-of-fedsaps-table-1); the
   reference code regularises the unsquared norm mean_x ||z||_2.
 - Stateless clients: nothing is kept between rounds except the global model (DapperFL's local model
   of round t is built from W^{t-1} in round t), so ``ServerState.extra`` stays empty.

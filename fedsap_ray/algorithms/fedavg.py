@@ -23,7 +23,7 @@ class FedAvg(NestedWidth):
     summary = "full model on every client (width=capacity: nested sub-models at p_max)"
     @dataclass(frozen=True)
     class Options:
-        width: str = "full"  # full | capacity
+        width: str = "full"  # full: every client trains the whole model; capacity: the nested sub-model at its capacity
 
         def __post_init__(self) -> None:
             if self.width not in WIDTHS:

@@ -14,7 +14,7 @@ class FedProx(FedAvg):
     summary = "FedAvg plus the proximal term (mu/2)||w - w^t||^2 in the local objective"
     @dataclass(frozen=True)
     class Options(FedAvg.Options):
-        mu: float = 0.01
+        mu: float = 0.01  # weight of the proximal term (mu/2)||w - w^t||^2
 
         def __post_init__(self) -> None:
             super().__post_init__()

@@ -3,8 +3,10 @@
 Every round each sampled client draws its width uniformly from the federation's
 capacity tiers at or below its own p_max (papers/003 section 4.2: "assigns capacity
 tiers randomly from the available options"), seeded by (run seed, round, client), and
-trains the nested sub-model of that width. FjORD's self-distillation between widths
-is not part of papers/003's description of the baseline and is not modelled.
+trains the nested sub-model of that width. papers/003 section 4.1 mentions FjORD's
+knowledge distillation between widths in passing but gives no setting for it, and section
+4.2 describes the baseline by its random tier assignment alone; the distillation is not
+modelled (docs/readings.md#other-choices).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ warm-up 10 and T_adapt 5 the first step ends round 10):
   parameters and are left out), Delta_bar = the coordinate-wise aggregated update.
 - Eq. 5 (line 23): H~_i <- beta H~_i + (1 - beta) H_hat_i for the round's participants;
   H~ starts at 1 (line 2).
-- every ``t_norm`` rounds (section 3.2, DESIGN section 5): H~ <- H~ / mean(H~).
+- every ``t_norm`` rounds (section 3.2; docs/readings.md#has-fl): H~ <- H~ / mean(H~).
 - Eq. 6 (lines 25-28): p_i = min(p_max_i, p_min + gamma H~_i / (H_bar + eps)) for all N
   clients, H_bar = mean of H~ over all N clients.
 - coverage guarantee (line 29), when ``coverage`` is on: p_i = p_max_i for the clients

@@ -61,7 +61,8 @@ class SubModelStrategy(Strategy):
     def sub_model(self, state: ServerState, client_id: int, t: int) -> tuple[np.ndarray | None, int, float]:
         """(parameter mask or None for the full model, active channels, capacity_used) of the round-t sub-model.
 
-        capacity_used is the fraction of all channels the client trains (DESIGN section 4, ``clients`` table).
+        capacity_used is the fraction of all channels the client trains (the ``clients`` table,
+        docs/reference/results.md#clients).
         """
         total = self.ctx.space.total_channels
         cmasks = self.channel_masks(state, client_id, t)

@@ -1,4 +1,5 @@
-"""Random-budget control (papers/003 section 4.4; DESIGN section 5): random widths at HAS-FL's budget.
+"""Random-budget control (papers/003 section 4.4): random widths at HAS-FL's budget
+(docs/readings.md#random-budget-control).
 
 It runs HAS-FL's estimator on its own updates (Eqs. 4-5, normalisation) only to know
 what budget HAS-FL's rule would spend: at every adaptation step it computes HAS-FL's

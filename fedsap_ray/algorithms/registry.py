@@ -1,4 +1,4 @@
-"""Strategy registry: ``@register("name")`` on each strategy class (DESIGN section 9).
+"""Strategy registry: ``@register("name")`` on each strategy class (docs/architecture.md#design-rules).
 
 Each strategy declares an ``Options`` frozen dataclass; ``algorithm.options`` (set with
 ``--set algorithm.<key>=value``) is validated against it before any work starts.

@@ -36,7 +36,7 @@ def assign_capacities(cfg: CapacityConfig, num_clients: int, seed: int) -> tuple
     """(pruning_ratio, capacity) float64 arrays of length ``num_clients`` under ``cfg.scheme``.
 
     - ``cyclic`` (papers/000 Appendix C): rho_i = pruning_ratios[i % len], capacity = 1 - rho_i.
-    - ``tiers`` (papers/003 section 4.1; DESIGN section 5): p_max tiers in counts from
+    - ``tiers`` (papers/003 section 4.1; docs/readings.md#capacity-tiers): p_max tiers in counts from
       :func:`tier_counts`, shuffled by ``SeedSequence((seed, 201))``; pruning_ratio 0, capacity p_max.
     - ``full``: every client keeps the whole model (pruning_ratio 0, capacity 1).
     - ``explicit``: capacity = keep_ratios (one per client), pruning_ratio = 1 - capacity.

@@ -1,6 +1,6 @@
 """Build a :class:`Federation` from a config: load splits, cap pools, partition, capacities, TV.
 
-Rules (DESIGN section 6), in order:
+Rules (docs/guides/data.md#partitions-and-capacities), in order:
 
 1. Load the dataset's per-domain splits (cached within the process, see :func:`load_splits`).
 2. Cap each domain's training pool to ``data.max_train_per_domain`` (random subset drawn

@@ -15,8 +15,8 @@ Two layouts are read from ``root``:
   domains (a fixed preprocessing constant; no test statistics are used). The dataset is
   then reported as ``office_caltech_surf`` with ``input_kind="features"``.
 
-Split (DESIGN section 6): within each domain, in file order (class, then file name for
-images), sample i goes to train when ``i % 10 <= 7``, else to test.
+Split (docs/readings.md#digits-and-office-caltech10-protocol): within each domain, in file order
+(class, then file name for images), sample i goes to train when ``i % 10 <= 7``, else to test.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Client partitions and ground-truth heterogeneity (DESIGN section 6; papers/003 section 4.4).
+"""Client partitions and ground-truth heterogeneity (papers/003 section 4.4;
+docs/guides/data.md#partitions-and-capacities).
 
 Pure numpy. Every random partitioner takes ``rng``: an ``np.random.Generator`` or an int
 seed; an int is expanded as ``SeedSequence((seed, purpose))`` with a purpose constant per
@@ -52,8 +53,8 @@ def assign_domains(domains: list[str], num_clients: int, rng: RngLike) -> list[s
     """True domain per client id: one client per domain in order, then uniform random draws.
 
     Clients 0..D-1 get the D domains in the given order; clients D..N-1 draw a domain
-    uniformly at random with replacement (DESIGN section 6: "one client per domain, the
-    other six drawn uniformly over the four domains").
+    uniformly at random with replacement (docs/readings.md#digits-and-office-caltech10-protocol: one client per
+    domain, the other six drawn uniformly over the four domains).
     """
     _check_clients(num_clients)
     if not domains:
@@ -68,7 +69,8 @@ def assign_domains(domains: list[str], num_clients: int, rng: RngLike) -> list[s
 
 def domain_protocol(domain_sizes: Mapping[str, int], num_clients: int, fraction: float,
                     rng: RngLike) -> list[tuple[str, np.ndarray]]:
-    """Digits/Office protocol (DESIGN section 6, following DapperFL): clients over domains.
+    """Digits/Office protocol (following DapperFL): clients over domains
+    (docs/readings.md#digits-and-office-caltech10-protocol).
 
     Domains per client id come from :func:`assign_domains` (ids 0..D-1: one per domain in
     the given order; ids D..N-1: uniform random draws, in draw order).
@@ -105,7 +107,8 @@ def domain_protocol(domain_sizes: Mapping[str, int], num_clients: int, fraction:
 
 
 def office_split(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Office-Caltech10 train/test split (DESIGN section 6): sample i trains when i % 10 <= 7."""
+    """Office-Caltech10 train/test split: sample i trains when i % 10 <= 7
+    (docs/readings.md#digits-and-office-caltech10-protocol)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     i = np.arange(n, dtype=np.int64)
@@ -163,7 +166,7 @@ def iid_split(n: int, num_clients: int, rng: RngLike) -> list[np.ndarray]:
 def natural_partition(natural: Mapping[str, np.ndarray], num_clients: int) -> list[tuple[str, np.ndarray]]:
     """The ``num_clients`` natural clients (e.g. Shakespeare roles) with most samples; ties by name.
 
-    Deterministic (no randomness): papers/003 section 4.6 and DESIGN section 6 use the
+    Deterministic (no randomness): papers/003 section 4.6 (docs/readings.md#dirichlet-and-natural-partitions) uses the
     20 roles with most lines. Output is ordered by decreasing size, then name.
     """
     _check_clients(num_clients)

@@ -1,4 +1,4 @@
-"""Maskable models, registered by name (DESIGN sections 2 and 9).
+"""Maskable models, registered by name (docs/architecture.md#layout).
 
 Every model exposes ``channel_space() -> ChannelSpace``, ``channel_counts()``,
 ``forward_features(x)`` (encoder output), ``classifier`` (name of the never-sliced

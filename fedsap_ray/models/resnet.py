@@ -1,4 +1,4 @@
-"""Maskable ResNet10 / ResNet18 (DESIGN section 6; papers/000 "Network architectures").
+"""Maskable ResNet10 / ResNet18 (papers/000 "Network architectures"; docs/readings.md#network-architectures).
 
 BasicBlocks ([1,1,1,1] for ResNet10, [2,2,2,2] for ResNet18; He et al. 2016), widths
 64/128/256/512 scaled by ``width_mult``, a 3x3 stride-1 stem without max-pool (the
@@ -30,7 +30,7 @@ BASE_WIDTHS = (64, 128, 256, 512)
 
 
 def scaled(width: int, width_mult: float) -> int:
-    """Channel count at a width multiplier: round, at least 1 (DESIGN section 6)."""
+    """Channel count at a width multiplier: round, at least 1 (docs/readings.md#network-architectures)."""
     return max(1, int(round(width * width_mult)))
 
 

@@ -1,4 +1,5 @@
-"""The ChannelSpace contract: which tensor coordinates belong to which channel (DESIGN section 4).
+"""The ChannelSpace contract: which tensor coordinates belong to which channel
+(docs/architecture.md#channel-spaces-and-masks).
 
 Every maskable model lists its channel layers in forward order. A layer owns ``C``
 channels; each entry of ``out`` is a tensor axis *produced* by those channels (conv
@@ -76,7 +77,7 @@ class ChannelLayer:
 
 @dataclass(frozen=True)
 class ChannelSpace:
-    """The maskable layers of a model, in forward order (DESIGN section 4 "ChannelSpace and masks")."""
+    """The maskable layers of a model, in forward order (docs/architecture.md#channel-spaces-and-masks)."""
 
     layers: tuple[ChannelLayer, ...]
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
@@ -164,7 +165,7 @@ def conv_out(module: str, *, bias: bool) -> tuple[ParamAxis, ...]:
 
 
 def bn_out(module: str) -> tuple[ParamAxis, ...]:
-    """BatchNorm affine parameters and running statistics follow their channel (DESIGN section 6)."""
+    """BatchNorm affine parameters and running statistics follow their channel (docs/architecture.md#batchnorm)."""
     return tuple(ParamAxis(f"{module}.{t}", 0) for t in BN_TENSORS)
 
 

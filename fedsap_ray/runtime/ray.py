@@ -1,4 +1,4 @@
-"""Ray backend (DESIGN section 4): a ServerActor hosting the run, ClientWorker actors on GPU fractions.
+"""Ray backend (docs/architecture.md#backends): a ServerActor hosting the run, ClientWorker actors on GPU fractions.
 
 - ``ServerActor`` hosts a :class:`~fedsap_ray.experiment.RunSession` (server state,
   strategy ``configure_round``/``aggregate``, evaluation, Parquet writer); it is pinned

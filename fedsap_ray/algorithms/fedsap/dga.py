@@ -7,7 +7,7 @@ tau_sim = 0.5 and takes connected components as pseudo-domain groups; agglomerat
 clustering on the distance 1 - S_ij is the stated alternative. The grouping is refreshed
 every R_d = 5 rounds (the caller's schedule; nothing here keeps state).
 
-DESIGN section 5 adds the options ``dga = gradient | none | oracle | random``:
+Beyond the paper we add the options (docs/readings.md#dga) ``dga = gradient | none | oracle | random``:
 ``none`` puts every client in its own group, ``oracle`` uses the true domains, ``random``
 draws random groups with exactly the group sizes of the gradient grouping (a matched
 control). :func:`agreement` (adjusted Rand index) records whether a grouping recovered
@@ -153,7 +153,7 @@ def groups_from_similarity(S: np.ndarray, tau_sim: float = DEFAULT_TAU_SIM,
 
 
 def oracle_groups(domains: Sequence[str]) -> np.ndarray:
-    """``dga=oracle`` (DESIGN section 5): one group per true domain, canonical labels.
+    """``dga=oracle`` (docs/readings.md#dga): one group per true domain, canonical labels.
 
     The upper reference for Appendix C's DGA: what the gradient grouping would be if it
     recovered the domains exactly.
@@ -162,7 +162,7 @@ def oracle_groups(domains: Sequence[str]) -> np.ndarray:
 
 
 def singleton_groups(n: int) -> np.ndarray:
-    """``dga=none`` (DESIGN section 5): every client its own group, ``[0, 1, ..., n-1]``.
+    """``dga=none`` (docs/readings.md#dga): every client its own group, ``[0, 1, ..., n-1]``.
 
     With no pseudo-domain sharing, Private channels are not aggregated across clients
     (the "without DGA" ablation of papers/000 relative to Appendix C's grouping).
@@ -173,7 +173,7 @@ def singleton_groups(n: int) -> np.ndarray:
 
 
 def random_groups_like(reference: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """``dga=random`` (DESIGN section 5): a matched control for Appendix C's grouping.
+    """``dga=random`` (docs/readings.md#dga): a matched control for Appendix C's grouping.
 
     Clients are randomly permuted and dealt into groups with exactly the multiset of group
     sizes of ``reference`` (normally the gradient grouping from Eq. 4), so any effect of
@@ -198,7 +198,7 @@ def random_groups_like(reference: np.ndarray, rng: np.random.Generator) -> np.nd
 def assign_groups(mode: str, *, grads: np.ndarray | None = None, domains: Sequence[str] | None = None,
                   reference: np.ndarray | None = None, rng: np.random.Generator | None = None,
                   tau_sim: float = DEFAULT_TAU_SIM, method: str = "components") -> np.ndarray:
-    """Pseudo-domain groups for one DGA update round (Eq. 4, Appendix C; DESIGN section 5).
+    """Pseudo-domain groups for one DGA update round (Eq. 4, Appendix C; docs/readings.md#dga).
 
     - ``gradient``: needs ``grads`` (one row per client, the first-layer gradient);
       Eq. 4 similarity, then :func:`groups_from_similarity` with ``tau_sim``/``method``.

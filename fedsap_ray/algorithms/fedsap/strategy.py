@@ -87,22 +87,23 @@ DGA_SOURCES = ("train", "probe")
 class FedSAPOptions:
     """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
 
-    adaptive_layer_budget: int = 1
-    temperature: float = 1.0
-    lambda_a: float = 0.5
-    lambda_g: float = 0.5
-    g_target: float = 0.9
-    tau_var: float = 0.05
-    beta_ema: float = 0.5
-    gamma: float = 0.01  # Eq. 7
-    masks: str = "dynamic"
-    sgp: bool = True
+    adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's keep ratio in every layer
+    temperature: float = 1.0  # softmax temperature over the layer utilities (Eq. 2)
+    lambda_a: float = 0.5  # weight of the activation magnitude in a channel's utility (Eq. 5)
+    lambda_g: float = 0.5  # weight of the gradient magnitude in a channel's utility (Eq. 5)
+    g_target: float = 0.9  # least share of Global channels among a layer's active ones (Eq. 3)
+    tau_var: float = 0.05  # dispersion threshold: an active channel above it is Private (Eq. 6)
+    beta_ema: float = 0.5  # EMA coefficient of the dispersion (Eq. 6)
+    gamma: float = 0.01  # weight of the representation regulariser gamma * ||f_enc(x)||^2 (Eq. 7)
+    masks: str = "dynamic"  # dynamic: new masks every round; fixed: the masks of the end of warm-up, kept
+    sgp: bool = True  # false: every active channel Global (a single aggregation path, no Private channels)
+    # pseudo-groups: gradient (Eq. 4), none (one per client), oracle (true domains), random (matched sizes)
     dga: str = "gradient"
-    dga_layer: str = "conv1"
-    dga_method: str = "components"
-    tau_sim: float = 0.5
-    warmup: int = 10
-    regroup_every: int = 5
+    dga_layer: str = "conv1"  # whose gradient DGA compares (papers/000 Table 2)
+    dga_method: str = "components"  # components: connected components of the thresholded similarity; agglomerative
+    tau_sim: float = 0.5  # cosine-similarity threshold of DGA (Eq. 4)
+    warmup: int = 10  # rounds in which every active channel is Global; the first DGA closes the warm-up
+    regroup_every: int = 5  # R_d, rounds between DGA regroupings
     dga_source: str = "train"  # train: the paper's gradient after local training; probe: see the module docstring
     probe_samples: int = 256  # samples per client in the probe gradient (dga_source=probe)
 
