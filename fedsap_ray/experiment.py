@@ -47,8 +47,12 @@ def build_context(cfg: ExperimentConfig, federation: Federation | None = None) -
     fed = federation if federation is not None else build_federation(cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed_for(cfg.seed, 0, -1, "model-init"))
-        model = build_model(cfg.model.name, num_classes=fed.num_classes, input_shape=fed.input_shape,
-                            width_mult=cfg.model.width_mult, vocab_size=fed.vocab_size)
+        try:
+            model = build_model(cfg.model.name, num_classes=fed.num_classes, input_shape=fed.input_shape,
+                                width_mult=cfg.model.width_mult, vocab_size=fed.vocab_size)
+        except ValueError as e:  # a model that cannot take this dataset's inputs is bad input, not a failed run
+            raise ConfigError(f"invalid model.name={cfg.model.name!r}: {e} (dataset {fed.dataset} gives "
+                              f"{fed.input_kind} inputs of shape {tuple(fed.input_shape)})") from e
     return RunContext(cfg=cfg, federation=fed, model=model, layout=ParamLayout.from_model(model),
                       space=model.channel_space())
 

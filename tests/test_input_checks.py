@@ -26,6 +26,10 @@ from faultkit import cli
     (["--set", "training.weight_decay=.inf"], "invalid training.weight_decay=inf"),
     (["--set", "model.width_mult=-.inf"], "invalid model.width_mult=-inf"),
     (["--set", "training.rounds=1e30"], "invalid training.rounds="),
+    # a model that cannot take the dataset's inputs, and FedSAP's DGA layer on a model without it
+    (["--set", "model.name=mlp"], "invalid model.name='mlp': mlp: input_shape must be (features,)"),
+    (["--set", "model.name=cnn_small", "--set", "algorithm.dga_layer=layer3"],
+     "invalid algorithm.dga_layer='layer3': model cnn_small has no such layer"),
 ])
 def test_input_the_run_cannot_use_exits_2_naming_the_field(tmp_path, capsys, args, needle):
     rc, lines = cli(capsys, "run", "--preset", "smoke", "--quiet", "--out", str(tmp_path / "o"), *args)

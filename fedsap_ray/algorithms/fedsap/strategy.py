@@ -69,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
 from fedsap_ray.algorithms.pruning import filter_l1_scores
@@ -141,6 +141,14 @@ class FedSAPOptions:
 class FedSAP(Strategy):
     Options = FedSAPOptions
     eval_modes = ("group", "global_only")
+
+    def __init__(self, ctx: RunContext, options: Any) -> None:
+        super().__init__(ctx, options)
+        layer = self.opts.dga_layer
+        if self.opts.dga != "none" and not any(n.startswith(f"{layer}.") for n in ctx.layout.names):
+            tops = sorted({n.split(".")[0] for n in ctx.layout.names})
+            raise ConfigError(f"invalid algorithm.dga_layer={layer!r}: model {ctx.cfg.model.name} has no such layer "
+                              f"(its top-level modules: {', '.join(tops)}); use algorithm.dga=none on it")
 
     # --- schedule -------------------------------------------------------------------
     def in_warmup(self, t: int) -> bool:
