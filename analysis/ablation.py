@@ -121,8 +121,8 @@ def report(res: Any) -> str:
     res = sweep.load_sweep(res)
     out = ["# FedSAP ablations (papers/000)", ""]
 
-    def section(title: str, table: pd.DataFrame, note: str = "") -> None:
-        body = sweep.to_markdown(table) if len(table) else "No runs of this table in the folder."
+    def section(title: str, table: pd.DataFrame, note: str = "", empty: str = "No runs of this table in the folder.") -> None:
+        body = sweep.to_markdown(table) if len(table) else empty
         out.extend([f"## {title}", ""] + ([note, ""] if note else []) + [body, ""])
 
     section("Component ablation (Figure 4)", sweep.pm_table(figure4_table(res)),
@@ -140,7 +140,9 @@ def report(res: Any) -> str:
     motion = mask_motion_table(res)
     section("How the masks moved", motion.round(3),
             "Mean client-channels re-activated (Dropped -> active) and Global <-> Private switches per round; "
-            "coverage: share of trainable coordinates some client of the domain trained since round 1.")
+            "coverage: share of trainable coordinates some client of the domain trained since round 1.",
+            empty="No FedSAP run of the folder recorded its mask motion (rounds.n_reactivated, written since "
+                  "results schema 3).")
     section("Baselines", sweep.pm_table(baselines_table(res)))
     return "\n".join(out)
 
