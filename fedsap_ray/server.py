@@ -60,9 +60,8 @@ class Server:
         self.last_global = float("nan")
         self.last_summary: RoundSummary | None = None
         self.trainable = ctx.trainable
-        # union of every plan's coverage since initialisation (papers/003 Proposition 3), overall and per
-        # domain: the coordinates some client of that domain has trained (Proposition 3 per domain)
-        self.ever_covered = np.zeros_like(self.trainable)
+        # per domain, the union of its clients' plan coverage since initialisation (papers/003 Proposition 3
+        # per domain); every client has a domain, so the union over domains is the run's coverage
         self.domain_covered = {d: np.zeros_like(self.trainable) for d in ctx.federation.domains}
 
     @property
@@ -73,13 +72,12 @@ class Server:
     def metrics_state(self) -> dict[str, Any]:
         """The running metrics a checkpoint must carry so a resumed run writes the same rows."""
         return {"best_by_mode": dict(self.best_by_mode), "primary_mode": self.primary_mode,
-                "last_global": self.last_global, "ever_covered": self.ever_covered.copy(),
+                "last_global": self.last_global,
                 "domain_covered": {d: m.copy() for d, m in self.domain_covered.items()}}
 
     def restore_metrics(self, m: dict[str, Any]) -> None:
         self.best_by_mode = dict(m["best_by_mode"])
         self.primary_mode, self.last_global = m["primary_mode"], m["last_global"]
-        self.ever_covered = np.asarray(m["ever_covered"], dtype=bool).copy()
         self.domain_covered = {d: np.asarray(v, dtype=bool).copy() for d, v in m["domain_covered"].items()}
 
     def round(self, state: ServerState, t: int) -> ServerState:
@@ -90,10 +88,8 @@ class Server:
         for plan in plans.values():
             dom = self.domain_covered[self.ctx.federation.clients[plan.client_id].domain]
             if plan.mask is None:
-                self.ever_covered[:] = True
                 dom[:] = True
             else:
-                self.ever_covered |= plan.mask
                 dom |= plan.mask
         results = sorted(self.backend.train(plans), key=lambda r: r.client_id)
         missing = set(plans) - {r.client_id for r in results}
@@ -119,7 +115,8 @@ class Server:
         train_loss = float(sum(r.train_loss * r.n_samples for r in results) / max(n_total, 1))
         avg_cap = float(np.mean([p.capacity_used for p in plans.values()]))
         n_trainable = int(self.trainable.sum())
-        frozen = n_trainable - int((self.ever_covered & self.trainable).sum())
+        ever_covered = np.logical_or.reduce(list(self.domain_covered.values()))
+        frozen = n_trainable - int((ever_covered & self.trainable).sum())
         coverage = {d: int((m & self.trainable).sum()) / n_trainable for d, m in self.domain_covered.items()}
         common: dict[str, Any] = dict(round=t, avg_capacity=avg_cap, frozen_params=frozen, n_clients=len(results), bytes_up=bytes_up,
                                       bytes_down=bytes_down, train_loss=train_loss, round_wall_s=wall,

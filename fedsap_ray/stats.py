@@ -43,6 +43,16 @@ from fedsap_ray.models.space import ChannelSpace
 STAT_KEYS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")
 
 
+def dga_param_names(layout: ParamLayout, prefix: str) -> list[str]:
+    """The trainable parameters of the DGA layer ``prefix`` (Eq. 4's g_i), in layout order; a ValueError
+    naming the model's top-level modules when there are none."""
+    names = [n for n, p in zip(layout.names, layout.is_param) if p and n.startswith(f"{prefix}.")]
+    if not names:
+        tops = sorted({n.split(".")[0] for n in layout.names})
+        raise ValueError(f"no parameter starts with {prefix + '.'!r}; top-level modules are {tops}")
+    return names
+
+
 class ChannelStats:
     """Collect channel activations (forward hooks) and gradients (:meth:`after_backward`) over one epoch.
 
@@ -93,11 +103,10 @@ class ChannelStats:
         if "dga_gradient" in want:
             if not dga_prefix:
                 raise ValueError("ChannelStats: dga_gradient needs a dga_prefix (the layer whose gradient is sent)")
-            self._dga_names = [n for n, p in zip(layout.names, layout.is_param) if p and n.startswith(f"{dga_prefix}.")]
-            if not self._dga_names:
-                tops = sorted({n.split(".")[0] for n, _ in model.named_children()})
-                raise ValueError(f"ChannelStats: no parameter starts with {dga_prefix + '.'!r}; "
-                                 f"top-level modules are {tops}")
+            try:
+                self._dga_names = dga_param_names(layout, dga_prefix)
+            except ValueError as e:
+                raise ValueError(f"ChannelStats: {e}") from None
             grad_names += self._dga_names
         self._grad_params = {n: params[n] for n in dict.fromkeys(grad_names)}
         self._grad_sum = {n: torch.zeros_like(p, memory_format=torch.contiguous_format)
@@ -220,9 +229,7 @@ def probe_gradient(model: nn.Module, layout: ParamLayout, probe: dict, data: "Do
     n = len(data)
     gen = torch.Generator().manual_seed(int(probe["seed"]))
     idx = torch.randperm(n, generator=gen)[: min(n, int(probe["samples"]))]
-    names = [nm for nm, p in zip(layout.names, layout.is_param) if p and nm.startswith(f"{prefix}.")]
-    if not names:
-        raise ValueError(f"probe_gradient: no parameter starts with {prefix + '.'!r}")
+    names = dga_param_names(layout, prefix)
     model.zero_grad(set_to_none=True)
     x_all, y_all = as_input(data.x[idx]).to(device), data.y[idx].to(device)
     for s in range(0, len(idx), batch_size):

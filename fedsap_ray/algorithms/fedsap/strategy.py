@@ -77,6 +77,7 @@ from fedsap_ray.config import ConfigError
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, param_mask, tristate_param_masks
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.seeding import rng_for, seed_for
+from fedsap_ray.stats import dga_param_names
 
 MASK_MODES = ("dynamic", "fixed")
 DGA_LAYERS = ("conv1", "layer1", "layer2", "layer3")
@@ -144,11 +145,12 @@ class FedSAP(Strategy):
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)
-        layer = self.opts.dga_layer
-        if self.opts.dga != "none" and not any(n.startswith(f"{layer}.") for n in ctx.layout.names):
-            tops = sorted({n.split(".")[0] for n in ctx.layout.names})
-            raise ConfigError(f"invalid algorithm.dga_layer={layer!r}: model {ctx.cfg.model.name} has no such layer "
-                              f"(its top-level modules: {', '.join(tops)}); use algorithm.dga=none on it")
+        if self.opts.dga != "none":
+            try:
+                dga_param_names(ctx.layout, self.opts.dga_layer)
+            except ValueError as e:
+                raise ConfigError(f"invalid algorithm.dga_layer={self.opts.dga_layer!r}: model {ctx.cfg.model.name} "
+                                  f"has no such layer ({e}); use algorithm.dga=none on it") from None
 
     # --- schedule -------------------------------------------------------------------
     def in_warmup(self, t: int) -> bool:
@@ -255,7 +257,7 @@ class FedSAP(Strategy):
         if private is None:
             return state.params, stamp_g, np.zeros(stamp_g.size, dtype=bool)
         stamp_p = ex["stamp_p"][k]
-        take = (pmask & (stamp_p >= stamp_g)) | (gmask & (stamp_p > stamp_g))
+        take = _private_is_fresher(pmask, gmask, stamp_p, stamp_g)
         if not take.any():
             return state.params, stamp_g, take
         return np.where(take, private, state.params), np.where(take, stamp_p, stamp_g), take
@@ -413,7 +415,7 @@ class FedSAP(Strategy):
                     for c in fed.clients:
                         if groups[c.client_id] == k:
                             pm |= self._masks(ex["states"][c.client_id])[1]
-                    take = pm & (ex["stamp_p"][k] >= ex["stamp_g"])  # the Private copy where it is not older
+                    take = _private_is_fresher(pm, None, ex["stamp_p"][k], ex["stamp_g"])
                     if take.any():
                         model = np.where(take, private, state.params)
                 group_models[k] = model
@@ -435,6 +437,15 @@ class FedSAP(Strategy):
                                  keep_ratio=float((s != DROPPED).mean()), n_global=int((s == GLOBAL).sum()),
                                  n_private=int((s == PRIVATE).sum()), n_dropped=int((s == DROPPED).sum())))
         return rows
+
+
+def _private_is_fresher(pmask: np.ndarray, gmask: np.ndarray | None, stamp_p: np.ndarray,
+                        stamp_g: np.ndarray) -> np.ndarray:
+    """Where a model takes the group's Private copy rather than W_G (module docstring, role changes):
+    on Private coordinates unless W_G was trained more recently, on Global ones only when the Private
+    copy was (ties: the role's copy)."""
+    take = pmask & (stamp_p >= stamp_g)
+    return take if gmask is None else take | (gmask & (stamp_p > stamp_g))
 
 
 def _canonical(groups: np.ndarray) -> np.ndarray:
