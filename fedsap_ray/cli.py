@@ -107,6 +107,7 @@ def _run(args) -> int:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return 0
     from fedsap_ray.experiment import new_run_id, run_experiment
+    from fedsap_ray.results import run_files
     from fedsap_ray.progress import ProgressPrinter
 
     out = Path(args.out)
@@ -131,7 +132,7 @@ def _run(args) -> int:
         return 1
     print(f"run {outcome.run_id}: {outcome.status} in {outcome.wall_s:.1f}s; final global accuracy "
           f"{outcome.final_global_accuracy:.4f}, best {outcome.best_global_accuracy:.4f}; results in {out}/"
-          "{" + ",".join(written_tables(out, outcome.run_id)) + "}")
+          "{" + ",".join(f.parent.name for f in run_files(out, outcome.run_id)) + "}")
     return 0
 
 
@@ -140,13 +141,6 @@ def _print_notes(e: BaseException) -> None:
     written), after the original error, never instead of it."""
     for note in getattr(e, "__notes__", None) or []:
         print(f"fedsap-ray: also: {note}", file=sys.stderr)
-
-
-def written_tables(out: Path, run_id: str) -> list[str]:
-    """The result tables that hold a file of ``run_id`` in ``out`` (a FedAvg run writes no ``layers``)."""
-    from fedsap_ray.results import TABLES
-
-    return [t for t in TABLES if (out / t / f"{run_id}.parquet").is_file()]
 
 
 def _datasets(args) -> int:
