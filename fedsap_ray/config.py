@@ -162,9 +162,15 @@ class TrainingConfig:
     participation: float = 1.0  # fraction of clients sampled per round (papers/003: 0.5)
     eval_every: int = 1  # evaluate every this many rounds (the last round is always evaluated)
     max_steps_per_epoch: int | None = None  # cap on mini-batches per local epoch (None: full pass)
+    # also evaluate each client's deployed model (its own sub-model on its own domain; eval_mode 'deployed')
+    eval_deployed: bool = True
+    # deployed evaluation covers at most this many clients: above it, a seeded sample stratified by domain
+    eval_clients: int = 32
 
     def __post_init__(self) -> None:
-        for f in ("rounds", "local_epochs", "batch_size", "eval_every"):
+        if not isinstance(self.eval_deployed, bool):
+            _fail("training.eval_deployed", self.eval_deployed, "must be true or false")
+        for f in ("rounds", "local_epochs", "batch_size", "eval_every", "eval_clients"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 _fail(f"training.{f}", v, "must be an integer >= 1")

@@ -1,9 +1,24 @@
 """Held-out evaluation: per-domain top-1 accuracy and mean cross-entropy (the ``rounds`` table,
-docs/reference/results.md#rounds)."""
+docs/reference/results.md#rounds), for the server's models and for the model each client deploys.
+
+The ``deployed`` eval mode judges what a device would actually run: client i's own model at
+its own mask (:meth:`fedsap_ray.algorithms.base.Strategy.deployed_model`), on its own domain's
+test split. A masked full-size model with the uncovered coordinates zeroed computes exactly
+the physically sliced sub-model's outputs (a dropped channel's weights, BN scale and shift are
+zero, so its activation is zero; tests/test_deployed_eval.py checks it against the sliced model).
+Clients that would run identical parameters on one domain are evaluated once.
+
+Reading (docs/readings.md#deployed-evaluation): where the federation has one domain only (a
+label-skew partition of one dataset), "its own held-out share" is the domain's test split
+reweighted to the client's training label distribution: sum_k pi_ik acc_k, with acc_k the
+accuracy on test class k, i.e. the expected accuracy on test data drawn like the client's own.
+"""
 from __future__ import annotations
 
+import hashlib
 import queue
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,6 +44,90 @@ def evaluate(model: nn.Module, layout: ParamLayout, params: np.ndarray, data: Do
         loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
         correct += int((out.argmax(1) == y).sum())
     return correct / max(n, 1), loss_sum / max(n, 1)
+
+
+@torch.no_grad()
+def evaluate_by_class(model: nn.Module, layout: ParamLayout, params: np.ndarray, data: DomainData,
+                      device: torch.device, num_classes: int, batch_size: int = 1024) -> np.ndarray:
+    """Per test class: [n, correct, loss sum] (shape [num_classes, 3], float64) of ``params`` on ``data``."""
+    model.to(device)
+    layout.load_into(model, params)
+    model.eval()
+    out = torch.zeros(num_classes, 3, dtype=torch.float64)
+    for i in range(0, len(data), batch_size):
+        x = as_input(data.x[i:i + batch_size]).to(device)
+        y = data.y[i:i + batch_size].to(device)
+        logits = model(x)
+        loss = F.cross_entropy(logits, y, reduction="none").double().cpu()
+        hit = (logits.argmax(1) == y).double().cpu()
+        yc = y.cpu()
+        out[:, 0].index_add_(0, yc, torch.ones_like(hit))
+        out[:, 1].index_add_(0, yc, hit)
+        out[:, 2].index_add_(0, yc, loss)
+    return out.numpy()
+
+
+@dataclass(frozen=True)
+class DeployedModel:
+    """What client ``client_id`` would run: full-size ``params`` restricted to ``mask`` (None: all of it)."""
+
+    client_id: int
+    domain: str
+    params: np.ndarray
+    mask: np.ndarray | None
+
+
+def masked(params: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The full-size vector of the sub-model ``mask`` covers: uncovered coordinates zeroed."""
+    return params if mask is None else np.where(mask, params, np.float32(0.0)).astype(np.float32, copy=False)
+
+
+def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: list[DeployedModel],
+                      test: dict[str, DomainData], device: torch.device, num_classes: int,
+                      label_weights: dict[int, np.ndarray] | None = None) -> dict[int, tuple[float, float]]:
+    """(accuracy, loss) per client of its deployed model on its domain's test split.
+
+    ``label_weights`` (one domain only, module docstring): client id -> its training label counts;
+    the client's figures are then the class-wise figures weighted by its label distribution.
+    Identical (domain, parameters) pairs are evaluated once; domains run concurrently as in
+    :func:`evaluate_domains`, so the numbers do not depend on the number of scratch modules.
+    """
+    jobs: dict[tuple[str, bytes], np.ndarray] = {}
+    key_of: dict[int, tuple[str, bytes]] = {}
+    for m in models:
+        vec = masked(m.params, m.mask)
+        key = (m.domain, hashlib.blake2b(np.ascontiguousarray(vec).view(np.uint8), digest_size=16).digest())
+        jobs.setdefault(key, vec)
+        key_of[m.client_id] = key
+    pool: queue.SimpleQueue = queue.SimpleQueue()
+    for mod in scratch:
+        pool.put(mod)
+
+    def one(key: tuple[str, bytes]) -> np.ndarray:
+        mod = pool.get()
+        try:
+            return evaluate_by_class(mod, layout, jobs[key], test[key[0]], device, num_classes)
+        finally:
+            pool.put(mod)
+
+    keys = list(jobs)
+    if len(scratch) <= 1 or len(keys) <= 1:
+        tables = {k: one(k) for k in keys}
+    else:
+        with ThreadPoolExecutor(min(len(scratch), len(keys))) as ex:
+            tables = dict(zip(keys, ex.map(one, keys)))
+    out: dict[int, tuple[float, float]] = {}
+    for m in models:
+        t = tables[key_of[m.client_id]]
+        n, correct, loss = t[:, 0], t[:, 1], t[:, 2]
+        if label_weights is None:
+            out[m.client_id] = (float(correct.sum() / max(n.sum(), 1)), float(loss.sum() / max(n.sum(), 1)))
+            continue
+        w = np.asarray(label_weights[m.client_id], dtype=np.float64) * (n > 0)
+        w = w / w.sum() if w.sum() > 0 else (n > 0) / max(int((n > 0).sum()), 1)
+        safe = np.maximum(n, 1)
+        out[m.client_id] = (float((w * correct / safe).sum()), float((w * loss / safe).sum()))
+    return out
 
 
 def evaluate_domains(scratch: list[nn.Module], layout: ParamLayout, models: dict[str, np.ndarray],

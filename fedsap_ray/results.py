@@ -41,7 +41,8 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-SCHEMA_VERSION = 3  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated, n_role_switches
+SCHEMA_VERSION = 4  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+# n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*)
 GLOBAL_DOMAIN = "__global__"
 
 # (column, arrow type, description): the single place the columns are documented.
@@ -76,11 +77,20 @@ ROUNDS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("run_id", pa.string(), "run id"),
     ("round", pa.int64(), "communication round, 1-based"),
     ("domain", pa.string(), f"test domain, or '{GLOBAL_DOMAIN}' for the summary row"),
-    ("eval_mode", pa.string(), "which model was evaluated (e.g. 'global'; FedSAP adds 'group' and 'global_only')"),
+    ("eval_mode", pa.string(),
+     "which model was evaluated: 'global' (FedSAP: 'group' and 'global_only'; FedSPU adds 'personal'); "
+     "'deployed': each client's own model at its own mask on its own domain (training.eval_deployed)"),
     ("evaluated", pa.bool_(), "False on rounds skipped by eval_every (accuracy/loss null)"),
     ("accuracy", pa.float64(), "top-1 accuracy on the held-out set of this domain (global row: mean over domains)"),
     ("loss", pa.float64(), "mean cross-entropy on the held-out set (global row: mean over domains)"),
     ("n_test", pa.int64(), "held-out samples (global row: total)"),
+    ("n_eval_clients", pa.int64(),
+     "deployed mode: clients whose own model was evaluated for this row (domain: its clients; accuracy is their "
+     "sample-weighted mean); null for other modes"),
+    ("eval_clients_sampled", pa.bool_(),
+     "deployed mode: True when those clients are a seeded sample (more clients than training.eval_clients)"),
+    ("worst_client_accuracy", pa.float64(), "deployed mode: lowest accuracy of one client's own model in this row"),
+    ("worst_client_id", pa.int64(), "deployed mode: the client with that lowest accuracy"),
     ("global_accuracy", pa.float64(), "unweighted mean of domain accuracies at this round"),
     ("best_global_accuracy", pa.float64(), "best global accuracy up to this round"),
     ("worst_domain_accuracy", pa.float64(), "lowest domain accuracy at this round"),

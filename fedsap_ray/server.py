@@ -16,9 +16,12 @@ import numpy as np
 from torch import nn
 
 from fedsap_ray.algorithms.base import RunContext, Strategy
-from fedsap_ray.evaluate import evaluate_domains, summarise
+from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_domains, summarise
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.results import GLOBAL_DOMAIN, RunWriter
+from fedsap_ray.seeding import rng_for
+
+DEPLOYED = "deployed"  # the eval mode of each client's own model (fedsap_ray.evaluate)
 
 
 class Backend(Protocol):
@@ -46,6 +49,8 @@ class RoundSummary:
     wall_s: float
     per_domain: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # the strategy's round columns (e.g. DGA groups, ARI)
+    deployed_accuracy: float | None = None  # the 'deployed' eval mode's global figure (None: not evaluated)
+    worst_client_accuracy: float | None = None  # ... and its worst client
 
 
 class Server:
@@ -63,6 +68,7 @@ class Server:
         # per domain, the union of its clients' plan coverage since initialisation (papers/003 Proposition 3
         # per domain); every client has a domain, so the union over domains is the run's coverage
         self.domain_covered = {d: np.zeros_like(self.trainable) for d in ctx.federation.domains}
+        self.deployed_clients, self.deployed_sampled = deployed_sample(ctx)
 
     @property
     def best(self) -> float:
@@ -103,11 +109,58 @@ class Server:
             for mode, models in self.strategy.eval_sets(new_state).items():
                 by_mode[mode] = evaluate_domains(self.eval_scratch, self.ctx.layout, models,
                                                  self.ctx.federation.test, self.device)
-        summary = self._record(new_state, t, plans, results, by_mode, time.perf_counter() - t0)
+        deployed = self._evaluate_deployed(new_state) if evaluated and cfg.training.eval_deployed else {}
+        summary = self._record(new_state, t, plans, results, by_mode, deployed, time.perf_counter() - t0)
         self.last_summary = summary
         return new_state
 
-    def _record(self, state, t, plans, results, by_mode, wall) -> RoundSummary:
+    def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
+        """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.evaluate)."""
+        fed = self.ctx.federation
+        models = []
+        for cid in self.deployed_clients:
+            params, mask = self.strategy.deployed_model(state, cid)
+            models.append(DeployedModel(cid, fed.clients[cid].domain, params, mask))
+        weights = ({c.client_id: c.label_counts for c in fed.clients} if len(fed.domains) == 1 else None)
+        return evaluate_deployed(self.eval_scratch, self.ctx.layout, models, fed.test, self.device,
+                                 fed.num_classes, weights)
+
+    def _deployed_rows(self, per_client: dict[int, tuple[float, float]], common: dict[str, Any],
+                       coverage: dict[str, float], run_coverage: float) -> list[dict[str, Any]]:
+        """Per domain: the sample-weighted mean over its evaluated clients and its worst client; the global
+        row: the unweighted mean over domains (as for the other modes) and the worst client overall."""
+        fed = self.ctx.federation
+        by_domain: dict[str, list[int]] = {}
+        for cid in per_client:
+            by_domain.setdefault(fed.clients[cid].domain, []).append(cid)
+        per_domain: dict[str, tuple[float, float]] = {}
+        rows = []
+        for d in fed.domains:
+            ids = by_domain.get(d)
+            if not ids:
+                continue
+            w = np.array([fed.clients[c].n_samples for c in ids], dtype=np.float64)
+            w = w / w.sum() if w.sum() > 0 else np.full(len(ids), 1.0 / len(ids))
+            acc = float(sum(wi * per_client[c][0] for wi, c in zip(w, ids)))
+            loss = float(sum(wi * per_client[c][1] for wi, c in zip(w, ids)))
+            per_domain[d] = (acc, loss)
+            worst = min(ids, key=lambda c: (per_client[c][0], c))
+            rows.append(dict(domain=d, accuracy=acc, loss=loss, n_test=len(fed.test[d]), n_eval_clients=len(ids),
+                             worst_client_id=worst, worst_client_accuracy=per_client[worst][0]))
+        s = summarise(per_domain)
+        prev = self.best_by_mode.get(DEPLOYED, float("nan"))
+        best = s["global_accuracy"] if np.isnan(prev) else max(prev, s["global_accuracy"])
+        self.best_by_mode[DEPLOYED] = best
+        worst = min(per_client, key=lambda c: (per_client[c][0], c))
+        rows.append(dict(domain=GLOBAL_DOMAIN, accuracy=s["global_accuracy"], loss=s["loss"],
+                         n_test=sum(len(fed.test[d]) for d in per_domain), n_eval_clients=len(per_client),
+                         worst_client_id=worst, worst_client_accuracy=per_client[worst][0]))
+        g = dict(global_accuracy=s["global_accuracy"], best_global_accuracy=best,
+                 worst_domain_accuracy=s["worst_domain_accuracy"])
+        return [dict(eval_mode=DEPLOYED, evaluated=True, eval_clients_sampled=self.deployed_sampled,
+                     domain_coverage=coverage.get(r["domain"], run_coverage), **r, **g, **common) for r in rows]
+
+    def _record(self, state, t, plans, results, by_mode, deployed, wall) -> RoundSummary:
         fed = self.ctx.federation
         n_total = sum(r.n_samples for r in results)
         bytes_up = sum(r.bytes_up + plans[r.client_id].side_bytes_up for r in results)
@@ -141,6 +194,10 @@ class Server:
             rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode=mode, evaluated=True, accuracy=s["global_accuracy"],
                              loss=s["loss"], n_test=sum(len(v) for v in fed.test.values()),
                              domain_coverage=1.0 - frozen / n_trainable, **g, **common))
+        deployed_global: dict[str, Any] = {}
+        if deployed:
+            rows.extend(self._deployed_rows(deployed, common, coverage, 1.0 - frozen / n_trainable))
+            deployed_global = rows[-1]
         if not by_mode:
             rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode=None, evaluated=False,
                              best_global_accuracy=None if np.isnan(self.best) else self.best,
@@ -167,5 +224,25 @@ class Server:
                             best_global_accuracy=self.best, worst_domain=worst_dom, worst_domain_accuracy=worst,
                             avg_capacity=avg_cap, bytes_up=bytes_up, bytes_down=bytes_down, train_loss=train_loss,
                             wall_s=wall, per_domain={d: a for d, (a, _) in per_domain.items()},
-                            extra=self.strategy.round_columns(state))
+                            extra=self.strategy.round_columns(state),
+                            deployed_accuracy=deployed_global.get("accuracy"),
+                            worst_client_accuracy=deployed_global.get("worst_client_accuracy"))
 
+
+
+def deployed_sample(ctx: RunContext) -> tuple[list[int], bool]:
+    """(clients whose deployed model is evaluated, whether that is a sample): every client up to
+    ``training.eval_clients``; above it, a seeded sample fixed for the whole run (so curves compare round
+    to round), stratified by domain (each domain gets its share, at least one client)."""
+    fed, cfg = ctx.federation, ctx.cfg
+    n, k = len(fed.clients), cfg.training.eval_clients
+    if n <= k:
+        return list(range(n)), False
+    rng = rng_for(cfg.seed, 0, -1, "deployed-eval")
+    chosen: list[int] = []
+    for d in fed.domains:
+        ids = [c.client_id for c in fed.clients if c.domain == d]
+        if ids:
+            take = min(len(ids), max(1, int(round(k * len(ids) / n))))
+            chosen.extend(int(i) for i in rng.choice(ids, size=take, replace=False))
+    return sorted(chosen), True

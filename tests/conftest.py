@@ -151,8 +151,10 @@ def two_runs_fixture(overrides, name: str = "two_runs"):
 
 
 def global_rows(res) -> pd.DataFrame:
-    """The ``rounds`` rows of the global (all-domain) evaluation."""
-    return res.rounds[res.rounds.domain == results.GLOBAL_DOMAIN]
+    """The ``rounds`` rows of the global (all-domain) evaluation of the strategy's own models (the
+    ``deployed`` rows, one more per evaluated round, are left out)."""
+    r = res.rounds
+    return r[(r.domain == results.GLOBAL_DOMAIN) & (r.eval_mode != "deployed")]
 
 
 def assert_finite_global_accuracy(res, rounds: int) -> None:

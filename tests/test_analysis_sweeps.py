@@ -112,6 +112,36 @@ def test_per_run_accuracy_reads_the_primary_mode_up_to_the_last_evaluated_round(
     assert cmp.loc["a-s0", "mnist"] == pytest.approx(0.95) and "c-s0" not in cmp.index
 
 
+def test_comparison_reports_the_deployed_models_and_the_compute_beside_the_global_model(tmp_path) -> None:
+    """Deployed best/final/worst client from the 'deployed' global rows only; GMACs from clients.train_macs."""
+    runs = [run_row("a-s0", "heterofl", 0), run_row("a-s1", "heterofl", 1)]
+    rounds = round_rows("a-s0", [0.5, 0.6]) + round_rows("a-s1", [0.7, 0.8])
+    for rid, accs, worst in (("a-s0", [0.3, 0.2], 0.1), ("a-s1", [0.4, 0.5], 0.25)):
+        for t, a in enumerate(accs, start=1):
+            rounds.append({"run_id": rid, "round": t, "eval_mode": "deployed", "evaluated": True, "domain": G,
+                           "accuracy": a, "global_accuracy": a, "worst_client_accuracy": worst if t == 2 else 0.0})
+            rounds.append({"run_id": rid, "round": t, "eval_mode": "deployed", "evaluated": True, "domain": "mnist",
+                           "accuracy": 0.99, "global_accuracy": a})  # a domain row: never the global figure
+    clients = [{"run_id": "a-s0", "round": 1, "client_id": 0, "train_macs": 2_000_000_000},
+               {"run_id": "a-s0", "round": 1, "client_id": 1, "train_macs": 4_000_000_000},
+               {"run_id": "a-s1", "round": 1, "client_id": 0, "train_macs": 3_000_000_000}]
+    res = make(runs, rounds, clients)
+    pr = comparison.per_run(res).set_index("run_id")
+    assert pr.loc["a-s0", "global"] == pytest.approx(0.6)  # the primary mode, not the deployed rows
+    assert pr.loc["a-s0", "deployed"] == pytest.approx(0.3) and pr.loc["a-s0", "deployed_final"] == pytest.approx(0.2)
+    assert pr.loc["a-s0", "worst_client"] == pytest.approx(0.1)
+    assert pr.loc["a-s0", "train_gmacs"] == pytest.approx(3.0) and pr.loc["a-s0", "max_train_gmacs"] == pytest.approx(4.0)
+    t = comparison.table1(res).loc["heterofl"]
+    assert t["deployed"] == pytest.approx(0.4) and t["deployed_std"] == pytest.approx(sample_std(0.3, 0.5))
+    assert t["train_gmacs"] == pytest.approx(3.0) and t["max_train_gmacs"] == pytest.approx(4.0)
+    md = comparison.to_markdown(comparison.table1(res))
+    assert "| 40.00 ± 14.14 | 35.00 | 17.50 | 3.00 (4.00) |" in md
+    fig = comparison.compute_figure(res, tmp_path / "f.png")
+    assert (tmp_path / "f.png").stat().st_size > 0 and len(fig.axes[0].collections) == 2  # deployed + full-width
+    with pytest.raises(sweep.MissingData):
+        comparison.compute_figure(make(runs, rounds))
+
+
 def test_mean_std_is_the_sample_std_over_seeds_in_first_appearance_order() -> None:
     df = pd.DataFrame({"v": ["z", "z", "a", "z"], "seed": [0, 1, 0, 2], "x": [0.5, 0.7, 0.3, 0.6],
                        "y": [1.0, 2.0, 3.0, 6.0]})

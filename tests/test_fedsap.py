@@ -194,7 +194,7 @@ def test_smoke_exercises_every_mechanism_and_records_it(smoke, fed):
     dga_rows = res.rounds.dropna(subset=["n_groups"]).drop_duplicates("round")
     assert len(dga_rows) >= 2  # at least two DGA regroupings
     assert dga_rows["ari_domain"].between(-1, 1).all() and dga_rows["ari_capacity"].between(-1, 1).all()
-    assert set(res.rounds["eval_mode"].dropna()) == {"group", "global_only"}
+    assert set(res.rounds["eval_mode"].dropna()) == {"group", "global_only", "deployed"}
     c = res.clients
     assert c["pseudo_group"].notna().all()
     assert ((c["n_global"] + c["n_private"] + c["n_dropped"]) > 0).all()

@@ -28,6 +28,8 @@ def test_tables_have_design_columns(tmp_path, tiny_fed):
     cfg, outcome = _run(tmp_path, tiny_fed, ["algorithm.width=capacity"])
     assert outcome.status == "finished"
     rounds = pd.read_parquet(tmp_path / "rounds")
+    assert set(rounds.eval_mode) == {"global", "deployed"}
+    rounds = rounds[rounds.eval_mode == "global"]
     for col in ["run_id", "round", "domain", "accuracy", "loss", "global_accuracy", "best_global_accuracy",
                 "worst_domain_accuracy", "avg_capacity", "bytes_up", "bytes_down", "round_wall_s"]:
         assert col in rounds.columns

@@ -184,8 +184,11 @@ def test_main_comparison_table_matches_a_direct_computation(smoke_study):
     table = table1(res)
     r = res.rounds[(res.rounds["run_id"] == "fedmp-s0") & res.rounds["evaluated"]]
     assert table.loc["FedMP", "street"] == pytest.approx(r[r["domain"] == "street"]["accuracy"].max())
-    g = r[r["domain"] == "__global__"]
+    g = r[(r["domain"] == "__global__") & (r["eval_mode"] == "global")]
     assert table.loc["FedMP", "global"] == pytest.approx(g["accuracy"].max())
+    d = r[(r["domain"] == "__global__") & (r["eval_mode"] == "deployed")].sort_values("round")
+    assert table.loc["FedMP", "deployed"] == pytest.approx(d["accuracy"].max())
+    assert table.loc["FedMP", "deployed_final"] == pytest.approx(d["accuracy"].iloc[-1])
     # methods beyond the paper's table are marked by what their clients trained
     md = to_markdown(table)
     assert "| hasfl | ✓ |" in md and "| scaffold | ✗ |" in md and "| FedSPU | ✗ |" in md

@@ -72,6 +72,18 @@ class Strategy(ABC):
         """Models to evaluate, by ``eval_mode``; the first mode drives global/best accuracy."""
         return {"global": self.eval_models(state)}
 
+    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(full-size parameters, parameter mask or None) of the model client ``client_id`` would run on its
+        device once the round that produced ``state`` is over (the ``deployed`` eval mode,
+        :mod:`fedsap_ray.evaluate`).
+
+        Default: the global model, whole (full-model methods). Sub-model methods return the model and
+        mask the client would receive next (:class:`~fedsap_ray.algorithms.nested.SubModelStrategy`),
+        FedSAP its Eq. 9 model at its active channels, FedSPU its personal model, DapperFL its pruned
+        model. Must not change ``state``.
+        """
+        return state.params, None
+
     def round_columns(self, state: ServerState) -> dict[str, Any]:
         """Extra columns for this round's ``rounds`` rows (e.g. FedSAP's DGA n_groups / ARI)."""
         return {}

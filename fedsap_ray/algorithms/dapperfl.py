@@ -37,8 +37,9 @@ pruned weights refilled from the previous global model before the weighted avera
   initialisation, which carries no knowledge of the other domains that the fusion exists to inject.
 - DAR as the squared l2 norm (the form of papers/000 Eq. 7; docs/readings.md#baselines-of-fedsaps-table-1); the
   reference code regularises the unsquared norm mean_x ||z||_2.
-- Stateless clients: nothing is kept between rounds except the global model (DapperFL's local model
-  of round t is built from W^{t-1} in round t), so ``ServerState.extra`` stays empty.
+- Stateless clients: nothing a client trains is kept between rounds except the global model (DapperFL's
+  local model of round t is built from W^{t-1} in round t). ``ServerState.extra["kept"]`` only records
+  each client's last kept channels, for the ``deployed`` evaluation of the pruned model it runs.
 
 Defaults (reference code ``main.py``, used for its Digits and Office-Caltech runs, whose protocol
 papers/000 follows): alpha_0 = 0.9, alpha_min = 0.1, epsilon = 0.2, DAR weight gamma = 0.01
@@ -277,7 +278,26 @@ class DapperFL(Strategy):
             acc += float(r.n_samples) * reconstruct(prev, full, pmask).astype(np.float64)
             wsum += float(r.n_samples)
         params = prev.copy() if wsum <= 0 else (acc / wsum).astype(np.float32)
-        return ServerState(round=t, params=params, extra=dict(state.extra))
+        extra = dict(state.extra)
+        # each client's last kept channels: the mask of the pruned model it deploys (deployed_model)
+        extra["kept"] = {**state.extra.get("kept", {}),
+                         **{r.client_id: np.asarray(r.stats[MASK_KEY], dtype=bool) for r in results}}
+        return ServerState(round=t, params=params, extra=extra)
+
+    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The pruned model the device runs: the global model at the channels the client kept in its last
+        round (its MFP choice, step 4); before it ever trained, the largest-l1 filters of the global model
+        at its keep ratio (the same criterion, without a local model to fuse)."""
+        space = self.ctx.space
+        kept = state.extra.get("kept", {}).get(client_id)
+        if kept is not None:
+            cmasks: ChannelMasks = unpack_channel_masks(space, kept)
+        else:
+            keep = self.keep_ratio(client_id)
+            if keep >= 1.0:
+                return state.params, None
+            cmasks = l1_channel_masks(space, self.ctx.layout, state.params, keep)
+        return state.params, param_mask(space, self.ctx.layout, cmasks)
 
     def upload_mask_of(self, r: ClientResult, t: int) -> np.ndarray:
         """The parameter mask of the client's pruned model, from the kept channels it reported."""

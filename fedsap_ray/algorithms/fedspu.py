@@ -172,6 +172,11 @@ class FedSPU(Strategy):
         extra["personal"] = personal
         return ServerState(round=t, params=params, extra=extra)
 
+    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The client's personal model w_i, whole: FedSPU devices run the full network (frozen neurons
+        stay in it)."""
+        return self.personal_model(state, client_id), None
+
     def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
         """``global`` first (drives global accuracy), then each domain's ``personal`` model."""
         return {"global": self.eval_models(state), "personal": self.personal_eval_models(state)}

@@ -108,6 +108,13 @@ class SubModelStrategy(Strategy):
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         return {"macs_per_sample": self.mask_macs(plan.mask)}
 
+    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The sub-model the client would receive in the next round: its width (nested), its pruned
+        filters (FedMP), its next random draw (FedDrop), from the global model ``state`` holds. Masks are
+        pure in (state, client, round), so this is exactly the next round's plan, whether or not the
+        client is sampled then."""
+        return state.params, self.sub_model(state, client_id, state.round + 1)[0]
+
     def mask_macs(self, mask: np.ndarray | None) -> int:
         """Multiply-accumulates per sample of the sub-model a parameter mask covers (papers/003 Table 1).
 

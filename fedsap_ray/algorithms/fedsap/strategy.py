@@ -246,6 +246,12 @@ class FedSAP(Strategy):
         each active coordinate from the fresher of its two copies (module docstring)."""
         return self._client_view(state, cid)[0]
 
+    def deployed_model(self, state: ServerState, cid: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Eq. 9's W_i at the client's active channels (M_G | M_P of its next-round states): the model
+        it would train and run next."""
+        gmask, pmask = self._masks(state.extra["states"][cid])
+        return self.client_model(state, cid), gmask | pmask
+
     def _client_view(self, state: ServerState, cid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(Eq. 9 model, round each coordinate's value was last aggregated, where it comes from the
         group's Private vector)."""

@@ -1,0 +1,176 @@
+"""The ``deployed`` eval mode: each client's own model at its own mask, on its own domain.
+
+The central check is by hand: for every registered strategy, a client's deployed accuracy equals
+building its physically sliced sub-model (only the active channels, a smaller network) and evaluating
+that directly. Also: the per-domain rows are the sample-weighted mean of the domain's clients with its
+worst client, full-model methods deploy the global model, sub-model methods deploy something else, a
+single-domain federation weights the test classes by the client's labels, and large federations are
+sampled (and say so).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedsap_ray import algorithms, results
+from fedsap_ray.config import build_config
+from fedsap_ray.data.base import DomainData
+from fedsap_ray.evaluate import DeployedModel, evaluate, evaluate_deployed
+from fedsap_ray.experiment import run_experiment
+from fedsap_ray.masks import channel_mask_counts, extract_substate, param_mask
+from fedsap_ray.models import build_model
+from fedsap_ray.server import DEPLOYED, deployed_sample
+from conftest import federation_fixture, make_strategy, run_rounds
+
+TINY = ["data.num_clients=5", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
+        "training.batch_size=16", "training.max_steps_per_epoch=2"]
+fed = federation_fixture(TINY)
+CPU = torch.device("cpu")
+
+STRATEGIES = algorithms.names()
+# at their defaults these train (and so deploy) the full model on every client; FedAvg / FedProx also run
+# with width=capacity, which the second parametrisation covers
+FULL_MODEL = {"fedavg", "fedprox", "moon", "fpl", "scaffold", "fedsr", "fedspu"}
+# NeFL width-only: its depth option skips residual branches, which no smaller dense network has (the
+# masked evaluation still runs the skipped branch as zero, i.e. as the identity)
+WIDTH_ONLY = {"nefl": ("algorithm.depth_share=0",)}
+CASES = ([(n, WIDTH_ONLY.get(n, ())) for n in STRATEGIES]
+         + [(n, ("algorithm.width=capacity",)) for n in ("fedavg", "fedprox")])
+
+
+def channel_masks_of(space, layout, pmask: np.ndarray) -> dict[str, np.ndarray]:
+    """The active channels of a parameter mask: channel c is active iff some entry of its slice of the
+    layer's first output tensor is covered (an entry also needs its input channel active)."""
+    out = {}
+    for layer in space.layers:
+        ax = layer.out[0]
+        vec = layout.slice(ax.name, pmask)
+        vec = vec.reshape(layout.shapes[layout.index(ax.name)])
+        per_entry = np.moveaxis(vec, ax.axis, 0).reshape(vec.shape[ax.axis], -1).any(axis=1)
+        out[layer.name] = np.array([per_entry[ax.indices(np.array([c]), layer.channels)].any()
+                                    for c in range(layer.channels)])
+    return out
+
+
+def sliced_accuracy(ctx, params: np.ndarray, mask: np.ndarray | None, data: DomainData) -> float:
+    """Accuracy of the physically sliced sub-model: a network built with only the active channels."""
+    full = build_model(ctx.cfg.model.name, num_classes=ctx.federation.num_classes,
+                       input_shape=ctx.federation.input_shape, width_mult=ctx.cfg.model.width_mult,
+                       vocab_size=ctx.federation.vocab_size)
+    ctx.layout.load_into(full, params)
+    if mask is None:
+        return evaluate(full, ctx.layout, params, data, CPU)[0]
+    cm = channel_masks_of(ctx.space, ctx.layout, mask)
+    assert param_mask(ctx.space, ctx.layout, cm).sum() == mask.sum(), "the mask is not a channel sub-model"
+    sub = build_model(ctx.cfg.model.name, num_classes=ctx.federation.num_classes,
+                      input_shape=ctx.federation.input_shape, width_mult=ctx.cfg.model.width_mult,
+                      vocab_size=ctx.federation.vocab_size, channels=channel_mask_counts(cm))
+    sub.load_state_dict(extract_substate(ctx.space, full.state_dict(), cm))
+    sub.eval()
+    with torch.no_grad():
+        from fedsap_ray.data.base import as_input
+        pred = sub(as_input(data.x)).argmax(1)
+    return float((pred == data.y).double().mean())
+
+
+@pytest.mark.parametrize("name,extra", CASES)
+def test_deployed_accuracy_equals_the_sliced_sub_model(name, extra, fed):
+    cfg = build_config(preset="smoke", overrides=[f"algorithm.name={name}", *TINY, *extra])
+    ctx, strat, states = run_rounds(cfg, fed, 2)
+    state = states[-1]
+    models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]
+    got = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes)
+    for m in models:
+        want = sliced_accuracy(ctx, m.params, m.mask, fed.test[m.domain])
+        assert got[m.client_id][0] == pytest.approx(want, abs=1e-9), (name, m.client_id)
+    small = [c.client_id for c in fed.clients if c.capacity < 1]
+    masks = [models[c].mask for c in small]
+    if name in FULL_MODEL and "algorithm.width=capacity" not in extra:  # full-model methods deploy the full model
+        assert all(mk is None for mk in masks)
+    else:  # sub-model methods: a client below full capacity deploys a strict sub-model
+        assert small and all(mk is not None and mk.sum() < ctx.layout.size for mk in masks), name
+
+
+def test_a_narrow_clients_deployed_model_is_its_width_not_the_global_model(fed):
+    """HeteroFL at round 0: the global model and a 0.2-width client's model give different predictions."""
+    cfg = build_config(preset="smoke", overrides=["algorithm.name=heterofl", *TINY])
+    ctx, strat = make_strategy(cfg, fed)
+    state = strat.init_state()
+    cid = min(fed.clients, key=lambda c: c.capacity).client_id
+    params, mask = strat.deployed_model(state, cid)
+    assert mask is not None
+    width = strat.width_for(state, cid, 1)
+    assert mask.sum() == strat.nested_mask(width)[0].sum()
+
+
+def test_domain_rows_are_the_sample_weighted_mean_with_the_worst_client(tmp_path):
+    out = tmp_path / "r"
+    run_experiment(build_config(preset="smoke", overrides=["algorithm.name=heterofl", *TINY, "training.rounds=2"]),
+                   out=out, run_id="d")
+    rounds = results.load(out).rounds
+    last = rounds[(rounds["round"] == 2) & (rounds.eval_mode == DEPLOYED)].set_index("domain")
+    other = rounds[(rounds["round"] == 2) & (rounds.eval_mode == "global")]
+    assert len(other) and len(last) == len(other)  # one row per domain + the global row, like every mode
+    assert not last.eval_clients_sampled.any()
+    assert last.loc[results.GLOBAL_DOMAIN, "n_eval_clients"] == 5
+    assert last.drop(results.GLOBAL_DOMAIN).n_eval_clients.sum() == 5
+    dom = last.drop(results.GLOBAL_DOMAIN)
+    assert last.loc[results.GLOBAL_DOMAIN, "accuracy"] == pytest.approx(dom.accuracy.mean())
+    assert (dom.worst_client_accuracy <= dom.accuracy + 1e-12).all()
+    assert last.loc[results.GLOBAL_DOMAIN, "worst_client_accuracy"] == pytest.approx(dom.worst_client_accuracy.min())
+
+
+def test_the_per_domain_figure_weights_clients_by_their_samples():
+    """Two clients of one domain with different models: 3 x 1.0 and 1 x 0.0 samples -> 0.75."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    from fedsap_ray.masks import ParamLayout
+    layout = ParamLayout.from_model(model)
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    data = DomainData(x=x, y=torch.tensor([0, 1]))
+    right = np.array([10, 0, 0, 10, 0, 0], dtype=np.float32)  # identity: both right
+    wrong = np.array([0, 10, 10, 0, 0, 0], dtype=np.float32)  # swapped: both wrong
+    got = evaluate_deployed([model], layout, [DeployedModel(0, "d", right, None), DeployedModel(1, "d", wrong, None)],
+                            {"d": data}, CPU, 2)
+    assert got[0][0] == 1.0 and got[1][0] == 0.0
+
+
+def test_single_domain_clients_are_judged_on_their_own_label_mix():
+    """One domain: class 0 always right, class 1 always wrong; a client holding only class 0 gets 1.0, one
+    holding 1:3 of classes 0:1 gets 0.25, whatever the test split's own class balance."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    from fedsap_ray.masks import ParamLayout
+    layout = ParamLayout.from_model(model)
+    params = np.array([10, 0, 10, 0, 0, 0], dtype=np.float32)  # always predicts class 0
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
+    data = DomainData(x=x, y=torch.tensor([0, 1, 1, 1]))
+    models = [DeployedModel(0, "d", params, None), DeployedModel(1, "d", params, None)]
+    weights = {0: np.array([5, 0]), 1: np.array([1, 3])}
+    got = evaluate_deployed([model], layout, models, {"d": data}, CPU, 2, weights)
+    assert got[0][0] == pytest.approx(1.0)
+    assert got[1][0] == pytest.approx(0.25)
+    plain = evaluate_deployed([model], layout, models, {"d": data}, CPU, 2)
+    assert plain[0][0] == pytest.approx(0.25)  # unweighted: the split's own balance (1 of 4 right)
+
+
+def test_large_federations_evaluate_a_fixed_stratified_sample(fed):
+    cfg = build_config(preset="smoke", overrides=[*TINY, "training.eval_clients=2"])
+    ctx, _ = make_strategy(cfg, fed)
+    ids, sampled = deployed_sample(ctx)
+    assert sampled and 2 <= len(ids) < len(fed.clients)
+    assert ids == deployed_sample(ctx)[0]  # seeded: the same clients every round
+    doms = {fed.clients[i].domain for i in ids}
+    assert doms == set(fed.domains)  # every domain keeps at least one client
+    cfg_all = build_config(preset="smoke", overrides=TINY)
+    assert deployed_sample(make_strategy(cfg_all, fed)[0]) == (list(range(len(fed.clients))), False)
+
+
+def test_deployed_evaluation_can_be_switched_off(tmp_path):
+    out = tmp_path / "r"
+    run_experiment(build_config(preset="smoke", overrides=[*TINY, "algorithm.name=fedavg", "training.rounds=1",
+                                                           "training.eval_deployed=false"]), out=out, run_id="n")
+    rounds = results.load(out).rounds
+    assert DEPLOYED not in set(rounds.eval_mode.dropna())
+    assert isinstance(rounds, pd.DataFrame)
