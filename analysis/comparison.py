@@ -32,10 +32,12 @@ from fedsap_ray import results
 
 GLOBAL = results.GLOBAL_DOMAIN
 DEPLOYED = "deployed"
-# papers/000 Table 1 rows, in its order: (label, registry name, marked with system heterogeneity)
+# papers/000 Table 1 rows, in its order: (label, registry name, marked with system heterogeneity). papers/000's
+# "FedDrop" row is Adaptive Federated Dropout; ours runs plain Federated Dropout by default, so it is labelled
+# "FedDrop (FD)" (selection=afd: "FedDrop (AFD)", unvalidated; fedsap_ray/algorithms/feddrop.py)
 TABLE1 = [
     ("FedAvg", "fedavg", False), ("MOON", "moon", False), ("FedSR", "fedsr", False), ("FPL", "fpl", False),
-    ("FedSPU", "fedspu", False), ("FedDrop", "feddrop", True), ("FedProx", "fedprox", True), ("FedMP", "fedmp", True),
+    ("FedSPU", "fedspu", False), ("FedDrop (FD)", "feddrop", True), ("FedProx", "fedprox", True), ("FedMP", "fedmp", True),
     ("NeFL", "nefl", True), ("DapperFL", "dapperfl", True), ("FedSAP", "fedsap", True),
 ]
 LABEL = {name: label for label, name, _ in TABLE1}
@@ -53,6 +55,8 @@ def method_of(config: dict[str, Any]) -> str:
         return "FedAvg (sub-models)"
     if algo["name"] == "fedprox" and width != "capacity":
         return "FedProx (full model)"
+    if algo["name"] == "feddrop" and (algo.get("options") or {}).get("selection") == "afd":
+        return "FedDrop (AFD)"
     return label
 
 

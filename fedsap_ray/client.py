@@ -24,7 +24,9 @@ clipping never rescales the control variate), and the optimizer adds weight deca
 ``step``. Only nn.Parameters get a correction (BatchNorm running statistics are not
 trained by gradients), and coordinates outside ``plan.mask`` get none. Without a control
 the arithmetic is exactly the plain loop's. ``ClientResult.steps`` counts the optimizer
-steps taken over all local epochs (SCAFFOLD's K).
+steps taken over all local epochs (SCAFFOLD's K) and ``ClientResult.samples_seen`` the samples in
+their batches (skipped size-1 batches and steps beyond ``max_steps_per_epoch`` not counted), from
+which the strategy computes the ``train_macs`` column (:meth:`Strategy.train_macs`).
 
 Statistics: when ``plan.stats`` names any of :data:`KNOWN_STATS`, a
 :class:`fedsap_ray.stats.ChannelStats` watches the LAST local epoch (forward hooks on the
@@ -110,6 +112,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
                  if plan.stats else None)
     collector: ChannelStats | None = None
     steps = 0
+    seen = 0  # samples in the batches of the steps taken (ClientResult.samples_seen)
     try:
         for epoch in range(plan.local_epochs):
             if stats_all is not None and epoch == plan.local_epochs - 1:
@@ -144,6 +147,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
                 if objective is not None:
                     objective.after_step(model)
                 losses.append(float(loss.detach()))
+                seen += len(idx)
                 steps += 1
                 if plan.max_steps_per_epoch is not None and steps >= plan.max_steps_per_epoch:
                     break
@@ -168,6 +172,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     return ClientResult(
         client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
         n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0, steps=len(losses),
+        samples_seen=seen,
     )
 
 

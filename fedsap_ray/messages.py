@@ -70,12 +70,13 @@ class ClientResult:
     worker: str = "local"
     gpu_id: int | None = None
     steps: int = 0  # optimizer steps taken over all local epochs (SCAFFOLD's K)
+    samples_seen: int = 0  # samples in the batches of those steps (train_macs: Strategy.train_macs)
 
     def __post_init__(self) -> None:
         if self.values.dtype != np.float32 or self.values.ndim != 1:
             raise TypeError(f"ClientResult(client {self.client_id}, round {self.round}): values must be a 1-D float32 array")
-        if self.n_samples < 0:
-            raise ValueError(f"ClientResult(client {self.client_id}, round {self.round}): n_samples < 0")
+        if self.n_samples < 0 or self.samples_seen < 0:
+            raise ValueError(f"ClientResult(client {self.client_id}, round {self.round}): n_samples or samples_seen < 0")
 
     @property
     def bytes_up(self) -> int:

@@ -130,8 +130,15 @@ CLIENTS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
     ("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.)"),
     ("n_samples", pa.int64(), "local training samples"),
     ("train_loss", pa.float64(), "mean local training loss over the round's steps"),
-    ("params_trained", pa.int64(), "parameters (float state incl. BN stats) the client trained"),
-    ("macs_per_sample", pa.int64(), "multiply-accumulates per sample of the trained sub-model (null if unknown)"),
+    ("params_trained", pa.int64(), "trainable parameters (nn.Parameters; BN running statistics not counted) the "
+     "client updated in local training, any epoch (DapperFL's default: the full model, its first epoch trains all "
+     "of it; FedSPU: its active neurons only); Strategy.params_trained"),
+    ("macs_per_sample", pa.int64(), "per-sample forward multiply-accumulates of the model the client runs at "
+     "inference (its sub-model), one pass; not what training spent: see train_macs (null if unknown)"),
+    ("train_macs", pa.int64(), "forward multiply-accumulates the client executed in local training, all epochs: "
+     "sum over its steps of batch samples x per-sample forward MACs of the network run in that step x forward "
+     "passes per step (MOON's frozen models, DapperFL's full-model first epoch, FedSPU's frozen neurons "
+     "included); backward not counted (about 2x the forward on the trained part); Strategy.train_macs"),
     ("bytes_up", pa.int64(), "bytes uploaded"),
     ("bytes_down", pa.int64(), "bytes downloaded"),
     ("wall_s", pa.float64(), "local training wall time, seconds"),

@@ -207,11 +207,11 @@ class Server:
         for r in results:
             plan = plans[r.client_id]
             spec = fed.clients[r.client_id]
-            covered = self.trainable if plan.mask is None else (plan.mask & self.trainable)
             row = dict(round=t, client_id=r.client_id, true_domain=spec.domain, pruning_ratio=spec.pruning_ratio,
                        capacity_max=spec.capacity, capacity_used=plan.capacity_used, pseudo_group=plan.pseudo_group,
                        tv_distance=spec.tv_distance, n_samples=r.n_samples, train_loss=r.train_loss,
-                       params_trained=int(covered.sum()), bytes_up=r.bytes_up + plan.side_bytes_up, bytes_down=plan.bytes_down,
+                       params_trained=self.strategy.params_trained(plan, r),
+                       train_macs=self.strategy.train_macs(plan, r), bytes_up=r.bytes_up + plan.side_bytes_up, bytes_down=plan.bytes_down,
                        wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id, **plan.channel_counts)
             row.update(self.strategy.client_columns(state, plan, r))
             client_rows.append(row)

@@ -12,11 +12,12 @@ from conftest import (assert_finite_global_accuracy, assert_options_rejected, as
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.algorithms.base import RunContext
-from fedsap_ray.algorithms.dapperfl import (MASK_KEY, OBJECTIVE, DapperFL, dar_loss, fusion_alpha, fusion_prune,
-                                            pack_channel_masks, unpack_channel_masks)
+from fedsap_ray.algorithms.dapperfl import (MASK_KEY, OBJECTIVE, DapperFL, dar_loss, first_epoch_samples, fusion_alpha,
+                                            fusion_prune, pack_channel_masks, unpack_channel_masks)
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
+from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout, nested_channel_masks, nested_count, param_mask, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -115,18 +116,19 @@ def _plan(values: np.ndarray, epochs: int, gamma: float = 0.01, **extra) -> Clie
                       momentum=0.9, weight_decay=1e-3, seed=7, rep_gamma=gamma, extra=extra)
 
 
-def _mfp(alpha: float = 0.6, keep: float = 0.5, steps: int = 2) -> dict:
-    return {"objective": OBJECTIVE, "alpha": alpha, "keep_ratio": keep, "prune_after_steps": steps}
+def _mfp(alpha: float = 0.6, keep: float = 0.5, steps: int = 2, **more) -> dict:
+    return {"objective": OBJECTIVE, "alpha": alpha, "keep_ratio": keep, "prune_after_steps": steps, **more}
 
 
 def test_client_fuses_the_one_epoch_model_with_the_global_one_and_prunes_the_fusion():
     """E = 1: the upload is exactly fusion_prune(W, w_hat) where w_hat is one plain epoch from W with the
-    Eq. 7 loss (the same mini-batches), and the returned channel mask is the fused model's top-l1 one."""
+    Eq. 7 loss (the same mini-batches; DAR in its squared form, which is Eq. 7), and the returned channel mask
+    is the fused model's top-l1 one."""
     model, layout, data = _client_setup()
     space = model.channel_space()
     w_global = layout.flatten(model)
     plain = train_client(_plan(w_global, 1), copy.deepcopy(model), layout, data)  # no objective: client's Eq. 7 loop
-    got = train_client(_plan(w_global, 1, **_mfp()), copy.deepcopy(model), layout, data)
+    got = train_client(_plan(w_global, 1, **_mfp(dar_form="squared")), copy.deepcopy(model), layout, data)
     assert plain.steps == got.steps == 2
     want, cmasks, pmask = fusion_prune(space, layout, w_global, plain.values, 0.6, 0.5)
     by_global = l1_channel_masks(space, layout, w_global, 0.5)
@@ -151,18 +153,79 @@ def test_pruned_filters_stay_zero_in_the_later_epochs_and_the_rest_trains():
 
 
 def test_dar_enters_the_loss():
-    """gamma * mean ||f_enc(x)||^2 by hand, and gamma > 0 changes the trained model."""
+    """Default: gamma * mean ||f_enc(x)||_2 (reference code, unsquared) by hand; ``squared``: gamma * mean ||z||^2
+    (papers/000 Eq. 7); the two differ, and gamma > 0 changes the trained model."""
     model, layout, data = _client_setup()
     x, y = data.x[:5], data.y[:5]
     with torch.no_grad():
         z = model.forward_features(x)
-        want = torch.nn.functional.cross_entropy(model.fc3(z), y) + 0.01 * (z ** 2).sum(dim=1).mean()
-        assert float(dar_loss(model, x, y, 0.01)) == pytest.approx(float(want), rel=1e-6)
+        ce = torch.nn.functional.cross_entropy(model.fc3(z), y)
+        norm = ce + 0.01 * torch.sqrt((z ** 2).sum(dim=1)).mean()
+        squared = ce + 0.01 * (z ** 2).sum(dim=1).mean()
+        assert float(dar_loss(model, x, y, 0.01)) == pytest.approx(float(norm), rel=1e-6)
+        assert float(dar_loss(model, x, y, 0.01, "squared")) == pytest.approx(float(squared), rel=1e-6)
+        assert float(norm) != pytest.approx(float(squared), rel=1e-4)
         assert float(dar_loss(model, x, y, 0.01)) > float(dar_loss(model, x, y, 0.0))
+    with pytest.raises(ValueError, match="DAR form"):
+        dar_loss(model, x, y, 0.01, "cubed")
     w_global = layout.flatten(model)
     on = train_client(_plan(w_global, 2, gamma=0.01, **_mfp()), copy.deepcopy(model), layout, data)
     off = train_client(_plan(w_global, 2, gamma=0.0, **_mfp()), copy.deepcopy(model), layout, data)
     assert on.values.size != off.values.size or not np.allclose(on.values, off.values)
+    sq = train_client(_plan(w_global, 2, gamma=0.01, **_mfp(dar_form="squared")), copy.deepcopy(model), layout, data)
+    assert on.values.size != sq.values.size or not np.array_equal(on.values, sq.values)  # the form matters
+
+
+def test_capacity_respecting_option_trains_only_the_pruned_model():
+    """full_first_epoch=false: the mask is the l1 top-kappa of W^{t-1}, chosen before training; the first epoch
+    already trains only it (pruned coordinates never leave 0) and the upload is the same size as the default's."""
+    model, layout, data = _client_setup()
+    space = model.channel_space()
+    w_global = layout.flatten(model)
+    got = train_client(_plan(w_global, 2, **_mfp(full_first_epoch=False)), copy.deepcopy(model), layout, data)
+    ref = train_client(_plan(w_global, 2, **_mfp()), copy.deepcopy(model), layout, data)
+    want = l1_channel_masks(space, layout, w_global, 0.5)
+    np.testing.assert_array_equal(got.stats[MASK_KEY], pack_channel_masks(space, want))
+    assert not np.array_equal(got.stats[MASK_KEY], ref.stats[MASK_KEY])  # the default prunes the fusion instead
+    assert got.values.size == ref.values.size
+    # first epoch on the pruned model: loss of its first step differs from the full model's
+    assert got.train_loss != ref.train_loss
+
+
+def test_first_epoch_samples_follow_the_client_loop():
+    """Samples of the first epoch's steps: full batches, a last batch of >= 2, at most max_steps batches."""
+    assert first_epoch_samples(12, 5, None) == 12  # 5 + 5 + 2
+    assert first_epoch_samples(11, 5, None) == 10  # the size-1 batch is skipped
+    assert first_epoch_samples(12, 5, 2) == 10
+    assert first_epoch_samples(12, 6, 3) == 12
+
+
+def test_train_macs_count_the_full_model_epoch_against_heterofl():
+    """Issue 13: a keep-ratio-0.2 DapperFL client's train_macs exceed a HeteroFL client's at the same keep ratio
+    (same data, same steps) by exactly first-epoch samples x (full MACs - pruned MACs); params_trained is the full
+    model's; with full_first_epoch=false both equal HeteroFL's."""
+    over = tiny_overrides("dapperfl", "data.num_clients=5", "training.local_epochs=2", "training.max_steps_per_epoch=2")
+    cfg = build_config(preset="smoke", overrides=over)
+    fed5 = build_federation(cfg)
+    assert fed5.clients[4].capacity == pytest.approx(0.2)
+    runs = {}
+    for name, extra in (("dap", []), ("fixed", ["algorithm.full_first_epoch=false"]),
+                        ("het", ["algorithm.name=heterofl"])):
+        c = build_config(preset="smoke", overrides=over + extra)
+        _, strat, _, plans, outs = run_rounds_with_plans(c, fed5, 1)
+        r = {o.client_id: o for o in outs[0]}[4]
+        runs[name] = (strat, plans[0][4], r)
+    (dap, dplan, dres), (fix, fplan, fres), (het, hplan, hres) = runs["dap"], runs["fixed"], runs["het"]
+    assert dres.samples_seen == hres.samples_seen == fres.samples_seen > 0
+    full, pruned = dap.mask_macs(None), het.macs(0.2)
+    assert dap.pruned_macs(0.2) == pruned < full
+    first = first_epoch_samples(dres.n_samples, dplan.batch_size, dplan.max_steps_per_epoch)
+    assert 0 < first < dres.samples_seen
+    assert het.train_macs(hplan, hres) == hres.samples_seen * pruned
+    assert dap.train_macs(dplan, dres) - het.train_macs(hplan, hres) == first * (full - pruned)
+    assert fix.train_macs(fplan, fres) == het.train_macs(hplan, hres)
+    assert dap.params_trained(dplan, dres) == int(dap.ctx.trainable.sum()) > het.params_trained(hplan, hres)
+    assert fix.params_trained(fplan, fres) == het.params_trained(hplan, hres)
 
 
 # --- server: reconstruction with the previous global model --------------------------------------
@@ -229,7 +292,7 @@ def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruc
 
 def test_options_are_validated():
     assert_options_rejected(TINY, "algorithm.alpha_0=1.5", "algorithm.epsilon=-0.1", "algorithm.gamma=-1",
-                            "algorithm.alpha_min=0.95")
+                            "algorithm.alpha_min=0.95", "algorithm.dar_form=cubed", "algorithm.full_first_epoch=3")
 
 
 # --- end to end -------------------------------------------------------------------------------------
@@ -239,4 +302,8 @@ def test_run_finishes_with_finite_accuracy_and_is_deterministic(tmp_path, fed):
     assert_finite_global_accuracy(a, 2)
     macs = a.clients.groupby("client_id")["macs_per_sample"].first()
     assert (macs > 0).all() and macs.is_monotonic_decreasing and macs.iloc[0] > macs.iloc[-1]  # kappa 1 -> 0.4
+    # the full-model first epoch: every client trains (and runs) more than its pruned model
+    cl = a.clients
+    assert (cl["train_macs"] > 0).all()
+    assert (cl["params_trained"] == cl["params_trained"].max()).all()
     assert_same_tables(a, b)

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
+from fedsap_ray.algorithms import parse_options
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.masks import nested_count, trainable_mask
@@ -122,3 +123,12 @@ def test_runs_finish_and_are_deterministic(tmp_path, fed):
     low = cl[cl["capacity_max"] < 1]
     assert (low["capacity_used"] < 1).all() and (low["n_dropped"] > 0).all()
     assert_same_tables(a, b)
+
+
+def test_the_row_is_labelled_for_what_it_runs():
+    """Issue 13: papers/000's "FedDrop" row is AFD; ours runs plain FD by default, and the analysis says so."""
+    from analysis.comparison import method_of
+
+    assert parse_options("feddrop", {}).selection == "random"
+    assert method_of({"algorithm": {"name": "feddrop", "options": {}}}) == "FedDrop (FD)"
+    assert method_of({"algorithm": {"name": "feddrop", "options": {"selection": "afd"}}}) == "FedDrop (AFD)"

@@ -134,7 +134,8 @@ tiny_fed = federation_fixture(TINY, "tiny_fed")
 
 
 def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
-    cfg = build_config(preset="smoke", overrides=TINY)
+    """The earlier reading, kept as options: one shared sigma vector and a reference averaged like the model."""
+    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.scale=shared", "algorithm.reference=averaged"])
     ctx, strat, states, plan_sets, outs_sets = run_rounds_with_plans(cfg, tiny_fed, 1)
     state0, state1, plans, outs = states[0], states[1], plan_sets[0], outs_sets[0]
     d, c = ctx.model.feature_dim, tiny_fed.num_classes
@@ -166,8 +167,63 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
             np.testing.assert_array_equal(p.extra[k], state1.extra[k])
 
 
+def test_default_predicts_the_scale_per_input():
+    """scale=input (official method): sigma(x) = softplus(W_s mu(x) + b_s) differs between inputs, the KL uses it,
+    and the head is trained; with W_s = 0 it is the shared scale softplus(b_s) (the earlier reading's form)."""
+    model, layout, data = tiny_mlp()
+    d = model.feature_dim
+    rng = np.random.default_rng(5)
+    ex = _extras(model, rng)
+    del ex["rho"]
+    ex.update(scale_w=rng.normal(0, 0.5, (d, d)).astype(np.float32), scale_b=rng.normal(0, 0.5, d).astype(np.float32))
+    obj = FedSRObjective(_plan(layout, model, **ex), model, layout, torch.device("cpu"))
+    x = data.x[:6]
+    with torch.no_grad():
+        mu = model.forward_features(x)
+        sig = obj.sigma(mu).numpy().astype(np.float64)
+        want = _softplus(mu.numpy().astype(np.float64) @ ex["scale_w"].T.astype(np.float64) + ex["scale_b"])
+    np.testing.assert_allclose(sig, want, rtol=1e-5, atol=1e-6)
+    assert sig.shape == (6, d) and np.abs(sig[0] - sig[1]).max() > 1e-3  # per input
+    zero = {**ex, "scale_w": np.zeros((d, d), np.float32)}
+    flat = FedSRObjective(_plan(layout, model, **zero), model, layout, torch.device("cpu")).sigma(mu).detach().numpy()
+    np.testing.assert_allclose(flat, np.broadcast_to(_softplus(ex["scale_b"].astype(np.float64)), (6, d)), rtol=1e-5)
+    res = train_client(_plan(layout, model, **ex), copy.deepcopy(model), layout, data)
+    assert set(res.stats) == {"scale_w", "scale_b", "r_mu", "r_rho"}
+    assert np.abs(res.stats["scale_w"] - ex["scale_w"]).max() > 0
+
+
+def test_default_keeps_the_reference_per_client_and_averages_the_scale_head(tiny_fed):
+    """reference=client (official method): every client gets back its own trained r_mu, r_rho (initial values
+    before its first round), they are never averaged nor counted in bytes_down; the scale head is averaged."""
+    cfg = build_config(preset="smoke", overrides=TINY)
+    ctx, strat, states, plan_sets, outs_sets = run_rounds_with_plans(cfg, tiny_fed, 2)
+    s0, s1, outs1, plans1, plans2 = states[0], states[1], outs_sets[0], plan_sets[0], plan_sets[1]
+    d = ctx.model.feature_dim
+    assert s0.extra["r_mu"] == {} and s0.extra["scale_w"].shape == (d, d) and not s0.extra["scale_w"].any()
+    for p in plans1.values():
+        assert (p.extra["r_mu"] == 0).all() and (p.extra["r_rho"] == 1).all()
+        assert p.side_bytes_down == s0.extra["scale_w"].nbytes + s0.extra["scale_b"].nbytes
+    for r in outs1:
+        np.testing.assert_array_equal(s1.extra["r_mu"][r.client_id], r.stats["r_mu"])
+        np.testing.assert_array_equal(plans2[r.client_id].extra["r_rho"], r.stats["r_rho"])
+    a, b = outs1[0].stats["r_mu"], outs1[1].stats["r_mu"]
+    assert np.abs(a - b).max() > 0  # per client, not one shared value
+    n = np.array([r.n_samples for r in outs1], dtype=np.float64)
+    want = np.tensordot(n / n.sum(), np.stack([r.stats["scale_w"].astype(np.float64) for r in outs1]), axes=1)
+    np.testing.assert_allclose(s1.extra["scale_w"], want, rtol=1e-6, atol=1e-7)
+    # the option differs: an averaged reference is the same for every client of round 2
+    _, _, st, ps, _ = run_rounds_with_plans(build_config(preset="smoke", overrides=TINY + ["algorithm.reference=averaged"]),
+                                            tiny_fed, 2)
+    refs = [p.extra["r_mu"] for p in ps[1].values()]
+    assert all(np.array_equal(refs[0], r) for r in refs) and not np.array_equal(refs[0], a)
+    # train_macs: one forward pass plus the d x d scale head per sample
+    r = outs1[0]
+    assert strat.train_macs(plans1[r.client_id], r) == r.samples_seen * (strat.mask_macs(None) + d * d)
+
+
 def test_options_are_validated():
-    assert_options_rejected(TINY, "algorithm.alpha_l2r=-0.1", "algorithm.alpha_cmi=-1")
+    assert_options_rejected(TINY, "algorithm.alpha_l2r=-0.1", "algorithm.alpha_cmi=-1", "algorithm.scale=both",
+                            "algorithm.reference=server")
 
 
 # --- public path ------------------------------------------------------------------------------

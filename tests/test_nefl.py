@@ -47,7 +47,7 @@ def test_depth_scaled_masks_skip_the_deepest_blocks_within_the_budget(fed):
     """ResNet18 at width 1/16. Removing layer4.1 / layer3.1 / layer2.1 leaves 58.4% / 47.9% / 45.3% of the
     trainable parameters. kappa = .5: budget gamma = 0.256, sqrt = 0.506 -> skip layer4.1 only; kappa = .2:
     gamma = 0.057 -> every identity block; kappa = .8: gamma = 0.68, sqrt = 0.82 -> width only."""
-    ctx, s = make_strategy(_cfg(), fed)
+    ctx, s = make_strategy(_cfg("algorithm.depth=true"), fed)
     full = {layer.name: layer.channels for layer in ctx.space.layers}
     total = s.trainable_count(full, ())
     assert s.trainable_count(full, ("layer4.1",)) / total == pytest.approx(0.584, abs=1e-3)
@@ -79,8 +79,24 @@ def test_depth_scaled_masks_skip_the_deepest_blocks_within_the_budget(fed):
         # MACs of the sub-model: model_macs of its channel masks (an empty inner layer drops conv1 and conv2)
         assert s.mask_macs(mask) == model_macs(ctx.model, fed.input_shape, cm)
     # depth_share = 0 is width-only nesting (NeFL-W)
-    _, w = make_strategy(_cfg("algorithm.depth_share=0"), fed)
+    _, w = make_strategy(_cfg("algorithm.depth=true", "algorithm.depth_share=0"), fed)
     assert w.scaling(0.2) == ((), 0.2)
+
+
+def test_default_is_width_only_and_depth_is_an_option(fed):
+    """Issue 13: by default every client runs the nested width-only sub-model at kappa (DapperFL's NeFL setting,
+    never a skipped block); depth=true restores the NeFL-WD rule, which skips all five blocks at kappa 0.2."""
+    ctx, s = make_strategy(_cfg(), fed)
+    _, d = make_strategy(_cfg("algorithm.depth=true"), fed)
+    state = s.init_state()
+    for cid in range(len(fed.clients)):
+        kappa = float(fed.clients[cid].capacity)
+        want = None if kappa >= 1 else param_mask(ctx.space, ctx.layout, nested_channel_masks(ctx.space, kappa))
+        got = s.client_mask(state, cid, 1)
+        assert (got is None and want is None) or np.array_equal(got, want)
+        assert s.scaling(kappa)[0] == ()
+    assert d.scaling(0.2)[0] == ALL_FIVE
+    assert not np.array_equal(s.coverage(s.nefl_masks(0.2)), d.coverage(d.nefl_masks(0.2)))
 
 
 def test_non_resnet_models_fall_back_to_width_only(fed):
@@ -93,11 +109,11 @@ def test_non_resnet_models_fall_back_to_width_only(fed):
 
 
 @pytest.mark.parametrize("train", [True, False])
-def test_a_skipped_block_is_an_exact_identity(fed, train):
+def test_a_skipped_block_is_an_exact_identity(fed, train):  # (depth=true)
     """The client's model holds the server's values on the covered coordinates and 0 elsewhere: every skipped
     block then maps any post-ReLU input to itself bit for bit, in train mode (batch statistics) and eval mode.
     With the same values and no mask the blocks are not the identity."""
-    ctx, s = make_strategy(_cfg(), fed)
+    ctx, s = make_strategy(_cfg("algorithm.depth=true"), fed)
     mask = s.coverage(s.nefl_masks(0.2))
     rng = np.random.default_rng(0)
     params = ctx.layout.flatten(ctx.model) + rng.normal(0, 0.5, ctx.layout.size).astype(np.float32)
@@ -121,7 +137,7 @@ def test_a_skipped_block_is_an_exact_identity(fed, train):
 def test_skipped_branches_stay_bit_identical_after_a_round(fed):
     """Every client at kappa = 0.2 skips all five identity blocks: their branches (parameters and BN statistics)
     come back bit-identical, the rest of the covered model trains."""
-    cfg = _cfg("data.num_clients=4", "capacity.scheme=explicit", "capacity.keep_ratios=[0.2, 0.2, 0.2, 0.2]",
+    cfg = _cfg("algorithm.depth=true", "data.num_clients=4", "capacity.scheme=explicit", "capacity.keep_ratios=[0.2, 0.2, 0.2, 0.2]",
                "training.rounds=1")
     ctx, s, states = run_rounds(cfg, build_federation(cfg), 1)
     assert s.scaling(0.2)[0] == ALL_FIVE
@@ -135,11 +151,11 @@ def test_skipped_branches_stay_bit_identical_after_a_round(fed):
 
 
 def test_depth_share_is_validated():
-    assert_options_rejected(TINY, "algorithm.depth_share=1.5")
+    assert_options_rejected(TINY, "algorithm.depth_share=1.5", "algorithm.depth=2")
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    e2e = e2e_overrides("nefl", "model.name=resnet18")
+    e2e = e2e_overrides("nefl", "model.name=resnet18", "algorithm.depth=true")
     cfg = build_config(preset="smoke", overrides=e2e)
     f = build_federation(cfg)
     a, b = run_twice(e2e, tmp_path, f)

@@ -43,7 +43,7 @@ def test_tables_have_design_columns(tmp_path, tiny_fed):
     clients = pd.read_parquet(tmp_path / "clients")
     for col in ["client_id", "true_domain", "capacity_max", "capacity_used", "pseudo_group", "n_global",
                 "n_private", "n_dropped", "h_hat", "h_tilde", "tv_distance", "n_samples", "train_loss",
-                "params_trained", "macs_per_sample"]:
+                "params_trained", "macs_per_sample", "train_macs"]:
         assert col in clients.columns
     # width=capacity: low-capacity clients really send less
     r1 = clients[clients["round"] == 1].set_index("client_id")
@@ -51,6 +51,9 @@ def test_tables_have_design_columns(tmp_path, tiny_fed):
     lo, hi = r1["capacity_max"].idxmin(), r1["capacity_max"].idxmax()
     assert r1.loc[lo, "macs_per_sample"] < r1.loc[hi, "macs_per_sample"]
     assert r1.loc[lo, "params_trained"] < r1.loc[hi, "params_trained"]
+    # one forward pass of the width-p sub-model per sample seen: a multiple of macs_per_sample, and > 0
+    assert (r1["train_macs"] > 0).all() and (r1["train_macs"] % r1["macs_per_sample"] == 0).all()
+    assert r1.loc[lo, "train_macs"] / r1.loc[lo, "macs_per_sample"] <= r1.loc[lo, "n_samples"] * cfg.training.local_epochs
     assert (g["bytes_up"].to_numpy() == clients.groupby("round")["bytes_up"].sum().to_numpy()).all()
     runs = results.load(tmp_path).runs
     assert runs.loc[0, "status"] == "finished" and runs.loc[0, "rounds_done"] == 2

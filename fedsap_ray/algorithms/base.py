@@ -18,6 +18,7 @@ from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data.base import Federation
 from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models import model_macs, weight_uses
 from fedsap_ray.models.space import ChannelSpace
 from fedsap_ray.seeding import rng_for, seed_for
 
@@ -99,6 +100,54 @@ class Strategy(ABC):
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         """Extra per-client columns for the ``clients`` table (h_hat, pseudo_group, ...)."""
         return {}
+
+    # --- honest compute (issue 13): what the client really trained and ran ------------------
+    def params_trained(self, plan: ClientPlan, result: ClientResult) -> int:
+        """The ``params_trained`` column: trainable parameters (BN running statistics not counted) the client updated.
+
+        Default: every coordinate the plan covers (all of them when ``plan.mask`` is None). A strategy
+        whose client updates something else (DapperFL's full-model first epoch) overrides it.
+        """
+        trainable = self.ctx.trainable
+        return int((trainable if plan.mask is None else plan.mask & trainable).sum())
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
+        """The ``train_macs`` column: forward multiply-accumulates executed in local training, all epochs.
+
+        sum over steps of (samples in the step's batch) x (per-sample forward MACs of the network run in
+        that step) x (forward passes per step); backward passes are not counted (about 2x the forward on
+        the trained part). Default: one forward pass of the sub-model the plan covers per sample,
+        ``result.samples_seen * mask_macs(plan.mask)``; strategies whose clients run more override it
+        (MOON's frozen models, DapperFL's full-model epoch, FedSPU's frozen neurons).
+        """
+        return int(result.samples_seen) * self.mask_macs(plan.mask)
+
+    def mask_macs(self, mask: np.ndarray | None) -> int:
+        """Multiply-accumulates per sample of the sub-model a parameter mask covers (papers/003 Table 1).
+
+        Sum over weight tensors of (covered entries) x (applications per sample): exactly
+        :func:`fedsap_ray.models.model_macs` of the channel masks the coverage came from
+        (tests/test_feddrop.py), and it also counts sub-models a channel mask alone cannot
+        describe (NeFL's skipped residual branches). ``None``: the full model (memoised).
+        """
+        if mask is None:
+            if "_full_model_macs" not in self.__dict__:
+                self.__dict__["_full_model_macs"] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None))
+            return self.__dict__["_full_model_macs"]
+        uses = weight_uses(self.ctx.model, self.ctx.federation.input_shape)
+        layout = self.ctx.layout
+        return int(sum(int(np.count_nonzero(layout.slice(w, mask))) * n for w, n in uses.items()))
+
+    def encoder_macs(self) -> int:
+        """Per-sample MACs of ``model.forward_features`` alone: the full model minus its classifier's weights.
+
+        What a frozen model run for its representation costs (MOON's global and previous models).
+        """
+        uses = weight_uses(self.ctx.model, self.ctx.federation.input_shape)
+        head = self.ctx.model.classifier + "."
+        layout = self.ctx.layout
+        cls = sum(int(np.prod(layout.shapes[layout.names.index(w)])) * n for w, n in uses.items() if w.startswith(head))
+        return self.mask_macs(None) - int(cls)
 
     # --- shared helpers ---------------------------------------------------------
     def sample_clients(self, t: int) -> list[int]:

@@ -19,7 +19,7 @@ Federated Learning with Model Fusion Pruning for Edge Devices"), FedSAP's closes
 5. The remaining E - 1 epochs train the pruned model (masked SGD: pruned coordinates get no
    gradient and are reset to zero after every step, so momentum cannot revive them).
 6. Domain Adaptive Regularization (DAR) on the representation z = f_enc(x) in every step:
-   loss = CE + gamma * mean_x ||z||_2^2, the form of papers/000 Eq. 7 (``plan.rep_gamma``).
+   loss = CE + gamma * mean_x ||z||_2 (``plan.rep_gamma``; ``dar_form``, :func:`dar_loss`).
 7. Aggregation with reconstruction: each pruned model is brought back to full size by filling
    its pruned coordinates with the previous global model, w~_i = M_i * w_i + (1 - M_i) * W^{t-1},
    then W^t = sum_i n_i w~_i / sum_i n_i (sample weights: the reference code's default
@@ -35,8 +35,16 @@ pruned weights refilled from the previous global model before the weighted avera
 
 - No fusion in round 1 (alpha = 0): the reference code skips it in round 0, and W^0 is the random
   initialisation, which carries no knowledge of the other domains that the fusion exists to inject.
-- DAR as the squared l2 norm (the form of papers/000 Eq. 7; docs/readings.md#baselines-of-fedsaps-table-1); the
-  reference code regularises the unsquared norm mean_x ||z||_2.
+- DAR as the reference code computes it, the unsquared norm mean_x ||z||_2 (``dar_form=norm``, default);
+  ``dar_form=squared`` is papers/000 Eq. 7's squared form gamma * mean_x ||z||_2^2, this simulator's
+  reading before issue 13 (docs/readings.md#baselines-of-fedsaps-table-1). On 512-d features the squared
+  form is roughly an order of magnitude stronger at the same gamma.
+- ``full_first_epoch`` (default true, the reference code): the first local epoch trains the FULL model even
+  on a keep-ratio-0.2 client, beyond the capacity every other sub-model method obeys. ``false`` is a
+  capacity-respecting reading of ours (not in the paper or its code): the client l1-prunes the received
+  W^{t-1} to kappa_i before training (:func:`fedsap_ray.algorithms.pruning.l1_channel_masks`), trains that
+  pruned model in every epoch, and after the first epoch fuses it with W^{t-1} on the kept coordinates
+  (w = alpha_t W^{t-1} + (1 - alpha_t) w_hat, pruned coordinates stay 0); the mask is not re-chosen.
 - Stateless clients: nothing a client trains is kept between rounds except the global model (DapperFL's
   local model of round t is built from W^{t-1} in round t). ``ServerState.extra["kept"]`` only records
   each client's last kept channels, for the ``deployed`` evaluation of the pruned model it runs.
@@ -47,8 +55,11 @@ papers/000 follows): alpha_0 = 0.9, alpha_min = 0.1, epsilon = 0.2, DAR weight g
 
 Accounting: the plan carries the full global model (the client chooses its own mask); the client
 uploads only its pruned model's coordinates (``LocalObjective.upload_mask``) plus the kept channel
-mask in ``stats`` (C bytes), so ``bytes_up``, ``params_trained`` and ``macs_per_sample`` are the
-pruned model's.
+mask in ``stats`` (C bytes), so ``bytes_up`` and ``macs_per_sample`` (the deployed model) are the
+pruned model's. What the client spent is not: with ``full_first_epoch=true`` ``params_trained`` is the
+full model's trainable count (epoch 1 updates all of it) and ``train_macs`` = (first-epoch samples) x
+(full-model MACs) + (later samples) x (pruned MACs) (:func:`first_epoch_samples`); with ``false`` both
+are the pruned model's.
 """
 from __future__ import annotations
 
@@ -139,12 +150,33 @@ def first_epoch_steps(n_samples: int, batch_size: int, max_steps_per_epoch: int 
     return steps if max_steps_per_epoch is None else min(steps, max_steps_per_epoch)
 
 
-def dar_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Cross-entropy plus DAR gamma * mean_x ||f_enc(x)||_2^2 (step 6; papers/000 Eq. 7's form)."""
+def first_epoch_samples(n_samples: int, batch_size: int, max_steps_per_epoch: int | None) -> int:
+    """Samples in the batches of the first local epoch's :func:`first_epoch_steps` steps (the client loop's
+    batching: full batches, then a last partial batch of at least two samples): what DapperFL's full-model
+    epoch runs through the full model (``train_macs``)."""
+    steps = first_epoch_steps(n_samples, batch_size, max_steps_per_epoch)
+    if n_samples < 2:
+        return steps * n_samples
+    return min(steps * batch_size, n_samples)
+
+
+DAR_FORMS = ("norm", "squared")
+
+
+def dar_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gamma: float, form: str = "norm") -> torch.Tensor:
+    """Cross-entropy plus the DAR term on z = f_enc(x) (step 6).
+
+    ``form="norm"`` (default): gamma * mean_x ||z||_2, the unsquared norm of DapperFL's reference code
+    (jyzgh/DapperFL ``models/dapperfl.py``, ``--reg_coeff`` 0.01); ``"squared"``: gamma * mean_x ||z||_2^2,
+    the form of papers/000 Eq. 7 (this simulator's earlier reading).
+    """
     if gamma <= 0:
         return F.cross_entropy(model(x), y)
+    if form not in DAR_FORMS:
+        raise ValueError(f"unknown DAR form {form!r}; allowed: {DAR_FORMS}")
     z = model.forward_features(x)
-    return F.cross_entropy(getattr(model, model.classifier)(z), y) + gamma * z.pow(2).sum(dim=1).mean()
+    reg = z.pow(2).sum(dim=1).mean() if form == "squared" else z.norm(dim=1).mean()
+    return F.cross_entropy(getattr(model, model.classifier)(z), y) + gamma * reg
 
 
 # --- client side ---------------------------------------------------------------------------------
@@ -153,8 +185,9 @@ def dar_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gamma: float) -
 class ModelFusionPruning(LocalObjective):
     """Steps 2-6 on the client: full-model epoch, fusion with the received W^{t-1}, l1 pruning, masked rest.
 
-    ``plan.extra``: ``alpha`` (alpha_t, 0 = no fusion), ``keep_ratio`` (kappa_i) and
-    ``prune_after_steps`` (the optimizer steps of the first local epoch); ``plan.values`` is W^{t-1}.
+    ``plan.extra``: ``alpha`` (alpha_t, 0 = no fusion), ``keep_ratio`` (kappa_i), ``prune_after_steps`` (the
+    optimizer steps of the first local epoch), ``dar_form`` (:func:`dar_loss`) and ``full_first_epoch``
+    (False: the capacity-respecting reading, module docstring); ``plan.values`` is W^{t-1}.
     """
 
     def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
@@ -166,14 +199,21 @@ class ModelFusionPruning(LocalObjective):
         self.prune_at = int(plan.extra["prune_after_steps"])
         if self.prune_at < 1:
             raise ValueError(f"prune_after_steps must be >= 1, got {self.prune_at}")
+        self.dar_form = str(plan.extra.get("dar_form", "norm"))
+        self.full_first = bool(plan.extra.get("full_first_epoch", True))
         self.space = model.channel_space()
         self.steps = 0
         self.cmasks: ChannelMasks | None = None
         self.tmask: TorchMask | None = None
         self.pmask: np.ndarray | None = None
+        if not self.full_first:  # prune W^{t-1} by l1 before training: the client never runs more than kappa_i
+            self.cmasks = l1_channel_masks(self.space, layout, plan.values, self.keep_ratio)
+            self.pmask = param_mask(self.space, layout, self.cmasks)
+            self.tmask = TorchMask.build(model, layout, self.pmask)
+            apply_mask_(model, layout, self.tmask)
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return dar_loss(model, x, y, self.plan.rep_gamma)
+        return dar_loss(model, x, y, self.plan.rep_gamma, self.dar_form)
 
     def after_backward(self, model: nn.Module) -> None:
         if self.tmask is not None:
@@ -183,7 +223,13 @@ class ModelFusionPruning(LocalObjective):
         self.steps += 1
         if self.tmask is not None:
             apply_mask_(model, self.layout, self.tmask)  # momentum / weight decay must not revive pruned filters
-        elif self.steps == self.prune_at:
+        if self.steps != self.prune_at:
+            return
+        if not self.full_first:  # fusion on the fixed pruned model (its coordinates only)
+            fused = fuse(self.plan.values, self.layout.flatten(model), self.alpha)
+            fused[~self.pmask] = 0.0
+            self.layout.load_into(model, fused)
+        else:
             local = self.layout.flatten(model)
             fused, self.cmasks, pmask = fusion_prune(self.space, self.layout, self.plan.values, local,
                                                      self.alpha, self.keep_ratio)
@@ -192,7 +238,7 @@ class ModelFusionPruning(LocalObjective):
             self.pmask = pmask
 
     def result(self, model: nn.Module) -> dict[str, np.ndarray]:
-        if self.cmasks is None:
+        if self.steps < self.prune_at:
             raise ValueError(f"the first local epoch should end after {self.prune_at} steps, but only "
                              f"{self.steps} ran: nothing was pruned")
         return {MASK_KEY: pack_channel_masks(self.space, self.cmasks)}
@@ -218,6 +264,8 @@ class DapperFL(Strategy):
         alpha_min: float = 0.1  # its floor (reference code -amin)
         epsilon: float = 0.2  # its per-round decay (reference code -e)
         gamma: float = 0.01  # DAR weight (reference code --reg_coeff; papers/000 Eq. 7 gamma)
+        dar_form: str = "norm"  # norm: gamma mean ||z||_2 (reference code); squared: papers/000 Eq. 7's ||z||^2
+        full_first_epoch: bool = True  # True: reference code (epoch 1 trains the full model); False: pruned from the start
 
         def __post_init__(self) -> None:
             for name in ("alpha_0", "alpha_min", "epsilon"):
@@ -229,10 +277,15 @@ class DapperFL(Strategy):
                                   f"algorithm.alpha_0={self.alpha_0!r}")
             if not isinstance(self.gamma, (int, float)) or isinstance(self.gamma, bool) or self.gamma < 0:
                 raise ConfigError(f"invalid algorithm.gamma={self.gamma!r}: must be a number >= 0")
+            if self.dar_form not in DAR_FORMS:
+                raise ConfigError(f"invalid algorithm.dar_form={self.dar_form!r}: allowed values are "
+                                  f"{', '.join(DAR_FORMS)}")
+            if not isinstance(self.full_first_epoch, bool):
+                raise ConfigError(f"invalid algorithm.full_first_epoch={self.full_first_epoch!r}: must be true or false")
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)
-        self._macs: dict[tuple[int, ...], int] = {}
+        self._macs: dict[tuple[int, ...], int] = {}  # pruned-model MACs by per-layer channel counts
 
     def alpha_at(self, t: int) -> float:
         """The fusion weight of the global model in round t (0 in round 1: no fusion with the random init)."""
@@ -259,7 +312,8 @@ class DapperFL(Strategy):
                 channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
                 rep_gamma=float(self.opts.gamma),
                 extra={"objective": OBJECTIVE, "alpha": float(alpha), "keep_ratio": keep,
-                       "prune_after_steps": first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch)},
+                       "prune_after_steps": first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
+                       "dar_form": self.opts.dar_form, "full_first_epoch": bool(self.opts.full_first_epoch)},
                 **self.plan_kwargs(t, cid),
             )
         return plans
@@ -309,9 +363,25 @@ class DapperFL(Strategy):
         return pmask
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        pmask = self.upload_mask_of(result, plan.round)
-        trained = int((pmask & self.ctx.trainable).sum())
-        return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"])), "params_trained": trained}
+        """``macs_per_sample``: the pruned model, what the client deploys (training: :meth:`train_macs`)."""
+        return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"]))}
+
+    def params_trained(self, plan: ClientPlan, result: ClientResult) -> int:
+        """Reference behaviour: every trainable coordinate (epoch 1 updates the full model); with
+        ``full_first_epoch=false`` only the pruned model's."""
+        if plan.extra.get("full_first_epoch", True):
+            return int(self.ctx.trainable.sum())
+        return int((self.upload_mask_of(result, plan.round) & self.ctx.trainable).sum())
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
+        """first-epoch samples x full MACs + the other samples x pruned MACs (all samples x pruned MACs with
+        ``full_first_epoch=false``); one forward pass per sample (:meth:`Strategy.train_macs`)."""
+        pruned = self.pruned_macs(float(plan.extra["keep_ratio"]))
+        seen = int(result.samples_seen)
+        if not plan.extra.get("full_first_epoch", True):
+            return seen * pruned
+        first = min(first_epoch_samples(result.n_samples, plan.batch_size, plan.max_steps_per_epoch), seen)
+        return first * self.mask_macs(None) + (seen - first) * pruned
 
     def pruned_macs(self, keep: float) -> int:
         """MACs per sample of the kappa-pruned model (they depend on the per-layer counts only; memoised)."""

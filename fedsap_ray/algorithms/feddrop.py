@@ -1,5 +1,11 @@
 """FedDrop: federated dropout of whole channels at each client's keep ratio (papers/000 Table 1).
 
+What the row is (issue 13). By default this runs plain Federated Dropout (Caldas et al. 2018), NOT
+the Adaptive Federated Dropout that papers/000's "FedDrop" row names: AFD's paper was not available
+to check ``selection=afd`` against (its score update and weighted draw are our reading), so AFD is
+not made the default; the analysis labels the row "FedDrop (FD)" (``selection=afd``: "FedDrop (AFD)",
+unvalidated) so a table never claims AFD for what runs plain dropout.
+
 papers/000 Appendix A runs FedDrop as "the Adaptive Federated Dropout baseline"
 (Bouacida et al. 2021, "Adaptive Federated Dropout: Improving Communication Efficiency
 and Generalization for Federated Learning"): the server sends each client a sub-model
@@ -53,11 +59,11 @@ SELECTIONS = ("random", "afd")
 
 @register("feddrop")
 class FedDrop(SubModelStrategy):
-    summary = "random channel subsets at the keep ratio, redrawn every round (selection=afd: AFD score map)"
+    summary = "plain Federated Dropout (FD): random channel subsets at kappa_i every round (selection=afd: unvalidated AFD)"
 
     @dataclass(frozen=True)
     class Options:
-        selection: str = "random"  # random | afd (module docstring)
+        selection: str = "random"  # random: plain FD (Caldas et al. 2018); afd: our unvalidated AFD reading
 
         def __post_init__(self) -> None:
             if self.selection not in SELECTIONS:

@@ -51,6 +51,10 @@ uses max(1, int(kappa C_l))). FedSPU's optional early-stopping rule (a lambda-we
 training and validation loss, lambda = 0.7 in the authors' code) is not part of the Table 1
 comparison and is not modelled.
 The optimiser is the run's ``training`` section (the authors' code: plain SGD, lr 0.005).
+
+Compute: ``params_trained`` counts M_i^t only (frozen coordinates never move, BN statistics included),
+while ``macs_per_sample`` and ``train_macs`` (samples_seen x full-model MACs) count the full model:
+frozen neurons still run forward (and backward passes through them to earlier layers).
 """
 from __future__ import annotations
 
@@ -69,7 +73,6 @@ from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.models import model_macs
 from fedsap_ray.seeding import rng_for
 
 OBJECTIVE = "fedspu"
@@ -197,6 +200,11 @@ class FedSPU(Strategy):
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         """Every client runs the full model forward (frozen neurons stay in it)."""
-        if "_macs" not in self.__dict__:
-            self._macs = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None))
-        return {"macs_per_sample": self._macs}
+        return {"macs_per_sample": self.mask_macs(None)}
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
+        """samples_seen x full-model MACs: frozen neurons get no update but still run forward."""
+        return int(result.samples_seen) * self.mask_macs(None)
+
+    # params_trained: the default (the coordinates of M_i^t). Frozen coordinates, including their BN running
+    # statistics, are restored after every step, so M_i^t is exactly what the client updates.

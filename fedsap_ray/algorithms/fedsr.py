@@ -23,31 +23,43 @@ class-conditional reference distribution r(z|y) = N(r_mu[y], diag r_sigma[y]^2)
 
 summed over the d dimensions. The server aggregates by FedAvg (sample-weighted mean).
 
-What we changed to fit our models, whose encoder -> classifier parameter layout is fixed
-(``fedsap_ray.models``), and why:
+Scale and reference (``scale``, ``reference``; issue 13: the defaults are the official method):
 
-- mu(x) = ``model.forward_features(x)`` (the encoder output); sigma = softplus(rho) with rho
-  a learnable per-dimension vector [d], the same for every input. The official code makes
-  sigma input-dependent (its encoder outputs 2d values, the second half through softplus);
-  that needs a wider encoder head than our layout has. With an input-independent sigma the
-  CE, L2R and CMI terms keep their form; only the per-sample adaptivity of the noise is lost.
-- rho, r_mu [C, d] and r_rho [C, d] (r_sigma = softplus(r_rho), as the official code) live in
-  ``ServerState.extra``, travel in ``plan.extra`` (counted in ``side_bytes_down``), come
-  back trained in ``ClientResult.stats`` (counted in bytes_up) and are averaged with sample
-  weights like the model. The official code keeps r_mu/r_sigma out of the averaged
-  ``self.model`` (so they stay per-client there); we share them, which is what the paper's
-  alignment argument (every domain's p(z|x) pulled towards one r(z|y)) needs. The official
-  code's extra learnable scale C on (mu, sigma) inside the KL is left out (not in the paper).
+- ``scale=input`` (default): the noise scale is predicted per input, as in the official code (its
+  encoder head outputs 2d values, the second half through softplus is sigma(x)). Our encoder ->
+  classifier parameter layout is fixed (``fedsap_ray.models``), so mu(x) = ``model.forward_features(x)``
+  (the encoder output) and sigma(x) = softplus(W_s mu(x) + b_s) comes from an extra linear scale head
+  (W_s [d, d], b_s [d], ``scale_w``/``scale_b``), trained with the model and averaged with sample
+  weights like the model's encoder (the official code's head is part of the averaged network).
+  ``scale=shared`` (our earlier reading): sigma = softplus(rho), one learnable vector rho [d] shared
+  by every input, averaged across clients.
+- ``reference=client`` (default): r_mu [C, d] and r_rho [C, d] (r_sigma = softplus(r_rho), as the
+  official code) are each client's own parameters, never averaged: the official code keeps them
+  outside the averaged network. Clients are stateless here, so the server holds them
+  (``ServerState.extra["r_mu"]``/``["r_rho"]``: client id -> array, initial values until a client first
+  trains) and sends them in ``plan.extra``; a real client keeps them on the device, so they are not
+  counted in ``side_bytes_down``, while returning them in ``ClientResult.stats`` shows in ``bytes_up``
+  (2 C d floats, a simulation artefact). ``reference=averaged`` (our earlier reading): one reference
+  shared by every client, averaged with sample weights like the model and counted both ways.
+- The shared arrays (scale head or rho, and the averaged reference) live in ``ServerState.extra``,
+  travel in ``plan.extra`` (counted in ``side_bytes_down``) and come back trained in
+  ``ClientResult.stats`` (counted in bytes_up). The official code's extra learnable scale C on
+  (mu, sigma) inside the KL is left out (not in the paper).
+Other readings, to fit our fixed model layout:
+
 - L2R: the paper's E||z||_2^2 (squared norm). The official code computes
   ``z.norm(dim=1).mean()`` (the unsquared norm); we follow the paper.
 - Evaluation uses the mean representation, i.e. the ordinary ``model(x)`` (the official code
   averages the softmax over 20 samples of z), so the default ``eval_sets`` applies.
 
-Initial values: rho = 0 (sigma = log 2 ~ 0.69, where the official code's softplus head starts
-for near-zero pre-activations), r_mu = 0 and r_rho = 1 (the official ``r_mu = zeros``,
-``r_sigma = ones`` before softplus).
+Initial values: W_s = 0, b_s = 0 (or rho = 0): sigma = log 2 ~ 0.69 for every input at the start,
+where the official code's softplus head starts for near-zero pre-activations; r_mu = 0 and r_rho = 1
+(the official ``r_mu = zeros``, ``r_sigma = ones`` before softplus).
 
-Client-side optimisation of rho, r_mu, r_rho: SGD with the plan's learning rate, momentum and
+Compute: evaluation (and ``macs_per_sample``) runs the mean representation through the model; training
+with ``scale=input`` also runs the scale head, d^2 more MACs per sample in ``train_macs``.
+
+Client-side optimisation of the scale head (or rho), r_mu, r_rho: SGD with the plan's learning rate, momentum and
 weight decay (the official code adds them as one more parameter group of the model's SGD),
 one step after every model step; ``grad_clip`` clips the model's gradient only.
 
@@ -79,7 +91,11 @@ from fedsap_ray.seeding import seed_for
 RHO_INIT = 0.0  # sigma = softplus(0) = log 2 (module docstring)
 R_MU_INIT = 0.0  # official code: r_mu = zeros
 R_RHO_INIT = 1.0  # official code: r_sigma = ones, used through softplus
-EXTRA_KEYS = ("rho", "r_mu", "r_rho")  # the extra learnable arrays, in plan.extra / ClientResult.stats
+EXTRA_KEYS = ("rho", "r_mu", "r_rho")  # the extra learnable arrays of scale=shared, reference=averaged
+SCALES = ("input", "shared")
+REFERENCES = ("client", "averaged")
+SCALE_KEYS = {"input": ("scale_w", "scale_b"), "shared": ("rho",)}  # the scale's arrays per option
+REF_KEYS = ("r_mu", "r_rho")
 
 
 def l2r_term(z: torch.Tensor) -> torch.Tensor:
@@ -98,15 +114,17 @@ def gaussian_kl(mu: torch.Tensor, sigma: torch.Tensor, r_mu: torch.Tensor, r_sig
 
 @register_objective("fedsr")
 class FedSRObjective(LocalObjective):
-    """CE on a sampled z + alpha_L2R ||z||^2 + alpha_CMI KL(p(z|x) || r(z|y)); rho, r_mu, r_rho trained alongside."""
+    """CE on a sampled z + alpha_L2R ||z||^2 + alpha_CMI KL(p(z|x) || r(z|y)); the scale (head or rho), r_mu and
+    r_rho trained alongside. The scale is per input when ``plan.extra`` holds ``scale_w``/``scale_b``, else rho."""
 
     def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         d = int(model.feature_dim)
         c = int(getattr(model, model.classifier).out_features)
-        shapes = {"rho": (d,), "r_mu": (c, d), "r_rho": (c, d)}
+        shapes = {"rho": (d,), "scale_w": (d, d), "scale_b": (d,), "r_mu": (c, d), "r_rho": (c, d)}
+        self.scale = "input" if "scale_w" in plan.extra else "shared"
         self.extra_params: dict[str, nn.Parameter] = {}
-        for key in EXTRA_KEYS:
+        for key in (*SCALE_KEYS[self.scale], *REF_KEYS):
             arr = np.asarray(plan.extra[key])
             if arr.dtype != np.float32 or arr.shape != shapes[key]:
                 raise ValueError(f"plan.extra[{key!r}] must be float32 of shape {shapes[key]}, got {arr.dtype} {arr.shape}")
@@ -117,14 +135,16 @@ class FedSRObjective(LocalObjective):
         self.opt = torch.optim.SGD(list(self.extra_params.values()), lr=plan.lr, momentum=plan.momentum,
                                    weight_decay=plan.weight_decay)
 
-    @property
-    def sigma(self) -> torch.Tensor:
-        return F.softplus(self.extra_params["rho"])
+    def sigma(self, mu: torch.Tensor) -> torch.Tensor:
+        """sigma(x) = softplus(W_s mu(x) + b_s) [B, d] (scale=input), or softplus(rho) [d] (scale=shared)."""
+        if self.scale == "shared":
+            return F.softplus(self.extra_params["rho"])
+        return F.softplus(F.linear(mu, self.extra_params["scale_w"], self.extra_params["scale_b"]))
 
     def terms(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """The three loss terms of one batch (unweighted): ce, l2r, cmi (the last two only where weighted > 0)."""
         mu = model.forward_features(x)
-        sigma = self.sigma
+        sigma = self.sigma(mu)
         eps = torch.randn(mu.shape, generator=self.gen).to(device=mu.device, dtype=mu.dtype)
         z = mu + sigma * eps  # reparameterised sample of N(mu(x), sigma^2)
         out = {"ce": F.cross_entropy(getattr(model, model.classifier)(z), y)}
@@ -162,8 +182,15 @@ class FedSR(NestedWidth):
     class Options:
         alpha_l2r: float = 0.01  # FedSR README (PACS): --L2R_coeff 0.01
         alpha_cmi: float = 0.001  # FedSR README (PACS): --CMI_coeff 0.001
+        scale: str = "input"  # input: sigma(x) per input (official code); shared: one learned vector
+        reference: str = "client"  # client: r(z|y) per client (official code); averaged: shared, FedAvg'd
 
         def __post_init__(self) -> None:
+            if self.scale not in SCALES:
+                raise ConfigError(f"invalid algorithm.scale={self.scale!r}: allowed values are {', '.join(SCALES)}")
+            if self.reference not in REFERENCES:
+                raise ConfigError(f"invalid algorithm.reference={self.reference!r}: allowed values are "
+                                  f"{', '.join(REFERENCES)}")
             for name in ("alpha_l2r", "alpha_cmi"):
                 v = getattr(self, name)
                 if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
@@ -174,32 +201,73 @@ class FedSR(NestedWidth):
         self.feature_dim = int(ctx.model.feature_dim)
         self.num_classes = int(getattr(ctx.model, ctx.model.classifier).out_features)
 
-    def init_state(self) -> ServerState:
-        """The seeded template plus rho = 0, r_mu = 0, r_rho = 1 (module docstring)."""
-        state = super().init_state()
+    @property
+    def shared_keys(self) -> tuple[str, ...]:
+        """The arrays every client receives and the server averages (the scale; the reference if averaged)."""
+        return SCALE_KEYS[self.opts.scale] + (REF_KEYS if self.opts.reference == "averaged" else ())
+
+    def initial_reference(self) -> dict[str, np.ndarray]:
         d, c = self.feature_dim, self.num_classes
-        state.extra = {"rho": np.full(d, RHO_INIT, dtype=np.float32),
-                       "r_mu": np.full((c, d), R_MU_INIT, dtype=np.float32),
-                       "r_rho": np.full((c, d), R_RHO_INIT, dtype=np.float32)}
+        return {"r_mu": np.full((c, d), R_MU_INIT, dtype=np.float32),
+                "r_rho": np.full((c, d), R_RHO_INIT, dtype=np.float32)}
+
+    def init_state(self) -> ServerState:
+        """The seeded template, the scale (W_s = 0, b_s = 0 or rho = 0) and r_mu = 0, r_rho = 1 (module docstring);
+        with reference=client no client has its own reference yet."""
+        state = super().init_state()
+        d = self.feature_dim
+        extra: dict[str, Any] = ({"scale_w": np.zeros((d, d), dtype=np.float32), "scale_b": np.zeros(d, dtype=np.float32)}
+                                 if self.opts.scale == "input" else {"rho": np.full(d, RHO_INIT, dtype=np.float32)})
+        if self.opts.reference == "averaged":
+            extra.update(self.initial_reference())
+        else:
+            extra.update(r_mu={}, r_rho={})  # client id -> its own reference (ServerState.extra: numpy arrays)
+        state.extra = extra
         return state
+
+    def client_reference(self, state: ServerState, client_id: int) -> dict[str, np.ndarray]:
+        """The client's own r_mu, r_rho (reference=client): its last trained ones, the initial ones before."""
+        if client_id in state.extra["r_mu"]:
+            return {k: state.extra[k][client_id] for k in REF_KEYS}
+        return self.initial_reference()
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
+        """One forward pass of the model per sample, plus the d x d scale head with scale=input (module docstring)."""
+        head = self.feature_dim ** 2 if self.opts.scale == "input" else 0
+        return int(result.samples_seen) * (self.mask_macs(None) + head)
 
     def width_for(self, state: ServerState, client_id: int, t: int) -> float:
         return 1.0
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
-        extra: dict[str, Any] = {k: state.extra[k] for k in EXTRA_KEYS}  # shared with the state, never mutated
+        keys = self.shared_keys
+        extra: dict[str, Any] = {k: state.extra[k] for k in keys}  # shared with the state, never mutated
+        if self.opts.reference == "client":  # the client's own: kept on the device, not counted in bytes_down
+            extra.update(self.client_reference(state, client_id))
         extra.update(objective="fedsr", alpha_l2r=float(self.opts.alpha_l2r), alpha_cmi=float(self.opts.alpha_cmi),
                      noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"))
-        return {"extra": extra, "side_bytes_down": int(sum(state.extra[k].nbytes for k in EXTRA_KEYS))}
+        return {"extra": extra, "side_bytes_down": int(sum(state.extra[k].nbytes for k in keys))}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
-        """rho, r_mu, r_rho: sample-weighted means of the clients' trained values (FedAvg), in float64."""
+        """The shared arrays: sample-weighted means of the clients' trained values (FedAvg), in float64; with
+        reference=client each participant's trained r_mu, r_rho are stored as its own."""
         total = float(sum(r.n_samples for r in results))
         if total <= 0:
             return state.extra
         extra = dict(state.extra)
-        for key in EXTRA_KEYS:
+        if self.opts.reference == "client":
+            init = self.initial_reference()
+            for key in REF_KEYS:
+                own = dict(state.extra[key])
+                for r in results:
+                    v = r.stats.get(key)
+                    if v is None or np.shape(v) != init[key].shape:
+                        raise ValueError(f"client {r.client_id} in round {t}: stats[{key!r}] missing or of shape "
+                                         f"{None if v is None else np.shape(v)}, expected {init[key].shape}")
+                    own[r.client_id] = np.array(v, dtype=np.float32, copy=True)
+                extra[key] = own
+        for key in self.shared_keys:
             acc = np.zeros(state.extra[key].shape, dtype=np.float64)
             for r in results:  # client-id order (NestedWidth.aggregate sorts them)
                 v = r.stats.get(key)

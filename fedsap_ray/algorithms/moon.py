@@ -55,6 +55,13 @@ Defaults (``--set algorithm.<name>=``):
   Office-Caltech.
 
 The local optimiser, epochs and learning rate come from the config like every baseline's.
+
+Compute: ``macs_per_sample`` is one forward pass of the full model (what the client runs at
+inference); training runs more per step: the trained model's forward pass plus, under ``no_grad``,
+``forward_features`` (the encoder, no classifier) of the frozen global model and, from the second
+participation on, of the frozen previous model (a first participation reuses z_glob as z_prev, so
+two passes). ``train_macs`` = samples_seen x (full MACs + k x encoder MACs), k = 2 (1 at the first
+participation); backward runs on the trained model only.
 """
 from __future__ import annotations
 
@@ -148,6 +155,12 @@ class Moon(NestedWidth):
                 raise ConfigError(f"invalid algorithm.mu={self.mu!r}: must be a number >= 0")
             if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool) or not self.tau > 0:
                 raise ConfigError(f"invalid algorithm.tau={self.tau!r}: must be a number > 0")
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
+        """samples_seen x (full forward + k frozen encoder forwards), k = 2, or 1 with no previous model
+        (module docstring, "Compute")."""
+        k = 1 if plan.extra.get("prev") is None else 2
+        return int(result.samples_seen) * (self.mask_macs(None) + k * self.encoder_macs())
 
     def init_state(self) -> ServerState:
         """The seeded template as w^0 and no previous local models yet."""

@@ -1,8 +1,15 @@
 """NeFL (Kang et al., IEEE TMC 2025, "NeFL: Nested Model Scaling for Federated Learning with
 System Heterogeneous Clients") at each client's keep ratio (papers/000 Table 1).
 
-NeFL cuts nested sub-models out of one global model in depth AND width: a sub-model
-skips some residual blocks and keeps the leading channels of the others, and the server
+Default (``depth=false``): width-only nesting (NeFL-W), the leading ceil(kappa_i C_l) channels of
+every layer, i.e. the HeteroFL sub-model at kappa_i. That is the NeFL setting of the comparison
+FedSAP follows (DapperFL's NeFL baseline, whose budgets never skip blocks); with FedSAP's budgets
+the depth rule below would skip ``layer1.0`` on every ResNet10 client below kappa = 1 and all five
+identity blocks of ResNet18 at kappa 0.2 and 0.4 (issue 13).
+
+``depth=true`` (this simulator's earlier default): NeFL cuts nested sub-models out of one global
+model in depth AND width: a sub-model skips some residual blocks and keeps the leading channels of
+the others, and the server
 averages every coordinate over the sub-models that contain it (NeFL's NeFedAvg, which
 for a coordinate is papers/003 Algorithm 1 line 18; :class:`~fedsap_ray.algorithms.nested.SubModelStrategy`).
 
@@ -28,8 +35,8 @@ default, with
    never exceeds the budget; the search runs over every breakpoint k / C_l at which a
    layer's ceil(p C_l) changes).
 
-``depth_share = 0`` is width-only nesting (NeFL-W, the HeteroFL sub-models);
-``depth_share = 1`` skips as deep as the budget allows before narrowing. On ResNet18 the
+``depth_share`` only acts with ``depth=true``. ``depth_share = 0`` is width-only nesting (NeFL-W,
+the HeteroFL sub-models, the same as ``depth=false``); ``depth_share = 1`` skips as deep as the budget allows before narrowing. On ResNet18 the
 default reproduces NeFL's ResNet18 NeFL-WD table for gamma = 0.4, 0.6, 0.8 (width only:
 removing layer4.1 alone would leave gamma_D = 0.58 < sqrt(gamma)); at gamma = 0.2 it
 skips layer4.1 and layer3.1 where NeFL's table skips layer4.1 only.
@@ -80,13 +87,16 @@ class SkippableBlock:
 
 @register("nefl")
 class NeFL(SubModelStrategy):
-    summary = "nested sub-models scaled in depth (identity blocks skipped, deepest first) and width, width-only budget"
+    summary = "nested width-only sub-models at kappa_i (depth=true: also skip identity blocks, deepest first)"
 
     @dataclass(frozen=True)
     class Options:
-        depth_share: float = 0.5  # gamma_D ~ gamma^depth_share (module docstring)
+        depth: bool = False  # False: width-only (DapperFL's NeFL setting); True: NeFL-WD depth rule
+        depth_share: float = 0.5  # with depth=true: gamma_D ~ gamma^depth_share (module docstring)
 
         def __post_init__(self) -> None:
+            if not isinstance(self.depth, bool):
+                raise ConfigError(f"invalid algorithm.depth={self.depth!r}: must be true or false")
             v = self.depth_share
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ConfigError(f"invalid algorithm.depth_share={v!r}: must be a number in [0, 1]")
@@ -124,7 +134,8 @@ class NeFL(SubModelStrategy):
         full = {layer.name: layer.channels for layer in space.layers}
         budget = self.trainable_count(self._nested_counts(kappa), ())
         total = self.trainable_count(full, ())
-        target = total * (budget / total) ** float(self.opts.depth_share)
+        share = float(self.opts.depth_share) if self.opts.depth else 0.0  # depth=false: width-only
+        target = total * (budget / total) ** share
         skip: list[str] = []
         for blk in reversed(self.skippable()):
             if self.trainable_count(full, (*skip, blk.name)) < target:

@@ -32,7 +32,7 @@ from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.models import model_macs, weight_uses
+from fedsap_ray.models import model_macs
 
 MASK_CACHE = 32  # sub-model masks kept per run (a HAS-FL run sees many distinct widths)
 
@@ -115,22 +115,6 @@ class SubModelStrategy(Strategy):
         client is sampled then."""
         return state.params, self.sub_model(state, client_id, state.round + 1)[0]
 
-    def mask_macs(self, mask: np.ndarray | None) -> int:
-        """Multiply-accumulates per sample of the sub-model a parameter mask covers (papers/003 Table 1).
-
-        Sum over weight tensors of (covered entries) x (applications per sample): exactly
-        :func:`fedsap_ray.models.model_macs` of the channel masks the coverage came from
-        (tests/test_feddrop.py), and it also counts sub-models a channel mask alone cannot
-        describe (NeFL's skipped residual branches).
-        """
-        if mask is None:
-            if "_full_macs" not in self.__dict__:
-                self.__dict__["_full_macs"] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None))
-            return self.__dict__["_full_macs"]
-        uses = weight_uses(self.ctx.model, self.ctx.federation.input_shape)
-        layout = self.ctx.layout
-        return int(sum(int(np.count_nonzero(layout.slice(w, mask))) * n for w, n in uses.items()))
-
 
 class NestedWidth(SubModelStrategy):
     """Base of the nested-width strategies: a subclass chooses p_i per (client, round) (Algorithm 2)."""
@@ -177,6 +161,10 @@ class NestedWidth(SubModelStrategy):
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         return {"macs_per_sample": self.macs(plan.capacity_used), **self.estimate_columns(state, plan.client_id)}
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
+        """One forward pass of the width-p sub-model per sample seen (:meth:`Strategy.train_macs`)."""
+        return int(result.samples_seen) * self.macs(plan.capacity_used)
 
     # --- memoised sub-model geometry (pure in the per-layer channel counts) -------------
     def macs(self, p: float) -> int:
