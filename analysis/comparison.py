@@ -41,6 +41,8 @@ TABLE1 = [
     ("NeFL", "nefl", True), ("DapperFL", "dapperfl", True), ("FedSAP", "fedsap", True),
 ]
 LABEL = {name: label for label, name, _ in TABLE1}
+# labels method_of gives to a Table 1 method run with a non-default option, listed right after it
+VARIANT_LABELS = {"FedDrop (FD)": ("FedDrop (AFD)",), "DapperFL": ("DapperFL (capacity)",)}
 EXTRA = ("deployed", "deployed_final", "worst_client", "train_gmacs")  # per-run figures averaged over seeds
 NOT_DOMAINS = ("global", "final_global", "global_std", "seeds", "sub_models", "deployed_std", "max_train_gmacs",
                *EXTRA)
@@ -57,6 +59,8 @@ def method_of(config: dict[str, Any]) -> str:
         return "FedProx (full model)"
     if algo["name"] == "feddrop" and (algo.get("options") or {}).get("selection") == "afd":
         return "FedDrop (AFD)"
+    if algo["name"] == "dapperfl" and (algo.get("options") or {}).get("full_first_epoch") is False:
+        return "DapperFL (capacity)"
     return label
 
 
@@ -106,7 +110,8 @@ def table1(res: results.Results) -> pd.DataFrame:
     narrow = res.clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
     agg["sub_models"] = pr.assign(narrow=pr["run_id"].map(narrow).fillna(False).astype(bool)).groupby("method")[
         "narrow"].any()
-    order = [label for label, _, _ in TABLE1 if label in agg.index] + sorted(set(agg.index) - set(LABEL.values()))
+    labels = [x for label, _, _ in TABLE1 for x in (label, *VARIANT_LABELS.get(label, ()))]
+    order = [label for label in labels if label in agg.index] + sorted(set(agg.index) - set(labels))
     return agg.loc[order]
 
 

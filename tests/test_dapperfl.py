@@ -260,10 +260,13 @@ def test_reconstruction_fills_pruned_coordinates_with_the_previous_global_model(
 def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruction(fed):
     """Round 2's plans carry W^1 in full with alpha_2 = 0.72 and kappa_i; every client prunes after its first
     epoch (steps = E * prune_after_steps) to ceil(kappa_i C_l) channels per layer, not the nested ones; the
-    server state is the sample-weighted mean of the reconstructed models and holds no per-client state."""
+    server state is the sample-weighted mean of the reconstructed models; the only per-client state is each
+    client's last kept channels (what it deploys), exactly those it reported."""
     cfg = build_config(preset="smoke", overrides=TINY)
     ctx, _, states, (_, plans), (_, outs) = run_rounds_with_plans(cfg, fed, 2)
-    assert states[2].extra == {}
+    assert set(states[2].extra) == {"kept"}
+    for r in outs:
+        np.testing.assert_array_equal(states[2].extra["kept"][r.client_id], r.stats["channel_mask"])
     keeps = [c.capacity for c in fed.clients]
     assert keeps == [1.0, 0.8, 0.6, 0.4]
     nested_differs = False

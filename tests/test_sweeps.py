@@ -122,7 +122,10 @@ def test_dry_run_validates_and_lists_the_trials_without_running_them(tmp_path, c
 
 def test_main_comparison_runs_every_registered_algorithm():
     mod = _load("main_comparison")
-    assert sorted(mod.VARIANTS) == algorithms.names()
+    assert sorted(set(mod.VARIANTS) - set(mod.EXTRA_VARIANTS)) == algorithms.names()
+    assert mod.VARIANTS["dapperfl-capacity"] == ["algorithm.name=dapperfl", "algorithm.full_first_epoch=false"]
+    from analysis.comparison import method_of
+    assert method_of({"algorithm": {"name": "dapperfl", "options": {"full_first_epoch": False}}}) == "DapperFL (capacity)"
 
 
 # ----------------------------------------------------------------------------------------------
