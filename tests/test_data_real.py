@@ -59,6 +59,7 @@ def test_all_real_sources_registered_with_docs() -> None:
 
 def test_default_roots_follow_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FEDSAP_RAY_DATA", str(tmp_path / "d"))
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(tmp_path / "empty_shared"))  # holds nothing: data_home wins
     for name in ("digits", "office_caltech", "cifar10", "emnist", "shakespeare"):
         assert get_source(name).default_root() == tmp_path / "d" / name
     monkeypatch.delenv("FEDSAP_RAY_DATA")
@@ -68,6 +69,31 @@ def test_default_roots_follow_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.delenv("FEDSAP_SHARED_DATA")
     monkeypatch.chdir(tmp_path)  # no ../shared/data from here: falls back to the repo-relative folder
     assert shared_data_root() == (REPO / ".." / "shared" / "data").resolve()
+
+
+def test_one_default_root_rule_honours_shared_data(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 14 item 4: CIFAR-10 and Shakespeare (like MNIST) default to $FEDSAP_SHARED_DATA when it holds
+    their files and the cache does not, so ``fedsap-ray datasets`` reports them present."""
+    shared = tmp_path / "shared"
+    (shared / "cifar10").mkdir(parents=True)
+    (shared / "cifar10" / "cifar10_jpg_q75.tar.gz").write_bytes(b"x")
+    (shared / "shakespeare").mkdir()
+    for split in ("train", "test"):
+        (shared / "shakespeare" / f"fedshakespeare_{split}.h5").write_bytes(b"x")
+    (shared / "mnist").mkdir()
+    (shared / "mnist" / "mnist.npz").write_bytes(b"x")
+    monkeypatch.setenv("FEDSAP_RAY_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(shared))
+    for name in ("cifar10", "shakespeare", "mnist"):
+        assert get_source(name).default_root() == shared, name
+    rows = {r["name"]: r for r in dataset_table()}
+    for name in ("cifar10", "shakespeare", "mnist"):
+        assert rows[name]["present"] and rows[name]["root"] == str(shared), rows[name]
+    assert not rows["emnist"]["present"] and rows["emnist"]["root"] == str(tmp_path / "cache" / "emnist")
+    # the cache wins when it holds the files too (preferred first)
+    (tmp_path / "cache" / "cifar10" / "cifar10").mkdir(parents=True)
+    (tmp_path / "cache" / "cifar10" / "cifar10" / "cifar10_jpg_q75.tar.gz").write_bytes(b"x")
+    assert get_source("cifar10").default_root() == tmp_path / "cache" / "cifar10"
 
 
 HINTS = {
@@ -659,6 +685,7 @@ def test_dataset_table_on_shared_root() -> None:
 
 def test_dataset_table_default_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FEDSAP_RAY_DATA", str(tmp_path))
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(tmp_path / "no_shared"))  # neither candidate holds CIFAR-10
     rows = {r["name"]: r for r in dataset_table()}
     assert rows["cifar10"]["root"] == str(tmp_path / "cifar10") and not rows["cifar10"]["present"]
     assert rows["cifar10"]["missing"][0].endswith(str(tmp_path / "cifar10" / "cifar-10-batches-py" / "data_batch_1"))

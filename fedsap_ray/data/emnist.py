@@ -15,7 +15,7 @@ import numpy as np
 
 from fedsap_ray.data.digits import to_domain
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
-from fedsap_ray.data.status import data_home, unavailable
+from fedsap_ray.data.status import default_root, unavailable
 
 EMNIST_SPLIT = "byclass"
 EMNIST_CLASSES = 62
@@ -44,7 +44,7 @@ class EmnistSource:
     how_to_obtain = "--set data.download=true (torchvision EMNIST, ~535 MB zip)"
 
     def default_root(self) -> Path:
-        return data_home(self.name)
+        return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
     def files(self, root: Path) -> list[FileStatus]:
         return [FileStatus(f"EMNIST {p.name}", p, p.exists()) for p in emnist_paths(Path(root).expanduser())]
