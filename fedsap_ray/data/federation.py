@@ -110,10 +110,42 @@ def _subsample(n: int, cap: int | None, rng: np.random.Generator) -> np.ndarray 
     return np.sort(rng.choice(n, size=cap, replace=False)).astype(np.int64)
 
 
+def _natural_roles(splits: DomainSplits, data: DataConfig) -> list[str] | None:
+    """The natural clients of a ``data.partition=natural`` run (papers/003 section 4.1: the
+    ``num_clients`` roles with the most training windows), chosen on the full split, before any cap,
+    so ``data.max_train_per_domain`` never changes which roles form the federation."""
+    if data.partition != "natural" or splits.natural_train is None or len(splits.domains) != 1:
+        return None
+    try:
+        return [name for name, _ in natural_partition(splits.natural_train, data.num_clients)]
+    except PartitionError as e:
+        raise ConfigError(f"invalid {e.field}={data.num_clients!r}: data.name={data.name}, data.partition=natural: "
+                          f"{e}") from e
+
+
+def _role_pool(dd: DomainData, natural: dict[str, np.ndarray], roles: list[str]) -> tuple[DomainData, dict[str, np.ndarray]]:
+    """``dd`` restricted to the rows of ``roles`` (in role order), with each role's positions in the new pool."""
+    parts = [np.sort(np.asarray(natural.get(r, np.zeros(0, np.int64)), dtype=np.int64)) for r in roles]
+    ends = np.cumsum([len(p) for p in parts])
+    pos = {r: np.arange(e - len(p), e, dtype=np.int64) for r, p, e in zip(roles, parts, ends)}
+    pool = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return dd.subset(pool), pos
+
+
 def _cap_splits(splits: DomainSplits, data: DataConfig, seed: int) -> tuple[
         dict[str, DomainData], dict[str, DomainData], dict[str, np.ndarray] | None]:
+    """Per-domain train pools and test sets after the caps; for a natural partition the pools first
+    shrink to the chosen roles' rows (:func:`_natural_roles`): training windows of those roles only,
+    and as test set those roles' own held-out windows (``natural_test``), as LEAF evaluates each
+    client on its own text. The caps then subsample what is left."""
     train, test = dict(splits.train), dict(splits.test)
     natural = splits.natural_train
+    roles = _natural_roles(splits, data)
+    if roles is not None and natural is not None:
+        d0 = splits.domains[0]
+        train[d0], natural = _role_pool(train[d0], natural, roles)
+        if splits.natural_test is not None:
+            test[d0], _ = _role_pool(test[d0], splits.natural_test, roles)
     for k, d in enumerate(splits.domains):
         keep = _subsample(len(train[d]), data.max_train_per_domain,
                           np.random.default_rng(np.random.SeedSequence((seed, _PURPOSE_TRAIN_CAP, k))))
