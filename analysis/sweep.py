@@ -8,8 +8,9 @@ that ``variant`` label and every algorithm option, *resolved* against the strate
 
 Accuracies follow papers/000 Table 1 (after DapperFL): "best" is the best-so-far accuracy of
 the ``__global__`` row (the unweighted mean of the domain accuracies at one round), "final" the
-last evaluated round, both read from the run's primary eval mode, the first one written
-(``group`` for FedSAP, ``global`` otherwise). Every number comes from the Parquet rows.
+last evaluated round, both read from the run's primary eval mode, the mode of its earliest
+evaluated global row (``group`` for FedSAP, ``global`` otherwise; rounds that
+``training.eval_every`` skipped carry no mode and are never the primary). Every number comes from the Parquet rows.
 """
 from __future__ import annotations
 
@@ -160,12 +161,18 @@ def _column(df: pd.DataFrame, name: str) -> pd.Series:
 
 def primary_rounds(rounds: pd.DataFrame) -> pd.DataFrame:
     """The evaluated ``rounds`` rows (every domain and the ``__global__`` row) of each run's primary
-    eval mode, the first mode its global rows were written with, in (run_id, round) order; the
+    eval mode, the mode of its earliest evaluated global row (rows of rounds skipped by
+    ``training.eval_every`` carry none), in (run_id, round) order; the
     column ``acc`` is the accuracy (``global_accuracy`` where the global row's accuracy is null)."""
     if rounds.empty or "domain" not in rounds.columns:
         return pd.DataFrame(columns=["run_id", "round", "domain", "acc"])
     r = rounds.assign(_mode=(_column(rounds, "eval_mode").astype(object).where(lambda s: s.notna(), "")))
-    primary = r[r["domain"] == GLOBAL].groupby("run_id", sort=False)["_mode"].first()
+    # the primary mode is read from EVALUATED global rows only: with training.eval_every > 1 the rows of
+    # rounds that were not evaluated carry no mode, and taking the first global row's mode would then
+    # select nothing (every best/final accuracy NaN; issue 14)
+    ran = _column(r, "evaluated").astype("boolean").fillna(True).astype(bool)
+    glob = r[(r["domain"] == GLOBAL) & (r["_mode"] != "") & ran]
+    primary = glob.sort_values(["run_id", "round"], kind="stable").groupby("run_id", sort=False)["_mode"].first()
     r = r[r["_mode"] == r["run_id"].map(primary)]
     acc = pd.to_numeric(_column(r, "accuracy"), errors="coerce")
     acc = acc.fillna(pd.to_numeric(_column(r, "global_accuracy"), errors="coerce"))
