@@ -333,17 +333,45 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> Corr:
     return Corr(float(res.statistic), float(res.pvalue), lo, hi, n)
 
 
-def partial_corr(x: Sequence[float], y: Sequence[float], z: Sequence[float] | np.ndarray) -> Corr:
-    """Partial correlation r(x, y | z) (papers/003 Table 5): regress x and y on [1, z] by
-    least squares and correlate the residuals. ``z`` holds k control variables (1-D for one).
+def tier_dummies(z: Sequence[float] | np.ndarray) -> np.ndarray:
+    """One 0/1 column per capacity tier except the first (sorted) level: the categorical control of
+    :func:`partial_corr` (the first tier is the baseline absorbed by the intercept)."""
+    z = np.asarray(z, dtype=float).ravel()
+    levels = np.unique(z[np.isfinite(z)])
+    out = (z[:, None] == levels[None, 1:]).astype(float)
+    out[~np.isfinite(z)] = np.nan
+    return out
 
-    p-value: t = r sqrt(df / (1 - r^2)) with df = n - 2 - k; 95% CI: Fisher z with
-    n - 3 - k. A constant variable or control (e.g. every p_max equal) or too few
-    observations give NaN without an exception.
+
+CONTROLS = ("tiers", "linear")  # how p_max is controlled in Table 5's partial correlations
+
+
+def partial_corr(x: Sequence[float], y: Sequence[float], z: Sequence[float] | np.ndarray,
+                 control: str = "linear") -> Corr:
+    """Partial correlation r(x, y | z) (papers/003 Table 5): regress x and y on [1, Z] by
+    least squares and correlate the residuals.
+
+    ``control="linear"``: Z = ``z`` itself (k columns; 1-D for one control), the form of the
+    textbook partial correlation. ``control="tiers"``: ``z`` is one categorical variable (the
+    capacity tier p_max) and Z its k = levels - 1 dummy columns (:func:`tier_dummies`), i.e. the
+    residuals are deviations from each tier's mean. Table 5 uses the tiers by default: most clients
+    train exactly at their cap, so p is a step function of p_max, not a line, and a linear
+    control leaves tier-mean differences in the residuals (a spurious r(p, TV | p_max); issue 14).
+
+    p-value: t = r sqrt(df / (1 - r^2)) with df = n - 2 - k (the t-test of x's coefficient in the
+    regression of y on [1, x, Z]); 95% CI: Fisher z with n - 3 - k (both lose one degree of freedom
+    per control column, so per dummy). A constant variable or control (e.g. every p_max equal
+    under the linear form) or too few observations give NaN without an exception.
     """
+    if control not in CONTROLS:
+        raise ValueError(f"control={control!r}: allowed values are {', '.join(CONTROLS)}")
     z = np.asarray(z, dtype=float)
-    z = z[:, None] if z.ndim == 1 else z
-    x, y, z = _complete(x, y, z)
+    if control == "tiers":
+        x, y, zc = _complete(x, y, z.ravel())
+        z = tier_dummies(zc)
+    else:
+        z = z[:, None] if z.ndim == 1 else z
+        x, y, z = _complete(x, y, z)
     n, k = len(x), z.shape[1]
     df = n - 2 - k
     if df < 1 or _constant(x) or _constant(y) or any(_constant(z[:, j]) for j in range(k)):
@@ -397,19 +425,23 @@ def final_state(res: Any) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)
 
 
-def correlations(state: pd.DataFrame) -> dict[str, Corr]:
-    """The four Table 5 correlations of one run's final client state."""
+def correlations(state: pd.DataFrame, control: str = "tiers") -> dict[str, Corr]:
+    """The four Table 5 correlations of one run's final client state; ``control`` is how the partial
+    ones control for p_max (:func:`partial_corr`: ``tiers`` dummies by default, or ``linear``)."""
     out = {}
     for key, (x, y, z) in CORRELATIONS.items():
         xs, ys = _col(state, x), _col(state, y)
-        out[key] = pearson(xs, ys) if z is None else partial_corr(xs, ys, _col(state, z))
+        out[key] = pearson(xs, ys) if z is None else partial_corr(xs, ys, _col(state, z), control=control)
     return out
 
 
-def correlation_table(res: Any, variants: Sequence[str] | None = None) -> pd.DataFrame:
+def correlation_table(res: Any, variants: Sequence[str] | None = None, control: str = "tiers") -> pd.DataFrame:
     """papers/003 Table 5, one row per run: r(H~, TV), r(H~, p_max), r(H~, TV | p_max) and
     r(p, TV | p_max) over the final state of the clients (:func:`final_state`), each as
-    ``r_<key>``, ``pval_<key>``, ``ci_low_<key>``, ``ci_high_<key>``, ``n_<key>``."""
+    ``r_<key>``, ``pval_<key>``, ``ci_low_<key>``, ``ci_high_<key>``, ``n_<key>``; the partial ones
+    control for p_max as ``control`` says (:func:`partial_corr`), also stored in ``attrs["control"]``."""
+    if control not in CONTROLS:
+        raise ValueError(f"control={control!r}: allowed values are {', '.join(CONTROLS)}")
     res = _load(res)
     pr = per_run(res).set_index("run_id")
     state = final_state(res)
@@ -422,13 +454,16 @@ def correlation_table(res: Any, variants: Sequence[str] | None = None) -> pd.Dat
         row = {"run_id": run_id, "dataset": info.get("dataset", None), "variant": variant,
                "seed": info.get("seed", None), "source": s["source"].iloc[0],
                "round": int(s["round"].max()), "n": int(len(s))}
-        for key, c in correlations(s).items():
+        for key, c in correlations(s, control).items():
             row.update({f"r_{key}": c.r, f"pval_{key}": c.pvalue, f"ci_low_{key}": c.ci_low,
                         f"ci_high_{key}": c.ci_high, f"n_{key}": c.n})
         rows.append(row)
     if not rows:
-        return pd.DataFrame(columns=["run_id", "dataset", "variant", "seed", "source", "round", "n"])
-    return pd.DataFrame(rows).sort_values(["dataset", "variant", "seed"], na_position="last").reset_index(drop=True)
+        out = pd.DataFrame(columns=["run_id", "dataset", "variant", "seed", "source", "round", "n"])
+    else:
+        out = pd.DataFrame(rows).sort_values(["dataset", "variant", "seed"], na_position="last").reset_index(drop=True)
+    out.attrs["control"] = control
+    return out
 
 
 # ----------------------------------------------------------------------------- matched budget

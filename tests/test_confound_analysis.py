@@ -69,6 +69,51 @@ def test_partial_correlation_matches_closed_form_and_hand_p_value() -> None:
     assert p.ci_low == pytest.approx(math.tanh(math.atanh(rxy) - half0), rel=1e-6)
 
 
+def _tiered(seed: int, n: int = 40) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """p at its tier cap for most clients (a step function of p_max, not a line), TV unrelated to p within a tier."""
+    rng = np.random.default_rng(seed)
+    pmax = rng.choice([0.25, 0.5, 0.75, 1.0], size=n, p=[0.35, 0.35, 0.15, 0.15])
+    tier_mean_tv = {0.25: 0.2, 0.5: 0.6, 0.75: 0.1, 1.0: 0.5}  # tier means off any line in p_max
+    tv = np.array([tier_mean_tv[v] for v in pmax]) + 0.05 * rng.normal(size=n)
+    p = np.minimum(pmax, 0.4 + 0.05 * rng.normal(size=n)).clip(0.1)
+    p[pmax <= 0.5] = pmax[pmax <= 0.5]  # capped clients sit exactly at p_max
+    return p, tv, pmax
+
+
+def test_partial_correlation_tier_dummies_match_statsmodels_ols() -> None:
+    """Issue 14 item 2: r(p, TV | tier) equals the correlation of statsmodels OLS residuals on C(tier), and
+    its p-value the t-test of p's coefficient in OLS TV ~ p + C(tier) (df = n - 2 - (tiers - 1))."""
+    sm = pytest.importorskip("statsmodels.formula.api")
+    for seed in range(4):
+        p, tv, pmax = _tiered(seed)
+        df = pd.DataFrame({"p": p, "tv": tv, "tier": pmax})
+        rp = sm.ols("p ~ C(tier)", df).fit().resid
+        rt = sm.ols("tv ~ C(tier)", df).fit().resid
+        c = cf.partial_corr(p, tv, pmax, control="tiers")
+        assert c.r == pytest.approx(np.corrcoef(rp, rt)[0, 1], abs=1e-10)
+        fit = sm.ols("tv ~ p + C(tier)", df).fit()
+        assert c.pvalue == pytest.approx(float(fit.pvalues["p"]), rel=1e-8)
+        k = len(np.unique(pmax)) - 1
+        assert fit.df_resid == len(p) - 2 - k
+        half = stats.norm.ppf(0.975) / math.sqrt(len(p) - 3 - k)
+        assert c.ci_low == pytest.approx(math.tanh(math.atanh(c.r) - half), rel=1e-9)
+        # the linear form is statsmodels' OLS on p_max as a number
+        lin = cf.partial_corr(p, tv, pmax, control="linear")
+        fl = sm.ols("tv ~ p + tier", df).fit()
+        assert lin.pvalue == pytest.approx(float(fl.pvalues["p"]), rel=1e-8)
+
+
+def test_tier_control_removes_the_spurious_linear_partial_correlation() -> None:
+    """Issue 14 item 2: tier means that are not linear in p_max make r(p, TV | p_max) look significant under
+    the linear control; the tier dummies (Table 5's default) remove it."""
+    p, tv, pmax = _tiered(0, n=60)
+    lin, tiers = cf.partial_corr(p, tv, pmax, control="linear"), cf.partial_corr(p, tv, pmax, control="tiers")
+    assert lin.pvalue < 0.01 and abs(lin.r) > 0.4
+    assert abs(tiers.r) < abs(lin.r) and tiers.pvalue > 0.01
+    with pytest.raises(ValueError, match="control"):
+        cf.partial_corr(p, tv, pmax, control="cubic")
+
+
 def test_partial_correlation_known_answers_and_constant_inputs() -> None:
     rng = np.random.default_rng(0)
     n = 500
