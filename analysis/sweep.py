@@ -94,6 +94,78 @@ def config_label(run: Mapping[str, Any]) -> str:
     return f"{name} ({', '.join(changed)})" if changed else str(name)
 
 
+# Config keys that never change what a run computes (where it ran, its labels, the file paths), and the
+# seed, which a table averages over: runs that differ in anything else must not share a table row.
+NOT_PROTOCOL = ("seed", "study", "preset", "resources", "data.root", "data.download")
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and k != "options":
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def protocol(config_json: Any, algorithm: bool = True) -> dict[str, Any]:
+    """A run's resolved configuration as flat ``section.field`` keys, without :data:`NOT_PROTOCOL`; the
+    algorithm's options are resolved against the strategy's defaults (``algorithm.options.<name>``).
+    ``algorithm=False`` leaves the whole algorithm section out (to pair runs of different strategies)."""
+    cfg = json.loads(config_json) if isinstance(config_json, str) and config_json else {}
+    cfg = dict(cfg) if isinstance(cfg, Mapping) else {}
+    algo = cfg.pop("algorithm", None) or {}
+    flat = {k: v for k, v in _flatten(cfg).items()
+            if not any(k == n or k.startswith(n + ".") for n in NOT_PROTOCOL)}
+    if algorithm and "name" in algo:
+        flat["algorithm.name"] = algo["name"]
+        for k, v in resolved_options(algo["name"], algo.get("options")).items():
+            flat[f"algorithm.options.{k}"] = v
+    return flat
+
+
+def differing_keys(configs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The keys on which some of ``configs`` (e.g. :func:`protocol` dicts) disagree, sorted."""
+    keys = sorted(set().union(*configs)) if configs else []
+    return [k for k in keys if any(not _same_json(c.get(k), configs[0].get(k)) for c in configs[1:])]
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b))
+    return same_value(a, b)
+
+
+def split_configs(df: pd.DataFrame, by: Sequence[str], column: str = "config_json",
+                  algorithm: bool = True) -> tuple[pd.Series, dict[tuple, list[str]]]:
+    """A ``config`` label per row of ``df`` for grouping tables, so no group pools runs whose resolved
+    configurations differ beyond the seed (issue 14): within each ``by`` group whose runs differ, the
+    label lists the differing keys' values (e.g. ``model.width_mult=0.5, training.rounds=30``); "" where
+    the group is uniform. Also returns {group: differing keys} for the warnings."""
+    labels = pd.Series("", index=df.index, dtype=object)
+    mixed: dict[tuple, list[str]] = {}
+    if column not in df.columns or df.empty:
+        return labels, mixed
+    protos = {i: protocol(c, algorithm) for i, c in df[column].items()}
+    for key, part in df.groupby(list(by), sort=False, dropna=False):
+        diff = differing_keys([protos[i] for i in part.index])
+        if diff:
+            key = key if isinstance(key, tuple) else (key,)
+            mixed[key] = diff
+            for i in part.index:
+                labels[i] = ", ".join(f"{k}={json.dumps(protos[i].get(k), default=str)}" for k in diff)
+    return labels, mixed
+
+
+def mixed_warning(mixed: Mapping[tuple, Sequence[str]], what: str = "runs") -> str:
+    """One line naming the groups whose runs differ beyond the seed and the keys they differ in."""
+    parts = [f"{' / '.join(str(k) for k in key)}: {', '.join(keys)}" for key, keys in mixed.items()]
+    return (f"{what} of one group differ beyond the seed (split into one row per configuration, column "
+            f"'config'): " + "; ".join(parts))
+
+
 def _replace_tables(res: Any, **tables: pd.DataFrame) -> Any:
     if dataclasses.is_dataclass(res):
         return dataclasses.replace(res, **tables)
