@@ -12,7 +12,8 @@ correlations of the final estimates), the matched-budget random control
 (``random_budget``) and, with ``--preset paper_shakespeare``, Table 7.
 
 Default preset ``confound_laptop``: real MNIST (../shared/data/mnist, 20,000 training images)
-Dirichlet(0.3) over 20 clients, p_max tiers 7 x 0.25 / 7 x 0.5 / 3 x 0.75 / 3 x 1.0, 10 clients
+Dirichlet(0.3) over 20 clients, p_max tiers 7 x 0.25 / 7 x 0.5 / 3 x 0.75 / 3 x 1.0 (our split: the
+paper gives only the mean 0.525), 10 clients
 per round, cnn_small at half width, 50 rounds, papers/003 section 4.1's optimiser and HAS-FL settings.
 Runs under Ray Tune (``sweeps.common``; ``--resume`` continues a killed sweep). Prints
 ``analysis.confound.report`` at the end (Tables 3-6 and the Figure 6 frontier, written as
