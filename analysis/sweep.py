@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -362,6 +363,8 @@ def option_table(res: Any, algorithm: str, rows: Sequence[tuple[str, Mapping[str
     Columns: ``row``, ``variants`` (the run ids' variant names), ``seeds``, ``best_mean``/``_std``,
     ``final_mean``/``_std``; ``domains`` adds ``<domain>_mean``/``_std`` (best-so-far per domain),
     ``grouping`` adds the DGA means/stds of ``n_groups``, ``ari_domain``, ``ari_capacity``.
+    Runs of one row whose protocols (:func:`protocol` without the algorithm) differ beyond the seed
+    are split into rows ``<label> [<differing keys>]`` with a :class:`UserWarning`.
     """
     res = load_sweep(res)
     vary = sorted({k for _, opts in rows for k in opts})
@@ -392,6 +395,12 @@ def option_table(res: Any, algorithm: str, rows: Sequence[tuple[str, Mapping[str
     if not parts:
         return pd.DataFrame(columns=["row", "variants", *mean_std(pd.DataFrame(), ["row"], cols).columns[1:]])
     long = pd.concat(parts, ignore_index=True)
+    if "config_json" in runs.columns:  # never pool runs whose protocols differ beyond the seed (issue 14)
+        long = long.merge(runs[["run_id", "config_json"]], on="run_id", how="left")
+        labels, mixed = split_configs(long, ["row"], algorithm=False)
+        if mixed:
+            warnings.warn(mixed_warning(mixed), UserWarning, stacklevel=2)
+            long["row"] = [f"{r} [{c}]" if c else r for r, c in zip(long["row"], labels)]
     out = mean_std(long, "row", cols)
     names = long.groupby("row", sort=False)["variant"].agg(lambda s: ", ".join(dict.fromkeys(s)))
     out.insert(1, "variants", out["row"].map(names))

@@ -4,6 +4,7 @@ matched-budget random control, TV-vs-capacity correlations and the full-model co
     python sweeps/capacity_confound.py --out runs/confound --seeds 0 1 2      # real MNIST, 27 trials
     python sweeps/capacity_confound.py --preset paper_cifar10 --out s3://bucket/c10 --address auto
     python sweeps/capacity_confound.py --preset paper_shakespeare --variants hasfl random_budget heterofl fjord uniform
+    python sweeps/capacity_confound.py --preset confound_shakespeare --out runs/confound_shk   # laptop-scale text
     python sweeps/capacity_confound.py --smoke-test                           # every variant, tiny
 
 Tables 3 and 6 (allocation strategies and the full-model methods FedAvg / FedProx /

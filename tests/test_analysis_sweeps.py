@@ -382,3 +382,17 @@ def test_eval_every_2_keeps_best_and_final_accuracy() -> None:
     assert fedsap_analysis.per_run(res).set_index("run_id").loc["a-s0", "final_global_accuracy"] == pytest.approx(0.6)
     table = sweep.option_table(res, "fedavg", [("FedAvg", {})])
     assert table.loc[0, "best_mean"] == pytest.approx(0.3) and table.loc[0, "final_mean"] == pytest.approx(0.2)
+
+
+def test_option_table_splits_a_row_whose_runs_differ_beyond_the_seed() -> None:
+    """Issue 14 item 3: a grouping table never pools runs with different resolved configurations."""
+    runs = [run_row("a-s0", "fedavg", 0), run_row("a-s1", "fedavg", 1)]
+    for r, rounds in zip(runs, (2, 30)):
+        cfg = json.loads(r["config_json"])
+        cfg["training"] = {"rounds": rounds}
+        r["config_json"] = json.dumps(cfg)
+    res = make(runs, round_rows("a-s0", [0.2]) + round_rows("a-s1", [0.8]))
+    with pytest.warns(UserWarning, match="training.rounds"):
+        t = sweep.option_table(res, "fedavg", [("FedAvg", {})])
+    assert sorted(t["row"]) == ["FedAvg [training.rounds=2]", "FedAvg [training.rounds=30]"]
+    assert sorted(t["best_mean"]) == pytest.approx([0.2, 0.8])
