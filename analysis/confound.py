@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
@@ -156,6 +158,7 @@ def per_run(res: Any) -> pd.DataFrame:
         "algorithm": _col(runs, "algorithm", None),
         "variant": [variant_of(r) for _, r in runs.iterrows()],
         "seed": _col(runs, "seed", None), "status": _col(runs, "status", None),
+        "config_json": _col(runs, "config_json", None),
     }).set_index("run_id")
     rounds = res.rounds
     cols = ["rounds", "best_accuracy", "final_accuracy", "peak_to_final", "avg_p", "final_frozen_params", "widest_p_late"]
@@ -211,11 +214,21 @@ def summary_table(per_run_df: pd.DataFrame, variants: Sequence[str] | None = Non
     Columns ``<metric>_mean`` / ``<metric>_std`` (sample std, NaN for one seed) for each name
     in ``metrics`` (keys of :data:`METRICS`), plus ``seeds``. ``variants`` selects and orders
     the rows; by default every variant in the paper's order.
+
+    Runs of one (dataset, variant) whose resolved configurations differ beyond the seed
+    (:func:`analysis.sweep.split_configs`, e.g. 2 rounds at full width and 30 at half width) are
+    never pooled: the table gains a ``config`` column with the differing keys' values, one row per
+    configuration, a :class:`UserWarning` names the keys, and ``attrs["mixed"]`` holds them.
     """
     pr = per_run_df
     if variants is not None:
         pr = pr[pr["variant"].isin(list(variants))]
     keys = _groups(pr)
+    labels, mixed = sweep.split_configs(pr, keys)
+    if mixed:
+        warnings.warn(sweep.mixed_warning(mixed), UserWarning, stacklevel=2)
+        pr = pr.assign(config=labels)
+        keys = [*keys, "config"]
     named = {"seeds": ("seed", "nunique")}
     for m in metrics:
         named[f"{m}_mean"] = (METRICS[m], "mean")
@@ -226,8 +239,10 @@ def summary_table(per_run_df: pd.DataFrame, variants: Sequence[str] | None = Non
     agg = pr.groupby(keys, dropna=False).agg(**named).reset_index()
     order = list(variants) if variants is not None else _order(agg["variant"])
     agg["_rank"] = agg["variant"].map({v: i for i, v in enumerate(order)})
-    sort = ["dataset", "_rank"] if "dataset" in keys else ["_rank"]
-    return agg.sort_values(sort).drop(columns="_rank").reset_index(drop=True)
+    sort = (["dataset", "_rank"] if "dataset" in keys else ["_rank"]) + (["config"] if mixed else [])
+    out = agg.sort_values(sort, kind="stable").drop(columns="_rank").reset_index(drop=True)
+    out.attrs["mixed"] = mixed
+    return out
 
 
 def coverage_table(per_run_df: pd.DataFrame) -> pd.DataFrame:
@@ -333,17 +348,45 @@ def pearson(x: Sequence[float], y: Sequence[float]) -> Corr:
     return Corr(float(res.statistic), float(res.pvalue), lo, hi, n)
 
 
-def partial_corr(x: Sequence[float], y: Sequence[float], z: Sequence[float] | np.ndarray) -> Corr:
-    """Partial correlation r(x, y | z) (papers/003 Table 5): regress x and y on [1, z] by
-    least squares and correlate the residuals. ``z`` holds k control variables (1-D for one).
+def tier_dummies(z: Sequence[float] | np.ndarray) -> np.ndarray:
+    """One 0/1 column per capacity tier except the first (sorted) level: the categorical control of
+    :func:`partial_corr` (the first tier is the baseline absorbed by the intercept)."""
+    z = np.asarray(z, dtype=float).ravel()
+    levels = np.unique(z[np.isfinite(z)])
+    out = (z[:, None] == levels[None, 1:]).astype(float)
+    out[~np.isfinite(z)] = np.nan
+    return out
 
-    p-value: t = r sqrt(df / (1 - r^2)) with df = n - 2 - k; 95% CI: Fisher z with
-    n - 3 - k. A constant variable or control (e.g. every p_max equal) or too few
-    observations give NaN without an exception.
+
+CONTROLS = ("tiers", "linear")  # how p_max is controlled in Table 5's partial correlations
+
+
+def partial_corr(x: Sequence[float], y: Sequence[float], z: Sequence[float] | np.ndarray,
+                 control: str = "linear") -> Corr:
+    """Partial correlation r(x, y | z) (papers/003 Table 5): regress x and y on [1, Z] by
+    least squares and correlate the residuals.
+
+    ``control="linear"``: Z = ``z`` itself (k columns; 1-D for one control), the form of the
+    textbook partial correlation. ``control="tiers"``: ``z`` is one categorical variable (the
+    capacity tier p_max) and Z its k = levels - 1 dummy columns (:func:`tier_dummies`), i.e. the
+    residuals are deviations from each tier's mean. Table 5 uses the tiers by default: most clients
+    train exactly at their cap, so p is a step function of p_max, not a line, and a linear
+    control leaves tier-mean differences in the residuals (a spurious r(p, TV | p_max); issue 14).
+
+    p-value: t = r sqrt(df / (1 - r^2)) with df = n - 2 - k (the t-test of x's coefficient in the
+    regression of y on [1, x, Z]); 95% CI: Fisher z with n - 3 - k (both lose one degree of freedom
+    per control column, so per dummy). A constant variable or control (e.g. every p_max equal
+    under the linear form) or too few observations give NaN without an exception.
     """
+    if control not in CONTROLS:
+        raise ValueError(f"control={control!r}: allowed values are {', '.join(CONTROLS)}")
     z = np.asarray(z, dtype=float)
-    z = z[:, None] if z.ndim == 1 else z
-    x, y, z = _complete(x, y, z)
+    if control == "tiers":
+        x, y, zc = _complete(x, y, z.ravel())
+        z = tier_dummies(zc)
+    else:
+        z = z[:, None] if z.ndim == 1 else z
+        x, y, z = _complete(x, y, z)
     n, k = len(x), z.shape[1]
     df = n - 2 - k
     if df < 1 or _constant(x) or _constant(y) or any(_constant(z[:, j]) for j in range(k)):
@@ -370,7 +413,15 @@ def partial_corr(x: Sequence[float], y: Sequence[float], z: Sequence[float] | np
 def final_state(res: Any) -> pd.DataFrame:
     """The final per-client state of every run: the last round of the ``allocations`` table
     (all N clients: h_tilde, p, capacity_max, tv_distance) or, for a run without allocation
-    rows, each client's last ``clients`` row (p = capacity_used). Column ``source`` says which."""
+    rows, each client's last ``clients`` row (p = capacity_used). Column ``source`` says which.
+
+    p is aligned with H~ (docs/readings.md, "Table 5's p"): the ``allocations`` row of round T holds
+    H~ at the END of round T but the width the client was assigned FOR round T (computed from H~ one
+    adaptation step earlier). For HAS-FL, ``p`` is therefore Eq. 6 + the coverage guarantee
+    (:func:`fedsap_ray.algorithms.hasfl.allocation_rule`, with the run's resolved options) applied
+    to the final H~ -- the allocation those estimates produce; ``p_round`` keeps the width used in
+    round T. Other strategies (Random-budget's random draws, static rules) keep the round-T width.
+    """
     res = _load(res)
     cols = ["run_id", "round", "client_id", "h_tilde", "p", "capacity_max", "tv_distance"]
     parts = []
@@ -380,6 +431,8 @@ def final_state(res: Any) -> pd.DataFrame:
         last = al.groupby("run_id")["round"].transform("max")
         a = al[al["round"] == last]
         a = pd.DataFrame({c: _col(a, c) for c in cols})
+        a["p_round"] = a["p"]
+        a["p"] = _aligned_p(a, res.runs)
         a["source"] = "allocations"
         parts.append(a)
         have = set(a["run_id"])
@@ -389,27 +442,57 @@ def final_state(res: Any) -> pd.DataFrame:
         c = c.groupby(["run_id", "client_id"], as_index=False).last()
         c = c.assign(p=_col(c, "capacity_used"))
         c = pd.DataFrame({k: _col(c, k) for k in cols})
+        c["p_round"] = c["p"]
         c["source"] = "clients"
         parts.append(c)
     parts = [p for p in parts if not p.empty]
     if not parts:
-        return pd.DataFrame(columns=[*cols, "source"])
+        return pd.DataFrame(columns=[*cols, "p_round", "source"])
     return pd.concat(parts, ignore_index=True)
 
 
-def correlations(state: pd.DataFrame) -> dict[str, Corr]:
-    """The four Table 5 correlations of one run's final client state."""
-    out = {}
-    for key, (x, y, z) in CORRELATIONS.items():
-        xs, ys = _col(state, x), _col(state, y)
-        out[key] = pearson(xs, ys) if z is None else partial_corr(xs, ys, _col(state, z))
+def _aligned_p(last: pd.DataFrame, runs: pd.DataFrame) -> pd.Series:
+    """Per final-round allocation row: Eq. 6 (+ coverage) of the run's final H~ for HAS-FL runs, else p."""
+    from fedsap_ray.algorithms.hasfl import allocation_rule
+
+    out = pd.to_numeric(last["p"], errors="coerce").astype(float).copy()
+    if runs is None or runs.empty or "config_json" not in runs.columns:
+        return out
+    cfgs = runs.drop_duplicates("run_id").set_index("run_id")["config_json"]
+    for run_id, part in last.groupby("run_id", sort=False):
+        cfg = json.loads(cfgs[run_id]) if run_id in cfgs.index and isinstance(cfgs[run_id], str) else {}
+        algo = cfg.get("algorithm") or {}
+        h = pd.to_numeric(part["h_tilde"], errors="coerce").to_numpy(float)
+        pmax = pd.to_numeric(part["capacity_max"], errors="coerce").to_numpy(float)
+        if algo.get("name") != "hasfl" or not (np.isfinite(h).all() and np.isfinite(pmax).all()):
+            continue
+        o = sweep.resolved_options("hasfl", algo.get("options"))
+        T = int(pd.to_numeric(part["round"], errors="coerce").max())
+        first_step = max(int(o["warmup"]), 1)
+        first_step += (-first_step) % int(o["t_adapt"])  # first round >= warm-up that is a multiple of T_adapt
+        if T < first_step:
+            continue  # no adaptation step yet: the allocation is still p_max (Algorithm 1 line 3)
+        out.loc[part.index] = allocation_rule(h, pmax, o["p_min"], o["gamma"], o["eps"], bool(o["coverage"]))
     return out
 
 
-def correlation_table(res: Any, variants: Sequence[str] | None = None) -> pd.DataFrame:
+def correlations(state: pd.DataFrame, control: str = "tiers") -> dict[str, Corr]:
+    """The four Table 5 correlations of one run's final client state; ``control`` is how the partial
+    ones control for p_max (:func:`partial_corr`: ``tiers`` dummies by default, or ``linear``)."""
+    out = {}
+    for key, (x, y, z) in CORRELATIONS.items():
+        xs, ys = _col(state, x), _col(state, y)
+        out[key] = pearson(xs, ys) if z is None else partial_corr(xs, ys, _col(state, z), control=control)
+    return out
+
+
+def correlation_table(res: Any, variants: Sequence[str] | None = None, control: str = "tiers") -> pd.DataFrame:
     """papers/003 Table 5, one row per run: r(H~, TV), r(H~, p_max), r(H~, TV | p_max) and
     r(p, TV | p_max) over the final state of the clients (:func:`final_state`), each as
-    ``r_<key>``, ``pval_<key>``, ``ci_low_<key>``, ``ci_high_<key>``, ``n_<key>``."""
+    ``r_<key>``, ``pval_<key>``, ``ci_low_<key>``, ``ci_high_<key>``, ``n_<key>``; the partial ones
+    control for p_max as ``control`` says (:func:`partial_corr`), also stored in ``attrs["control"]``."""
+    if control not in CONTROLS:
+        raise ValueError(f"control={control!r}: allowed values are {', '.join(CONTROLS)}")
     res = _load(res)
     pr = per_run(res).set_index("run_id")
     state = final_state(res)
@@ -422,13 +505,16 @@ def correlation_table(res: Any, variants: Sequence[str] | None = None) -> pd.Dat
         row = {"run_id": run_id, "dataset": info.get("dataset", None), "variant": variant,
                "seed": info.get("seed", None), "source": s["source"].iloc[0],
                "round": int(s["round"].max()), "n": int(len(s))}
-        for key, c in correlations(s).items():
+        for key, c in correlations(s, control).items():
             row.update({f"r_{key}": c.r, f"pval_{key}": c.pvalue, f"ci_low_{key}": c.ci_low,
                         f"ci_high_{key}": c.ci_high, f"n_{key}": c.n})
         rows.append(row)
     if not rows:
-        return pd.DataFrame(columns=["run_id", "dataset", "variant", "seed", "source", "round", "n"])
-    return pd.DataFrame(rows).sort_values(["dataset", "variant", "seed"], na_position="last").reset_index(drop=True)
+        out = pd.DataFrame(columns=["run_id", "dataset", "variant", "seed", "source", "round", "n"])
+    else:
+        out = pd.DataFrame(rows).sort_values(["dataset", "variant", "seed"], na_position="last").reset_index(drop=True)
+    out.attrs["control"] = control
+    return out
 
 
 # ----------------------------------------------------------------------------- matched budget
@@ -438,9 +524,16 @@ def matched_budget(per_run_df: pd.DataFrame, a: str = HASFL, b: str = RANDOM_BUD
     and ``b``, the paired difference a - b and each one's average width p; then one summary
     row per dataset (seed ``"mean"``) with the mean difference, its std, the number of pairs
     and the paired t-test p-value (scipy.stats.ttest_rel; NaN with fewer than two seeds).
-    Duplicate runs of one (dataset, variant, seed) are averaged."""
+    Duplicate runs of one (dataset, variant, seed) are averaged; runs whose protocols (the resolved
+    config without the algorithm section, :func:`analysis.sweep.protocol`) differ beyond the seed
+    are paired and summarised separately, with a ``config`` column and a warning."""
     keys = ["dataset", "seed"] if "dataset" in per_run_df.columns else ["seed"]
     pr = per_run_df[per_run_df["variant"].isin([a, b])]
+    labels, mixed = sweep.split_configs(pr.assign(_all=0), keys[:-1] or ["_all"], algorithm=False)
+    if mixed:
+        warnings.warn(sweep.mixed_warning(mixed, "matched-budget runs"), UserWarning, stacklevel=2)
+        pr = pr.assign(config=labels)
+        keys = [*keys[:-1], "config", "seed"]
     cols = [*keys, "final_a", "final_b", "diff", "avg_p_a", "avg_p_b", "diff_std", "n_pairs", "p_value"]
     if pr.empty:
         out = pd.DataFrame(columns=cols)
@@ -456,8 +549,10 @@ def matched_budget(per_run_df: pd.DataFrame, a: str = HASFL, b: str = RANDOM_BUD
     paired["diff"] = paired["final_a"] - paired["final_b"]
     paired = paired.reset_index()
     rows = []
-    groups = paired.groupby("dataset", sort=True, dropna=False) if "dataset" in keys else [(None, paired)]
+    outer = [k for k in keys if k != "seed"]
+    groups = paired.groupby(outer, sort=True, dropna=False) if outer else [((), paired)]
     for ds, part in groups:
+        ds = ds if isinstance(ds, tuple) else (ds,)
         part = part.sort_values("seed")
         for _, r in part.iterrows():
             rows.append({**{k: r[k] for k in keys}, "final_a": r["final_a"], "final_b": r["final_b"],
@@ -471,10 +566,11 @@ def matched_budget(per_run_df: pd.DataFrame, a: str = HASFL, b: str = RANDOM_BUD
                    "diff": float(d.mean()), "avg_p_a": part["avg_p_a"].mean(), "avg_p_b": part["avg_p_b"].mean(),
                    "diff_std": float(np.std(d, ddof=1)) if len(d) >= 2 else math.nan,
                    "n_pairs": len(d), "p_value": p}
-        if "dataset" in keys:
-            summary["dataset"] = ds
+        summary.update(dict(zip(outer, ds)))
         rows.append(summary)
     out = pd.DataFrame(rows, columns=cols)
+    if mixed:
+        out.attrs["mixed"] = mixed
     out["seed"] = out["seed"].astype(object)
     out.attrs.update(a=a, b=b)
     return out
@@ -575,7 +671,7 @@ def to_markdown(table: pd.DataFrame, headers: Mapping[str, str] | None = None) -
                     s += f" [{_fmt('ci_', r[f'ci_low_{k}'])}, {_fmt('ci_', r[f'ci_high_{k}'])}]"
                 return s + f" (p={_fmt('pval', r[f'pval_{k}'])})"
             shown.append((k, cell))
-        elif c in ("run_id", "algorithm", "study", "status") or c.startswith(("pval_", "ci_low_", "ci_high_")):
+        elif c in ("run_id", "algorithm", "study", "status", "config_json") or c.startswith(("pval_", "ci_low_", "ci_high_")):
             continue
         else:
             shown.append((c, lambda r, c=c: _fmt(c, r[c])))
@@ -593,14 +689,54 @@ def _present(pr: pd.DataFrame, variants: Sequence[str]) -> list[str]:
     return [v for v in variants if v in have]
 
 
+def _mixed_note(table: pd.DataFrame) -> str:
+    """A warning line when a grouping table split runs whose configurations differ beyond the seed."""
+    mixed = table.attrs.get("mixed") or {}
+    return f"**Warning:** {sweep.mixed_warning(mixed)}." if mixed else ""
+
+
+def _first_adaptation(pr: pd.DataFrame) -> dict[str, tuple[int, int, int]]:
+    """Per HAS-FL / Random-budget run: (warm-up R, T_adapt, first adaptation round) from its resolved options
+    (Algorithm 1: adaptation after rounds t >= R with t mod T_adapt = 0)."""
+    out = {}
+    for _, r in pr.iterrows():
+        cfg = json.loads(r["config_json"]) if isinstance(r.get("config_json"), str) else {}
+        algo = cfg.get("algorithm") or {}
+        if algo.get("name") not in ("hasfl", "random_budget"):
+            continue
+        o = sweep.resolved_options(algo["name"], algo.get("options"))
+        first = max(int(o["warmup"]), 1)
+        first += (-first) % int(o["t_adapt"])
+        out[r["run_id"]] = (int(o["warmup"]), int(o["t_adapt"]), first)
+    return out
+
+
+def _pre_adaptation_reason(pr: pd.DataFrame, what: str) -> str | None:
+    """Why ``what`` is empty when every HAS-FL / Random-budget run stopped before its first adaptation step."""
+    steps = _first_adaptation(pr)
+    if not steps:
+        return None
+    last = pr.set_index("run_id")["rounds"]
+    early = {rid: v for rid, v in steps.items() if pd.isna(last.get(rid)) or int(last.get(rid)) < v[2]}
+    if len(early) < len(steps):
+        return None
+    ws = sorted({f"warm-up R={w}, T_adapt={a}: first step after round {f}" for w, a, f in steps.values()})
+    done = sorted({int(last[r]) for r in early if not pd.isna(last.get(r))})
+    return (f"{what}: no run reached the adaptation phase ({'; '.join(ws)}; the runs stopped at round "
+            f"{', '.join(map(str, done)) or '0'}), so every H̃ is still its initial 1 and every width its p_max.")
+
+
 def report(path_or_res: Any, *, finished_only: bool = True, frontier_png: str | Path | None = None,
-           cost_models: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+           cost_models: Mapping[str, Mapping[str, Any]] | None = None, control: str = "tiers") -> str:
     """All the papers/003 tables of a results folder (or Results-like object) as markdown.
 
     Comparison sections (Tables 3, 4, 6) appear when at least two of their variants have
     runs, the matched-budget section when both HAS-FL and Random-budget do, Table 5 for
     runs that logged H~ estimates. ``frontier_png`` also writes Figure 6 there;
-    ``cost_models`` maps a title to :func:`cost_table` keyword arguments (Table 1).
+    ``cost_models`` maps a title to :func:`cost_table` keyword arguments (Table 1); ``control`` is
+    how Table 5's partial correlations control for p_max (:func:`partial_corr`). A section that
+    cannot be built says why instead of disappearing (e.g. runs stopped before HAS-FL's first
+    adaptation step), and a table that had to split runs with different configurations says so.
     """
     res = _load(path_or_res)
     pr = per_run(res)
@@ -613,47 +749,85 @@ def report(path_or_res: Any, *, finished_only: bool = True, frontier_png: str | 
     def section(title: str, body: str, note: str = "") -> None:
         out.extend([f"## {title}", ""] + ([note, ""] if note else []) + [body, ""])
 
+    def summary(variants: Sequence[str], metrics: Sequence[str]) -> pd.DataFrame:
+        with warnings.catch_warnings():  # the report prints the warning as a line of its own
+            warnings.simplefilter("ignore", UserWarning)
+            return summary_table(pr, variants, metrics=metrics)
+
+    def join(*notes: str) -> str:
+        return "\n\n".join(n for n in notes if n)
+
     v3 = _present(pr, TABLE3_VARIANTS)
     if len(v3) >= 2:
-        section("Sub-model allocation strategies (Table 3)",
-                to_markdown(summary_table(pr, v3, metrics=("best", "final", "avg_p"))),
-                "Mean ± std over seeds; accuracies are the global test accuracy (%).")
+        t3 = summary(v3, ("best", "final", "avg_p"))
+        section("Sub-model allocation strategies (Table 3)", to_markdown(t3),
+                join("Mean ± std over seeds; accuracies are the global test accuracy (%).", _mixed_note(t3)))
     v4 = _present(pr, TABLE4_VARIANTS)
     if len(v4) >= 2:
-        section("Coverage-guarantee ablation (Table 4)", to_markdown(summary_table(
-            pr, v4, metrics=("best", "final", "drop", "avg_p", "frozen", "widest"))),
+        t4 = summary(v4, ("best", "final", "drop", "avg_p", "frozen", "widest"))
+        section("Coverage-guarantee ablation (Table 4)", to_markdown(t4), join(
             "Peak→final Δ = final − best accuracy; frozen params = coordinates no client has covered since "
             "initialisation, at the end of training; widest p = the widest width any sampled client trained, "
-            f"mean over the last {LATE_ROUNDS} rounds (below 1: the outer slices went untrained late in the run).")
+            f"mean over the last {LATE_ROUNDS} rounds (below 1: the outer slices went untrained late in the run).",
+            _mixed_note(t4)))
     state_runs = set(pr["run_id"])
-    ct = correlation_table(res)
+    t5 = "Do the estimates measure data heterogeneity? (Table 5)"
+    ct = correlation_table(res, control=control)
+    estimated = not ct.empty
     if not ct.empty:
         ct = ct[ct["run_id"].isin(state_runs)]
         if "n_H_TV" in ct.columns:
             ct = ct[ct["r_H_TV"].notna() | ct["r_H_pmax"].notna() | ct["r_H_TV|pmax"].notna()]
+    how = ("as tier categories (one dummy per tier but the first; df = n − 2 − (tiers − 1))" if control == "tiers"
+           else "as a straight line in p_max (df = n − 3)")
     if not ct.empty:
-        section("Do the estimates measure data heterogeneity? (Table 5)", to_markdown(ct),
+        section(t5, to_markdown(ct),
                 "Final smoothed estimates H̃ and widths p of all clients vs. ground-truth label TV distance and "
-                "capacity p_max; r [95% CI] (p-value); partial correlations control for p_max.")
-    if HASFL in set(pr["variant"]) and RANDOM_BUDGET in set(pr["variant"]):
-        mb = matched_budget(pr, HASFL, RANDOM_BUDGET)
-        if not mb.empty:
-            section("Matched-budget control (section 4.4)", to_markdown(mb, headers={
+                f"capacity p_max; r [95% CI] (p-value); partial correlations control for p_max {how}. For HAS-FL, "
+                "p is the allocation Eq. 6 gives the final H̃ (the same round as H̃, not the width trained in the "
+                "last round, which came from the estimates one adaptation step earlier).")
+    elif estimated or _first_adaptation(pr):
+        why = _pre_adaptation_reason(pr, "Table 5") or (
+            "Table 5: no run's final state has H̃ estimates that vary across clients (every correlation is "
+            "undefined), e.g. runs without HAS-FL estimates.")
+        section(t5, "_(empty)_", why)
+    variants = set(pr["variant"])
+    if HASFL in variants or RANDOM_BUDGET in variants:
+        mb_title = "Matched-budget control (section 4.4)"
+        missing = [v for v in (HASFL, RANDOM_BUDGET) if v not in variants]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            mb = matched_budget(pr, HASFL, RANDOM_BUDGET) if not missing else pd.DataFrame()
+        if missing:
+            section(mb_title, "_(empty)_", f"matched-budget control: no finished {' or '.join(missing)} runs in "
+                    "the folder (the control pairs HAS-FL and Random-budget runs of the same seed).")
+        elif mb.empty:
+            section(mb_title, "_(empty)_", "matched-budget control: no seed has both a HAS-FL and a Random-budget "
+                    "run with an evaluated final accuracy.")
+        else:
+            pre = _pre_adaptation_reason(pr, "matched-budget control")
+            section(mb_title, to_markdown(mb, headers={
                 "final_a": f"{HASFL} final (%)", "final_b": f"{RANDOM_BUDGET} final (%)",
                 "diff": f"{HASFL} − {RANDOM_BUDGET} (pp)", "avg_p_a": f"{HASFL} avg. p",
-                "avg_p_b": f"{RANDOM_BUDGET} avg. p"}), "Paired by seed; the 'mean' rows give the paired t-test.")
+                "avg_p_b": f"{RANDOM_BUDGET} avg. p"}), join(
+                    "Paired by seed; the 'mean' rows give the paired t-test.",
+                    f"**Note:** {pre} The two strategies have allocated identically so far." if pre else "",
+                    f"**Warning:** {sweep.mixed_warning(mb.attrs['mixed'], 'matched-budget runs')}."
+                    if mb.attrs.get("mixed") else ""))
     v6 = _present(pr, TABLE6_VARIANTS)
     if len(v6) >= 2:
-        t6 = summary_table(pr, v6, metrics=("best", "final", "avg_p"))
+        t6 = summary(v6, ("best", "final", "avg_p"))
         t6.insert(t6.columns.get_loc("variant") + 1, "type", t6["variant"].map(VARIANT_TYPE))
-        section("Comparison with full-model methods (Table 6)", to_markdown(t6))
-    fr = frontier(pr)
+        section("Comparison with full-model methods (Table 6)", to_markdown(t6), _mixed_note(t6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        fr = frontier(pr)
     if not fr.empty:
         body = to_markdown(fr)
         if frontier_png is not None:
             png = plot_frontier(fr, frontier_png)
             body += f"\n\n![Accuracy-capacity frontier]({png})"
-        section("Accuracy-capacity frontier (Figure 6)", body)
+        section("Accuracy-capacity frontier (Figure 6)", body, _mixed_note(fr))
     for title, kw in (cost_models or {}).items():
         section(f"Per-client cost: {title} (Table 1)", to_markdown(cost_table(**kw)[["p", "params_M", "macs_M", "upload_MB"]]))
     return "\n".join(out)
@@ -667,8 +841,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("results", type=Path, help="results folder (runs/, rounds/, clients/, allocations/)")
     ap.add_argument("--png", type=Path, default=None, help="also write the Figure 6 frontier here")
     ap.add_argument("--all", action="store_true", help="include runs that did not finish")
+    ap.add_argument("--control", choices=CONTROLS, default="tiers",
+                    help="how Table 5's partial correlations control for p_max: tier dummies (default) or linear")
     args = ap.parse_args(argv)
-    print(report(args.results, finished_only=not args.all, frontier_png=args.png))
+    folder = str(args.results)
+    if "://" not in folder and not args.results.is_dir():
+        print(f"analysis.confound: results={folder!r}: no such folder (give the --out folder of "
+              "sweeps/capacity_confound.py or of fedsap-ray run)", file=sys.stderr)
+        raise SystemExit(2)
+    print(report(args.results, finished_only=not args.all, frontier_png=args.png, control=args.control))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ that ``variant`` label and every algorithm option, *resolved* against the strate
 
 Accuracies follow papers/000 Table 1 (after DapperFL): "best" is the best-so-far accuracy of
 the ``__global__`` row (the unweighted mean of the domain accuracies at one round), "final" the
-last evaluated round, both read from the run's primary eval mode, the first one written
-(``group`` for FedSAP, ``global`` otherwise). Every number comes from the Parquet rows.
+last evaluated round, both read from the run's primary eval mode, the mode of its earliest
+evaluated global row (``group`` for FedSAP, ``global`` otherwise; rounds that
+``training.eval_every`` skipped carry no mode and are never the primary). Every number comes from the Parquet rows.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import re
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,6 +95,78 @@ def config_label(run: Mapping[str, Any]) -> str:
     return f"{name} ({', '.join(changed)})" if changed else str(name)
 
 
+# Config keys that never change what a run computes (where it ran, its labels, the file paths), and the
+# seed, which a table averages over: runs that differ in anything else must not share a table row.
+NOT_PROTOCOL = ("seed", "study", "preset", "resources", "data.root", "data.download")
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and k != "options":
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def protocol(config_json: Any, algorithm: bool = True) -> dict[str, Any]:
+    """A run's resolved configuration as flat ``section.field`` keys, without :data:`NOT_PROTOCOL`; the
+    algorithm's options are resolved against the strategy's defaults (``algorithm.options.<name>``).
+    ``algorithm=False`` leaves the whole algorithm section out (to pair runs of different strategies)."""
+    cfg = json.loads(config_json) if isinstance(config_json, str) and config_json else {}
+    cfg = dict(cfg) if isinstance(cfg, Mapping) else {}
+    algo = cfg.pop("algorithm", None) or {}
+    flat = {k: v for k, v in _flatten(cfg).items()
+            if not any(k == n or k.startswith(n + ".") for n in NOT_PROTOCOL)}
+    if algorithm and "name" in algo:
+        flat["algorithm.name"] = algo["name"]
+        for k, v in resolved_options(algo["name"], algo.get("options")).items():
+            flat[f"algorithm.options.{k}"] = v
+    return flat
+
+
+def differing_keys(configs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The keys on which some of ``configs`` (e.g. :func:`protocol` dicts) disagree, sorted."""
+    keys = sorted(set().union(*configs)) if configs else []
+    return [k for k in keys if any(not _same_json(c.get(k), configs[0].get(k)) for c in configs[1:])]
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b))
+    return same_value(a, b)
+
+
+def split_configs(df: pd.DataFrame, by: Sequence[str], column: str = "config_json",
+                  algorithm: bool = True) -> tuple[pd.Series, dict[tuple, list[str]]]:
+    """A ``config`` label per row of ``df`` for grouping tables, so no group pools runs whose resolved
+    configurations differ beyond the seed (issue 14): within each ``by`` group whose runs differ, the
+    label lists the differing keys' values (e.g. ``model.width_mult=0.5, training.rounds=30``); "" where
+    the group is uniform. Also returns {group: differing keys} for the warnings."""
+    labels = pd.Series("", index=df.index, dtype=object)
+    mixed: dict[tuple, list[str]] = {}
+    if column not in df.columns or df.empty:
+        return labels, mixed
+    protos = {i: protocol(c, algorithm) for i, c in df[column].items()}
+    for key, part in df.groupby(list(by), sort=False, dropna=False):
+        diff = differing_keys([protos[i] for i in part.index])
+        if diff:
+            key = key if isinstance(key, tuple) else (key,)
+            mixed[key] = diff
+            for i in part.index:
+                labels[i] = ", ".join(f"{k}={json.dumps(protos[i].get(k), default=str)}" for k in diff)
+    return labels, mixed
+
+
+def mixed_warning(mixed: Mapping[tuple, Sequence[str]], what: str = "runs") -> str:
+    """One line naming the groups whose runs differ beyond the seed and the keys they differ in."""
+    parts = [f"{' / '.join(str(k) for k in key)}: {', '.join(keys)}" for key, keys in mixed.items()]
+    return (f"{what} of one group differ beyond the seed (split into one row per configuration, column "
+            f"'config'): " + "; ".join(parts))
+
+
 def _replace_tables(res: Any, **tables: pd.DataFrame) -> Any:
     if dataclasses.is_dataclass(res):
         return dataclasses.replace(res, **tables)
@@ -160,12 +234,18 @@ def _column(df: pd.DataFrame, name: str) -> pd.Series:
 
 def primary_rounds(rounds: pd.DataFrame) -> pd.DataFrame:
     """The evaluated ``rounds`` rows (every domain and the ``__global__`` row) of each run's primary
-    eval mode, the first mode its global rows were written with, in (run_id, round) order; the
+    eval mode, the mode of its earliest evaluated global row (rows of rounds skipped by
+    ``training.eval_every`` carry none), in (run_id, round) order; the
     column ``acc`` is the accuracy (``global_accuracy`` where the global row's accuracy is null)."""
     if rounds.empty or "domain" not in rounds.columns:
         return pd.DataFrame(columns=["run_id", "round", "domain", "acc"])
     r = rounds.assign(_mode=(_column(rounds, "eval_mode").astype(object).where(lambda s: s.notna(), "")))
-    primary = r[r["domain"] == GLOBAL].groupby("run_id", sort=False)["_mode"].first()
+    # the primary mode is read from EVALUATED global rows only: with training.eval_every > 1 the rows of
+    # rounds that were not evaluated carry no mode, and taking the first global row's mode would then
+    # select nothing (every best/final accuracy NaN; issue 14)
+    ran = _column(r, "evaluated").astype("boolean").fillna(True).astype(bool)
+    glob = r[(r["domain"] == GLOBAL) & (r["_mode"] != "") & ran]
+    primary = glob.sort_values(["run_id", "round"], kind="stable").groupby("run_id", sort=False)["_mode"].first()
     r = r[r["_mode"] == r["run_id"].map(primary)]
     acc = pd.to_numeric(_column(r, "accuracy"), errors="coerce")
     acc = acc.fillna(pd.to_numeric(_column(r, "global_accuracy"), errors="coerce"))
@@ -283,6 +363,8 @@ def option_table(res: Any, algorithm: str, rows: Sequence[tuple[str, Mapping[str
     Columns: ``row``, ``variants`` (the run ids' variant names), ``seeds``, ``best_mean``/``_std``,
     ``final_mean``/``_std``; ``domains`` adds ``<domain>_mean``/``_std`` (best-so-far per domain),
     ``grouping`` adds the DGA means/stds of ``n_groups``, ``ari_domain``, ``ari_capacity``.
+    Runs of one row whose protocols (:func:`protocol` without the algorithm) differ beyond the seed
+    are split into rows ``<label> [<differing keys>]`` with a :class:`UserWarning`.
     """
     res = load_sweep(res)
     vary = sorted({k for _, opts in rows for k in opts})
@@ -313,6 +395,12 @@ def option_table(res: Any, algorithm: str, rows: Sequence[tuple[str, Mapping[str
     if not parts:
         return pd.DataFrame(columns=["row", "variants", *mean_std(pd.DataFrame(), ["row"], cols).columns[1:]])
     long = pd.concat(parts, ignore_index=True)
+    if "config_json" in runs.columns:  # never pool runs whose protocols differ beyond the seed (issue 14)
+        long = long.merge(runs[["run_id", "config_json"]], on="run_id", how="left")
+        labels, mixed = split_configs(long, ["row"], algorithm=False)
+        if mixed:
+            warnings.warn(mixed_warning(mixed), UserWarning, stacklevel=2)
+            long["row"] = [f"{r} [{c}]" if c else r for r, c in zip(long["row"], labels)]
     out = mean_std(long, "row", cols)
     names = long.groupby("row", sort=False)["variant"].agg(lambda s: ", ".join(dict.fromkeys(s)))
     out.insert(1, "variants", out["row"].map(names))

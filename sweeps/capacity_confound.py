@@ -4,6 +4,7 @@ matched-budget random control, TV-vs-capacity correlations and the full-model co
     python sweeps/capacity_confound.py --out runs/confound --seeds 0 1 2      # real MNIST, 27 trials
     python sweeps/capacity_confound.py --preset paper_cifar10 --out s3://bucket/c10 --address auto
     python sweeps/capacity_confound.py --preset paper_shakespeare --variants hasfl random_budget heterofl fjord uniform
+    python sweeps/capacity_confound.py --preset confound_shakespeare --out runs/confound_shk   # laptop-scale text
     python sweeps/capacity_confound.py --smoke-test                           # every variant, tiny
 
 Tables 3 and 6 (allocation strategies and the full-model methods FedAvg / FedProx /
@@ -12,7 +13,8 @@ correlations of the final estimates), the matched-budget random control
 (``random_budget``) and, with ``--preset paper_shakespeare``, Table 7.
 
 Default preset ``confound_laptop``: real MNIST (../shared/data/mnist, 20,000 training images)
-Dirichlet(0.3) over 20 clients, p_max tiers 7 x 0.25 / 7 x 0.5 / 3 x 0.75 / 3 x 1.0, 10 clients
+Dirichlet(0.3) over 20 clients, p_max tiers 7 x 0.25 / 7 x 0.5 / 3 x 0.75 / 3 x 1.0 (our split: the
+paper gives only the mean 0.525), 10 clients
 per round, cnn_small at half width, 50 rounds, papers/003 section 4.1's optimiser and HAS-FL settings.
 Runs under Ray Tune (``sweeps.common``; ``--resume`` continues a killed sweep). Prints
 ``analysis.confound.report`` at the end (Tables 3-6 and the Figure 6 frontier, written as

@@ -390,3 +390,39 @@ def test_allocation_and_estimate_plots_use_each_runs_final_state() -> None:
     assert ys == pytest.approx([0.2, 0.4, 0.6])  # the final H~ of the HAS-FL run only
     with pytest.raises(sweep.MissingData, match="allocations"):
         plots.plot_allocations(ablation_results())
+
+
+def test_eval_every_2_keeps_best_and_final_accuracy() -> None:
+    """Issue 14 item 1: with training.eval_every=2 round 1 is not evaluated and its rows carry no eval mode;
+    the primary mode comes from the evaluated rows, so no accuracy goes blank."""
+    rows = round_rows("a-s0", [None, 0.5, None, 0.7, 0.6], modes=("group", "global_only")) \
+        + round_rows("b-s0", [None, 0.3, None, 0.2])
+    for r in rows:
+        if not r["evaluated"]:
+            r["eval_mode"] = None  # as the server writes a skipped round
+    res = make([run_row("a-s0", "fedsap", 0), run_row("b-s0", "fedavg", 0)], rows)
+    pr = sweep.per_run_accuracy(res).set_index("run_id")
+    assert pr.loc["a-s0", "best_global_accuracy"] == pytest.approx(0.7)
+    assert pr.loc["a-s0", "final_global_accuracy"] == pytest.approx(0.6)
+    assert pr.loc["b-s0", "best_global_accuracy"] == pytest.approx(0.3)
+    assert pr.loc["b-s0", "final_global_accuracy"] == pytest.approx(0.2)
+    assert sweep.domain_best(res.rounds).loc["a-s0", "mnist"] == pytest.approx(0.7)
+    cmp = comparison.per_run(res).set_index("run_id")
+    assert cmp.loc["b-s0", "global"] == pytest.approx(0.3) and cmp.loc["b-s0", "final_global"] == pytest.approx(0.2)
+    assert fedsap_analysis.per_run(res).set_index("run_id").loc["a-s0", "final_global_accuracy"] == pytest.approx(0.6)
+    table = sweep.option_table(res, "fedavg", [("FedAvg", {})])
+    assert table.loc[0, "best_mean"] == pytest.approx(0.3) and table.loc[0, "final_mean"] == pytest.approx(0.2)
+
+
+def test_option_table_splits_a_row_whose_runs_differ_beyond_the_seed() -> None:
+    """Issue 14 item 3: a grouping table never pools runs with different resolved configurations."""
+    runs = [run_row("a-s0", "fedavg", 0), run_row("a-s1", "fedavg", 1)]
+    for r, rounds in zip(runs, (2, 30)):
+        cfg = json.loads(r["config_json"])
+        cfg["training"] = {"rounds": rounds}
+        r["config_json"] = json.dumps(cfg)
+    res = make(runs, round_rows("a-s0", [0.2]) + round_rows("a-s1", [0.8]))
+    with pytest.warns(UserWarning, match="training.rounds"):
+        t = sweep.option_table(res, "fedavg", [("FedAvg", {})])
+    assert sorted(t["row"]) == ["FedAvg [training.rounds=2]", "FedAvg [training.rounds=30]"]
+    assert sorted(t["best_mean"]) == pytest.approx([0.2, 0.8])

@@ -69,6 +69,51 @@ def test_partial_correlation_matches_closed_form_and_hand_p_value() -> None:
     assert p.ci_low == pytest.approx(math.tanh(math.atanh(rxy) - half0), rel=1e-6)
 
 
+def _tiered(seed: int, n: int = 40) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """p at its tier cap for most clients (a step function of p_max, not a line), TV unrelated to p within a tier."""
+    rng = np.random.default_rng(seed)
+    pmax = rng.choice([0.25, 0.5, 0.75, 1.0], size=n, p=[0.35, 0.35, 0.15, 0.15])
+    tier_mean_tv = {0.25: 0.2, 0.5: 0.6, 0.75: 0.1, 1.0: 0.5}  # tier means off any line in p_max
+    tv = np.array([tier_mean_tv[v] for v in pmax]) + 0.05 * rng.normal(size=n)
+    p = np.minimum(pmax, 0.4 + 0.05 * rng.normal(size=n)).clip(0.1)
+    p[pmax <= 0.5] = pmax[pmax <= 0.5]  # capped clients sit exactly at p_max
+    return p, tv, pmax
+
+
+def test_partial_correlation_tier_dummies_match_statsmodels_ols() -> None:
+    """Issue 14 item 2: r(p, TV | tier) equals the correlation of statsmodels OLS residuals on C(tier), and
+    its p-value the t-test of p's coefficient in OLS TV ~ p + C(tier) (df = n - 2 - (tiers - 1))."""
+    sm = pytest.importorskip("statsmodels.formula.api")
+    for seed in range(4):
+        p, tv, pmax = _tiered(seed)
+        df = pd.DataFrame({"p": p, "tv": tv, "tier": pmax})
+        rp = sm.ols("p ~ C(tier)", df).fit().resid
+        rt = sm.ols("tv ~ C(tier)", df).fit().resid
+        c = cf.partial_corr(p, tv, pmax, control="tiers")
+        assert c.r == pytest.approx(np.corrcoef(rp, rt)[0, 1], abs=1e-10)
+        fit = sm.ols("tv ~ p + C(tier)", df).fit()
+        assert c.pvalue == pytest.approx(float(fit.pvalues["p"]), rel=1e-8)
+        k = len(np.unique(pmax)) - 1
+        assert fit.df_resid == len(p) - 2 - k
+        half = stats.norm.ppf(0.975) / math.sqrt(len(p) - 3 - k)
+        assert c.ci_low == pytest.approx(math.tanh(math.atanh(c.r) - half), rel=1e-9)
+        # the linear form is statsmodels' OLS on p_max as a number
+        lin = cf.partial_corr(p, tv, pmax, control="linear")
+        fl = sm.ols("tv ~ p + tier", df).fit()
+        assert lin.pvalue == pytest.approx(float(fl.pvalues["p"]), rel=1e-8)
+
+
+def test_tier_control_removes_the_spurious_linear_partial_correlation() -> None:
+    """Issue 14 item 2: tier means that are not linear in p_max make r(p, TV | p_max) look significant under
+    the linear control; the tier dummies (Table 5's default) remove it."""
+    p, tv, pmax = _tiered(0, n=60)
+    lin, tiers = cf.partial_corr(p, tv, pmax, control="linear"), cf.partial_corr(p, tv, pmax, control="tiers")
+    assert lin.pvalue < 0.01 and abs(lin.r) > 0.4
+    assert abs(tiers.r) < abs(lin.r) and tiers.pvalue > 0.01
+    with pytest.raises(ValueError, match="control"):
+        cf.partial_corr(p, tv, pmax, control="cubic")
+
+
 def test_partial_correlation_known_answers_and_constant_inputs() -> None:
     rng = np.random.default_rng(0)
     n = 500
@@ -276,3 +321,91 @@ def test_widest_width_late_in_the_run_from_the_clients_table() -> None:
     pr = cf.per_run(res).set_index("run_id")
     late = [0.6 if t % 2 else 0.5 for t in range(3, last + 1)]  # rounds 1-2 (width 1.0) are not late
     assert pr.loc["a", "widest_p_late"] == pytest.approx(np.mean(late))
+
+
+# ----------------------------------------------------------------------------- issue 14
+
+def _cfg_run(run_id: str, algorithm: str, seed: int, options: dict | None = None, **cfg) -> dict:
+    """A runs row whose config_json holds more than the algorithm (rounds, width, ...)."""
+    row = run_row(run_id, algorithm, seed, options)
+    full = {"algorithm": {"name": algorithm, "options": options or {}}, "seed": seed, "study": "confound",
+            "training": {"rounds": cfg.get("rounds", 30), "eval_every": cfg.get("eval_every", 1)},
+            "model": {"name": "cnn_cifar", "width_mult": cfg.get("width_mult", 0.5)}}
+    row["config_json"] = json.dumps(full)
+    return row
+
+
+def test_eval_every_2_report_keeps_accuracies_and_matched_budget() -> None:
+    """Issue 14 item 1: rounds skipped by eval_every carry no eval mode; Table 3 and the matched budget stay filled."""
+    runs, rounds = [], []
+    for s in (1, 2):
+        for algo, accs in (("hasfl", [None, 0.5, None, 0.7]), ("random_budget", [None, 0.4, None, 0.6]),
+                           ("fjord", [None, 0.3, None, 0.5])):
+            rid = f"{algo}{s}"
+            runs.append(_cfg_run(rid, algo, s, eval_every=2))
+            rr = round_rows(rid, accs, [0.5] * 4)
+            for r in rr:
+                if not r["evaluated"]:
+                    r["eval_mode"] = None  # as the server writes a skipped round
+            rounds += rr
+    md = cf.report(make_results(runs, rounds))
+    assert "| cifar10 | HAS-FL | 2 | 70.0 ± 0.0 | 70.0 ± 0.0 | 0.50 ± 0.00 |" in md
+    assert "| cifar10 | mean | 70.0 | 60.0 | 10.0 |" in md
+    assert "no run reached the adaptation phase (warm-up R=10" in md  # 4 rounds < the first step after round 10
+
+
+def test_summary_table_splits_runs_with_different_configurations() -> None:
+    """Issue 14 item 3: a 2-round full-width and a 30-round half-width HAS-FL run of one seed are not pooled."""
+    runs = [_cfg_run("short", "hasfl", 0, rounds=2, width_mult=1.0), _cfg_run("long", "hasfl", 0, rounds=30),
+            _cfg_run("fj", "fjord", 0, rounds=30)]
+    rounds = round_rows("short", [0.1, 0.2], [0.5, 0.5]) + round_rows("long", [0.5, 0.8], [0.5, 0.5]) \
+        + round_rows("fj", [0.5, 0.6], [0.4, 0.4])
+    pr = cf.per_run(make_results(runs, rounds))
+    with pytest.warns(UserWarning, match=r"model\.width_mult, training\.rounds"):
+        t = cf.summary_table(pr, metrics=("final",))
+    has = t[t["variant"] == "HAS-FL"]
+    assert len(has) == 2 and sorted(has["final_mean"]) == pytest.approx([0.2, 0.8])
+    assert set(has["config"]) == {"model.width_mult=1.0, training.rounds=2", "model.width_mult=0.5, training.rounds=30"}
+    assert t.loc[t["variant"] == "FjORD", "config"].tolist() == [""]
+    md = cf.report(make_results(runs, rounds))
+    assert "**Warning:** runs of one group differ beyond the seed" in md and "cifar10 / HAS-FL: model.width_mult" in md
+    # uniform configurations: no config column, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "config" not in cf.summary_table(pr[pr["run_id"] != "short"]).columns
+
+
+def test_table5_p_is_the_allocation_of_the_final_estimates() -> None:
+    """Issue 14 item 7: the allocations row of round T holds H~ after round T but the width used IN round T;
+    Table 5's p is Eq. 6 (+ coverage) of that final H~, the same round."""
+    from fedsap_ray.algorithms.hasfl import allocation_rule
+
+    h = [0.4, 1.6, 0.7, 1.3, 0.9, 1.1]
+    stale = [0.25, 0.25, 0.5, 0.45, 1.0, 1.0]
+    allocs = alloc_rows("a", 10, h, stale, PMAX, TV) + alloc_rows("r", 10, h, stale, PMAX, TV)
+    res = make_results([run_row("a", "hasfl", 0), run_row("r", "random_budget", 0)], [], allocations=allocs)
+    st = cf.final_state(res).set_index(["run_id", "client_id"]).sort_index()
+    want = allocation_rule(np.array(h), np.array(PMAX), 0.4, 0.25, 1e-8, True)
+    np.testing.assert_allclose(st.loc["a", "p"].to_numpy(), want)
+    assert not np.allclose(want, stale)
+    assert st.loc["a", "p_round"].tolist() == stale and st.loc["r", "p"].tolist() == stale  # random draws: as used
+
+
+def test_table5_before_the_first_adaptation_step_says_why() -> None:
+    """Issue 14 item 7: a folder of pre-warm-up runs prints why Table 5 is empty."""
+    runs = [run_row("a", "hasfl", 0), run_row("b", "fjord", 0)]
+    rounds = round_rows("a", [0.3, 0.4], [0.5, 0.5]) + round_rows("b", [0.3, 0.4], [0.5, 0.5])
+    allocs = alloc_rows("a", 2, [1.0] * 6, PMAX, PMAX, TV)
+    md = cf.report(make_results(runs, rounds, allocations=allocs))
+    assert "## Do the estimates measure data heterogeneity? (Table 5)" in md
+    assert "Table 5: no run reached the adaptation phase (warm-up R=10, T_adapt=5: first step after round 10; " \
+           "the runs stopped at round 2)" in md
+    assert "matched-budget control: no finished Random-budget runs" in md
+
+
+def test_main_on_a_missing_folder_exits_2_without_traceback(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        cf.main([str(tmp_path / "nope")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "no such folder" in err and "nope" in err and "Traceback" not in err

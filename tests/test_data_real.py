@@ -59,6 +59,7 @@ def test_all_real_sources_registered_with_docs() -> None:
 
 def test_default_roots_follow_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FEDSAP_RAY_DATA", str(tmp_path / "d"))
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(tmp_path / "empty_shared"))  # holds nothing: data_home wins
     for name in ("digits", "office_caltech", "cifar10", "emnist", "shakespeare"):
         assert get_source(name).default_root() == tmp_path / "d" / name
     monkeypatch.delenv("FEDSAP_RAY_DATA")
@@ -68,6 +69,31 @@ def test_default_roots_follow_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     monkeypatch.delenv("FEDSAP_SHARED_DATA")
     monkeypatch.chdir(tmp_path)  # no ../shared/data from here: falls back to the repo-relative folder
     assert shared_data_root() == (REPO / ".." / "shared" / "data").resolve()
+
+
+def test_one_default_root_rule_honours_shared_data(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 14 item 4: CIFAR-10 and Shakespeare (like MNIST) default to $FEDSAP_SHARED_DATA when it holds
+    their files and the cache does not, so ``fedsap-ray datasets`` reports them present."""
+    shared = tmp_path / "shared"
+    (shared / "cifar10").mkdir(parents=True)
+    (shared / "cifar10" / "cifar10_jpg_q75.tar.gz").write_bytes(b"x")
+    (shared / "shakespeare").mkdir()
+    for split in ("train", "test"):
+        (shared / "shakespeare" / f"fedshakespeare_{split}.h5").write_bytes(b"x")
+    (shared / "mnist").mkdir()
+    (shared / "mnist" / "mnist.npz").write_bytes(b"x")
+    monkeypatch.setenv("FEDSAP_RAY_DATA", str(tmp_path / "cache"))
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(shared))
+    for name in ("cifar10", "shakespeare", "mnist"):
+        assert get_source(name).default_root() == shared, name
+    rows = {r["name"]: r for r in dataset_table()}
+    for name in ("cifar10", "shakespeare", "mnist"):
+        assert rows[name]["present"] and rows[name]["root"] == str(shared), rows[name]
+    assert not rows["emnist"]["present"] and rows["emnist"]["root"] == str(tmp_path / "cache" / "emnist")
+    # the cache wins when it holds the files too (preferred first)
+    (tmp_path / "cache" / "cifar10" / "cifar10").mkdir(parents=True)
+    (tmp_path / "cache" / "cifar10" / "cifar10" / "cifar10_jpg_q75.tar.gz").write_bytes(b"x")
+    assert get_source("cifar10").default_root() == tmp_path / "cache" / "cifar10"
 
 
 HINTS = {
@@ -517,6 +543,37 @@ def test_emnist_torchvision_layout_upright_and_padded(tmp_path: Path) -> None:
     assert s.train["emnist"].y.tolist() == [0, 8, 16, 24, 32, 40, 48, 56] and len(s.test["emnist"]) == 3
 
 
+def test_emnist_fed_as_1x28x28_to_the_papers_emnist_cnn(tmp_path: Path) -> None:
+    """Issue 14 item 5: with model cnn_emnist the federation feeds the native upright 1x28x28 images, so
+    paper_emnist builds papers/003 Table 1's network (118.2M MACs at p = 1, not the 154.9M of 3x32x32)."""
+    from fedsap_ray.config import build_config
+    from fedsap_ray.data import build_federation
+    from fedsap_ray.data.emnist import emnist_paths
+    from fedsap_ray.models import build_model, model_macs
+
+    rng = np.random.default_rng(0)
+    paths = emnist_paths(tmp_path)
+    raw = {}
+    for (img, lab), n, split in zip((paths[0:2], paths[2:4]), (80, 20), ("train", "test")):
+        raw[split] = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        _idx(img, raw[split])
+        _idx(lab, np.arange(n) % 62)
+    splits = get_source("emnist").load(tmp_path, download=False, seed=0)
+    cfg = build_config("paper_emnist", overrides=[f"data.root={tmp_path}", "data.num_clients=4", "data.min_samples=1"])
+    fed = build_federation(cfg, splits)
+    assert fed.input_shape == (1, 28, 28)
+    x = fed.train["emnist"].x
+    assert tuple(x.shape) == (80, 1, 28, 28) and x.dtype == torch.uint8
+    np.testing.assert_array_equal(x[:, 0].numpy(), raw["train"].transpose(0, 2, 1))  # upright, no border
+    np.testing.assert_array_equal(fed.test["emnist"].x[:, 0].numpy(), raw["test"].transpose(0, 2, 1))
+    model = build_model(cfg.model.name, num_classes=fed.num_classes, input_shape=fed.input_shape)
+    assert round(model_macs(model, fed.input_shape) / 1e6, 1) == 118.2
+    # any other model keeps the stored 3x32x32 framing
+    other = build_federation(build_config("paper_emnist", overrides=[f"data.root={tmp_path}", "data.num_clients=4",
+                                                           "data.min_samples=1", "model.name=cnn_cifar"]), splits)
+    assert other.input_shape == (3, 32, 32) and tuple(other.train["emnist"].x.shape[1:]) == (3, 32, 32)
+
+
 # ----------------------------------------------------------------------------- shakespeare
 def test_encode_vocabulary() -> None:
     assert shk.encode(" ~A").tolist() == [0, 94, 33]
@@ -659,6 +716,7 @@ def test_dataset_table_on_shared_root() -> None:
 
 def test_dataset_table_default_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FEDSAP_RAY_DATA", str(tmp_path))
+    monkeypatch.setenv("FEDSAP_SHARED_DATA", str(tmp_path / "no_shared"))  # neither candidate holds CIFAR-10
     rows = {r["name"]: r for r in dataset_table()}
     assert rows["cifar10"]["root"] == str(tmp_path / "cifar10") and not rows["cifar10"]["present"]
     assert rows["cifar10"]["missing"][0].endswith(str(tmp_path / "cifar10" / "cifar-10-batches-py" / "data_batch_1"))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsap_ray.config import CapacityConfig, DataConfig, ExperimentConfig
+from fedsap_ray.config import CapacityConfig, ConfigError, DataConfig, ExperimentConfig
 from fedsap_ray.data import ClientSpec, DomainData, Federation, build_federation, load_splits
 from fedsap_ray.data.capacity import assign_capacities, tier_counts
 from fedsap_ray.data.federation import _cap_splits
@@ -272,3 +272,39 @@ def test_as_rng_purposes_differ():
     a = as_rng(5, 1).integers(0, 1 << 30, 4)
     assert np.array_equal(a, as_rng(5, 1).integers(0, 1 << 30, 4))
     assert not np.array_equal(a, as_rng(5, 2).integers(0, 1 << 30, 4))
+
+
+def _role_splits() -> DomainSplits:
+    """Four roles whose rows hold their role number: A (50 train / 5 test), B (40 / 4), C (30 / 3), D (5 / 2)."""
+    sizes = {"A": (50, 5), "B": (40, 4), "C": (30, 3), "D": (5, 2)}
+    tr_owner = np.concatenate([np.full(n, k) for k, (n, _) in enumerate(sizes.values())])
+    te_owner = np.concatenate([np.full(m, k) for k, (_, m) in enumerate(sizes.values())])
+    rng = np.random.default_rng(0)
+    tr_owner, te_owner = rng.permutation(tr_owner), rng.permutation(te_owner)  # roles interleaved in the pool
+    names = list(sizes)
+    dd = lambda o: DomainData(torch.as_tensor(o).view(-1, 1), torch.as_tensor(o))  # noqa: E731
+    return DomainSplits(dataset="t", domains=["all"], train={"all": dd(tr_owner)}, test={"all": dd(te_owner)},
+                        num_classes=4, input_kind="text", input_shape=(1,),
+                        natural_train={n: np.flatnonzero(tr_owner == k) for k, n in enumerate(names)},
+                        natural_test={n: np.flatnonzero(te_owner == k) for k, n in enumerate(names)})
+
+
+def test_natural_test_set_is_the_chosen_roles_own_held_out_rows():
+    """Issue 14 item 6: the test set holds the federation's roles' held-out rows only (natural_test)."""
+    train, test, nat = _cap_splits(_role_splits(), DataConfig(partition="natural", num_clients=2), seed=0)
+    assert sorted(test["all"].y.tolist()) == [0] * 5 + [1] * 4  # A's and B's held-out rows, no C or D
+    assert sorted(train["all"].y.tolist()) == [0] * 50 + [1] * 40
+    assert set(nat) == {"A", "B"} and all((train["all"].y[nat[r]] == "AB".index(r)).all() for r in nat)
+
+
+def test_natural_roles_chosen_before_the_training_cap():
+    """Issue 14 item 6: the cap subsamples the chosen roles' windows; it never decides which roles are chosen."""
+    for seed in range(5):
+        train, _, nat = _cap_splits(_role_splits(), DataConfig(partition="natural", num_clients=2,
+                                                               max_train_per_domain=20), seed=seed)
+        assert len(train["all"]) == 20 and set(train["all"].y.tolist()) <= {0, 1}
+        assert set(nat) == {"A", "B"}
+        got = np.concatenate([train["all"].y[nat[r]].numpy() for r in ("A", "B")])
+        assert sorted(got.tolist()) == sorted(train["all"].y.tolist())
+    with pytest.raises(ConfigError, match="data.num_clients"):
+        _cap_splits(_role_splits(), DataConfig(partition="natural", num_clients=5), seed=0)

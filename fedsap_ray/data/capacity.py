@@ -17,7 +17,8 @@ def tier_counts(shares: np.ndarray | tuple[float, ...], num_clients: int) -> np.
 
     quota_t = N * s_t / sum(s); each tier gets floor(quota_t), and the clients left over go
     one each to the tiers with the largest fractional parts (ties: lower tier index first).
-    For shares 7/7/3/3 and N = 20 this is exactly 7/7/3/3 (papers/003 section 4.1).
+    For shares 7/7/3/3 and N = 20 this is exactly 7/7/3/3, our reading of papers/003 section 4.1
+    (the paper gives the tiers and their mean 0.525 only; docs/readings.md).
     """
     s = np.asarray(shares, dtype=np.float64)
     if s.ndim != 1 or len(s) == 0 or (s < 0).any() or s.sum() <= 0:

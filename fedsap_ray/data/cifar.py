@@ -24,7 +24,7 @@ import numpy as np
 
 from fedsap_ray.data.digits import Split, resize_nchw, to_domain
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
-from fedsap_ray.data.status import atomic_save_npz, cache_home, data_home, first_present, unavailable
+from fedsap_ray.data.status import atomic_save_npz, cache_home, default_root, first_present, unavailable
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 TARBALL = "cifar10_jpg_q75.tar.gz"
@@ -138,7 +138,7 @@ class Cifar10Source:
     how_to_obtain = "--set data.download=true (torchvision), or the JPEG archive <root>/cifar10/cifar10_jpg_q75.tar.gz"
 
     def default_root(self) -> Path:
-        return data_home(self.name)
+        return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
     def _tv_paths(self, root: Path) -> list[Path]:
         return [root / "cifar-10-batches-py" / f for f in _TV_FILES]

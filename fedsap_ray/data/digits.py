@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.partition import office_split
 from fedsap_ray.data.registry import DomainSplits, FileStatus, corrupt_file_errors, register_dataset, unreadable
-from fedsap_ray.data.status import atomic_save_npz, cache_home, data_home, shared_data_root, unavailable
+from fedsap_ray.data.status import atomic_save_npz, cache_home, default_root, shared_data_root, unavailable
 
 IMAGE_SIZE = 32
 IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"})
@@ -300,7 +300,7 @@ class DigitsSource:
     }
 
     def default_root(self) -> Path:
-        return data_home(self.name)
+        return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
     def files(self, root: Path) -> list[FileStatus]:
         root = Path(root).expanduser()

@@ -6,10 +6,10 @@ code (:mod:`fedsap_ray.data.digits`): torchvision's files ``<root>/MNIST/raw/*-u
 Images become uint8 [N, 3, 32, 32]: grey repeated to 3 channels, bilinearly resized
 28->32 exactly as in ``digits``, so models and results carry over between the two.
 
-Default root: the first of ``data_home("mnist")`` (``$FEDSAP_RAY_DATA/mnist`` or
-``~/.cache/fedsap_ray/data/mnist``) and the shared folder (``$FEDSAP_SHARED_DATA`` or
-``../shared/data``) that holds MNIST in either layout; when neither does, ``data_home``,
-which is where ``download=True`` puts torchvision's files.
+Default root: the rule every loader shares (:func:`fedsap_ray.data.status.default_root`): the
+first of ``data_home("mnist")`` (``$FEDSAP_RAY_DATA/mnist`` or ``~/.cache/fedsap_ray/data/mnist``)
+and the shared folder (``$FEDSAP_SHARED_DATA`` or ``../shared/data``) that holds MNIST in either
+layout; when neither does, ``data_home``, which is where ``download=True`` puts torchvision's files.
 """
 from __future__ import annotations
 
@@ -18,15 +18,13 @@ from pathlib import Path
 from fedsap_ray.data.digits import (
     IMAGE_SIZE,
     _check_labels,
-    digit_layouts,
     layout_status,
     load_digit_domain,
     plan_domains,
-    resolve_layout,
     to_domain,
 )
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
-from fedsap_ray.data.status import data_home, shared_data_root
+from fedsap_ray.data.status import default_root
 
 MNIST_CLASSES = 10
 DOMAIN = "mnist"
@@ -43,16 +41,8 @@ class MnistSource:
         "MNIST) or torchvision's <root>/MNIST/raw files: --set data.download=true (torchvision MNIST, ~12 MB)"
     )
 
-    def candidate_roots(self) -> list[Path]:
-        """Where the default root is looked for, preferred first."""
-        return [data_home(self.name), shared_data_root()]
-
     def default_root(self) -> Path:
-        roots = self.candidate_roots()
-        for root in roots:
-            if resolve_layout(digit_layouts(DOMAIN, root)) is not None:
-                return root
-        return roots[0]
+        return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
     def files(self, root: Path) -> list[FileStatus]:
         return layout_status(DOMAIN, Path(root).expanduser())

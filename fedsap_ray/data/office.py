@@ -29,7 +29,7 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.digits import read_image_folder, to_domain
 from fedsap_ray.data.partition import office_split
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
-from fedsap_ray.data.status import data_home, unavailable
+from fedsap_ray.data.status import default_root, unavailable
 
 OFFICE_DOMAINS = ("caltech", "amazon", "webcam", "dslr")
 # GFK/FedBN label order (alphabetical) of the SURF files' labels 1..10
@@ -102,7 +102,7 @@ class OfficeCaltechSource:
     image_size = 32
 
     def default_root(self) -> Path:
-        return data_home(self.name)
+        return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
     def _layout(self, root: Path) -> str | None:
         if all(image_folder(root, d) is not None for d in self.domains):

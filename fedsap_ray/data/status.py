@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -43,6 +44,20 @@ def shared_data_root() -> Path:
         if c.is_dir():
             return c.resolve()
     return candidates[-1].resolve()
+
+
+def default_root(name: str, files: Callable[[Path], list[FileStatus]]) -> Path:
+    """The ONE default-root rule of every file-backed loader (so ``fedsap-ray datasets`` and a load agree):
+    the first of ``data_home(name)`` and :func:`shared_data_root` under which ``files(root)`` reports every
+    required file present; when neither holds them, ``data_home(name)`` (where ``download=True`` writes)."""
+    candidates = [data_home(name), shared_data_root()]
+    for root in candidates:
+        try:
+            if all(s.present for s in files(root)):
+                return root
+        except OSError:  # an unreadable candidate is not a default
+            continue
+    return candidates[0]
 
 
 def atomic_save_npz(path: Path, **arrays: np.ndarray) -> None:
