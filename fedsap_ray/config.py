@@ -166,10 +166,15 @@ class TrainingConfig:
     eval_deployed: bool = True
     # deployed evaluation covers at most this many clients: above it, a seeded sample stratified by domain
     eval_clients: int = 32
+    # BN statistics of a deployed model: 'client' recomputes them on the client's own training data with its
+    # own sub-model (what the device would hold); 'aggregated' keeps the server's averaged running statistics
+    deployed_bn: str = "client"
 
     def __post_init__(self) -> None:
         if not isinstance(self.eval_deployed, bool):
             _fail("training.eval_deployed", self.eval_deployed, "must be true or false")
+        if self.deployed_bn not in ("client", "aggregated"):
+            _fail("training.deployed_bn", self.deployed_bn, "allowed values are client, aggregated")
         for f in ("rounds", "local_epochs", "batch_size", "eval_every", "eval_clients"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -122,8 +122,10 @@ class Server:
             params, mask = self.strategy.deployed_model(state, cid)
             models.append(DeployedModel(cid, fed.clients[cid].domain, params, mask))
         weights = ({c.client_id: c.label_counts for c in fed.clients} if len(fed.domains) == 1 else None)
+        bn_data = ({cid: fed.client_data(cid) for cid in self.deployed_clients}
+                   if self.ctx.cfg.training.deployed_bn == "client" else None)
         return evaluate_deployed(self.eval_scratch, self.ctx.layout, models, fed.test, self.device,
-                                 fed.num_classes, weights)
+                                 fed.num_classes, weights, bn_data)
 
     def _deployed_rows(self, per_client: dict[int, tuple[float, float]], common: dict[str, Any],
                        coverage: dict[str, float], run_coverage: float) -> list[dict[str, Any]]:

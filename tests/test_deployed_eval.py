@@ -17,7 +17,7 @@ import torch
 from fedsap_ray import algorithms, results
 from fedsap_ray.config import build_config
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.evaluate import DeployedModel, evaluate, evaluate_deployed
+from fedsap_ray.evaluate import DeployedModel, calibrate_bn_, evaluate, evaluate_deployed
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import channel_mask_counts, extract_substate, param_mask
 from fedsap_ray.models import build_model
@@ -52,20 +52,26 @@ def channel_masks_of(space, layout, pmask: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def sliced_accuracy(ctx, params: np.ndarray, mask: np.ndarray | None, data: DomainData) -> float:
-    """Accuracy of the physically sliced sub-model: a network built with only the active channels."""
+def sliced_accuracy(ctx, params: np.ndarray, mask: np.ndarray | None, data: DomainData,
+                    own: DomainData | None = None) -> float:
+    """Accuracy of the physically sliced sub-model: a network built with only the active channels (with BN
+    statistics recomputed on ``own`` first when given)."""
     full = build_model(ctx.cfg.model.name, num_classes=ctx.federation.num_classes,
                        input_shape=ctx.federation.input_shape, width_mult=ctx.cfg.model.width_mult,
                        vocab_size=ctx.federation.vocab_size)
     ctx.layout.load_into(full, params)
     if mask is None:
-        return evaluate(full, ctx.layout, params, data, CPU)[0]
+        if own is not None:
+            calibrate_bn_(full, own, CPU)
+        return evaluate(full, ctx.layout, ctx.layout.flatten(full), data, CPU)[0]
     cm = channel_masks_of(ctx.space, ctx.layout, mask)
     assert param_mask(ctx.space, ctx.layout, cm).sum() == mask.sum(), "the mask is not a channel sub-model"
     sub = build_model(ctx.cfg.model.name, num_classes=ctx.federation.num_classes,
                       input_shape=ctx.federation.input_shape, width_mult=ctx.cfg.model.width_mult,
                       vocab_size=ctx.federation.vocab_size, channels=channel_mask_counts(cm))
     sub.load_state_dict(extract_substate(ctx.space, full.state_dict(), cm))
+    if own is not None:
+        calibrate_bn_(sub, own, CPU)
     sub.eval()
     with torch.no_grad():
         from fedsap_ray.data.base import as_input
@@ -79,10 +85,14 @@ def test_deployed_accuracy_equals_the_sliced_sub_model(name, extra, fed):
     ctx, strat, states = run_rounds(cfg, fed, 2)
     state = states[-1]
     models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]
-    got = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes)
-    for m in models:
-        want = sliced_accuracy(ctx, m.params, m.mask, fed.test[m.domain])
+    own = {c.client_id: fed.client_data(c.client_id) for c in fed.clients}
+    got = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own)
+    agg = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes)
+    for m in models:  # the default: BN statistics of the client's own data; and the aggregated ones
+        want = sliced_accuracy(ctx, m.params, m.mask, fed.test[m.domain], own[m.client_id])
         assert got[m.client_id][0] == pytest.approx(want, abs=1e-9), (name, m.client_id)
+        want = sliced_accuracy(ctx, m.params, m.mask, fed.test[m.domain])
+        assert agg[m.client_id][0] == pytest.approx(want, abs=1e-9), (name, m.client_id)
     small = [c.client_id for c in fed.clients if c.capacity < 1]
     masks = [models[c].mask for c in small]
     if name in FULL_MODEL and "algorithm.width=capacity" not in extra:  # full-model methods deploy the full model
@@ -163,6 +173,36 @@ def test_large_federations_evaluate_a_fixed_stratified_sample(fed):
     assert doms == set(fed.domains)  # every domain keeps at least one client
     cfg_all = build_config(preset="smoke", overrides=TINY)
     assert deployed_sample(make_strategy(cfg_all, fed)[0]) == (list(range(len(fed.clients))), False)
+
+
+def test_own_bn_statistics_are_the_clients_data_and_change_the_figure(fed):
+    """calibrate_bn_ sets a BN layer's running mean to the mean of the client's own activations (and leaves the
+    parameters alone); a client's deployed figure with its own statistics differs from the aggregated one."""
+    cfg = build_config(preset="smoke", overrides=["algorithm.name=heterofl", *TINY])
+    ctx, strat, states = run_rounds(cfg, fed, 1)
+    model = build_model(cfg.model.name, num_classes=fed.num_classes, input_shape=fed.input_shape,
+                        width_mult=cfg.model.width_mult)
+    ctx.layout.load_into(model, states[-1].params)
+    params_before = [p.detach().clone() for p in model.parameters()]
+    data = fed.client_data(0)
+    from fedsap_ray.data.base import as_input
+    with torch.no_grad():
+        model.train()
+        stem = model.bn1(model.conv1(as_input(data.x)))  # one batch: its own mean is the running mean
+    assert calibrate_bn_(model, data, CPU, batch_size=len(data))
+    bn = model.bn1
+    with torch.no_grad():
+        pre = model.conv1(as_input(data.x))
+    torch.testing.assert_close(bn.running_mean, pre.mean(dim=(0, 2, 3)), atol=1e-5, rtol=1e-5)
+    assert not bn.training and bn.momentum == 0.1 and stem.shape[1] == bn.num_features
+    for a, b in zip(params_before, model.parameters()):
+        assert torch.equal(a, b)
+    cid = min(fed.clients, key=lambda c: c.capacity).client_id
+    m = [DeployedModel(cid, fed.clients[cid].domain, *strat.deployed_model(states[-1], cid))]
+    own = evaluate_deployed([ctx.model], ctx.layout, m, fed.test, CPU, fed.num_classes,
+                            bn_data={cid: fed.client_data(cid)})[cid]
+    agg = evaluate_deployed([ctx.model], ctx.layout, m, fed.test, CPU, fed.num_classes)[cid]
+    assert own[1] != agg[1]  # the losses differ: the statistics really changed
 
 
 def test_deployed_evaluation_can_be_switched_off(tmp_path):
