@@ -114,6 +114,12 @@ class Server:
         self.last_summary = summary
         return new_state
 
+    def _update_best(self, mode: str, accuracy: float) -> float:
+        """The best-so-far global accuracy of ``mode`` after this round's ``accuracy``."""
+        prev = self.best_by_mode.get(mode, float("nan"))
+        self.best_by_mode[mode] = accuracy if np.isnan(prev) else max(prev, accuracy)
+        return self.best_by_mode[mode]
+
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
         """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.evaluate)."""
         fed = self.ctx.federation
@@ -150,9 +156,7 @@ class Server:
             rows.append(dict(domain=d, accuracy=acc, loss=loss, n_test=len(fed.test[d]), n_eval_clients=len(ids),
                              worst_client_id=worst, worst_client_accuracy=per_client[worst][0]))
         s = summarise(per_domain)
-        prev = self.best_by_mode.get(DEPLOYED, float("nan"))
-        best = s["global_accuracy"] if np.isnan(prev) else max(prev, s["global_accuracy"])
-        self.best_by_mode[DEPLOYED] = best
+        best = self._update_best(DEPLOYED, s["global_accuracy"])
         worst = min(per_client, key=lambda c: (per_client[c][0], c))
         rows.append(dict(domain=GLOBAL_DOMAIN, accuracy=s["global_accuracy"], loss=s["loss"],
                          n_test=sum(len(fed.test[d]) for d in per_domain), n_eval_clients=len(per_client),
@@ -181,9 +185,7 @@ class Server:
         primary = next(iter(by_mode), None)
         for mode, per_domain in by_mode.items():
             s = summarise(per_domain)
-            prev = self.best_by_mode.get(mode, float("nan"))
-            best = s["global_accuracy"] if np.isnan(prev) else max(prev, s["global_accuracy"])
-            self.best_by_mode[mode] = best
+            best = self._update_best(mode, s["global_accuracy"])
             if mode == primary:
                 self.primary_mode, self.last_global = mode, s["global_accuracy"]
                 worst_dom = min(per_domain, key=lambda d: per_domain[d][0])
@@ -229,7 +231,6 @@ class Server:
                             extra=self.strategy.round_columns(state),
                             deployed_accuracy=deployed_global.get("accuracy"),
                             worst_client_accuracy=deployed_global.get("worst_client_accuracy"))
-
 
 
 def deployed_sample(ctx: RunContext) -> tuple[list[int], bool]:
