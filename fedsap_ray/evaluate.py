@@ -27,6 +27,7 @@ import hashlib
 import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 import numpy as np
 import torch
@@ -35,6 +36,9 @@ from torch import nn
 
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 @torch.no_grad()
@@ -137,30 +141,17 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
             key += (m.client_id,)  # statistics of the client's own data: one job per client
         jobs.setdefault(key, DeployedModel(m.client_id, m.domain, vec, m.mask))
         key_of[m.client_id] = key
-    pool: queue.SimpleQueue = queue.SimpleQueue()
-    for mod in scratch:
-        pool.put(mod)
-
-    def one(key: tuple) -> np.ndarray:
+    def one(mod: nn.Module, key: tuple) -> np.ndarray:
         job = jobs[key]
-        mod = pool.get()
-        try:
-            vec = job.params
-            if bn_data is not None:
-                mod.to(device)
-                layout.load_into(mod, vec)
-                if calibrate_bn_(mod, bn_data[job.client_id], device):
-                    vec = masked(layout.flatten(mod), job.mask)
-            return evaluate_by_class(mod, layout, vec, test[job.domain], device, num_classes)
-        finally:
-            pool.put(mod)
+        vec = job.params
+        if bn_data is not None:
+            mod.to(device)
+            layout.load_into(mod, vec)
+            if calibrate_bn_(mod, bn_data[job.client_id], device):
+                vec = masked(layout.flatten(mod), job.mask)
+        return evaluate_by_class(mod, layout, vec, test[job.domain], device, num_classes)
 
-    keys = list(jobs)
-    if len(scratch) <= 1 or len(keys) <= 1:
-        tables = {k: one(k) for k in keys}
-    else:
-        with ThreadPoolExecutor(min(len(scratch), len(keys))) as ex:
-            tables = dict(zip(keys, ex.map(one, keys)))
+    tables = on_scratch(scratch, list(jobs), one)
     out: dict[int, tuple[float, float]] = {}
     for m in models:
         t = tables[key_of[m.client_id]]
@@ -178,22 +169,27 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
 def evaluate_domains(scratch: list[nn.Module], layout: ParamLayout, models: dict[str, np.ndarray],
                      test: dict[str, DomainData], device: torch.device) -> dict[str, tuple[float, float]]:
     """Evaluate every domain, one domain per scratch module concurrently (threads; same numbers as serial)."""
+    return on_scratch(scratch, list(test), lambda m, d: evaluate(m, layout, models[d], test[d], device))
+
+
+def on_scratch(scratch: list[nn.Module], keys: list[K], fn: Callable[[nn.Module, K], V]) -> dict[K, V]:
+    """``fn(module, key)`` for every key, each call holding one scratch module of its own, as many at once as
+    there are modules (threads); every result depends on its key only, so the numbers equal a serial loop's."""
     pool: queue.SimpleQueue = queue.SimpleQueue()
     for m in scratch:
         pool.put(m)
 
-    def one(d: str) -> tuple[float, float]:
+    def one(key: K) -> V:
         m = pool.get()
         try:
-            return evaluate(m, layout, models[d], test[d], device)
+            return fn(m, key)
         finally:
             pool.put(m)
 
-    domains = list(test)
-    if len(scratch) <= 1 or len(domains) <= 1:
-        return {d: one(d) for d in domains}
-    with ThreadPoolExecutor(min(len(scratch), len(domains))) as ex:
-        return dict(zip(domains, ex.map(one, domains)))
+    if len(scratch) <= 1 or len(keys) <= 1:
+        return {k: one(k) for k in keys}
+    with ThreadPoolExecutor(min(len(scratch), len(keys))) as ex:
+        return dict(zip(keys, ex.map(one, keys)))
 
 
 def summarise(per_domain: dict[str, tuple[float, float]]) -> dict[str, float]:
