@@ -134,7 +134,8 @@ CLIENTS_COLUMNS: list[tuple[str, pa.DataType, str]] = [
      "client updated in local training, any epoch (DapperFL's default: the full model, its first epoch trains all "
      "of it; FedSPU: its active neurons only); Strategy.params_trained"),
     ("macs_per_sample", pa.int64(), "per-sample forward multiply-accumulates of the model the client runs at "
-     "inference (its sub-model), one pass; not what training spent: see train_macs (null if unknown)"),
+     "inference (its sub-model), one pass: Strategy.mask_macs of the plan's coverage unless the strategy refines "
+     "it (DapperFL's pruned model); not what training spent: see train_macs"),
     ("train_macs", pa.int64(), "forward multiply-accumulates the client executed in local training, all epochs: "
      "sum over its steps of batch samples x per-sample forward MACs of the network run in that step x forward "
      "passes per step (MOON's frozen models, DapperFL's full-model first epoch, FedSPU's frozen neurons "

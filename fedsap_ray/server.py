@@ -215,6 +215,7 @@ class Server:
                        capacity_max=spec.capacity, capacity_used=plan.capacity_used, pseudo_group=plan.pseudo_group,
                        tv_distance=spec.tv_distance, n_samples=r.n_samples, train_loss=r.train_loss,
                        params_trained=self.strategy.params_trained(plan, r),
+                       macs_per_sample=self.strategy.mask_macs(plan.mask),  # a strategy may refine it below
                        train_macs=self.strategy.train_macs(plan, r), bytes_up=r.bytes_up + plan.side_bytes_up, bytes_down=plan.bytes_down,
                        wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id, **plan.channel_counts)
             row.update(self.strategy.client_columns(state, plan, r))

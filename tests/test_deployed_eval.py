@@ -212,3 +212,19 @@ def test_deployed_evaluation_can_be_switched_off(tmp_path):
     rounds = results.load(out).rounds
     assert DEPLOYED not in set(rounds.eval_mode.dropna())
     assert isinstance(rounds, pd.DataFrame)
+
+
+@pytest.mark.parametrize("name", ["fedsap", "fpl", "feddrop"])
+def test_every_client_row_says_what_one_forward_pass_of_its_model_costs(name, tmp_path):
+    """macs_per_sample is recorded for every method (FedSAP and FPL used to leave it null): the sub-model's
+    MACs, below the full model's for a client that trains a sub-model."""
+    out = tmp_path / name
+    run_experiment(build_config(preset="smoke", overrides=[f"algorithm.name={name}", *TINY, "training.rounds=1",
+                                                           "training.eval_deployed=false"]), out=out, run_id=name)
+    clients = results.load(out).clients
+    assert clients.macs_per_sample.notna().all() and (clients.macs_per_sample > 0).all()
+    full = clients[clients.capacity_used >= 1].macs_per_sample
+    narrow = clients[clients.capacity_used < 1].macs_per_sample
+    if name != "fpl":  # FPL trains the full model everywhere
+        assert len(narrow) and narrow.max() < clients.macs_per_sample.max()
+    assert full.nunique() <= 1

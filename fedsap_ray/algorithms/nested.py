@@ -105,9 +105,6 @@ class SubModelStrategy(Strategy):
         """The client's round-t parameter mask (None: full model), recomputed from the pure rule."""
         return self.sub_model(state, client_id, t)[0]
 
-    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        return {"macs_per_sample": self.mask_macs(plan.mask)}
-
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The sub-model the client would receive in the next round: its width (nested), its pruned
         filters (FedMP), its next random draw (FedDrop), from the global model ``state`` holds. Masks are
