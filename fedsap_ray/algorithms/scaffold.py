@@ -47,7 +47,6 @@ from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config import ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.models import model_macs
 
 
 @register("scaffold")
@@ -129,12 +128,3 @@ class Scaffold(Strategy):
         extra = dict(state.extra)
         extra.update(c=c_new.astype(np.float32), c_i=c_i)
         return ServerState(round=t, params=params.astype(np.float32), extra=extra)
-
-    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        return {"macs_per_sample": self._full_macs()}
-
-    def _full_macs(self) -> int:
-        """Multiply-accumulates per sample of the full model (memoised)."""
-        if "_macs" not in self.__dict__:
-            self._macs = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None))
-        return self._macs
