@@ -32,7 +32,7 @@ DGA_CONTROLS = [("gradient", {"dga": "gradient", "dga_source": "train"}),
                 ("gradient (probe)", {"dga": "gradient", "dga_source": "probe"}),
                 *((m, {"dga": m, "dga_source": "train"}) for m in ("oracle", "random", "none"))]
 FEDSAP_ALGORITHMS = ("fedsap", "fedsap_fixed")
-NON_DOMAIN = ("best", "final", "n_groups", "ari_domain", "ari_capacity")
+NON_DOMAIN = ("best", "final", "n_groups", "ari_domain", "ari_capacity", *sweep.DEVICE_COLUMNS)
 
 
 def figure4_table(res: Any) -> pd.DataFrame:
@@ -122,7 +122,7 @@ def report(res: Any) -> str:
     out = ["# FedSAP ablations (papers/000)", ""]
 
     def section(title: str, table: pd.DataFrame, note: str = "", empty: str = "No runs of this table in the folder.") -> None:
-        body = sweep.to_markdown(table) if len(table) else empty
+        body = sweep.to_markdown(sweep.drop_unrecorded(table)) if len(table) else empty
         out.extend([f"## {title}", ""] + ([note, ""] if note else []) + [body, ""])
 
     section("Component ablation (Figure 4)", sweep.pm_table(figure4_table(res)),
@@ -131,6 +131,14 @@ def report(res: Any) -> str:
     grid = table5_grid(sweep.pm_table(t5), "best") if len(t5) else t5
     section("Aggregation path x layer-budget rule (Table 5)", grid.reset_index() if len(t5) else grid,
             "Best-so-far global accuracy, DGA on.")
+    device = sweep.pm_table(t5)[["path", "budget", "seeds", "best", "final", *sweep.DEVICE_COLUMNS]] if len(t5) else t5
+    if len(device) and sweep.drop_unrecorded(device).columns.size == 5:  # no device column has a value
+        device = device.iloc[0:0]
+    section("Table 5: what each device ran and spent", device,
+            "best / final: the group models (the paper's figure); deployed: each client's own model at its own "
+            "channels on its own domain (best, final) and the worst client at the final round; train_gmacs: "
+            "forward GMACs one client spent in local training per round (docs/readings.md#deployed-evaluation).",
+            empty="No Table 5 run of the folder recorded deployed evaluation or training compute (results schema 4).")
     t2 = sweep.pm_table(table2_table(res))
     if len(t2):
         t2["delta"] = [f"{100 * d:+.1f}" if not pd.isna(d) else "–" for d in t2["delta"]]

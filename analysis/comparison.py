@@ -31,7 +31,6 @@ from analysis import plots, sweep
 from fedsap_ray import results
 
 GLOBAL = results.GLOBAL_DOMAIN
-DEPLOYED = "deployed"
 # papers/000 Table 1 rows, in its order: (label, registry name, marked with system heterogeneity). papers/000's
 # "FedDrop" row is Adaptive Federated Dropout; ours runs plain Federated Dropout by default, so it is labelled
 # "FedDrop (FD)" (selection=afd: "FedDrop (AFD)", unvalidated; fedsap_ray/algorithms/feddrop.py)
@@ -43,7 +42,7 @@ TABLE1 = [
 LABEL = {name: label for label, name, _ in TABLE1}
 # labels method_of gives to a Table 1 method run with a non-default option, listed right after it
 VARIANT_LABELS = {"FedDrop (FD)": ("FedDrop (AFD)",), "DapperFL": ("DapperFL (capacity)",)}
-EXTRA = ("deployed", "deployed_final", "worst_client", "train_gmacs")  # per-run figures averaged over seeds
+EXTRA = sweep.DEVICE_COLUMNS  # per-run figures averaged over seeds
 NOT_DOMAINS = ("global", "final_global", "global_std", "seeds", "sub_models", "deployed_std", "max_train_gmacs",
                *EXTRA)
 
@@ -64,27 +63,6 @@ def method_of(config: dict[str, Any]) -> str:
     return label
 
 
-def deployed_accuracy(rounds: pd.DataFrame) -> pd.DataFrame:
-    """Per run (index run_id): best and final global accuracy of the ``deployed`` eval mode and the worst
-    client's figure at the final evaluated round (all NaN for runs without deployed rows)."""
-    cols = ["deployed", "deployed_final", "worst_client"]
-    if rounds.empty or "eval_mode" not in rounds.columns:
-        return pd.DataFrame(columns=cols, dtype=float)
-    g = rounds[(rounds["eval_mode"] == DEPLOYED) & (rounds["domain"] == GLOBAL)]
-    g = g[g["accuracy"].notna()].sort_values(["run_id", "round"], kind="stable").groupby("run_id", sort=False)
-    worst = g["worst_client_accuracy"].last() if "worst_client_accuracy" in rounds.columns else g["accuracy"].last() * np.nan
-    return pd.DataFrame({"deployed": g["accuracy"].max(), "deployed_final": g["accuracy"].last(),
-                         "worst_client": worst})
-
-
-def train_compute(clients: pd.DataFrame) -> pd.DataFrame:
-    """Per run (index run_id): mean and largest forward GMACs of one client's local training in one round."""
-    if clients.empty or "train_macs" not in clients.columns:
-        return pd.DataFrame(columns=["train_gmacs", "max_train_gmacs"], dtype=float)
-    g = pd.to_numeric(clients["train_macs"], errors="coerce").div(1e9).groupby(clients["run_id"])
-    return pd.DataFrame({"train_gmacs": g.mean(), "max_train_gmacs": g.max()})
-
-
 def per_run(res: results.Results) -> pd.DataFrame:
     """One row per finished run: method, seed, best accuracy per domain, best and final global accuracy,
     the deployed evaluation and the training compute (module docstring)."""
@@ -92,7 +70,7 @@ def per_run(res: results.Results) -> pd.DataFrame:
     runs["method"] = [method_of(json.loads(c)) for c in runs["config_json"]]
     best = sweep.domain_best(res.rounds).join(sweep.global_accuracy(res.rounds)["final_global_accuracy"])
     best = best.rename(columns={"final_global_accuracy": "final_global"})
-    best = best.join(deployed_accuracy(res.rounds), how="left").join(train_compute(res.clients), how="left")
+    best = best.join(sweep.deployed_accuracy(res.rounds), how="left").join(sweep.train_compute(res.clients), how="left")
     return runs[["run_id", "method", "seed", "dataset"]].set_index("run_id").join(best).reset_index()
 
 

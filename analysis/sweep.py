@@ -31,6 +31,7 @@ import pandas as pd
 from fedsap_ray import results
 
 GLOBAL = results.GLOBAL_DOMAIN
+DEPLOYED = "deployed"  # the eval mode of each client's own model (docs/readings.md#deployed-evaluation)
 TABLES = ("runs", "rounds", "clients", "layers", "allocations")
 RUN_COLUMNS = ("variant", "seed", "algorithm", "study", "dataset")  # what join_runs adds by default
 OPT = "opt_"  # prefix of the resolved-option columns of runs
@@ -284,6 +285,30 @@ def grouping_stats(rounds: pd.DataFrame) -> pd.DataFrame:
     return dga.groupby("run_id")[cols].mean()
 
 
+DEVICE_COLUMNS = ("deployed", "deployed_final", "worst_client", "train_gmacs")
+
+
+def deployed_accuracy(rounds: pd.DataFrame) -> pd.DataFrame:
+    """Per run (index run_id): best and final global accuracy of the ``deployed`` eval mode and the worst
+    client's figure at the final evaluated round (all NaN for runs without deployed rows)."""
+    cols = ["deployed", "deployed_final", "worst_client"]
+    if rounds.empty or "eval_mode" not in rounds.columns:
+        return pd.DataFrame(columns=cols, dtype=float)
+    g = rounds[(rounds["eval_mode"] == DEPLOYED) & (rounds["domain"] == GLOBAL)]
+    g = g[g["accuracy"].notna()].sort_values(["run_id", "round"], kind="stable").groupby("run_id", sort=False)
+    worst = g["worst_client_accuracy"].last() if "worst_client_accuracy" in rounds.columns else g["accuracy"].last() * np.nan
+    return pd.DataFrame({"deployed": g["accuracy"].max(), "deployed_final": g["accuracy"].last(),
+                         "worst_client": worst})
+
+
+def train_compute(clients: pd.DataFrame) -> pd.DataFrame:
+    """Per run (index run_id): mean and largest forward GMACs of one client's local training in one round."""
+    if clients.empty or "train_macs" not in clients.columns:
+        return pd.DataFrame(columns=["train_gmacs", "max_train_gmacs"], dtype=float)
+    g = pd.to_numeric(clients["train_macs"], errors="coerce").div(1e9).groupby(clients["run_id"])
+    return pd.DataFrame({"train_gmacs": g.mean(), "max_train_gmacs": g.max()})
+
+
 def per_run_accuracy(res: Any) -> pd.DataFrame:
     """One row per run: run id, variant, seed, status, ... and best / final global accuracy (NaN for a
     run with no evaluated round yet)."""
@@ -362,7 +387,9 @@ def option_table(res: Any, algorithm: str, rows: Sequence[tuple[str, Mapping[str
 
     Columns: ``row``, ``variants`` (the run ids' variant names), ``seeds``, ``best_mean``/``_std``,
     ``final_mean``/``_std``; ``domains`` adds ``<domain>_mean``/``_std`` (best-so-far per domain),
-    ``grouping`` adds the DGA means/stds of ``n_groups``, ``ari_domain``, ``ari_capacity``.
+    ``grouping`` adds the DGA means/stds of ``n_groups``, ``ari_domain``, ``ari_capacity``. Every table
+    also has :data:`DEVICE_COLUMNS` (NaN where the runs did not record them): the deployed models' best
+    and final accuracy, the worst client, and the training GMACs per client-round.
     Runs of one row whose protocols (:func:`protocol` without the algorithm) differ beyond the seed
     are split into rows ``<label> [<differing keys>]`` with a :class:`UserWarning`.
     """
@@ -381,6 +408,9 @@ def option_table(res: Any, algorithm: str, rows: Sequence[tuple[str, Mapping[str
     if grouping:
         pr = pr.join(grouping_stats(rounds))
         cols.update({c: c for c in ("n_groups", "ari_domain", "ari_capacity")})
+    # what each client really ran and spent (issue 13): the deployed models' accuracy and the training compute
+    pr = pr.join(deployed_accuracy(rounds)).join(train_compute(table(res, "clients")))
+    cols.update({c: c for c in DEVICE_COLUMNS})
     for c in cols.values():
         if c not in pr.columns:
             pr[c] = np.nan
@@ -409,7 +439,7 @@ def option_table(res: Any, algorithm: str, rows: Sequence[tuple[str, Mapping[str
 
 # ----------------------------------------------------------------------------- display
 
-NOT_PERCENT = ("n_groups", "ari_domain", "ari_capacity", "avg_p", "value", "seeds")
+NOT_PERCENT = ("n_groups", "ari_domain", "ari_capacity", "avg_p", "value", "seeds", "train_gmacs")
 
 
 def pm_table(df: pd.DataFrame, digits: int = 1, not_percent: Sequence[str] = NOT_PERCENT) -> pd.DataFrame:
@@ -427,6 +457,14 @@ def pm_table(df: pd.DataFrame, digits: int = 1, not_percent: Sequence[str] = NOT
         out[stem] = [("–" if pd.isna(m) else f"{scale * m:.{d}f}" + ("" if pd.isna(s) else f" ± {scale * s:.{d}f}"))
                      for m, s in zip(df[c], df[stem + "_std"])]
     return out
+
+
+def drop_unrecorded(df: pd.DataFrame, cols: Sequence[str] = DEVICE_COLUMNS) -> pd.DataFrame:
+    """``df`` without those of ``cols`` that no row has a value in (runs written before the deployed
+    evaluation and ``train_macs`` existed), so a report does not print columns of dashes."""
+    empty = [c for c in cols if c in df.columns and df[c].map(lambda v: isinstance(v, str) and v == "–" or
+                                                              (not isinstance(v, str) and pd.isna(v))).all()]
+    return df.drop(columns=empty)
 
 
 def to_markdown(df: pd.DataFrame, index: bool = False) -> str:

@@ -219,7 +219,7 @@ def test_plot_sensitivity_marks_the_reference_in_three_panels(tmp_path) -> None:
 
 # ----------------------------------------------------------------------------- ablation (Figure 4, Tables 5, 2, DGA)
 
-def ablation_results() -> results.Results:
+def ablation_results(extra_rounds: list[dict] = (), clients: list[dict] = ()) -> results.Results:
     fedsap_runs = [  # (run id, seed, options, best accuracy, mnist best, dga per round)
         ("full-s0", 0, {}, 0.80, 0.90, [(2, 0.5, 0.1), None, (3, 0.7, 0.3)]),
         ("full-s1", 1, {}, 0.76, 0.94, [(2, 0.3, 0.0), None, (2, 0.3, 0.0)]),
@@ -241,7 +241,7 @@ def ablation_results() -> results.Results:
                              domain_accs={"mnist": [m - 0.1, m, m - 0.2]}, dga=dga)
     for r, _, _, a in fixed_runs:
         rounds += round_rows(r, [a, a - 0.03], modes=("group", "global_only"))
-    return make(runs, rounds + round_rows("avg-s0", [0.9]))
+    return make(runs, rounds + round_rows("avg-s0", [0.9]) + list(extra_rounds), clients)
 
 
 def test_figure4_rows_come_from_the_dga_and_sgp_options() -> None:
@@ -273,6 +273,30 @@ def test_table5_places_each_run_in_its_2x2_cell_by_config() -> None:
     assert np.isnan(ablation.table5_grid(part).loc[tri, "Uniform layer budget"])
     texts = [x.get_text() for x in ablation.plot_table5(part).axes[0].texts]
     assert "no runs" in texts and len(texts) == 4
+
+
+def test_table5_gains_the_deployed_models_and_the_compute_of_each_cell() -> None:
+    """Issue 13: each 2x2 cell also says what its clients ran (deployed rows only, never the group rows) and
+    spent (clients.train_macs), mean over seeds; a cell whose runs recorded neither shows NaN, not 0."""
+    extra_rounds, clients = [], []
+    for rid, accs, worst, macs in (("full-s0", [0.5, 0.7], 0.4, [2e9, 4e9]), ("full-s1", [0.6, 0.5], 0.2, [3e9])):
+        for t, a in enumerate(accs, start=1):
+            extra_rounds.append({"run_id": rid, "round": t, "eval_mode": "deployed", "evaluated": True, "domain": G,
+                                 "accuracy": a, "worst_client_accuracy": worst})
+        clients += [{"run_id": rid, "round": 1, "client_id": i, "train_macs": m} for i, m in enumerate(macs)]
+    res = ablation_results(extra_rounds, clients)
+    t = ablation.table5_table(res).set_index(["path", "budget"])
+    cell = t.loc[("Tri-state type-matched (FedSAP)", "Adaptive layer budget")]
+    assert cell["best_mean"] == pytest.approx(0.78)  # the group models, untouched by the deployed rows
+    assert cell["deployed_mean"] == pytest.approx((0.7 + 0.6) / 2)  # best so far per run, then over seeds
+    assert cell["deployed_final_mean"] == pytest.approx((0.7 + 0.5) / 2)
+    assert cell["worst_client_mean"] == pytest.approx(0.3)
+    assert cell["train_gmacs_mean"] == pytest.approx((3.0 + 3.0) / 2)  # per run: mean over its client-rounds
+    other = t.loc[("Single path (w/o Tri-State)", "Uniform layer budget")]
+    assert np.isnan(other["deployed_mean"]) and np.isnan(other["train_gmacs_mean"])
+    printed = ablation.report(res)
+    assert "## Table 5: what each device ran and spent" in printed and "| 3.00 ± 0.00 |" in printed
+    assert "No Table 5 run of the folder recorded deployed evaluation" in ablation.report(ablation_results())
 
 
 def test_table2_rows_follow_the_layer_order_with_deltas_from_conv1() -> None:
