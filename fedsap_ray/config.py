@@ -166,6 +166,9 @@ class TrainingConfig:
     eval_deployed: bool = True
     # deployed evaluation covers at most this many clients: above it, a seeded sample stratified by domain
     eval_clients: int = 32
+    # evaluate the deployed models only at every this-many-th round (and the last): each evaluation
+    # recalibrates and evaluates up to eval_clients models, about a round's training on small presets
+    deployed_every: int = 1
     # BN statistics of a deployed model: 'client' recomputes them on the client's own training data with its
     # own sub-model (what the device would hold); 'aggregated' keeps the server's averaged running statistics
     deployed_bn: str = "client"
@@ -175,7 +178,7 @@ class TrainingConfig:
             _fail("training.eval_deployed", self.eval_deployed, "must be true or false")
         if self.deployed_bn not in ("client", "aggregated"):
             _fail("training.deployed_bn", self.deployed_bn, "allowed values are client, aggregated")
-        for f in ("rounds", "local_epochs", "batch_size", "eval_every", "eval_clients"):
+        for f in ("rounds", "local_epochs", "batch_size", "eval_every", "eval_clients", "deployed_every"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 _fail(f"training.{f}", v, "must be an integer >= 1")

@@ -109,7 +109,9 @@ class Server:
             for mode, models in self.strategy.eval_sets(new_state).items():
                 by_mode[mode] = evaluate_domains(self.eval_scratch, self.ctx.layout, models,
                                                  self.ctx.federation.test, self.device)
-        deployed = self._evaluate_deployed(new_state) if evaluated and cfg.training.eval_deployed else {}
+        deployed_now = t % cfg.training.deployed_every == 0 or t == cfg.training.rounds
+        deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
+                    else {})
         summary = self._record(new_state, t, plans, results, by_mode, deployed, time.perf_counter() - t0)
         self.last_summary = summary
         return new_state

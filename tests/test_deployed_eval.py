@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fedsap_ray import algorithms, results
-from fedsap_ray.config import build_config
+from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.evaluate import DeployedModel, calibrate_bn_, evaluate, evaluate_deployed
 from fedsap_ray.experiment import run_experiment
@@ -212,6 +212,17 @@ def test_deployed_evaluation_can_be_switched_off(tmp_path):
     rounds = results.load(out).rounds
     assert DEPLOYED not in set(rounds.eval_mode.dropna())
     assert isinstance(rounds, pd.DataFrame)
+
+
+def test_deployed_every_evaluates_the_deployed_models_at_its_multiples_and_the_last_round(tmp_path):
+    out = tmp_path / "k"
+    run_experiment(build_config(preset="smoke", overrides=[*TINY, "algorithm.name=heterofl", "training.rounds=4",
+                                                           "training.deployed_every=3"]), out=out, run_id="k")
+    rounds = results.load(out).rounds
+    assert sorted(rounds[rounds.eval_mode == DEPLOYED]["round"].unique()) == [3, 4]
+    assert sorted(rounds[rounds.eval_mode == "global"]["round"].unique()) == [1, 2, 3, 4]  # the others every round
+    with pytest.raises(ConfigError, match="training.deployed_every"):
+        build_config(preset="smoke", overrides=["training.deployed_every=0"])
 
 
 @pytest.mark.parametrize("name", ["fedsap", "fpl", "feddrop"])
