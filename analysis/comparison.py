@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import FuncFormatter
 
 from analysis import plots, sweep
 from fedsap_ray import results
@@ -88,9 +89,15 @@ def table1(res: results.Results) -> pd.DataFrame:
     narrow = res.clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
     agg["sub_models"] = pr.assign(narrow=pr["run_id"].map(narrow).fillna(False).astype(bool)).groupby("method")[
         "narrow"].any()
-    labels = [x for label, _, _ in TABLE1 for x in (label, *VARIANT_LABELS.get(label, ()))]
-    order = [label for label in labels if label in agg.index] + sorted(set(agg.index) - set(labels))
-    return agg.loc[order]
+    return agg.loc[in_table1_order(agg.index)]
+
+
+def in_table1_order(methods: Any) -> list[str]:
+    """Method labels in the paper's Table 1 order (each variant label right after its method), then the rest
+    alphabetically."""
+    known = [x for label, _, _ in TABLE1 for x in (label, *VARIANT_LABELS.get(label, ()))]
+    present = set(methods)
+    return [m for m in known if m in present] + sorted(present - set(known))
 
 
 def to_markdown(table: pd.DataFrame) -> str:
@@ -127,7 +134,7 @@ def compute_figure(res: results.Results, path: str | Path | None = None) -> Any:
     pr = per_run(res).dropna(subset=["train_gmacs"])
     if pr.empty:
         raise sweep.MissingData("no finished run with a train_macs column (results written before schema 4?)")
-    methods = list(dict.fromkeys(pr["method"]))
+    methods = in_table1_order(pr["method"])
     fig, (ax,) = plots.new_figure(1, panel=(7.5, 5.0))
     for i, m in enumerate(methods):
         d = pr[pr["method"] == m]
@@ -138,6 +145,9 @@ def compute_figure(res: results.Results, path: str | Path | None = None) -> Any:
             ax.plot([r["train_gmacs"]] * 2, [100 * r["deployed_final"], 100 * r["final_global"]], color=c,
                     lw=0.8, alpha=0.6)
     ax.set_xscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain)
     ax.set_xlabel("forward GMACs per client per round (local training)")
     ax.set_ylabel("final accuracy (%): ● deployed  ○ full-width")
     ax.grid(True, alpha=0.3)
