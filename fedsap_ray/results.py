@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import re
 import uuid
@@ -180,7 +181,8 @@ TABLES: dict[str, list[tuple[str, pa.DataType, str]]] = {
 DATA_TABLES = ("rounds", "clients", "layers", "allocations")  # per-round tables (everything but runs)
 # What one row of each table is (docs/reference/results.md is generated from these declarations).
 TABLE_ROWS: dict[str, str] = {
-    "runs": "one row per run: its provenance (the resolved config), status, times and headline accuracies",
+    "runs": "one row per run: its provenance (the resolved config), status, times and headline accuracies; "
+            "results.load and read_table add one config.<section>.<field> column per config leaf",
     "rounds": f"one row per (round, evaluated model, test domain) plus a '{GLOBAL_DOMAIN}' row per round and model",
     "clients": "one row per (round, participating client): its data, capacity, mask and cost",
     "layers": "one row per (round, client, channel layer): where a client's channel budget went (FedSAP)",
@@ -502,15 +504,34 @@ def read_table(path: str | Path, table: str) -> pd.DataFrame:
     """
     _check_table(table)
     fs, base = filesystem(path)
-    return _read_arrow(fs, base, table).to_pandas()
+    df = _read_arrow(fs, base, table).to_pandas()
+    return with_config_columns(df) if table == "runs" else df
 
 
 def load(path: str | Path) -> Results:
-    """Load a results folder (one run or a whole sweep; local path or URI) as pandas DataFrames."""
+    """Load a results folder (one run or a whole sweep; local path or URI) as pandas DataFrames; the runs
+    table gains the flattened ``config.*`` columns (:func:`with_config_columns`)."""
     fs, base = filesystem(path)
     if not _is_dir(fs, base):
         raise FileNotFoundError(f"no results folder at {path}")
-    return Results(*(_read_arrow(fs, base, t).to_pandas() for t in ("runs", *DATA_TABLES)))
+    runs, *data = (_read_arrow(fs, base, t).to_pandas() for t in ("runs", *DATA_TABLES))
+    return Results(with_config_columns(runs), *data)
+
+
+CONFIG_PREFIX = "config."
+
+
+def with_config_columns(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` plus one ``config.<section>.<field>`` column per leaf of each run's resolved config
+    (``config_json``; algorithm options as ``config.algorithm.options.<name>``, only those the run set),
+    as Ray Tune's ``config/...`` columns, so a notebook filters runs by any setting without parsing JSON.
+    Leaves a run lacks are NaN; lists stay Python lists. Derived on read: the files keep one schema."""
+    if runs.empty or "config_json" not in runs.columns:
+        return runs
+    parsed = [json.loads(c) if isinstance(c, str) and c else {} for c in runs["config_json"]]
+    flat = pd.json_normalize(parsed, sep=".").add_prefix(CONFIG_PREFIX)
+    flat.index = runs.index
+    return pd.concat([runs.drop(columns=[c for c in flat.columns if c in runs.columns]), flat], axis=1)
 
 
 def run_statuses(path: str | Path) -> dict[str, str]:

@@ -318,3 +318,26 @@ def test_remove_run_deletes_one_runs_rows_from_per_run_and_compacted_files(tmp_p
     for t in ("runs", *results.DATA_TABLES):
         assert set(res[t]["run_id"]) == {"b", "c"}, t
     assert guard.existing_run(tmp_path, "a") is None
+
+
+def test_runs_gain_flattened_config_columns_from_their_resolved_config(tmp_path):
+    """Issue 16: every leaf of config_json becomes a config.<section>.<field> column on read; a leaf one run
+    lacks (an algorithm option only the other set) is NaN there; the files themselves keep one schema."""
+    import json
+
+    cfgs = {"a": {"seed": 0, "training": {"rounds": 5, "lr": 0.1}, "algorithm": {"name": "fedsap", "options": {"g_target": 0.5}},
+                  "capacity": {"tiers": [0.25, 1.0]}},
+            "b": {"seed": 1, "training": {"rounds": 7, "lr": 0.1}, "algorithm": {"name": "fedavg", "options": {}},
+                  "capacity": {"tiers": [0.5]}}}
+    for rid, cfg in cfgs.items():
+        results.write_atomic(results.to_table("runs", [{"schema_version": results.SCHEMA_VERSION, "run_id": rid,
+                                                        "status": "finished", "config_json": json.dumps(cfg)}]),
+                             tmp_path / "runs" / f"{rid}.parquet")
+    for runs in (results.load(tmp_path).runs, results.read_table(tmp_path, "runs")):
+        r = runs.set_index("run_id")
+        assert r.loc["a", "config.training.rounds"] == 5 and r.loc["b", "config.training.rounds"] == 7
+        assert r.loc["b", "config.algorithm.name"] == "fedavg"
+        assert r.loc["a", "config.algorithm.options.g_target"] == 0.5
+        assert pd.isna(r.loc["b", "config.algorithm.options.g_target"])
+        assert r.loc["a", "config.capacity.tiers"] == [0.25, 1.0]
+    assert not any(c.startswith("config.") for c in pq.read_schema(tmp_path / "runs" / "a.parquet").names)
