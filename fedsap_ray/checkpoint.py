@@ -13,15 +13,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from fedsap_ray.errors import CheckpointUnreadable
 from fedsap_ray.messages import ServerState
 
 
 def path_for(out: Path, run_id: str) -> Path:
     return Path(out) / "checkpoints" / f"{run_id}.pkl"
-
-
-class CheckpointUnreadable(ValueError):
-    """A checkpoint file exists but cannot be read back (truncated, damaged, another format)."""
 
 
 def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, Any],

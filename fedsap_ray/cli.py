@@ -12,7 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from fedsap_ray.config import PRESETS, ConfigError, build_config, load_file
+from fedsap_ray.config import PRESETS, build_config, load_file
+from fedsap_ray.errors import ConfigError, DatasetUnavailable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -100,8 +101,6 @@ def _stored_config(out: Path, run_id: str) -> dict:
 
 
 def _run(args) -> int:
-    from fedsap_ray.data.registry import DatasetUnavailable
-
     cfg = _resolve(args)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))

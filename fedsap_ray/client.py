@@ -50,15 +50,12 @@ from torch import nn
 from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.objectives import make_objective
 from fedsap_ray.data.base import DomainData, as_input
+from fedsap_ray.errors import ClientError
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.stats import ChannelStats, probe_gradient
 
 KNOWN_STATS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")  # fedsap_ray.stats
-
-
-class ClientError(RuntimeError):
-    """A client failed; the message names the round and client id."""
 
 
 def pick_device(preference: str = "auto") -> torch.device:

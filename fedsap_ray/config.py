@@ -25,9 +25,7 @@ from typing import Any, Mapping
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """Bad user input; the message is one line naming field, value and what is allowed."""
+from fedsap_ray.errors import ConfigError
 
 
 def _fail(field_name: str, value: Any, allowed: str) -> None:

@@ -22,6 +22,7 @@ from fedsap_ray.client import pick_device
 from fedsap_ray.config import ConfigError, ExperimentConfig
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
+from fedsap_ray.errors import RunStopped
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
@@ -156,11 +157,6 @@ class RunSession:
     def _rounds_done(self) -> int:
         state = self.state if self.state is not None else self._resumed
         return 0 if state is None else state.round
-
-
-class RunStopped(Exception):
-    """Raised by a progress callback to end a run early on purpose (e.g. a Tune scheduler
-    stopping a weak trial): the run is closed with status ``stopped``, not ``failed``."""
 
 
 def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None) -> RunOutcome:

@@ -18,7 +18,8 @@ from typing import Any, Iterator
 import pyarrow.parquet as pq
 
 from fedsap_ray import checkpoint, results
-from fedsap_ray.config import ConfigError, ExperimentConfig
+from fedsap_ray.config import ExperimentConfig
+from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
 
 
 def check_out(out: Path) -> bool:
@@ -159,7 +160,7 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
         raise ConfigError(f"invalid {field}: no checkpoint at {ck_path}")
     try:
         ck = checkpoint.load(out, run_id)
-    except checkpoint.CheckpointUnreadable as e:
+    except CheckpointUnreadable as e:
         raise ConfigError(f"invalid {field}: {e}") from e
     done = int(ck["state"].round)
     # older checkpoints do not list their tables: every run writes a rounds row per round
@@ -216,8 +217,6 @@ def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterato
     ``previous`` is the status of an old run under the same id that ``--overwrite`` will
     replace (the caller removes its rows only once its own input checks passed).
     """
-    from fedsap_ray.data.registry import DatasetUnavailable  # late: the data package imports torch
-
     created = check_out(out)
     claim = RunClaim(out, run_id, field="--resume" if resume else "--run-id")
     try:

@@ -41,6 +41,8 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from fedsap_ray.errors import ConfigError
+
 SCHEMA_VERSION = 4  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*)
 GLOBAL_DOMAIN = "__global__"
@@ -219,8 +221,6 @@ def check_run_id(run_id: Any, field: str = "run_id") -> str:
     write outside the table folder (``../x`` put every table on one file), and a
     ``compacted-`` prefix would be read as a compacted file.
     """
-    from fedsap_ray.config import ConfigError  # late: config is the lighter module
-
     if (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id
             or run_id.startswith(COMPACTED_PREFIX)):
         raise ConfigError(f"invalid {field}={run_id!r}: a run id is {RUN_ID_RULE}")

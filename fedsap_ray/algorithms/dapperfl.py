@@ -75,7 +75,7 @@ from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
                               nested_count, param_mask)
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState

@@ -83,7 +83,7 @@ from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.algorithms.nested import NestedWidth
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.seeding import seed_for

@@ -69,7 +69,7 @@ import numpy as np
 
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models.resnet import BasicBlock

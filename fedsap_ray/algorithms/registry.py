@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 
 _REGISTRY: dict[str, type] = {}
 

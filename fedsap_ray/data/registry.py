@@ -12,15 +12,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from fedsap_ray.data.base import DomainData, InputKind
-
-
-class DatasetUnavailable(FileNotFoundError):
-    """Files are missing and downloads are off; the message names the path and how to get the data."""
-
-
-class DatasetUnreadable(DatasetUnavailable):
-    """A data file is there but cannot be read (truncated, damaged); the message names it and
-    says to fetch it again. Bad input like a missing file: the run stops before any work."""
+from fedsap_ray.errors import DatasetUnavailable, DatasetUnreadable
 
 
 def corrupt_file_errors() -> tuple[type[BaseException], ...]:

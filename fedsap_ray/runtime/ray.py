@@ -32,9 +32,10 @@ import ray.util.scheduling_strategies
 import torch
 
 from fedsap_ray.algorithms.base import RunContext
-from fedsap_ray.client import ClientError, pick_device, train_client
-from fedsap_ray.config import ConfigError, ExperimentConfig
+from fedsap_ray.client import pick_device, train_client
+from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data.base import DomainData, Federation
+from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime import reaper
 

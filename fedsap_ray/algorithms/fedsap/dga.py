@@ -28,7 +28,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 
 DGA_MODES = ("gradient", "none", "oracle", "random")
 DGA_METHODS = ("components", "agglomerative")
