@@ -184,10 +184,10 @@ def config_page() -> str:
         (f.name, f.type if isinstance(f.type, type) else typing.get_type_hints(config.ExperimentConfig)[f.name])
         for f in dataclasses.fields(config.ExperimentConfig)
         if dataclasses.is_dataclass(typing.get_type_hints(config.ExperimentConfig)[f.name])]
-    out = [HEADER.format(command=COMMAND, source="fedsap_ray/config.py"),
+    out = [HEADER.format(command=COMMAND, source="fedsap_ray/schema.py"),
            "# Configuration reference\n\n",
            "Every run is described by one frozen, validated dataclass tree, `ExperimentConfig` in "
-           f"[fedsap_ray/config.py]({rel('fedsap_ray/config.py')}). Set a field with "
+           f"[fedsap_ray/schema.py]({rel('fedsap_ray/schema.py')}). Set a field with "
            "`--set section.field=VALUE` (values parse as YAML: `[0.5, 1]`, `null`, `1e-3`), in a YAML or "
            "JSON file given by `--config FILE` (the same nesting as the sections below), or through a "
            "preset. Precedence: defaults < preset < file < `--set` < `--seed`. Invalid input stops the "

@@ -19,15 +19,15 @@ import fedsap_ray
 from fedsap_ray import algorithms, checkpoint
 from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.client import pick_device
-from fedsap_ray.config import ConfigError, ExperimentConfig
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
-from fedsap_ray.errors import RunStopped
+from fedsap_ray.errors import ConfigError, RunStopped
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
 from fedsap_ray.results import RunWriter
 from fedsap_ray.runtime import make_backend
+from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import seed_for
 from fedsap_ray.server import RoundSummary, Server
 

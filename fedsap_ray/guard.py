@@ -18,8 +18,8 @@ from typing import Any, Iterator
 import pyarrow.parquet as pq
 
 from fedsap_ray import checkpoint, results
-from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
+from fedsap_ray.schema import ExperimentConfig
 
 
 def check_out(out: Path) -> bool:

@@ -14,12 +14,12 @@ from typing import Any, ClassVar
 import numpy as np
 from torch import nn
 
-from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data.base import Federation
 from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs, weight_uses
 from fedsap_ray.models.space import ChannelSpace
+from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import rng_for, seed_for
 
 

@@ -6,9 +6,11 @@ Each strategy declares an ``Options`` frozen dataclass; ``algorithm.options`` (s
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Mapping
 
 from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import coerce
 
 _REGISTRY: dict[str, type] = {}
 
@@ -48,11 +50,8 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Any:
         if k not in fields:
             allowed = ", ".join(fields) or "(none)"
             raise ConfigError(f"invalid algorithm.{k}={options[k]!r}: unknown option for algorithm {name!r}; allowed options are {allowed}")
-    from fedsap_ray.config import _coerce  # one coercion rule for the whole config
-    import typing
-
     hints = typing.get_type_hints(opt_cls)
-    kwargs = {k: _coerce(hints[k], v, f"algorithm.{k}") for k, v in options.items()}
+    kwargs = {k: coerce(hints[k], v, f"algorithm.{k}") for k, v in options.items()}
     return opt_cls(**kwargs)
 
 

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsap_ray.config import ConfigError, DataConfig, ExperimentConfig
 from fedsap_ray.data.base import ClientSpec, DomainData, Federation
 from fedsap_ray.data.capacity import assign_capacities
 from fedsap_ray.data.partition import (
@@ -45,7 +44,9 @@ from fedsap_ray.data.partition import (
     natural_partition,
     tv_distance,
 )
-from fedsap_ray.data.registry import DatasetSource, DatasetUnavailable, DomainSplits, get_source, unreadable
+from fedsap_ray.data.registry import DatasetSource, DomainSplits, get_source, unreadable
+from fedsap_ray.errors import ConfigError, DatasetUnavailable
+from fedsap_ray.schema import DataConfig, ExperimentConfig
 
 _PURPOSE_PARTITION = 101
 _PURPOSE_TRAIN_CAP = 102

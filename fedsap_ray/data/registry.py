@@ -12,7 +12,8 @@ from typing import Callable, Protocol
 import numpy as np
 
 from fedsap_ray.data.base import DomainData, InputKind
-from fedsap_ray.errors import DatasetUnavailable, DatasetUnreadable
+from fedsap_ray.errors import DatasetUnavailable as DatasetUnavailable  # re-exported: it used to live here
+from fedsap_ray.errors import DatasetUnreadable
 
 
 def corrupt_file_errors() -> tuple[type[BaseException], ...]:

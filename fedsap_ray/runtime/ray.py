@@ -33,11 +33,11 @@ import torch
 
 from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.client import pick_device, train_client
-from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime import reaper
+from fedsap_ray.schema import ExperimentConfig
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
