@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.models.space import ChannelSpace, ParamAxis
+from fedsap_ray.models.space import ChannelSpace, ParamAxis, check_layer_values
 
 # Tri-state channel roles (papers/000 Eq. 3: s in {G, P, D}).
 GLOBAL: int = 0
@@ -171,19 +171,6 @@ def active_channel_masks(states: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
 def channel_mask_counts(channel_masks: ChannelMasks) -> dict[str, int]:
     """Active channels per layer: the widths of the physically sliced sub-model."""
     return {k: int(np.count_nonzero(v)) for k, v in channel_masks.items()}
-
-
-def check_layer_values(space: ChannelSpace, values: Mapping[str, np.ndarray], what: str) -> None:
-    """One entry of shape (C_l,) per layer and nothing else; ValueError naming the layer otherwise."""
-    for layer in space.layers:
-        if layer.name not in values:
-            raise ValueError(f"{what}: no entry for channel layer {layer.name!r}")
-        v = np.asarray(values[layer.name])
-        if v.shape != (layer.channels,):
-            raise ValueError(f"{what}: layer {layer.name!r} needs shape ({layer.channels},), got {v.shape}")
-    extra = set(values) - set(space.names)
-    if extra:
-        raise ValueError(f"{what}: unknown channel layers {sorted(extra)}")
 
 
 @lru_cache(maxsize=64)

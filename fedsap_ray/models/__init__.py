@@ -17,7 +17,7 @@ from torch import nn
 from fedsap_ray.models.cnn import CNN6, MLP, CNNSmall
 from fedsap_ray.models.lstm import CharLSTM
 from fedsap_ray.models.resnet import ResNet, resnet10, resnet18
-from fedsap_ray.models.space import ChannelLayer, ChannelSpace, ParamAxis
+from fedsap_ray.models.space import ChannelLayer, ChannelSpace, ParamAxis, check_layer_values
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -121,8 +121,6 @@ def model_macs(model: nn.Module, input_shape: tuple[int, ...],
     an outer product of per-axis channel masks (masks.param_mask), so a tensor's covered
     count is the product over its axes of the active entries; no flat mask is built.
     """
-    from fedsap_ray.masks import check_layer_values  # masks imports models.space: import late
-
     space = model.channel_space()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if channel_masks is not None:

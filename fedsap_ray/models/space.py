@@ -190,3 +190,18 @@ class MaskableModel(nn.Module):
 
     def channel_counts(self) -> dict[str, int]:
         return dict(self._counts)
+
+
+def check_layer_values(space: ChannelSpace, values: Mapping[str, np.ndarray], what: str) -> None:
+    """Per-layer values (channel masks, states) for ``space``: one entry of shape (C_l,) per layer and nothing
+    else; ValueError naming the layer otherwise. Here, beside the space, so that the models and the masks
+    both check against it without importing each other."""
+    for layer in space.layers:
+        if layer.name not in values:
+            raise ValueError(f"{what}: no entry for channel layer {layer.name!r}")
+        v = np.asarray(values[layer.name])
+        if v.shape != (layer.channels,):
+            raise ValueError(f"{what}: layer {layer.name!r} needs shape ({layer.channels},), got {v.shape}")
+    extra = set(values) - set(space.names)
+    if extra:
+        raise ValueError(f"{what}: unknown channel layers {sorted(extra)}")
