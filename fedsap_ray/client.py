@@ -40,6 +40,7 @@ unaffected.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -62,6 +63,11 @@ def pick_device(preference: str = "auto") -> torch.device:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def default_workers(torch_threads: int) -> int:
+    """How many clients this machine trains at once, each with ``torch_threads`` intra-op threads."""
+    return max(1, (os.cpu_count() or 1) // max(1, torch_threads))
 
 
 def train_client(

@@ -53,7 +53,8 @@ from fedsap_ray import checkpoint  # noqa: E402
 from fedsap_ray.config import PRESETS, ConfigError, ExperimentConfig, build_config, parse_override  # noqa: E402
 from fedsap_ray.data.federation import build_federation  # noqa: E402
 from fedsap_ray.data.node_cache import shared_splits  # noqa: E402
-from fedsap_ray.experiment import RunSession, RunStopped, record_failed_start  # noqa: E402
+from fedsap_ray.errors import RunStopped  # noqa: E402
+from fedsap_ray.session import RunSession, record_failed_start  # noqa: E402
 from fedsap_ray.runtime import reaper  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
 

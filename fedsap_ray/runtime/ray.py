@@ -1,6 +1,6 @@
 """Ray backend (docs/architecture.md#backends): a ServerActor hosting the run, ClientWorker actors on GPU fractions.
 
-- ``ServerActor`` hosts a :class:`~fedsap_ray.experiment.RunSession` (server state,
+- ``ServerActor`` hosts a :class:`~fedsap_ray.session.RunSession` (server state,
   strategy ``configure_round``/``aggregate``, evaluation, Parquet writer); it is pinned
   to the driver's node so results land in the driver's ``--out`` folder. The driver
   only calls ``start``/``step``/``finish`` and prints progress.
@@ -38,6 +38,7 @@ from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime import reaper
 from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.session import RunSession, drive
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
@@ -198,8 +199,6 @@ class ServerActor:
 
     def __init__(self, cfg: ExperimentConfig, out: str, run_id: str, federation: Federation | None,
                  resume: bool = False) -> None:
-        from fedsap_ray.experiment import RunSession
-
         self.pool = RayWorkerPool(cfg)
         self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool, resume=resume)
 
@@ -240,7 +239,6 @@ def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Calla
     and shipped once through the object store.
     """
     from fedsap_ray.data import build_federation
-    from fedsap_ray.experiment import drive
 
     fed = federation if federation is not None else build_federation(cfg)
     connect(cfg)
