@@ -28,7 +28,7 @@ steps taken over all local epochs (SCAFFOLD's K) and ``ClientResult.samples_seen
 their batches (skipped size-1 batches and steps beyond ``max_steps_per_epoch`` not counted), from
 which the strategy computes the ``train_macs`` column (:meth:`Strategy.train_macs`).
 
-Statistics: when ``plan.stats`` names any of :data:`KNOWN_STATS`, a
+Statistics: when ``plan.stats`` names any of :data:`fedsap_ray.stats.STAT_KEYS`, a
 :class:`fedsap_ray.stats.ChannelStats` watches the LAST local epoch (forward hooks on the
 model's activation modules; gradients read after masking, before clipping; the DGA
 layer is ``plan.extra["dga_layer"]``, default ``conv1``) and its arrays go into
@@ -54,9 +54,7 @@ from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.errors import ClientError
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.messages import ClientPlan, ClientResult
-from fedsap_ray.stats import ChannelStats, probe_gradient
-
-KNOWN_STATS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")  # fedsap_ray.stats
+from fedsap_ray.stats import STAT_KEYS, ChannelStats, probe_gradient
 
 
 def pick_device(preference: str = "auto") -> torch.device:
@@ -87,7 +85,7 @@ def train_client(
 
 
 def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
-    unknown = [s for s in plan.stats if s not in KNOWN_STATS]
+    unknown = [s for s in plan.stats if s not in STAT_KEYS]
     if unknown:
         raise ValueError(f"unknown statistics requested: {unknown}")
     t0 = time.perf_counter()
