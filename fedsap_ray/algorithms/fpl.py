@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from scipy.sparse.csgraph import connected_components
 from torch import nn
 
+from fedsap_ray.algorithms.grouping import canonical_labels
 from fedsap_ray.algorithms.nested import NestedWidth
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.registry import register
@@ -93,14 +94,7 @@ def first_neighbour_partition(x: np.ndarray) -> np.ndarray:
     nn_idx = first_neighbours(x)
     graph = sp.csr_matrix((np.ones(n), (np.arange(n), nn_idx)), shape=(n, n))
     _, labels = connected_components(graph, directed=True, connection="weak")
-    return _canonical(labels)
-
-
-def _canonical(labels: np.ndarray) -> np.ndarray:
-    """Relabel so clusters are numbered by their first member (a deterministic order)."""
-    _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
-    rank = np.argsort(np.argsort(first))
-    return rank[inverse].astype(np.int64)
+    return canonical_labels(labels)
 
 
 def cluster_means(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -130,7 +124,7 @@ def finch(x: np.ndarray) -> list[np.ndarray]:
         k_new = int(merged.max()) + 1
         if k_new == 1 or k_new >= k:
             break
-        labels = _canonical(merged)
+        labels = canonical_labels(merged)
         parts.append(labels)
     return parts
 
