@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.algorithms.base import RunContext, Strategy
+from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
@@ -283,10 +283,6 @@ class DapperFL(Strategy):
             if not isinstance(self.full_first_epoch, bool):
                 raise ConfigError(f"invalid algorithm.full_first_epoch={self.full_first_epoch!r}: must be true or false")
 
-    def __init__(self, ctx: RunContext, options: Any) -> None:
-        super().__init__(ctx, options)
-        self._macs: dict[tuple[int, ...], int] = {}  # pruned-model MACs by per-layer channel counts
-
     def alpha_at(self, t: int) -> float:
         """The fusion weight of the global model in round t (0 in round 1: no fusion with the random init)."""
         if t <= 1:
@@ -386,8 +382,5 @@ class DapperFL(Strategy):
     def pruned_macs(self, keep: float) -> int:
         """MACs per sample of the kappa-pruned model (they depend on the per-layer counts only; memoised)."""
         cmasks = nested_channel_masks(self.ctx.space, keep)
-        key = tuple(int(m.sum()) for m in cmasks.values())
-        if key not in self._macs:
-            self._macs[key] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape,
-                                             None if keep >= 1.0 else cmasks))
-        return self._macs[key]
+        return self.memo("pruned_macs", tuple(int(m.sum()) for m in cmasks.values()), lambda: int(model_macs(
+            self.ctx.model, self.ctx.federation.input_shape, None if keep >= 1.0 else cmasks)))

@@ -397,13 +397,8 @@ class FedSAP(Strategy):
     # --- masks and records -------------------------------------------------------------
     def _masks(self, st: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(Global, Private) parameter masks of a tri-state channel vector; memoised on its bytes."""
-        cache = self.__dict__.setdefault("_mask_cache", {})
-        key = st.tobytes()
-        if key not in cache:
-            if len(cache) > 256:
-                cache.clear()
-            cache[key] = tristate_param_masks(self.ctx.space, self.ctx.layout, roles.split(st, self.ctx.space))
-        return cache[key]
+        return self.memo("tristate_masks", st.tobytes(), lambda: tristate_param_masks(
+            self.ctx.space, self.ctx.layout, roles.split(st, self.ctx.space)), maxsize=256)
 
     def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
         fed, ex = self.ctx.federation, state.extra
