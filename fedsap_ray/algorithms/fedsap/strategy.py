@@ -322,15 +322,12 @@ class FedSAP(Strategy):
         groups = old_groups.copy()
         if ids:
             grads = np.stack([ex["dga_grads"][i] for i in ids]).astype(np.float64)
-            gradient_groups = dga.groups_from_similarity(dga.cosine_similarity_matrix(grads), o.tau_sim, o.dga_method)
-            if o.dga == "gradient":
-                new = gradient_groups
-            elif o.dga == "oracle":
-                new = dga.oracle_groups([fed.clients[i].domain for i in ids])
-            else:  # random: same group sizes as the gradient grouping (a matched control)
-                new = dga.random_groups_like(gradient_groups, rng_for(self.cfg.seed, t, -1, "dga-random"))
+            # random: the group sizes of the gradient grouping (a matched control); oracle: the true domains
+            new = dga.assign_groups(o.dga, grads=grads, tau_sim=o.tau_sim, method=o.dga_method,
+                                    domains=[fed.clients[i].domain for i in ids] if o.dga == "oracle" else None,
+                                    rng=rng_for(self.cfg.seed, t, -1, "dga-random") if o.dga == "random" else None)
             groups[np.array(ids)] = new
-            groups = _canonical(groups)
+            groups = dga.canonical_labels(groups)
         members = {int(k): [c.client_id for c in fed.clients if groups[c.client_id] == k] for k in np.unique(groups)}
         private, stamp_p = {}, {}
         for k, mem in members.items():
@@ -447,9 +444,3 @@ def _private_is_fresher(pmask: np.ndarray, gmask: np.ndarray | None, stamp_p: np
     copy was (ties: the role's copy)."""
     take = pmask & (stamp_p >= stamp_g)
     return take if gmask is None else take | (gmask & (stamp_p > stamp_g))
-
-
-def _canonical(groups: np.ndarray) -> np.ndarray:
-    """Relabel groups 0..K-1 in order of first appearance by client id."""
-    mapping: dict[int, int] = {}
-    return np.array([mapping.setdefault(int(g), len(mapping)) for g in groups], dtype=np.int64)
