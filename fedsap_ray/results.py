@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import os
 import re
 import uuid
 import warnings
@@ -41,6 +40,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from fedsap_ray.atomic import atomic_write
 from fedsap_ray.errors import ConfigError
 
 SCHEMA_VERSION = 4  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
@@ -279,16 +279,9 @@ def remove_temp_files(out: Path, run_id: str) -> list[Path]:
 
 
 def write_atomic(table: pa.Table, path: Path) -> None:
-    """Write ``table`` to ``path`` via a temporary file and :func:`os.replace`; on any failure
-    (e.g. a full disk) the temporary file is removed, so it neither fills the disk nor lingers."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``table`` to ``path`` whole or not at all (:func:`fedsap_ray.atomic.atomic_write`)."""
+    with atomic_write(path) as f:
+        pq.write_table(table, f)
 
 
 class RunWriter:
