@@ -10,7 +10,8 @@ import os
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
+from collections.abc import Iterator
 
 
 def temp_name(path: Path) -> Path:

@@ -32,7 +32,8 @@ import textwrap
 import tokenize
 import typing
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = Path("docs") / "reference"
@@ -286,7 +287,7 @@ def algorithms_page() -> str:
         rows = []
         for f in fields:
             msgs = probe_messages(f"algorithm.{f.name}", hints[f.name],
-                                  lambda v, n=f.name: algorithms.parse_options(name, {n: v}))
+                                  lambda v, a=name, n=f.name: algorithms.parse_options(a, {n: v}))
             presets = ", ".join(f"{p}: {fmt_value(d[f.name])}" for p, d in preset_defaults.items() if f.name in d)
             rows.append([code(f.name), cell(fmt_type(hints[f.name])), code(fmt_value(f.default)), cell(presets),
                          cell("; ".join(msgs)), cell(comments.get(f.name, ""))])
@@ -420,7 +421,7 @@ def _sweeps_section() -> str:
         out.append(table(["variant", "config overrides"],
                          ([code(v), cell(" ".join(f"`{o}`" for o in ov))] for v, ov in mod.VARIANTS.items())))
     out.append("\n### sweeps/tune.py\n\n" + " ".join(inspect.getdoc(tune).split("\n\n")[0].split()) + "\n\n"
-               f"Search space: " + ", ".join(f"`{k}` in [{d.lower}, {d.upper}]" for k, d in tune.SPACE.items())
+               "Search space: " + ", ".join(f"`{k}` in [{d.lower}, {d.upper}]" for k, d in tune.SPACE.items())
                + f". Source: [sweeps/tune.py]({rel('sweeps/tune.py')}).\n\n")
     common_opts = {s for a in probe._actions for s in a.option_strings}
     own = argparse.ArgumentParser(add_help=False)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 from fedsap_ray import checkpoint
 from fedsap_ray.data import build_federation

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ class ParamLayout:
     is_param: tuple[bool, ...]  # True: nn.Parameter; False: float buffer (BN running stats)
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "ParamLayout":
+    def from_model(cls, model: nn.Module) -> ParamLayout:
         """All floating-point state entries in state_dict order (drops num_batches_tracked)."""
         params = {n for n, _ in model.named_parameters()}
         names, shapes, offsets, is_param = [], [], [], []
@@ -267,7 +267,7 @@ class TorchMask:
     uncovered: dict[str, torch.Tensor]
 
     @classmethod
-    def build(cls, model: nn.Module, layout: ParamLayout, mask: np.ndarray) -> "TorchMask":
+    def build(cls, model: nn.Module, layout: ParamLayout, mask: np.ndarray) -> TorchMask:
         if mask.shape != (layout.size,) or mask.dtype != np.bool_:
             raise ValueError(f"mask must be bool of shape ({layout.size},), got {mask.dtype} {mask.shape}")
         state = model.state_dict(keep_vars=True)

@@ -40,7 +40,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 # Tune's own console output is replaced by LiveProgress (the old reporter honours verbose=0).
 # Set before Tune is imported.

@@ -6,7 +6,8 @@ and equal partitions give equal arrays, whatever labels the clustering produced.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -36,7 +36,8 @@ default, with
    layer's ceil(p C_l) changes).
 
 ``depth_share`` only acts with ``depth=true``. ``depth_share = 0`` is width-only nesting (NeFL-W,
-the HeteroFL sub-models, the same as ``depth=false``); ``depth_share = 1`` skips as deep as the budget allows before narrowing. On ResNet18 the
+the HeteroFL sub-models, the same as ``depth=false``); ``depth_share = 1`` skips as deep as the budget
+allows before narrowing. On ResNet18 the
 default reproduces NeFL's ResNet18 NeFL-WD table for gamma = 0.4, 0.6, 0.8 (width only:
 removing layer4.1 alone would leave gamma_D = 0.58 < sqrt(gamma)); at gamma = 0.2 it
 skips layer4.1 and layer3.1 where NeFL's table skips layer4.1 only.
@@ -63,7 +64,7 @@ nested parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

@@ -23,7 +23,8 @@ Everything is pure numpy/scipy/sklearn and deterministic (``random`` only throug
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 from scipy.sparse import csr_matrix
