@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from fedsap_ray.config import PRESETS, build_config, load_file
+from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
 from fedsap_ray.errors import ConfigError, DatasetUnavailable
 
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0  # pragma: no cover
 
 
-def _resolve(args) -> "object":
+def _resolve(args) -> ExperimentConfig:
     from fedsap_ray import results
 
     file_data = load_file(args.config) if args.config else None

@@ -53,6 +53,7 @@ from fedsap_ray.algorithms.objectives import make_objective
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.errors import ClientError
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.stats import STAT_KEYS, ChannelStats, probe_gradient
 
@@ -70,7 +71,7 @@ def default_workers(torch_threads: int) -> int:
 
 def train_client(
     plan: ClientPlan,
-    model: nn.Module,
+    model: MaskableModel,
     layout: ParamLayout,
     data: DomainData,
     device: torch.device | None = None,
@@ -84,7 +85,7 @@ def train_client(
         raise ClientError(f"client {plan.client_id} failed in round {plan.round}: {e.__class__.__name__}: {e}") from e
 
 
-def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
+def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
     unknown = [s for s in plan.stats if s not in STAT_KEYS]
     if unknown:
         raise ValueError(f"unknown statistics requested: {unknown}")
@@ -143,6 +144,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
                     torch.nn.utils.clip_grad_norm_(params, plan.grad_clip)
                 if corrections is not None:  # SCAFFOLD: g_i(y) + c - c_i, after clipping g_i(y)
                     for p, corr in corrections:
+                        assert p.grad is not None  # corrections cover trained parameters only
                         p.grad.add_(corr)
                 opt.step()
                 if objective is not None:
@@ -177,7 +179,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     )
 
 
-def _control_tensors(plan: ClientPlan, model: nn.Module, layout: ParamLayout,
+def _control_tensors(plan: ClientPlan, model: MaskableModel, layout: ParamLayout,
                      device: torch.device) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
     """(parameter, correction) pairs from ``plan.extra["control"]`` (None when absent), built once per plan.
 
@@ -200,7 +202,7 @@ def _control_tensors(plan: ClientPlan, model: nn.Module, layout: ParamLayout,
     return out
 
 
-def _objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rep_gamma: float) -> torch.Tensor:
+def _objective(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, rep_gamma: float) -> torch.Tensor:
     """Cross-entropy, plus papers/000 Eq. 7's (gamma/|B|) sum_x ||f_enc(x)||_2^2 when gamma > 0."""
     if rep_gamma <= 0:
         return F.cross_entropy(model(x), y)

@@ -17,7 +17,8 @@ import json
 import re
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import yaml
 
@@ -25,6 +26,7 @@ from fedsap_ray.errors import ConfigError
 from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DATASETS, DEVICES, INT64_MAX, MODELS, PARTITIONS,
                                SEED_ALLOWED, SEED_MAX, AlgorithmConfig, CapacityConfig, DataConfig,
                                ExperimentConfig, ModelConfig, ResourcesConfig, TrainingConfig, _fail, construct)
+from fedsap_ray.schema import Checks
 
 __all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.schema
     "BACKENDS", "CAPACITY_SCHEMES", "DATASETS", "DEVICES", "INT64_MAX", "MODELS", "PARTITIONS", "SEED_ALLOWED",
@@ -255,7 +257,7 @@ def _check_algorithm(algo: AlgorithmConfig) -> None:
     registry.validate(algo.name, dict(algo.options))
 
 
-_CHECKS = {AlgorithmConfig: _check_algorithm}
+_CHECKS: Checks = {AlgorithmConfig: _check_algorithm}
 
 
 def _construct(cls: type, d: Any, prefix: str) -> Any:

@@ -13,7 +13,8 @@ import fcntl
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 
@@ -105,7 +106,7 @@ class RunClaim:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "RunClaim":
+    def __enter__(self) -> RunClaim:
         self.acquire()
         return self
 
@@ -164,7 +165,7 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
         raise ConfigError(f"invalid {field}: {e}") from e
     done = int(ck["state"].round)
     # older checkpoints do not list their tables: every run writes a rounds row per round
-    expected = ck.get("tables") if "tables" in ck else (["rounds"] if done > 0 else [])
+    expected = ck["tables"] if "tables" in ck else (["rounds"] if done > 0 else [])
     for table in expected:
         f = out / table / f"{run_id}.parquet"
         if not f.is_file():
@@ -196,8 +197,9 @@ def _read_first_row(f: Path, field: str) -> dict[str, Any]:
 
 def _spans(xs: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
+    out: list[str] = []
+    start: int | None = xs[0]
+    for a, b in zip(xs, [*xs[1:], None]):
         if b != a + 1:
             out.append(f"{start}" if start == a else f"{start}-{a}")
             start = b

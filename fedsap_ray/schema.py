@@ -18,7 +18,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from fedsap_ray.errors import ConfigError
 
@@ -100,7 +101,8 @@ class CapacityConfig:
     scheme: str = "cyclic"  # cyclic | tiers | full | explicit
     pruning_ratios: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)  # FedSAP: rho_i = ratios[i % 5]
     tiers: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # HAS-FL p_max values
-    tier_shares: tuple[float, ...] = (7.0, 7.0, 3.0, 3.0)  # relative counts; 7/7/3/3 of 20 is our reading (papers/003 gives only the mean p_max 0.525)
+    # relative counts; 7/7/3/3 of 20 is our reading (papers/003 gives only the mean p_max 0.525)
+    tier_shares: tuple[float, ...] = (7.0, 7.0, 3.0, 3.0)
     keep_ratios: tuple[float, ...] | None = None  # explicit per-client keep ratio / p_max
 
     def __post_init__(self) -> None:
@@ -293,7 +295,7 @@ def _to_plain(x: Any) -> Any:
 Checks = Mapping[type, Callable[[Any], None]]  # extra checks run on each built node of a type
 
 
-def construct(cls: type, d: Any, prefix: str, checks: Checks | None = None) -> Any:
+def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> Any:
     """The dataclass ``cls`` from the plain mapping ``d``, each value coerced to its field's type;
     a one-line ConfigError naming ``prefix + key`` otherwise. ``checks[t](node)`` runs on every node
     of type ``t`` as soon as it is built (how the config layer checks algorithm options, which this
@@ -325,7 +327,7 @@ _SCALAR_ERRORS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _adapter(tp: type) -> Any:
     """A pydantic validator for one scalar type: strict (no "1" for 1, no bools for numbers),
     no NaN or infinity (a NaN slips through every hand-written ``v <= 0`` check), and

@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -137,6 +137,7 @@ class RunSession:
                         tables=self.writer.tables_written())
         self.state = state  # only now is round t done: a resume can continue after it
         self.writer.set_run(self._row("running"))
+        assert self.server.last_summary is not None, "Server.round sets it"
         return self.server.last_summary
 
     def finish(self, status: str, error: str | None = None) -> RunOutcome:

@@ -63,6 +63,7 @@ class ResultsDestination:
         rels = self._files(run_id)
         if not self.is_remote:
             return
+        assert self.fs is not None  # set whenever is_remote
         infos = self.fs.get_file_info([f"{self.base}/{rel}" for rel in rels])
         for rel, info in zip(rels, infos):
             dst = self.local / rel
@@ -85,6 +86,7 @@ class ResultsDestination:
         rels = self._files(run_id)
         if not self.is_remote:
             return
+        assert self.fs is not None  # set whenever is_remote
         for rel in rels:
             src = self.local / rel
             dst = f"{self.base}/{rel}"

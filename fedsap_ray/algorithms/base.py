@@ -10,16 +10,16 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, ClassVar, Hashable, TypeVar
+from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Hashable
 
 import numpy as np
-from torch import nn
 
 from fedsap_ray.data.base import Federation
 from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs, weight_uses
-from fedsap_ray.models.space import ChannelSpace
+from fedsap_ray.models.space import ChannelSpace, MaskableModel
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import rng_for, seed_for
 
@@ -30,7 +30,7 @@ T = TypeVar("T")
 class RunContext:
     cfg: ExperimentConfig
     federation: Federation
-    model: nn.Module  # template: strategies read shapes, never train it
+    model: MaskableModel  # template: strategies read shapes, never train it
     layout: ParamLayout
     space: ChannelSpace
 

@@ -56,7 +56,6 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 from scipy.sparse.csgraph import connected_components
-from torch import nn
 
 from fedsap_ray.algorithms.grouping import canonical_labels
 from fedsap_ray.algorithms.nested import NestedWidth
@@ -64,6 +63,7 @@ from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 
 OBJECTIVE = "fpl"
@@ -213,7 +213,7 @@ def last_epoch_start(n: int, batch_size: int, local_epochs: int, max_steps_per_e
 class FPLObjective(LocalObjective):
     """CE (+ L_CPCL + L_UPCR once prototypes exist); sums last-epoch representations per class."""
 
-    def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         ex = plan.extra
         self.tau = float(ex["fpl_tau"])
@@ -229,7 +229,7 @@ class FPLObjective(LocalObjective):
             self.unbiased = torch.from_numpy(np.asarray(ex["fpl_unbiased"], dtype=np.float32)).to(device)
             self.has_proto = torch.from_numpy(np.asarray(ex["fpl_has_proto"], dtype=bool)).to(device)
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         z = model.forward_features(x)
         loss = F.cross_entropy(getattr(model, model.classifier)(z), y)
         if self.protos is not None:
@@ -241,7 +241,7 @@ class FPLObjective(LocalObjective):
         self.calls += 1
         return loss
 
-    def result(self, model: nn.Module) -> dict[str, np.ndarray]:
+    def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
         counts = self.counts.cpu().numpy()
         protos = self.sums.cpu().numpy() / np.maximum(counts, 1.0)[:, None]
         return {"fpl_protos": protos.astype(np.float32), "fpl_counts": counts.astype(np.int64)}

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
+from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.schema import coerce
 
-_REGISTRY: dict[str, type] = {}
+_REGISTRY: dict[str, type[Strategy]] = {}
+S = TypeVar("S", bound=type[Strategy])
 
 
-def register(name: str):
-    def deco(cls):
+def register(name: str) -> Callable[[S], S]:
+    def deco(cls: S) -> S:
         if name in _REGISTRY:
             raise ValueError(f"algorithm {name!r} registered twice")
         cls.name = name
@@ -34,7 +37,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get(name: str) -> type:
+def get(name: str) -> type[Strategy]:
     _ensure_loaded()
     if name not in _REGISTRY:
         raise ConfigError(f"invalid algorithm.name={name!r}: allowed values are {', '.join(sorted(_REGISTRY))}")

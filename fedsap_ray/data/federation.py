@@ -257,7 +257,7 @@ def build_federation(cfg: ExperimentConfig, splits: DomainSplits | None = None) 
     rho, cap = assign_capacities(cfg.capacity, data.num_clients, int(cfg.seed))
 
     used = [d for d in splits.domains if any(cd == d for cd, _ in parts)]
-    global_counts = sum(label_counts(_labels(train[d]), splits.num_classes) for d in used)
+    global_counts = np.sum([label_counts(_labels(train[d]), splits.num_classes) for d in used], axis=0)
     clients = []
     for cid, (d, idx) in enumerate(parts):
         counts = label_counts(_labels(train[d])[idx], splits.num_classes)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -64,7 +64,7 @@ def atomic_save_npz(path: Path, **arrays: np.ndarray) -> None:
     """Write an uncompressed ``.npz`` whole or not at all, so a crash never leaves a half cache; mode 0644:
     a cache is meant to be shared like any data file."""
     with atomic_write(path, mode=0o644) as f:
-        np.savez(f, **arrays)
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy stubs check **arrays against allow_pickle: bool
 
 
 def unavailable(dataset: str, missing: list[tuple[str, Path, str]]) -> DatasetUnavailable:

@@ -23,7 +23,7 @@ flatten from ``[C, H, W]`` into a linear layer's input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -183,7 +183,11 @@ class MaskableModel(nn.Module):
     """
 
     classifier: str
+    feature_dim: int  # width of forward_features' output (the classifier's input)
     _counts: dict[str, int]
+    # every subclass defines these two methods (declared here so that code holding a MaskableModel is typed)
+    forward_features: Callable[[torch.Tensor], torch.Tensor]
+    channel_space: Callable[[], ChannelSpace]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.classifier)(self.forward_features(x))

@@ -24,7 +24,8 @@ import os
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -36,6 +37,7 @@ from fedsap_ray.client import pick_device, train_client
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.session import RunSession, drive
@@ -94,7 +96,7 @@ def check_cluster(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, fl
 class ClientWorker:
     """Hosts many virtual clients; holds no state that could change a number (a replacement is identical)."""
 
-    def __init__(self, name: str, model: torch.nn.Module, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
+    def __init__(self, name: str, model: MaskableModel, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
                  client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int) -> None:
         torch.set_num_threads(torch_threads)
         self.name = name

@@ -85,7 +85,7 @@ DGA_SOURCES = ("train", "probe")
 
 
 @dataclass(frozen=True)
-class FedSAPOptions:
+class FedSAPOptions(Strategy.Options):
     """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
 
     adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's keep ratio in every layer
@@ -166,7 +166,7 @@ class FedSAP(Strategy):
         fed, space = self.ctx.federation, self.ctx.space
         n = len(fed.clients)
         init_scores = filter_l1_scores(space, self.ctx.layout, state.params)
-        channels = np.array([l.channels for l in space.layers])
+        channels = np.array([layer.channels for layer in space.layers])
         states = {}
         for c in fed.clients:
             counts = budget.layer_channel_counts(c.capacity, channels, adaptive=False)
@@ -272,7 +272,8 @@ class FedSAP(Strategy):
         ex = dict(state.extra)
         results = sorted(results, key=lambda r: r.client_id)
         size = self.ctx.layout.size
-        glob_contrib, priv_contrib = [], {}
+        glob_contrib: list[tuple[np.ndarray, np.ndarray, float]] = []
+        priv_contrib: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
         for r in results:
             gmask, pmask = self._masks(ex["states"][r.client_id])
             full = scatter(r.values, gmask | pmask, size)
@@ -346,7 +347,7 @@ class FedSAP(Strategy):
         ex, o, space, fed = state.extra, self.opts, self.ctx.space, self.ctx.federation
         if ex["frozen"]:
             return {"n_reactivated": 0, "n_role_switches": 0}
-        channels = np.array([l.channels for l in space.layers])
+        channels = np.array([layer.channels for layer in space.layers])
         seen = sorted(ex["utility"])
         if not seen:
             return {}
@@ -389,7 +390,7 @@ class FedSAP(Strategy):
         """Per layer, the gradient-carrying entries one channel owns (filters, biases, BN affine)."""
         layout = self.ctx.layout
         sizes = {n: int(np.prod(s)) for n, s, p in zip(layout.names, layout.shapes, layout.is_param) if p}
-        return np.array([sum(sizes.get(ax.name, 0) for ax in l.out) / l.channels for l in self.ctx.space.layers])
+        return np.array([sum(sizes.get(ax.name, 0) for ax in layer.out) / layer.channels for layer in self.ctx.space.layers])
 
     # --- masks and records -------------------------------------------------------------
     def _masks(self, st: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
