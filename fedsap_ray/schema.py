@@ -319,6 +319,7 @@ def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> An
         checks[cls](node)
     return node
 
+
 INT64_MAX = 2**63 - 1  # what the Parquet int64 columns (seed, rounds, num_clients...) can hold
 _SCALAR_ERRORS = {
     float: {"finite_number": "must be a finite number (not NaN or infinity)"},
