@@ -24,7 +24,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 from matplotlib.ticker import FuncFormatter
 

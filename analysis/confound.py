@@ -25,7 +25,8 @@ import sys
 import warnings
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd

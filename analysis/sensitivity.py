@@ -10,7 +10,8 @@ Accuracies are our runs' best-so-far / final global accuracy, mean ± std over s
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import pandas as pd
 

@@ -20,10 +20,11 @@ import math
 import os
 import re
 import warnings
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -49,7 +50,7 @@ def variant_label(run_id: str) -> str:
     return _SEED_SUFFIX.sub("", str(run_id))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _resolved(name: str, options_json: str) -> tuple[tuple[str, Any], ...]:
     from fedsap_ray.algorithms.registry import parse_options
     from fedsap_ray.config import ConfigError

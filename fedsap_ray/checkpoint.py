@@ -7,21 +7,17 @@ finishes.
 """
 from __future__ import annotations
 
-import os
 import pickle
-import uuid
 from pathlib import Path
 from typing import Any
 
+from fedsap_ray.atomic import atomic_write
+from fedsap_ray.errors import CheckpointUnreadable
 from fedsap_ray.messages import ServerState
 
 
 def path_for(out: Path, run_id: str) -> Path:
     return Path(out) / "checkpoints" / f"{run_id}.pkl"
-
-
-class CheckpointUnreadable(ValueError):
-    """A checkpoint file exists but cannot be read back (truncated, damaged, another format)."""
 
 
 def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, Any],
@@ -32,17 +28,9 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
     On any failure (e.g. a full disk) the temporary file is removed: a half-written
     checkpoint the size of the model would otherwise keep the disk full.
     """
-    path = path_for(out, run_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            pickle.dump({"state": state, "server": server_metrics, "tables": list(tables or [])}, f,
-                        protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(path_for(out, run_id)) as f:
+        pickle.dump({"state": state, "server": server_metrics, "tables": list(tables or [])}, f,
+                    protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def load(out: Path, run_id: str) -> dict[str, Any]:

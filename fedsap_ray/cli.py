@@ -12,7 +12,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from fedsap_ray.config import PRESETS, ConfigError, build_config, load_file
+from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
+from fedsap_ray.errors import ConfigError, DatasetUnavailable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0  # pragma: no cover
 
 
-def _resolve(args) -> "object":
+def _resolve(args) -> ExperimentConfig:
     from fedsap_ray import results
 
     file_data = load_file(args.config) if args.config else None
@@ -100,8 +101,6 @@ def _stored_config(out: Path, run_id: str) -> dict:
 
 
 def _run(args) -> int:
-    from fedsap_ray.data.registry import DatasetUnavailable
-
     cfg = _resolve(args)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))

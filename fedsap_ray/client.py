@@ -28,7 +28,7 @@ steps taken over all local epochs (SCAFFOLD's K) and ``ClientResult.samples_seen
 their batches (skipped size-1 batches and steps beyond ``max_steps_per_epoch`` not counted), from
 which the strategy computes the ``train_macs`` column (:meth:`Strategy.train_macs`).
 
-Statistics: when ``plan.stats`` names any of :data:`KNOWN_STATS`, a
+Statistics: when ``plan.stats`` names any of :data:`fedsap_ray.stats.STAT_KEYS`, a
 :class:`fedsap_ray.stats.ChannelStats` watches the LAST local epoch (forward hooks on the
 model's activation modules; gradients read after masking, before clipping; the DGA
 layer is ``plan.extra["dga_layer"]``, default ``conv1``) and its arrays go into
@@ -40,6 +40,7 @@ unaffected.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -50,15 +51,11 @@ from torch import nn
 from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.objectives import make_objective
 from fedsap_ray.data.base import DomainData, as_input
+from fedsap_ray.errors import ClientError
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult
-from fedsap_ray.stats import ChannelStats, probe_gradient
-
-KNOWN_STATS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")  # fedsap_ray.stats
-
-
-class ClientError(RuntimeError):
-    """A client failed; the message names the round and client id."""
+from fedsap_ray.stats import STAT_KEYS, ChannelStats, probe_gradient
 
 
 def pick_device(preference: str = "auto") -> torch.device:
@@ -67,9 +64,14 @@ def pick_device(preference: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def default_workers(torch_threads: int) -> int:
+    """How many clients this machine trains at once, each with ``torch_threads`` intra-op threads."""
+    return max(1, (os.cpu_count() or 1) // max(1, torch_threads))
+
+
 def train_client(
     plan: ClientPlan,
-    model: nn.Module,
+    model: MaskableModel,
     layout: ParamLayout,
     data: DomainData,
     device: torch.device | None = None,
@@ -83,8 +85,8 @@ def train_client(
         raise ClientError(f"client {plan.client_id} failed in round {plan.round}: {e.__class__.__name__}: {e}") from e
 
 
-def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
-    unknown = [s for s in plan.stats if s not in KNOWN_STATS]
+def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
+    unknown = [s for s in plan.stats if s not in STAT_KEYS]
     if unknown:
         raise ValueError(f"unknown statistics requested: {unknown}")
     t0 = time.perf_counter()
@@ -142,6 +144,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
                     torch.nn.utils.clip_grad_norm_(params, plan.grad_clip)
                 if corrections is not None:  # SCAFFOLD: g_i(y) + c - c_i, after clipping g_i(y)
                     for p, corr in corrections:
+                        assert p.grad is not None  # corrections cover trained parameters only
                         p.grad.add_(corr)
                 opt.step()
                 if objective is not None:
@@ -176,7 +179,7 @@ def _train(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Domain
     )
 
 
-def _control_tensors(plan: ClientPlan, model: nn.Module, layout: ParamLayout,
+def _control_tensors(plan: ClientPlan, model: MaskableModel, layout: ParamLayout,
                      device: torch.device) -> list[tuple[nn.Parameter, torch.Tensor]] | None:
     """(parameter, correction) pairs from ``plan.extra["control"]`` (None when absent), built once per plan.
 
@@ -199,7 +202,7 @@ def _control_tensors(plan: ClientPlan, model: nn.Module, layout: ParamLayout,
     return out
 
 
-def _objective(model: nn.Module, x: torch.Tensor, y: torch.Tensor, rep_gamma: float) -> torch.Tensor:
+def _objective(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, rep_gamma: float) -> torch.Tensor:
     """Cross-entropy, plus papers/000 Eq. 7's (gamma/|B|) sum_x ||f_enc(x)||_2^2 when gamma > 0."""
     if rep_gamma <= 0:
         return F.cross_entropy(model(x), y)

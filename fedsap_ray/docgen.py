@@ -32,7 +32,8 @@ import textwrap
 import tokenize
 import typing
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE = Path("docs") / "reference"
@@ -148,7 +149,7 @@ def field_comments(cls: type) -> dict[str, str]:
 def probe_messages(field_name: str, tp: Any, attempt: Callable[[Any], None]) -> list[str]:
     """What the validator says about out-of-range values of one field (its one-line errors that
     name ``field_name``), de-duplicated, in probe order."""
-    from fedsap_ray.config import ConfigError
+    from fedsap_ray.errors import ConfigError
 
     base = tp
     if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
@@ -184,10 +185,10 @@ def config_page() -> str:
         (f.name, f.type if isinstance(f.type, type) else typing.get_type_hints(config.ExperimentConfig)[f.name])
         for f in dataclasses.fields(config.ExperimentConfig)
         if dataclasses.is_dataclass(typing.get_type_hints(config.ExperimentConfig)[f.name])]
-    out = [HEADER.format(command=COMMAND, source="fedsap_ray/config.py"),
+    out = [HEADER.format(command=COMMAND, source="fedsap_ray/schema.py"),
            "# Configuration reference\n\n",
            "Every run is described by one frozen, validated dataclass tree, `ExperimentConfig` in "
-           f"[fedsap_ray/config.py]({rel('fedsap_ray/config.py')}). Set a field with "
+           f"[fedsap_ray/schema.py]({rel('fedsap_ray/schema.py')}). Set a field with "
            "`--set section.field=VALUE` (values parse as YAML: `[0.5, 1]`, `null`, `1e-3`), in a YAML or "
            "JSON file given by `--config FILE` (the same nesting as the sections below), or through a "
            "preset. Precedence: defaults < preset < file < `--set` < `--seed`. Invalid input stops the "
@@ -286,7 +287,7 @@ def algorithms_page() -> str:
         rows = []
         for f in fields:
             msgs = probe_messages(f"algorithm.{f.name}", hints[f.name],
-                                  lambda v, n=f.name: algorithms.parse_options(name, {n: v}))
+                                  lambda v, a=name, n=f.name: algorithms.parse_options(a, {n: v}))
             presets = ", ".join(f"{p}: {fmt_value(d[f.name])}" for p, d in preset_defaults.items() if f.name in d)
             rows.append([code(f.name), cell(fmt_type(hints[f.name])), code(fmt_value(f.default)), cell(presets),
                          cell("; ".join(msgs)), cell(comments.get(f.name, ""))])
@@ -420,7 +421,7 @@ def _sweeps_section() -> str:
         out.append(table(["variant", "config overrides"],
                          ([code(v), cell(" ".join(f"`{o}`" for o in ov))] for v, ov in mod.VARIANTS.items())))
     out.append("\n### sweeps/tune.py\n\n" + " ".join(inspect.getdoc(tune).split("\n\n")[0].split()) + "\n\n"
-               f"Search space: " + ", ".join(f"`{k}` in [{d.lower}, {d.upper}]" for k, d in tune.SPACE.items())
+               "Search space: " + ", ".join(f"`{k}` in [{d.lower}, {d.upper}]" for k, d in tune.SPACE.items())
                + f". Source: [sweeps/tune.py]({rel('sweeps/tune.py')}).\n\n")
     common_opts = {s for a in probe._actions for s in a.option_strings}
     own = argparse.ArgumentParser(add_help=False)

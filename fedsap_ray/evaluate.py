@@ -27,7 +27,8 @@ import hashlib
 import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -136,7 +137,7 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
     key_of: dict[int, tuple] = {}
     for m in models:
         vec = masked(m.params, m.mask)
-        key: tuple = (m.domain, hashlib.blake2b(np.ascontiguousarray(vec).view(np.uint8), digest_size=16).digest())
+        key: tuple = (m.domain, hashlib.blake2b(np.ascontiguousarray(vec).view(np.uint8).data, digest_size=16).digest())
         if bn_data is not None:
             key += (m.client_id,)  # statistics of the client's own data: one job per client
         jobs.setdefault(key, DeployedModel(m.client_id, m.domain, vec, m.mask))
@@ -195,6 +196,6 @@ def on_scratch(scratch: list[nn.Module], keys: list[K], fn: Callable[[nn.Module,
 def summarise(per_domain: dict[str, tuple[float, float]]) -> dict[str, float]:
     """Global accuracy = unweighted mean over domains at this round (papers/000 section 5)."""
     accs = np.array([a for a, _ in per_domain.values()])
-    losses = np.array([l for _, l in per_domain.values()])
+    losses = np.array([loss for _, loss in per_domain.values()])
     return {"global_accuracy": float(accs.mean()), "loss": float(losses.mean()),
             "worst_domain_accuracy": float(accs.min())}

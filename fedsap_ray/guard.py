@@ -13,12 +13,14 @@ import fcntl
 import os
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 
 from fedsap_ray import checkpoint, results
-from fedsap_ray.config import ConfigError, ExperimentConfig
+from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
+from fedsap_ray.schema import ExperimentConfig
 
 
 def check_out(out: Path) -> bool:
@@ -104,7 +106,7 @@ class RunClaim:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "RunClaim":
+    def __enter__(self) -> RunClaim:
         self.acquire()
         return self
 
@@ -159,11 +161,11 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
         raise ConfigError(f"invalid {field}: no checkpoint at {ck_path}")
     try:
         ck = checkpoint.load(out, run_id)
-    except checkpoint.CheckpointUnreadable as e:
+    except CheckpointUnreadable as e:
         raise ConfigError(f"invalid {field}: {e}") from e
     done = int(ck["state"].round)
     # older checkpoints do not list their tables: every run writes a rounds row per round
-    expected = ck.get("tables") if "tables" in ck else (["rounds"] if done > 0 else [])
+    expected = ck["tables"] if "tables" in ck else (["rounds"] if done > 0 else [])
     for table in expected:
         f = out / table / f"{run_id}.parquet"
         if not f.is_file():
@@ -195,8 +197,9 @@ def _read_first_row(f: Path, field: str) -> dict[str, Any]:
 
 def _spans(xs: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""
-    out, start = [], xs[0]
-    for a, b in zip(xs, xs[1:] + [None]):
+    out: list[str] = []
+    start: int | None = xs[0]
+    for a, b in zip(xs, [*xs[1:], None]):
         if b != a + 1:
             out.append(f"{start}" if start == a else f"{start}-{a}")
             start = b
@@ -216,8 +219,6 @@ def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterato
     ``previous`` is the status of an old run under the same id that ``--overwrite`` will
     replace (the caller removes its rows only once its own input checks passed).
     """
-    from fedsap_ray.data.registry import DatasetUnavailable  # late: the data package imports torch
-
     created = check_out(out)
     claim = RunClaim(out, run_id, field="--resume" if resume else "--run-id")
     try:

@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.models.space import ChannelSpace, ParamAxis
+from fedsap_ray.models.space import ChannelSpace, ParamAxis, check_layer_values
 
 # Tri-state channel roles (papers/000 Eq. 3: s in {G, P, D}).
 GLOBAL: int = 0
@@ -54,7 +54,7 @@ class ParamLayout:
     is_param: tuple[bool, ...]  # True: nn.Parameter; False: float buffer (BN running stats)
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "ParamLayout":
+    def from_model(cls, model: nn.Module) -> ParamLayout:
         """All floating-point state entries in state_dict order (drops num_batches_tracked)."""
         params = {n for n, _ in model.named_parameters()}
         names, shapes, offsets, is_param = [], [], [], []
@@ -173,19 +173,6 @@ def channel_mask_counts(channel_masks: ChannelMasks) -> dict[str, int]:
     return {k: int(np.count_nonzero(v)) for k, v in channel_masks.items()}
 
 
-def check_layer_values(space: ChannelSpace, values: Mapping[str, np.ndarray], what: str) -> None:
-    """One entry of shape (C_l,) per layer and nothing else; ValueError naming the layer otherwise."""
-    for layer in space.layers:
-        if layer.name not in values:
-            raise ValueError(f"{what}: no entry for channel layer {layer.name!r}")
-        v = np.asarray(values[layer.name])
-        if v.shape != (layer.channels,):
-            raise ValueError(f"{what}: layer {layer.name!r} needs shape ({layer.channels},), got {v.shape}")
-    extra = set(values) - set(space.names)
-    if extra:
-        raise ValueError(f"{what}: unknown channel layers {sorted(extra)}")
-
-
 @lru_cache(maxsize=64)
 def _deps(space: ChannelSpace, layout: ParamLayout) -> tuple[tuple[tuple[str, ParamAxis, bool], ...], ...]:
     """Per layout tensor: (layer name, axis, is_output) for every channel axis it has. Validates shapes."""
@@ -280,7 +267,7 @@ class TorchMask:
     uncovered: dict[str, torch.Tensor]
 
     @classmethod
-    def build(cls, model: nn.Module, layout: ParamLayout, mask: np.ndarray) -> "TorchMask":
+    def build(cls, model: nn.Module, layout: ParamLayout, mask: np.ndarray) -> TorchMask:
         if mask.shape != (layout.size,) or mask.dtype != np.bool_:
             raise ValueError(f"mask must be bool of shape ({layout.size},), got {mask.dtype} {mask.shape}")
         state = model.state_dict(keep_vars=True)

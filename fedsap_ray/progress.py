@@ -20,7 +20,8 @@ class ProgressPrinter:
     def __call__(self, s: RoundSummary) -> None:
         head = f"round {s.round:>{self.width}}/{self.rounds}"
         if s.evaluated:
-            acc = f"global acc {s.global_accuracy:.4f} (best {s.best_global_accuracy:.4f}, worst {s.worst_domain} {s.worst_domain_accuracy:.4f})"
+            acc = (f"global acc {s.global_accuracy:.4f} (best {s.best_global_accuracy:.4f}, "
+                   f"worst {s.worst_domain} {s.worst_domain_accuracy:.4f})")
             if s.deployed_accuracy is not None:
                 acc += f"  deployed {s.deployed_accuracy:.4f} (worst client {s.worst_client_accuracy:.4f})"
         else:

@@ -26,14 +26,14 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
-import os
 import re
 import uuid
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pandas as pd
 import pyarrow as pa
@@ -41,6 +41,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from fedsap_ray.atomic import atomic_write
+from fedsap_ray.errors import ConfigError
 
 SCHEMA_VERSION = 4  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*)
@@ -221,8 +224,6 @@ def check_run_id(run_id: Any, field: str = "run_id") -> str:
     write outside the table folder (``../x`` put every table on one file), and a
     ``compacted-`` prefix would be read as a compacted file.
     """
-    from fedsap_ray.config import ConfigError  # late: config is the lighter module
-
     if (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id
             or run_id.startswith(COMPACTED_PREFIX)):
         raise ConfigError(f"invalid {field}={run_id!r}: a run id is {RUN_ID_RULE}")
@@ -281,16 +282,9 @@ def remove_temp_files(out: Path, run_id: str) -> list[Path]:
 
 
 def write_atomic(table: pa.Table, path: Path) -> None:
-    """Write ``table`` to ``path`` via a temporary file and :func:`os.replace`; on any failure
-    (e.g. a full disk) the temporary file is removed, so it neither fills the disk nor lingers."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Write ``table`` to ``path`` whole or not at all (:func:`fedsap_ray.atomic.atomic_write`)."""
+    with atomic_write(path) as f:
+        pq.write_table(table, f)
 
 
 class RunWriter:

@@ -73,7 +73,7 @@ class Server:
     @property
     def best(self) -> float:
         """Best-so-far global accuracy of the primary eval mode (NaN before any evaluation)."""
-        return self.best_by_mode.get(self.primary_mode, float("nan"))
+        return float("nan") if self.primary_mode is None else self.best_by_mode.get(self.primary_mode, float("nan"))
 
     def metrics_state(self) -> dict[str, Any]:
         """The running metrics a checkpoint must carry so a resumed run writes the same rows."""
@@ -144,7 +144,7 @@ class Server:
         for cid in per_client:
             by_domain.setdefault(fed.clients[cid].domain, []).append(cid)
         per_domain: dict[str, tuple[float, float]] = {}
-        rows = []
+        rows: list[dict[str, Any]] = []
         for d in fed.domains:
             ids = by_domain.get(d)
             if not ids:

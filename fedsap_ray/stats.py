@@ -31,13 +31,16 @@ only read detached outputs and gradients are copied, never modified.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.aggregation import scatter
+from fedsap_ray.data.base import DomainData, as_input
+from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import ChannelSpace
 
 STAT_KEYS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")
@@ -115,7 +118,7 @@ class ChannelStats:
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    def start(self) -> "ChannelStats":
+    def start(self) -> ChannelStats:
         if self._handles:
             raise RuntimeError("ChannelStats.start: already started")
         for layer_name, mods in self._act_modules.items():
@@ -129,7 +132,7 @@ class ChannelStats:
             h.remove()
         self._handles = []
 
-    def __enter__(self) -> "ChannelStats":
+    def __enter__(self) -> ChannelStats:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -141,7 +144,7 @@ class ChannelStats:
         acc = self._act_sum[layer_name]
         recurrent = isinstance(mod, nn.RNNBase)
 
-        def fn(_m: nn.Module, _inputs: tuple, output: object) -> None:
+        def fn(_m: nn.Module, _inputs: tuple, output: Any) -> None:
             out = output[0] if recurrent else output
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"ChannelStats: {mod_name!r} output is {type(out).__name__}, not a tensor")
@@ -208,7 +211,7 @@ class ChannelStats:
         return out
 
 
-def probe_gradient(model: nn.Module, layout: ParamLayout, probe: dict, data: "DomainData", prefix: str,
+def probe_gradient(model: nn.Module, layout: ParamLayout, probe: dict, data: DomainData, prefix: str,
                    batch_size: int, device: torch.device) -> np.ndarray:
     """FedSAP's ``dga_source=probe`` (an addition to papers/000 Eq. 4's input): the mean gradient of the
     cross-entropy of the probe model (``probe["values"]`` at ``probe["mask"]``, zeros elsewhere) on a
@@ -218,10 +221,6 @@ def probe_gradient(model: nn.Module, layout: ParamLayout, probe: dict, data: "Do
     Nothing is trained: ``model`` is scratch and the caller loads its own values afterwards. The
     batches run in training mode (BatchNorm on batch statistics), as local training does.
     """
-    from fedsap_ray.aggregation import scatter
-    from fedsap_ray.data.base import as_input
-    from fedsap_ray.masks import TorchMask, mask_grads_
-
     mask = np.asarray(probe["mask"], dtype=bool)
     layout.load_into(model, scatter(np.asarray(probe["values"], dtype=np.float32), mask, layout.size))
     model.to(device)
@@ -239,6 +238,11 @@ def probe_gradient(model: nn.Module, layout: ParamLayout, probe: dict, data: "Do
         (torch.nn.functional.cross_entropy(model(xb), yb, reduction="sum") / len(idx)).backward()
     mask_grads_(model, layout, TorchMask.build(model, layout, mask))
     params = dict(model.named_parameters())
-    out = torch.cat([params[nm].grad.detach().reshape(-1).cpu() for nm in names]).numpy().astype(np.float32)
+    flat = []
+    for nm in names:
+        grad = params[nm].grad
+        assert grad is not None, f"probe_gradient: {nm} got no gradient"
+        flat.append(grad.detach().reshape(-1).cpu())
+    out = torch.cat(flat).numpy().astype(np.float32)
     model.zero_grad(set_to_none=True)
     return out

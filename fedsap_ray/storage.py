@@ -14,14 +14,13 @@ path is testable without an object store. No Ray here (docs/architecture.md#layo
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
-import uuid
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from fedsap_ray import results
+from fedsap_ray.atomic import atomic_write
 
 _COPY_CHUNK = 1 << 20
 
@@ -64,21 +63,16 @@ class ResultsDestination:
         rels = self._files(run_id)
         if not self.is_remote:
             return
+        assert self.fs is not None  # set whenever is_remote
         infos = self.fs.get_file_info([f"{self.base}/{rel}" for rel in rels])
         for rel, info in zip(rels, infos):
             dst = self.local / rel
             if info.type != pafs.FileType.File:
                 dst.unlink(missing_ok=True)
                 continue
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.parent / f".{dst.name}.{uuid.uuid4().hex[:8]}.tmp"
-            try:
-                with self.fs.open_input_stream(info.path, compression=None) as src, open(tmp, "wb") as f:
-                    while chunk := src.read(_COPY_CHUNK):
-                        f.write(chunk)
-                os.replace(tmp, dst)
-            finally:
-                tmp.unlink(missing_ok=True)
+            with self.fs.open_input_stream(info.path, compression=None) as src, atomic_write(dst) as f:
+                while chunk := src.read(_COPY_CHUNK):
+                    f.write(chunk)
             st = dst.stat()
             self._pushed[rel] = (st.st_mtime_ns, st.st_size)  # identical to the destination's copy
 
@@ -92,6 +86,7 @@ class ResultsDestination:
         rels = self._files(run_id)
         if not self.is_remote:
             return
+        assert self.fs is not None  # set whenever is_remote
         for rel in rels:
             src = self.local / rel
             dst = f"{self.base}/{rel}"

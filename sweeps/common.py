@@ -40,7 +40,8 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 # Tune's own console output is replaced by LiveProgress (the old reporter honours verbose=0).
 # Set before Tune is imported.
@@ -53,7 +54,8 @@ from fedsap_ray import checkpoint  # noqa: E402
 from fedsap_ray.config import PRESETS, ConfigError, ExperimentConfig, build_config, parse_override  # noqa: E402
 from fedsap_ray.data.federation import build_federation  # noqa: E402
 from fedsap_ray.data.node_cache import shared_splits  # noqa: E402
-from fedsap_ray.experiment import RunSession, RunStopped, record_failed_start  # noqa: E402
+from fedsap_ray.errors import RunStopped  # noqa: E402
+from fedsap_ray.session import RunSession, record_failed_start  # noqa: E402
 from fedsap_ray.runtime import reaper  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
 

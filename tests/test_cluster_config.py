@@ -239,8 +239,8 @@ def install_problems(config: dict) -> list[str]:
 def data_mount_problems(config: dict) -> list[str]:
     """The data folder keeps its place relative to the repository, and the loaders are told where it is."""
     remote_project = project_mount(config)
-    mounts = {r: l for r, l in config.get("file_mounts", {}).items() if r != remote_project}
-    data = [(r, l) for r, l in mounts.items() if Path(l).parts[-2:] == ("shared", "data")]
+    mounts = {r: loc for r, loc in config.get("file_mounts", {}).items() if r != remote_project}
+    data = [(r, loc) for r, loc in mounts.items() if Path(loc).parts[-2:] == ("shared", "data")]
     if not data:
         return ["no file mount for the data folder ../shared/data"]
     (remote, local_path), = data

@@ -1,6 +1,7 @@
 """Config: presets, overrides, files, and a clear error for every kind of bad input."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -95,5 +96,5 @@ def test_bad_preset_and_file(tmp_path):
 def test_frozen():
     cfg = from_dict({})
     assert isinstance(cfg, ExperimentConfig)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.seed = 3  # type: ignore[misc]

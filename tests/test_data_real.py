@@ -393,7 +393,8 @@ def _make_office_images(root: Path, per_class: int = 2) -> None:
 
     names = {"caltech": "Caltech10", "amazon": "amazon", "webcam": "webcam", "dslr": "dslr"}
     for k, d in enumerate(OFFICE_DOMAINS):
-        for label, cls in enumerate(("back_pack", "bike", "calculator", "headphones", "keyboard", "laptop_computer", "monitor", "mouse", "mug", "projector")):
+        for label, cls in enumerate(("back_pack", "bike", "calculator", "headphones", "keyboard", "laptop_computer",
+                                     "monitor", "mouse", "mug", "projector")):
             folder = root / names[d] / cls
             folder.mkdir(parents=True)
             for i in range(per_class):

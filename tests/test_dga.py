@@ -14,8 +14,10 @@ METHODS = ("components", "agglomerative")
 
 def _two_domain_grads(rng: np.random.Generator, per: int = 4, d: int = 64, noise: float = 0.05) -> np.ndarray:
     """Clients 0..per-1 near direction a, the rest near an orthogonal direction b (interleaved order)."""
-    a = np.zeros(d); a[: d // 2] = 1.0
-    b = np.zeros(d); b[d // 2:] = 1.0
+    a = np.zeros(d)
+    a[: d // 2] = 1.0
+    b = np.zeros(d)
+    b[d // 2:] = 1.0
     rows = [(a if i % 2 == 0 else b) + noise * rng.standard_normal(d) for i in range(2 * per)]
     return np.stack(rows)
 

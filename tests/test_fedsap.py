@@ -69,7 +69,7 @@ def test_roles_threshold_and_g_target_floor():
     assert ((st == PRIVATE) == (active & (d > 0.05))).all() and ((st == DROPPED) == ~active).all()
     for g in (0.5, 0.9, 1.0):
         st = roles.assign_roles(active, d, space, tau_var=0.05, g_target=g)
-        for layer, seg in roles.split(st, space).items():
+        for seg in roles.split(st, space).values():
             act = (seg != DROPPED).sum()
             assert (seg == GLOBAL).sum() >= math.ceil(g * act - 1e-9)
         # within each layer the Global channels are the most stable active ones (promotion by d~)
@@ -204,7 +204,7 @@ def test_smoke_exercises_every_mechanism_and_records_it(smoke, fed):
                                 "n_private", "n_dropped"}
     # Eq. 2 within one channel and clip bounds, every client and round
     cap = {cl.client_id: cl.capacity for cl in fed.clients}
-    for (t, cid), g in lay.groupby(["round", "client_id"]):
+    for (_, cid), g in lay.groupby(["round", "client_id"]):
         kappa = cap[cid]
         active = (g["n_global"] + g["n_private"]).sum()
         assert abs(active - kappa * g["channels"].sum()) <= 1.0

@@ -57,7 +57,7 @@ def test_a_dropped_channel_with_a_high_estimate_enters_the_mask(space):
     estimate = np.full(n, 0.3)
     star = off[0] + width - 1  # dropped by the client, very useful to the federation
     estimate[star] = 0.95
-    counts = budget.layer_channel_counts(0.5, np.array([l.channels for l in space.layers]), adaptive=False)
+    counts = budget.layer_channel_counts(0.5, np.array([layer.channels for layer in space.layers]), adaptive=False)
     scores = roles.selection_scores(own, held, estimate, space)
     active = roles.select_active(scores, counts, space)
     assert active[star]  # it comes back
@@ -65,7 +65,7 @@ def test_a_dropped_channel_with_a_high_estimate_enters_the_mask(space):
     # Eq. 2 still holds: the counts, not the scores, fix how many channels each layer keeps
     for i in range(len(space.layers)):
         assert active[off[i]:off[i + 1]].sum() == counts[i]
-    assert budget.budget_error_channels(counts, np.array([l.channels for l in space.layers]), 0.5) <= 1.0
+    assert budget.budget_error_channels(counts, np.array([layer.channels for layer in space.layers]), 0.5) <= 1.0
     # without the estimate (own utilities alone) the dropped channel can never come back
     assert not roles.select_active(roles.selection_scores(own, held, None, space), counts, space)[star]
     # deterministic: the same inputs give the same mask
@@ -188,7 +188,7 @@ def test_dispersion_ema_starts_at_the_first_observation():
 def test_layer_budget_responds_to_a_layer_utility_difference(space):
     n = space.total_channels
     off = roles.layer_offsets(space)
-    channels = np.array([l.channels for l in space.layers])
+    channels = np.array([layer.channels for layer in space.layers])
     entries = np.ones(len(space.layers))
     act = np.ones(n)
     grad = np.ones(n)
@@ -285,7 +285,7 @@ def _color_domains(seed: int = 0) -> DomainSplits:
     templates = rng.random((10, 32, 32))
     train, test = {}, {}
     for d, name in enumerate(("red", "green", "blue")):
-        for split, n, store in (("train", 600, train), ("test", 40, test)):
+        for n, store in ((600, train), (40, test)):
             y = rng.integers(0, 10, n)
             x = np.full((n, 3, 32, 32), 128.0)
             x[:, d] = 128 + 110 * (templates[y] - 0.5) + rng.normal(0, 8, (n, 32, 32))
@@ -326,7 +326,6 @@ def test_probe_dga_recovers_strongly_separated_domains_under_mixed_capacities(se
 def test_probe_does_not_change_training(fed):
     """The probe only reads: the same plan without the probe trains to the same values bit for bit."""
     from fedsap_ray.runtime.local import LocalBackend
-    from fedsap_ray.experiment import build_context
 
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "algorithm.dga_source=probe"])
     ctx, strat = make_strategy(cfg, fed)

@@ -69,7 +69,7 @@ def manual_run(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Do
     gen = torch.Generator().manual_seed(plan.seed)
     model.train()
     grads, batches = [], []
-    for epoch in range(plan.local_epochs):
+    for _ in range(plan.local_epochs):
         order = torch.randperm(n, generator=gen)
         grads, batches = [], []
         for s in range(0, n, plan.batch_size):

@@ -7,27 +7,30 @@ can be checkpointed and a restarted actor cannot change a number.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Hashable
 
 import numpy as np
-from torch import nn
 
-from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data.base import Federation
 from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs, weight_uses
-from fedsap_ray.models.space import ChannelSpace
+from fedsap_ray.models.space import ChannelSpace, MaskableModel
+from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import rng_for, seed_for
+
+T = TypeVar("T")
 
 
 @dataclass
 class RunContext:
     cfg: ExperimentConfig
     federation: Federation
-    model: nn.Module  # template: strategies read shapes, never train it
+    model: MaskableModel  # template: strategies read shapes, never train it
     layout: ParamLayout
     space: ChannelSpace
 
@@ -51,6 +54,7 @@ class Strategy(ABC):
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.opts = options
+        self._memo: dict[str, OrderedDict[Hashable, Any]] = {}  # see memo()
 
     # --- contract ---------------------------------------------------------------
     def init_state(self) -> ServerState:
@@ -131,9 +135,8 @@ class Strategy(ABC):
         describe (NeFL's skipped residual branches). ``None``: the full model (memoised).
         """
         if mask is None:
-            if "_full_model_macs" not in self.__dict__:
-                self.__dict__["_full_model_macs"] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None))
-            return self.__dict__["_full_model_macs"]
+            return self.memo("full_model_macs", None,
+                             lambda: int(model_macs(self.ctx.model, self.ctx.federation.input_shape, None)))
         uses = weight_uses(self.ctx.model, self.ctx.federation.input_shape)
         layout = self.ctx.layout
         return int(sum(int(np.count_nonzero(layout.slice(w, mask))) * n for w, n in uses.items()))
@@ -150,6 +153,21 @@ class Strategy(ABC):
         return self.mask_macs(None) - int(cls)
 
     # --- shared helpers ---------------------------------------------------------
+    def memo(self, table: str, key: Hashable, compute: Callable[[], T], *, maxsize: int | None = None) -> T:
+        """``compute()``, computed once per ``(table, key)`` for this strategy and kept: the one cache for
+        values that are pure functions of the run's fixed model and federation (MAC counts, sub-model
+        masks and geometry), so caching them can never change a number. ``maxsize``: keep at most
+        that many entries of ``table`` (large values such as parameter masks), least recently used
+        dropped first."""
+        entries = self._memo.setdefault(table, OrderedDict())
+        if key in entries:
+            entries.move_to_end(key)
+            return entries[key]
+        value = entries[key] = compute()
+        if maxsize is not None and len(entries) > maxsize:
+            entries.popitem(last=False)
+        return value
+
     def sample_clients(self, t: int) -> list[int]:
         """Seeded uniform sample of ceil-free round(participation * N) clients (at least one)."""
         n = len(self.ctx.federation.clients)

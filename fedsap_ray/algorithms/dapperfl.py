@@ -69,18 +69,17 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from fedsap_ray.algorithms.base import RunContext, Strategy
+from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
                               nested_count, param_mask)
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs
-from fedsap_ray.models.space import ChannelSpace
+from fedsap_ray.models.space import ChannelSpace, MaskableModel
 
 OBJECTIVE = "dapperfl_mfp"
 MASK_KEY = "channel_mask"  # ClientResult.stats: the kept channels, concatenated in ChannelSpace order
@@ -163,7 +162,7 @@ def first_epoch_samples(n_samples: int, batch_size: int, max_steps_per_epoch: in
 DAR_FORMS = ("norm", "squared")
 
 
-def dar_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, gamma: float, form: str = "norm") -> torch.Tensor:
+def dar_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma: float, form: str = "norm") -> torch.Tensor:
     """Cross-entropy plus the DAR term on z = f_enc(x) (step 6).
 
     ``form="norm"`` (default): gamma * mean_x ||z||_2, the unsquared norm of DapperFL's reference code
@@ -190,7 +189,7 @@ class ModelFusionPruning(LocalObjective):
     (False: the capacity-respecting reading, module docstring); ``plan.values`` is W^{t-1}.
     """
 
-    def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         if plan.mask is not None:
             raise ValueError("a DapperFL plan carries the full global model (mask None): the client prunes it")
@@ -212,14 +211,14 @@ class ModelFusionPruning(LocalObjective):
             self.tmask = TorchMask.build(model, layout, self.pmask)
             apply_mask_(model, layout, self.tmask)
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return dar_loss(model, x, y, self.plan.rep_gamma, self.dar_form)
 
-    def after_backward(self, model: nn.Module) -> None:
+    def after_backward(self, model: MaskableModel) -> None:
         if self.tmask is not None:
             mask_grads_(model, self.layout, self.tmask)
 
-    def after_step(self, model: nn.Module) -> None:
+    def after_step(self, model: MaskableModel) -> None:
         self.steps += 1
         if self.tmask is not None:
             apply_mask_(model, self.layout, self.tmask)  # momentum / weight decay must not revive pruned filters
@@ -227,6 +226,7 @@ class ModelFusionPruning(LocalObjective):
             return
         if not self.full_first:  # fusion on the fixed pruned model (its coordinates only)
             fused = fuse(self.plan.values, self.layout.flatten(model), self.alpha)
+            assert self.pmask is not None  # pruned before training when not full_first
             fused[~self.pmask] = 0.0
             self.layout.load_into(model, fused)
         else:
@@ -237,10 +237,11 @@ class ModelFusionPruning(LocalObjective):
             self.tmask = TorchMask.build(model, self.layout, pmask)
             self.pmask = pmask
 
-    def result(self, model: nn.Module) -> dict[str, np.ndarray]:
+    def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
         if self.steps < self.prune_at:
             raise ValueError(f"the first local epoch should end after {self.prune_at} steps, but only "
                              f"{self.steps} ran: nothing was pruned")
+        assert self.cmasks is not None  # set by the pruning step, which has run
         return {MASK_KEY: pack_channel_masks(self.space, self.cmasks)}
 
     def upload_mask(self) -> np.ndarray | None:
@@ -282,10 +283,6 @@ class DapperFL(Strategy):
                                   f"{', '.join(DAR_FORMS)}")
             if not isinstance(self.full_first_epoch, bool):
                 raise ConfigError(f"invalid algorithm.full_first_epoch={self.full_first_epoch!r}: must be true or false")
-
-    def __init__(self, ctx: RunContext, options: Any) -> None:
-        super().__init__(ctx, options)
-        self._macs: dict[tuple[int, ...], int] = {}  # pruned-model MACs by per-layer channel counts
 
     def alpha_at(self, t: int) -> float:
         """The fusion weight of the global model in round t (0 in round 1: no fusion with the random init)."""
@@ -386,8 +383,5 @@ class DapperFL(Strategy):
     def pruned_macs(self, keep: float) -> int:
         """MACs per sample of the kappa-pruned model (they depend on the per-layer counts only; memoised)."""
         cmasks = nested_channel_masks(self.ctx.space, keep)
-        key = tuple(int(m.sum()) for m in cmasks.values())
-        if key not in self._macs:
-            self._macs[key] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape,
-                                             None if keep >= 1.0 else cmasks))
-        return self._macs[key]
+        return self.memo("pruned_macs", tuple(int(m.sum()) for m in cmasks.values()), lambda: int(model_macs(
+            self.ctx.model, self.ctx.federation.input_shape, None if keep >= 1.0 else cmasks)))

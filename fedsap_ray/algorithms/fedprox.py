@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 
 
 @register("fedprox")

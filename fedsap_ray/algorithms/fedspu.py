@@ -64,7 +64,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import Strategy
@@ -72,6 +71,7 @@ from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.seeding import rng_for
 
@@ -82,7 +82,7 @@ OBJECTIVE = "fedspu"
 class FrozenNeurons(LocalObjective):
     """Cross-entropy; writes the frozen personal values into the model and restores them after every step."""
 
-    def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         frozen = np.asarray(plan.extra.get("frozen_values", np.zeros(0, dtype=np.float32)))
         free = np.zeros(layout.size, dtype=bool) if plan.mask is None else ~plan.mask
@@ -108,7 +108,7 @@ class FrozenNeurons(LocalObjective):
             for t, m, v in self.slots:
                 t.masked_scatter_(m, v)
 
-    def after_step(self, model: nn.Module) -> None:
+    def after_step(self, model: MaskableModel) -> None:
         self._restore()
 
 

@@ -83,8 +83,9 @@ from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.algorithms.nested import NestedWidth
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.seeding import seed_for
 
@@ -117,7 +118,7 @@ class FedSRObjective(LocalObjective):
     """CE on a sampled z + alpha_L2R ||z||^2 + alpha_CMI KL(p(z|x) || r(z|y)); the scale (head or rho), r_mu and
     r_rho trained alongside. The scale is per input when ``plan.extra`` holds ``scale_w``/``scale_b``, else rho."""
 
-    def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         d = int(model.feature_dim)
         c = int(getattr(model, model.classifier).out_features)
@@ -141,7 +142,7 @@ class FedSRObjective(LocalObjective):
             return F.softplus(self.extra_params["rho"])
         return F.softplus(F.linear(mu, self.extra_params["scale_w"], self.extra_params["scale_b"]))
 
-    def terms(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    def terms(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
         """The three loss terms of one batch (unweighted): ce, l2r, cmi (the last two only where weighted > 0)."""
         mu = model.forward_features(x)
         sigma = self.sigma(mu)
@@ -156,7 +157,7 @@ class FedSRObjective(LocalObjective):
             out["cmi"] = gaussian_kl(mu, sigma, r_mu, r_sigma)
         return out
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=False)
         t = self.terms(model, x, y)
         loss = t["ce"]
@@ -166,10 +167,10 @@ class FedSRObjective(LocalObjective):
             loss = loss + self.alpha_cmi * t["cmi"]
         return loss
 
-    def after_step(self, model: nn.Module) -> None:
+    def after_step(self, model: MaskableModel) -> None:
         self.opt.step()
 
-    def result(self, model: nn.Module) -> dict[str, np.ndarray]:
+    def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
         return {k: p.detach().to("cpu", torch.float32).numpy().copy() for k, p in self.extra_params.items()}
 
 

@@ -56,13 +56,14 @@ import scipy.sparse as sp
 import torch
 import torch.nn.functional as F
 from scipy.sparse.csgraph import connected_components
-from torch import nn
 
+from fedsap_ray.algorithms.grouping import canonical_labels
 from fedsap_ray.algorithms.nested import NestedWidth
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 
 OBJECTIVE = "fpl"
@@ -93,14 +94,7 @@ def first_neighbour_partition(x: np.ndarray) -> np.ndarray:
     nn_idx = first_neighbours(x)
     graph = sp.csr_matrix((np.ones(n), (np.arange(n), nn_idx)), shape=(n, n))
     _, labels = connected_components(graph, directed=True, connection="weak")
-    return _canonical(labels)
-
-
-def _canonical(labels: np.ndarray) -> np.ndarray:
-    """Relabel so clusters are numbered by their first member (a deterministic order)."""
-    _, first, inverse = np.unique(labels, return_index=True, return_inverse=True)
-    rank = np.argsort(np.argsort(first))
-    return rank[inverse].astype(np.int64)
+    return canonical_labels(labels)
 
 
 def cluster_means(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
@@ -130,7 +124,7 @@ def finch(x: np.ndarray) -> list[np.ndarray]:
         k_new = int(merged.max()) + 1
         if k_new == 1 or k_new >= k:
             break
-        labels = _canonical(merged)
+        labels = canonical_labels(merged)
         parts.append(labels)
     return parts
 
@@ -219,7 +213,7 @@ def last_epoch_start(n: int, batch_size: int, local_epochs: int, max_steps_per_e
 class FPLObjective(LocalObjective):
     """CE (+ L_CPCL + L_UPCR once prototypes exist); sums last-epoch representations per class."""
 
-    def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         ex = plan.extra
         self.tau = float(ex["fpl_tau"])
@@ -235,7 +229,7 @@ class FPLObjective(LocalObjective):
             self.unbiased = torch.from_numpy(np.asarray(ex["fpl_unbiased"], dtype=np.float32)).to(device)
             self.has_proto = torch.from_numpy(np.asarray(ex["fpl_has_proto"], dtype=bool)).to(device)
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         z = model.forward_features(x)
         loss = F.cross_entropy(getattr(model, model.classifier)(z), y)
         if self.protos is not None:
@@ -247,7 +241,7 @@ class FPLObjective(LocalObjective):
         self.calls += 1
         return loss
 
-    def result(self, model: nn.Module) -> dict[str, np.ndarray]:
+    def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
         counts = self.counts.cpu().numpy()
         protos = self.sums.cpu().numpy() / np.maximum(counts, 1.0)[:, None]
         return {"fpl_protos": protos.astype(np.float32), "fpl_counts": counts.astype(np.int64)}

@@ -72,14 +72,14 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.nested import NestedWidth
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 
 
@@ -91,7 +91,7 @@ def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
 
 
-def _frozen_copy(model: nn.Module, layout: ParamLayout, values: np.ndarray) -> nn.Module:
+def _frozen_copy(model: MaskableModel, layout: ParamLayout, values: np.ndarray) -> MaskableModel:
     """A gradient-free eval-mode copy of ``model`` holding ``values`` (a full flat vector)."""
     frozen = copy.deepcopy(model)
     layout.load_into(frozen, values)
@@ -105,7 +105,7 @@ def _frozen_copy(model: nn.Module, layout: ParamLayout, values: np.ndarray) -> n
 class MoonObjective(LocalObjective):
     """CE + mu * l_con (MOON Eq. 3) with frozen global and previous models built from the plan."""
 
-    def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         self.mu = float(plan.extra["mu"])
         self.tau = float(plan.extra["tau"])
@@ -128,13 +128,13 @@ class MoonObjective(LocalObjective):
             z_prev = z_glob if self.prev is None else self.prev.forward_features(x)
         return z_glob, z_prev
 
-    def contrastive(self, model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def contrastive(self, model: MaskableModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z, l_con) of the model being trained on batch ``x``."""
         z = model.forward_features(x)
         z_glob, z_prev = self.representations(x)
         return z, model_contrastive_loss(z, z_glob, z_prev, self.tau)
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         z, l_con = self.contrastive(model, x)
         logits = getattr(model, model.classifier)(z)
         return F.cross_entropy(logits, y) + self.mu * l_con

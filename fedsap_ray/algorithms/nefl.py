@@ -36,7 +36,8 @@ default, with
    layer's ceil(p C_l) changes).
 
 ``depth_share`` only acts with ``depth=true``. ``depth_share = 0`` is width-only nesting (NeFL-W,
-the HeteroFL sub-models, the same as ``depth=false``); ``depth_share = 1`` skips as deep as the budget allows before narrowing. On ResNet18 the
+the HeteroFL sub-models, the same as ``depth=false``); ``depth_share = 1`` skips as deep as the budget
+allows before narrowing. On ResNet18 the
 default reproduces NeFL's ResNet18 NeFL-WD table for gamma = 0.4, 0.6, 0.8 (width only:
 removing layer4.1 alone would leave gamma_D = 0.58 < sqrt(gamma)); at gamma = 0.2 it
 skips layer4.1 and layer3.1 where NeFL's table skips layer4.1 only.
@@ -63,13 +64,13 @@ nested parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models.resnet import BasicBlock
@@ -127,9 +128,9 @@ class NeFL(SubModelStrategy):
     # --- the depth/width rule (pure in kappa, memoised) ---------------------------------
     def scaling(self, kappa: float) -> tuple[tuple[str, ...], float]:
         """(skipped blocks, deepest first; width p) of the keep-ratio-kappa client (module docstring)."""
-        cache = self.__dict__.setdefault("_scaling_cache", {})
-        if kappa in cache:
-            return cache[kappa]
+        return self.memo("scaling", kappa, lambda: self._scaling(kappa))
+
+    def _scaling(self, kappa: float) -> tuple[tuple[str, ...], float]:
         space = self.ctx.space
         full = {layer.name: layer.channels for layer in space.layers}
         budget = self.trainable_count(self._nested_counts(kappa), ())
@@ -142,8 +143,7 @@ class NeFL(SubModelStrategy):
                 break
             skip.append(blk.name)
         if not skip:  # width-only: exactly the nested sub-model at kappa
-            cache[kappa] = ((), kappa)
-            return cache[kappa]
+            return (), kappa
         cands = sorted({kappa} | {k / layer.channels for layer in space.layers
                                   for k in range(1, layer.channels + 1) if kappa < k / layer.channels <= 1})
         lo, hi = 0, len(cands) - 1  # cands[0] = kappa fits: skipping only removes parameters
@@ -153,8 +153,7 @@ class NeFL(SubModelStrategy):
                 lo = mid
             else:
                 hi = mid - 1
-        cache[kappa] = (tuple(skip), float(cands[lo]))
-        return cache[kappa]
+        return tuple(skip), float(cands[lo])
 
     def trainable_count(self, counts: Mapping[str, int], skip: tuple[str, ...]) -> int:
         """Trainable parameters of the sub-model with ``counts`` leading channels per layer and ``skip`` blocks left out.
@@ -181,36 +180,38 @@ class NeFL(SubModelStrategy):
     # --- structure, read once from the template model -----------------------------------
     def skippable(self) -> tuple[SkippableBlock, ...]:
         """Identity-shortcut residual blocks in forward order (empty for models without them)."""
-        if "_skippable" not in self.__dict__:
-            layout, space, out = self.ctx.layout, self.ctx.space, []
-            for name, mod in self.ctx.model.named_modules():
-                if not (isinstance(mod, BasicBlock) and len(mod.shortcut) == 0):
-                    continue
-                inner = space.output_layer_of(f"{name}.conv1.weight")
-                if inner is None:
-                    continue
-                spans = tuple(layout.span(n) for n in layout.names if n.startswith(f"{name}."))
-                out.append(SkippableBlock(name=name, inner=inner, spans=spans))
-            self.__dict__["_skippable"] = tuple(out)
-        return self.__dict__["_skippable"]
+        return self.memo("skippable", None, self._skippable)
+
+    def _skippable(self) -> tuple[SkippableBlock, ...]:
+        layout, space, out = self.ctx.layout, self.ctx.space, []
+        for name, mod in self.ctx.model.named_modules():
+            if not (isinstance(mod, BasicBlock) and len(mod.shortcut) == 0):
+                continue
+            inner = space.output_layer_of(f"{name}.conv1.weight")
+            if inner is None:
+                continue
+            spans = tuple(layout.span(n) for n in layout.names if n.startswith(f"{name}."))
+            out.append(SkippableBlock(name=name, inner=inner, spans=spans))
+        return tuple(out)
 
     def _tensor_axes(self) -> list[tuple[str | None, tuple[int, ...], dict[int, tuple[str, ParamAxis]]]]:
         """Per trainable tensor: (skippable block owning it or None, shape, {axis: (layer, ParamAxis)})."""
-        if "_axes" not in self.__dict__:
-            layout, space = self.ctx.layout, self.ctx.space
-            by_tensor: dict[str, dict[int, tuple[str, ParamAxis]]] = {}
-            for layer in space.layers:
-                for ax in layer.out + layer.inp:
-                    by_tensor.setdefault(ax.name, {})[ax.axis] = (layer.name, ax)
-            owners = {blk.name for blk in self.skippable()}
-            rows = []
-            for name, shape, is_param in zip(layout.names, layout.shapes, layout.is_param):
-                if not is_param:
-                    continue
-                owner = next((o for o in owners if name.startswith(f"{o}.")), None)
-                rows.append((owner, shape, by_tensor.get(name, {})))
-            self.__dict__["_axes"] = rows
-        return self.__dict__["_axes"]
+        return self.memo("tensor_axes", None, self._compute_tensor_axes)
+
+    def _compute_tensor_axes(self) -> list[tuple[str | None, tuple[int, ...], dict[int, tuple[str, ParamAxis]]]]:
+        layout, space = self.ctx.layout, self.ctx.space
+        by_tensor: dict[str, dict[int, tuple[str, ParamAxis]]] = {}
+        for layer in space.layers:
+            for ax in layer.out + layer.inp:
+                by_tensor.setdefault(ax.name, {})[ax.axis] = (layer.name, ax)
+        owners = {blk.name for blk in self.skippable()}
+        rows = []
+        for name, shape, is_param in zip(layout.names, layout.shapes, layout.is_param):
+            if not is_param:
+                continue
+            owner = next((o for o in owners if name.startswith(f"{o}.")), None)
+            rows.append((owner, shape, by_tensor.get(name, {})))
+        return rows
 
     def _nested_counts(self, p: float) -> dict[str, int]:
         return {layer.name: nested_count(min(p, 1.0), layer.channels) for layer in self.ctx.space.layers}

@@ -23,7 +23,6 @@ decay and clipping come from :class:`Strategy`.
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -166,25 +165,16 @@ class NestedWidth(SubModelStrategy):
     # --- memoised sub-model geometry (pure in the per-layer channel counts) -------------
     def macs(self, p: float) -> int:
         """Multiply-accumulates per sample of the width-p sub-model (papers/003 Table 1)."""
-        key = self._counts(p)
-        cache = self.__dict__.setdefault("_macs_cache", {})
-        if key not in cache:
-            masks = None if p >= 1.0 else nested_channel_masks(self.ctx.space, p)
-            cache[key] = int(model_macs(self.ctx.model, self.ctx.federation.input_shape, masks))
-        return cache[key]
+        return self.memo("nested_macs", self._counts(p), lambda: int(model_macs(
+            self.ctx.model, self.ctx.federation.input_shape, None if p >= 1.0 else nested_channel_masks(self.ctx.space, p))))
 
     def nested_mask(self, p: float) -> tuple[np.ndarray, int]:
         """(parameter mask, active channels) of the width-p nested sub-model (Algorithm 2); LRU-cached."""
-        key = self._counts(p)
-        cache: OrderedDict = self.__dict__.setdefault("_nested_cache", OrderedDict())
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-        cmasks = nested_channel_masks(self.ctx.space, p)
-        cache[key] = (param_mask(self.ctx.space, self.ctx.layout, cmasks), int(sum(int(m.sum()) for m in cmasks.values())))
-        if len(cache) > MASK_CACHE:
-            cache.popitem(last=False)
-        return cache[key]
+        def compute() -> tuple[np.ndarray, int]:
+            cmasks = nested_channel_masks(self.ctx.space, p)
+            return param_mask(self.ctx.space, self.ctx.layout, cmasks), int(sum(int(m.sum()) for m in cmasks.values()))
+
+        return self.memo("nested_mask", self._counts(p), compute, maxsize=MASK_CACHE)
 
     def _counts(self, p: float) -> tuple[int, ...]:
         return tuple(int(m.sum()) for m in nested_channel_masks(self.ctx.space, min(p, 1.0)).values())

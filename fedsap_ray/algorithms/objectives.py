@@ -11,35 +11,36 @@ back goes into ``ClientResult.stats`` (counted in bytes_up).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan
 
-_OBJECTIVES: dict[str, type["LocalObjective"]] = {}
+_OBJECTIVES: dict[str, type[LocalObjective]] = {}
 
 
 class LocalObjective:
     """Default: cross-entropy. Subclasses override :meth:`loss` and the hooks they need."""
 
-    def __init__(self, plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> None:
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         self.plan, self.layout, self.device = plan, layout, device
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(x), y)
 
-    def after_backward(self, model: nn.Module) -> None:
+    def after_backward(self, model: MaskableModel) -> None:
         """Gradients are final (masked); clipping and the optimiser step come next."""
 
-    def after_step(self, model: nn.Module) -> None:
+    def after_step(self, model: MaskableModel) -> None:
         """The optimiser step is done (e.g. restore coordinates that must not move)."""
 
-    def result(self, model: nn.Module) -> dict[str, np.ndarray]:
+    def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
         """Arrays to send back with the trained values (``ClientResult.stats``)."""
         return {}
 
@@ -58,7 +59,7 @@ def register_objective(name: str) -> Callable[[type[LocalObjective]], type[Local
     return deco
 
 
-def make_objective(plan: ClientPlan, model: nn.Module, layout: ParamLayout, device: torch.device) -> LocalObjective | None:
+def make_objective(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> LocalObjective | None:
     """The plan's objective (None: the built-in loop); strategies register theirs on import."""
     name: Any = plan.extra.get("objective")
     if name is None:

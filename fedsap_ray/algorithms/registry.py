@@ -6,15 +6,20 @@ Each strategy declares an ``Options`` frozen dataclass; ``algorithm.options`` (s
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
-from fedsap_ray.config import ConfigError
+from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import coerce
 
-_REGISTRY: dict[str, type] = {}
+_REGISTRY: dict[str, type[Strategy]] = {}
+S = TypeVar("S", bound=type[Strategy])
 
 
-def register(name: str):
-    def deco(cls):
+def register(name: str) -> Callable[[S], S]:
+    def deco(cls: S) -> S:
         if name in _REGISTRY:
             raise ValueError(f"algorithm {name!r} registered twice")
         cls.name = name
@@ -32,7 +37,7 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get(name: str) -> type:
+def get(name: str) -> type[Strategy]:
     _ensure_loaded()
     if name not in _REGISTRY:
         raise ConfigError(f"invalid algorithm.name={name!r}: allowed values are {', '.join(sorted(_REGISTRY))}")
@@ -48,11 +53,8 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Any:
         if k not in fields:
             allowed = ", ".join(fields) or "(none)"
             raise ConfigError(f"invalid algorithm.{k}={options[k]!r}: unknown option for algorithm {name!r}; allowed options are {allowed}")
-    from fedsap_ray.config import _coerce  # one coercion rule for the whole config
-    import typing
-
     hints = typing.get_type_hints(opt_cls)
-    kwargs = {k: _coerce(hints[k], v, f"algorithm.{k}") for k, v in options.items()}
+    kwargs = {k: coerce(hints[k], v, f"algorithm.{k}") for k, v in options.items()}
     return opt_cls(**kwargs)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 
 from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 
 

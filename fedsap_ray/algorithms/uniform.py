@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from fedsap_ray.algorithms.nested import NestedWidth
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.messages import ServerState
 
 

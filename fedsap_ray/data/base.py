@@ -29,7 +29,7 @@ class DomainData:
     def __len__(self) -> int:
         return len(self.y)
 
-    def subset(self, idx: np.ndarray | torch.Tensor) -> "DomainData":
+    def subset(self, idx: np.ndarray | torch.Tensor) -> DomainData:
         idx_t = torch.as_tensor(np.asarray(idx), dtype=torch.long)
         return DomainData(self.x[idx_t], self.y[idx_t])
 

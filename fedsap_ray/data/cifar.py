@@ -176,7 +176,8 @@ class Cifar10Source:
             missing = next(p for p in tv if not p.exists())
             raise unavailable(
                 self.name,
-                [("CIFAR-10 batches", missing, f"nor {root / 'cifar10' / TARBALL}; use --set data.download=true to download with torchvision")],
+                [("CIFAR-10 batches", missing,
+                  f"nor {root / 'cifar10' / TARBALL}; use --set data.download=true to download with torchvision")],
             )
         if len(classes) != 10:
             raise ValueError(f"cifar10: expected 10 classes, found {len(classes)}: {classes}")

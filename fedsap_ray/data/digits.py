@@ -30,7 +30,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -89,7 +89,7 @@ def read_image(path: Path, size: int) -> np.ndarray:
             im.draft("RGB", (size, size))
         im = im.convert("RGB")
         if im.size != (size, size):
-            im = im.resize((size, size), Image.BILINEAR)
+            im = im.resize((size, size), Image.Resampling.BILINEAR)
         return np.asarray(im, dtype=np.uint8).transpose(2, 0, 1)
 
 
@@ -145,17 +145,20 @@ def digit_layouts(domain: str, root: Path) -> list[Layout]:
     """Layouts for one digits domain, preferred (standard) first."""
     if domain == "mnist":
         raw = root / "MNIST" / "raw"
-        tv = tuple(raw / f for f in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"))
+        tv = tuple(raw / f for f in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                                     "t10k-labels-idx1-ubyte"))
         return [Layout(domain, "torchvision", tv), Layout(domain, "shared", (root / "mnist" / "mnist.npz",))]
     if domain == "usps":
-        return [Layout(domain, "torchvision", (root / "usps.bz2", root / "usps.t.bz2")), Layout(domain, "shared", (root / "usps" / "usps.h5",))]
+        return [Layout(domain, "torchvision", (root / "usps.bz2", root / "usps.t.bz2")),
+                Layout(domain, "shared", (root / "usps" / "usps.h5",))]
     if domain == "svhn":
         return [
             Layout(domain, "torchvision", (root / "train_32x32.mat", root / "test_32x32.mat")),
             Layout(domain, "shared", (root / "svhn" / "svhn_50_subset.npz",)),
         ]
     if domain == "synth":
-        return [Layout(domain, "folder", (root / top / "train", root / top / test)) for top in ("synth_digits", "syn") for test in ("test", "val")]
+        return [Layout(domain, "folder", (root / top / "train", root / top / test))
+                for top in ("synth_digits", "syn") for test in ("test", "val")]
     raise KeyError(f"unknown digits domain {domain!r}")
 
 
@@ -318,7 +321,8 @@ class DigitsSource:
             for s in (tr, te):
                 _check_labels(self.name, d, s, 10)
             train[d], test[d] = to_domain(tr), to_domain(te)
-            kind = plan[d].kind if plan[d] is not None else "torchvision download"
+            found = plan[d]
+            kind = found.kind if found is not None else "torchvision download"
             notes[d] = f"{self.domain_descriptions[d]}, {kind} layout, {len(tr[1])} train / {len(te[1])} test"
             if d == "svhn" and kind == "shared":
                 notes[d] += " -- only the 50-image shared subset: loader smoke test, not an experiment"

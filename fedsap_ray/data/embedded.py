@@ -33,7 +33,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 import warnings
 import zipfile
 import zlib
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedsap_ray.atomic import atomic_write
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.render import render_street_digits, render_synth_digits
@@ -132,23 +132,17 @@ def build_arrays() -> dict[str, np.ndarray]:
 
 
 def _write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """npz with fixed member timestamps (byte-identical rebuilds), via temp file + os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
-            for key in sorted(arrays):
-                buf = io.BytesIO()
-                np.lib.format.write_array(buf, np.ascontiguousarray(arrays[key]), allow_pickle=False)
-                info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
-                info.compress_type = zipfile.ZIP_DEFLATED
-                info.external_attr = 0o644 << 16
-                zf.writestr(info, buf.getvalue(), compresslevel=1)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is shared data, not a secret
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """npz with fixed member timestamps (byte-identical rebuilds), whole or not at all; mode 0644: the
+    cache is shared data, not a secret."""
+    with atomic_write(path, mode=0o644) as fh, zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_DEFLATED,
+                                                              compresslevel=1) as zf:
+        for key in sorted(arrays):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, np.ascontiguousarray(arrays[key]), allow_pickle=False)
+            info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, buf.getvalue(), compresslevel=1)
 
 
 def _read_cache(path: Path) -> dict[str, np.ndarray] | None:

@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsap_ray.config import ConfigError, DataConfig, ExperimentConfig
 from fedsap_ray.data.base import ClientSpec, DomainData, Federation
 from fedsap_ray.data.capacity import assign_capacities
 from fedsap_ray.data.partition import (
@@ -45,7 +44,9 @@ from fedsap_ray.data.partition import (
     natural_partition,
     tv_distance,
 )
-from fedsap_ray.data.registry import DatasetSource, DatasetUnavailable, DomainSplits, get_source, unreadable
+from fedsap_ray.data.registry import DatasetSource, DomainSplits, get_source, unreadable
+from fedsap_ray.errors import ConfigError, DatasetUnavailable
+from fedsap_ray.schema import DataConfig, ExperimentConfig
 
 _PURPOSE_PARTITION = 101
 _PURPOSE_TRAIN_CAP = 102
@@ -256,7 +257,7 @@ def build_federation(cfg: ExperimentConfig, splits: DomainSplits | None = None) 
     rho, cap = assign_capacities(cfg.capacity, data.num_clients, int(cfg.seed))
 
     used = [d for d in splits.domains if any(cd == d for cd, _ in parts)]
-    global_counts = sum(label_counts(_labels(train[d]), splits.num_classes) for d in used)
+    global_counts = np.sum([label_counts(_labels(train[d]), splits.num_classes) for d in used], axis=0)
     clients = []
     for cid, (d, idx) in enumerate(parts):
         counts = label_counts(_labels(train[d])[idx], splits.num_classes)

@@ -54,7 +54,8 @@ class MnistSource:
         tr, te = load_digit_domain(DOMAIN, plan[DOMAIN], root, download)
         for split in (tr, te):
             _check_labels(self.name, DOMAIN, split, MNIST_CLASSES)
-        kind = plan[DOMAIN].kind if plan[DOMAIN] is not None else "torchvision download"
+        found = plan[DOMAIN]
+        kind = found.kind if found is not None else "torchvision download"
         return DomainSplits(
             dataset=self.name,
             domains=[DOMAIN],

@@ -39,16 +39,17 @@ import tempfile
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
-from fedsap_ray.config import ExperimentConfig
 from fedsap_ray.data import federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.registry import DomainSplits, get_source
 from fedsap_ray.data.status import cache_home
+from fedsap_ray.schema import ExperimentConfig
 
 FORMAT_VERSION = 1
 META = "meta.json"

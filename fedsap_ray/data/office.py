@@ -137,7 +137,8 @@ class OfficeCaltechSource:
                 if image_folder(root, d) is None and surf_file(root, d) is None
             ]
             if not missing:  # every domain exists, but in mixed layouts
-                missing = [(f"{d} images", root / d, "all four domains must use the same layout") for d in self.domains if image_folder(root, d) is None]
+                missing = [(f"{d} images", root / d, "all four domains must use the same layout")
+                           for d in self.domains if image_folder(root, d) is None]
             raise unavailable(self.name, missing)
         return self._load_images(root) if layout == "images" else self._load_surf(root)
 

@@ -10,7 +10,7 @@ loop shuffles anyway).
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

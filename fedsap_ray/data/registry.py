@@ -7,20 +7,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 
 from fedsap_ray.data.base import DomainData, InputKind
-
-
-class DatasetUnavailable(FileNotFoundError):
-    """Files are missing and downloads are off; the message names the path and how to get the data."""
-
-
-class DatasetUnreadable(DatasetUnavailable):
-    """A data file is there but cannot be read (truncated, damaged); the message names it and
-    says to fetch it again. Bad input like a missing file: the run stops before any work."""
+from fedsap_ray.errors import DatasetUnavailable as DatasetUnavailable  # re-exported: it used to live here
+from fedsap_ray.errors import DatasetUnreadable
 
 
 def corrupt_file_errors() -> tuple[type[BaseException], ...]:

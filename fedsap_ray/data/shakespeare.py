@@ -231,7 +231,8 @@ class ShakespeareSource:
         root = Path(root).expanduser()
         found = find_layout(root)
         if found is None:
-            return [FileStatus("LEAF json (train)", root / "data" / "train", False), FileStatus("LEAF json (test)", root / "data" / "test", False)]
+            return [FileStatus("LEAF json (train)", root / "data" / "train", False),
+                    FileStatus("LEAF json (test)", root / "data" / "test", False)]
         kind, paths = found
         return [FileStatus(f"Shakespeare {kind}: {p.name}", p, True) for p in paths]
 
@@ -263,7 +264,8 @@ class ShakespeareSource:
             how = f"TFF/LEAF HDF5 ({paths[0].parent}), one client per (play, role), windows every {self.stride} characters"
         else:
             clients = windowed_clients(read_play_text(paths[0]), self.stride)
-            how = f"play text {paths[0].name} split by speaking role (first 80% of each role's characters train), windows every {self.stride} characters"
+            how = (f"play text {paths[0].name} split by speaking role (first 80% of each role's characters train), "
+                   f"windows every {self.stride} characters")
         return build_splits(self.name, clients, how)
 
 

@@ -7,12 +7,12 @@ status table reports exactly the paths a load would read.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from fedsap_ray.atomic import atomic_write
 from fedsap_ray.data.registry import DatasetUnavailable, FileStatus
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,17 +61,10 @@ def default_root(name: str, files: Callable[[Path], list[FileStatus]]) -> Path:
 
 
 def atomic_save_npz(path: Path, **arrays: np.ndarray) -> None:
-    """Write an uncompressed ``.npz`` via temp file + rename, so a crash never leaves a half cache."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a cache is meant to be shared like any data file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write an uncompressed ``.npz`` whole or not at all, so a crash never leaves a half cache; mode 0644:
+    a cache is meant to be shared like any data file."""
+    with atomic_write(path, mode=0o644) as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy stubs check **arrays against allow_pickle: bool
 
 
 def unavailable(dataset: str, missing: list[tuple[str, Path, str]]) -> DatasetUnavailable:

@@ -8,7 +8,8 @@ multiply-accumulates per sample at any channel mask (papers/003 Table 1).
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,14 +18,14 @@ from torch import nn
 from fedsap_ray.models.cnn import CNN6, MLP, CNNSmall
 from fedsap_ray.models.lstm import CharLSTM
 from fedsap_ray.models.resnet import ResNet, resnet10, resnet18
-from fedsap_ray.models.space import ChannelLayer, ChannelSpace, ParamAxis
+from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, check_layer_values
 
-ModelFactory = Callable[..., nn.Module]
+ModelFactory = Callable[..., MaskableModel]
 
 
 def _no_vocab(factory: ModelFactory) -> ModelFactory:
     def build(*, num_classes: int, input_shape: tuple[int, ...], width_mult: float, vocab_size: int | None,
-              channels: Mapping[str, int] | None) -> nn.Module:
+              channels: Mapping[str, int] | None) -> MaskableModel:
         return factory(num_classes=num_classes, input_shape=input_shape, width_mult=width_mult, channels=channels)
     return build
 
@@ -41,7 +42,7 @@ MODEL_REGISTRY: dict[str, ModelFactory] = {
 
 
 def build_model(name: str, *, num_classes: int, input_shape: tuple[int, ...], width_mult: float = 1.0,
-                vocab_size: int | None = None, channels: Mapping[str, int] | None = None) -> nn.Module:
+                vocab_size: int | None = None, channels: Mapping[str, int] | None = None) -> MaskableModel:
     """Build a registered model. ``channels`` overrides per-layer widths (physically sliced sub-models)."""
     if name not in MODEL_REGISTRY:
         raise ValueError(f"unknown model {name!r}; valid models are {', '.join(sorted(MODEL_REGISTRY))}")
@@ -58,12 +59,12 @@ def example_input(model: nn.Module, input_shape: tuple[int, ...], batch_size: in
     """A random batch of the model's input kind (token ids for text models, N(0,1) otherwise)."""
     device = next(model.parameters()).device
     if getattr(model, "input_dtype", torch.float32) == torch.long:
-        vocab = int(getattr(model, "vocab_size"))
+        vocab = int(getattr(model, "vocab_size"))  # noqa: B009  (text models only; nn.Module types attributes as Tensor | Module)
         return torch.randint(0, vocab, (batch_size, *input_shape), generator=generator).to(device)
     return torch.randn((batch_size, *input_shape), generator=generator).to(device)
 
 
-_USES: "weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], dict[str, int]]]" = weakref.WeakKeyDictionary()
+_USES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, ...], dict[str, int]]] = weakref.WeakKeyDictionary()
 
 
 def weight_uses(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int]:
@@ -80,7 +81,7 @@ def weight_uses(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int
     handles = []
 
     def hook(weights: tuple[str, ...]) -> Callable:
-        def fn(mod: nn.Module, inputs: tuple, output: object) -> None:
+        def fn(mod: nn.Module, inputs: tuple, output: Any) -> None:
             out = output[0] if isinstance(output, tuple) else output
             if isinstance(mod, nn.Conv2d):
                 n = out.shape[-1] * out.shape[-2]
@@ -111,7 +112,7 @@ def weight_uses(model: nn.Module, input_shape: tuple[int, ...]) -> dict[str, int
     return dict(uses)
 
 
-def model_macs(model: nn.Module, input_shape: tuple[int, ...],
+def model_macs(model: MaskableModel, input_shape: tuple[int, ...],
                channel_masks: Mapping[str, np.ndarray] | None = None) -> int:
     """Multiply-accumulates per sample at a channel mask: sum over weight tensors of
     (covered weight entries) x (applications per sample, :func:`weight_uses`).
@@ -121,8 +122,6 @@ def model_macs(model: nn.Module, input_shape: tuple[int, ...],
     an outer product of per-axis channel masks (masks.param_mask), so a tensor's covered
     count is the product over its axes of the active entries; no flat mask is built.
     """
-    from fedsap_ray.masks import check_layer_values  # masks imports models.space: import late
-
     space = model.channel_space()
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if channel_masks is not None:

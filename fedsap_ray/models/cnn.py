@@ -16,7 +16,7 @@ statistics are buffers). CIFAR-10: 3x32x32 input, 10 classes -> 3.248M parameter
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F

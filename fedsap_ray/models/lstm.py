@@ -18,7 +18,7 @@ the masked full-size LSTM computes the same as the sliced one.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn

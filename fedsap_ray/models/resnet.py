@@ -18,13 +18,13 @@ count of any layer by name, which is how a physically sliced sub-model is built.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, bn_out, conv_out, weight_in
+from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, bn_out, conv_out, weight_in
 
 BASE_WIDTHS = (64, 128, 256, 512)
 
@@ -56,6 +56,10 @@ class ResNet(MaskableModel):
     """CIFAR-style ResNet with BasicBlocks whose channels are described by a ChannelSpace."""
 
     input_dtype = torch.float32
+    layer1: nn.Sequential  # the four streams, set with setattr in __init__
+    layer2: nn.Sequential
+    layer3: nn.Sequential
+    layer4: nn.Sequential
 
     def __init__(self, num_blocks: Sequence[int], *, num_classes: int, input_shape: tuple[int, ...] = (3, 32, 32),
                  width_mult: float = 1.0, channels: Mapping[str, int] | None = None) -> None:
@@ -118,8 +122,8 @@ class ResNet(MaskableModel):
     def channel_space(self) -> ChannelSpace:
         """Streams and inner convs in forward order (state_dict order of their first output tensor)."""
         layers: list[ChannelLayer] = []
-        stream_out = {f"layer{s}": [] for s in range(1, 5)}
-        stream_in = {f"layer{s}": [] for s in range(1, 5)}
+        stream_out: dict[str, list[ParamAxis]] = {f"layer{s}": [] for s in range(1, 5)}
+        stream_in: dict[str, list[ParamAxis]] = {f"layer{s}": [] for s in range(1, 5)}
         stream_out["layer1"] += [*conv_out("conv1", bias=False), *bn_out("bn1")]
         in_stream = "layer1"
         inner: list[tuple[str, ChannelLayer]] = []  # (stream it precedes, layer)

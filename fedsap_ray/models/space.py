@@ -23,7 +23,7 @@ flatten from ``[C, H, W]`` into a linear layer's input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -183,10 +183,29 @@ class MaskableModel(nn.Module):
     """
 
     classifier: str
+    feature_dim: int  # width of forward_features' output (the classifier's input)
     _counts: dict[str, int]
+    # every subclass defines these two methods (declared here so that code holding a MaskableModel is typed)
+    forward_features: Callable[[torch.Tensor], torch.Tensor]
+    channel_space: Callable[[], ChannelSpace]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.classifier)(self.forward_features(x))
 
     def channel_counts(self) -> dict[str, int]:
         return dict(self._counts)
+
+
+def check_layer_values(space: ChannelSpace, values: Mapping[str, np.ndarray], what: str) -> None:
+    """Per-layer values (channel masks, states) for ``space``: one entry of shape (C_l,) per layer and nothing
+    else; ValueError naming the layer otherwise. Here, beside the space, so that the models and the masks
+    both check against it without importing each other."""
+    for layer in space.layers:
+        if layer.name not in values:
+            raise ValueError(f"{what}: no entry for channel layer {layer.name!r}")
+        v = np.asarray(values[layer.name])
+        if v.shape != (layer.channels,):
+            raise ValueError(f"{what}: layer {layer.name!r} needs shape ({layer.channels},), got {v.shape}")
+    extra = set(values) - set(space.names)
+    if extra:
+        raise ValueError(f"{what}: unknown channel layers {sorted(extra)}")

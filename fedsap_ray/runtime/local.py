@@ -9,19 +9,14 @@ those of a sequential run and of the Ray backend. Errors carry round and client 
 from __future__ import annotations
 
 import copy
-import os
 import queue
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from fedsap_ray.algorithms.base import RunContext
-from fedsap_ray.client import pick_device, train_client
+from fedsap_ray.client import default_workers, pick_device, train_client
 from fedsap_ray.messages import ClientPlan, ClientResult
-
-
-def default_workers(torch_threads: int) -> int:
-    return max(1, (os.cpu_count() or 1) // max(1, torch_threads))
 
 
 class LocalBackend:

@@ -1,6 +1,6 @@
 """Ray backend (docs/architecture.md#backends): a ServerActor hosting the run, ClientWorker actors on GPU fractions.
 
-- ``ServerActor`` hosts a :class:`~fedsap_ray.experiment.RunSession` (server state,
+- ``ServerActor`` hosts a :class:`~fedsap_ray.session.RunSession` (server state,
   strategy ``configure_round``/``aggregate``, evaluation, Parquet writer); it is pinned
   to the driver's node so results land in the driver's ``--out`` folder. The driver
   only calls ``start``/``step``/``finish`` and prints progress.
@@ -24,7 +24,8 @@ import os
 import uuid
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -32,11 +33,14 @@ import ray.util.scheduling_strategies
 import torch
 
 from fedsap_ray.algorithms.base import RunContext
-from fedsap_ray.client import ClientError, pick_device, train_client
-from fedsap_ray.config import ConfigError, ExperimentConfig
+from fedsap_ray.client import pick_device, train_client
 from fedsap_ray.data.base import DomainData, Federation
+from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper
+from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.session import RunSession, drive
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
@@ -92,7 +96,7 @@ def check_cluster(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, fl
 class ClientWorker:
     """Hosts many virtual clients; holds no state that could change a number (a replacement is identical)."""
 
-    def __init__(self, name: str, model: torch.nn.Module, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
+    def __init__(self, name: str, model: MaskableModel, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
                  client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int) -> None:
         torch.set_num_threads(torch_threads)
         self.name = name
@@ -197,8 +201,6 @@ class ServerActor:
 
     def __init__(self, cfg: ExperimentConfig, out: str, run_id: str, federation: Federation | None,
                  resume: bool = False) -> None:
-        from fedsap_ray.experiment import RunSession
-
         self.pool = RayWorkerPool(cfg)
         self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool, resume=resume)
 
@@ -239,7 +241,6 @@ def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Calla
     and shipped once through the object store.
     """
     from fedsap_ray.data import build_federation
-    from fedsap_ray.experiment import drive
 
     fed = federation if federation is not None else build_federation(cfg)
     connect(cfg)

@@ -13,8 +13,9 @@ draws random groups with exactly the group sizes of the gradient grouping (a mat
 control). :func:`agreement` (adjusted Rand index) records whether a grouping recovered
 the domains or merely the device-capacity tiers.
 
-Group labels are always *canonical*: ``0..K-1`` numbered in order of first appearance by
-client index, so client 0 is in group 0 and equal partitions give equal arrays.
+Group labels are always *canonical* (:func:`~fedsap_ray.algorithms.grouping.canonical_labels`): ``0..K-1``
+numbered in order of first appearance by client index, so client 0 is in group 0 and equal
+partitions give equal arrays.
 
 Everything is pure numpy/scipy/sklearn and deterministic (``random`` only through the
 ``np.random.Generator`` it is given).
@@ -22,13 +23,15 @@ Everything is pure numpy/scipy/sklearn and deterministic (``random`` only throug
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from fedsap_ray.config import ConfigError
+from fedsap_ray.algorithms.grouping import canonical_labels
+from fedsap_ray.errors import ConfigError
 
 DGA_MODES = ("gradient", "none", "oracle", "random")
 DGA_METHODS = ("components", "agglomerative")
@@ -37,23 +40,6 @@ DEFAULT_TAU_SIM = 0.5  # Appendix C
 __all__ = ["DGA_MODES", "DGA_METHODS", "DEFAULT_TAU_SIM", "canonical_labels", "cosine_similarity_matrix",
            "groups_from_similarity", "oracle_groups", "singleton_groups", "random_groups_like",
            "assign_groups", "agreement", "n_groups"]
-
-
-def canonical_labels(labels: Sequence[Any] | np.ndarray) -> np.ndarray:
-    """Relabel a partition as ints ``0..K-1`` in order of first appearance by client index.
-
-    Any hashable, mutually comparable labels (ints, strings) are accepted. This is the
-    canonical form used for every grouping in this module (Appendix C's pi(i), 0-based).
-    """
-    arr = np.asarray(labels)
-    if arr.ndim != 1:
-        raise ValueError(f"labels must be one-dimensional (one per client), got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    _, first, inverse = np.unique(arr, return_index=True, return_inverse=True)
-    rank = np.empty(len(first), dtype=np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
-    return rank[inverse.reshape(-1)]
 
 
 def cosine_similarity_matrix(grads: np.ndarray) -> np.ndarray:

@@ -17,12 +17,12 @@ _EPS = 1e-12
 
 def layer_offsets(space: ChannelSpace) -> np.ndarray:
     """Start of every layer's slice in a concatenated per-channel vector (last entry = total)."""
-    return np.concatenate([[0], np.cumsum([l.channels for l in space.layers])]).astype(np.int64)
+    return np.concatenate([[0], np.cumsum([layer.channels for layer in space.layers])]).astype(np.int64)
 
 
 def split(vec: np.ndarray, space: ChannelSpace) -> dict[str, np.ndarray]:
     off = layer_offsets(space)
-    return {l.name: vec[off[i]:off[i + 1]] for i, l in enumerate(space.layers)}
+    return {layer.name: vec[off[i]:off[i + 1]] for i, layer in enumerate(space.layers)}
 
 
 def per_layer_max_normalise(vec: np.ndarray, space: ChannelSpace) -> np.ndarray:
@@ -61,7 +61,7 @@ def layer_utility(activations: list[np.ndarray], gradients: list[np.ndarray], ac
     """
     off = layer_offsets(space)
     rms_scale = np.repeat(1.0 / np.sqrt(np.maximum(np.asarray(entries_per_channel, np.float64), 1.0)),
-                          [l.channels for l in space.layers])
+                          [layer.channels for layer in space.layers])
     num = np.zeros(len(space.layers))
     den = np.zeros(len(space.layers))
     for a, g, on, w in zip(activations, gradients, actives, weights):

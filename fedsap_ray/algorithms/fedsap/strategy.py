@@ -73,7 +73,7 @@ from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
 from fedsap_ray.algorithms.pruning import filter_l1_scores
-from fedsap_ray.config import ConfigError
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, param_mask, tristate_param_masks
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.seeding import rng_for, seed_for
@@ -85,7 +85,7 @@ DGA_SOURCES = ("train", "probe")
 
 
 @dataclass(frozen=True)
-class FedSAPOptions:
+class FedSAPOptions(Strategy.Options):
     """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
 
     adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's keep ratio in every layer
@@ -166,7 +166,7 @@ class FedSAP(Strategy):
         fed, space = self.ctx.federation, self.ctx.space
         n = len(fed.clients)
         init_scores = filter_l1_scores(space, self.ctx.layout, state.params)
-        channels = np.array([l.channels for l in space.layers])
+        channels = np.array([layer.channels for layer in space.layers])
         states = {}
         for c in fed.clients:
             counts = budget.layer_channel_counts(c.capacity, channels, adaptive=False)
@@ -272,7 +272,8 @@ class FedSAP(Strategy):
         ex = dict(state.extra)
         results = sorted(results, key=lambda r: r.client_id)
         size = self.ctx.layout.size
-        glob_contrib, priv_contrib = [], {}
+        glob_contrib: list[tuple[np.ndarray, np.ndarray, float]] = []
+        priv_contrib: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
         for r in results:
             gmask, pmask = self._masks(ex["states"][r.client_id])
             full = scatter(r.values, gmask | pmask, size)
@@ -322,15 +323,12 @@ class FedSAP(Strategy):
         groups = old_groups.copy()
         if ids:
             grads = np.stack([ex["dga_grads"][i] for i in ids]).astype(np.float64)
-            gradient_groups = dga.groups_from_similarity(dga.cosine_similarity_matrix(grads), o.tau_sim, o.dga_method)
-            if o.dga == "gradient":
-                new = gradient_groups
-            elif o.dga == "oracle":
-                new = dga.oracle_groups([fed.clients[i].domain for i in ids])
-            else:  # random: same group sizes as the gradient grouping (a matched control)
-                new = dga.random_groups_like(gradient_groups, rng_for(self.cfg.seed, t, -1, "dga-random"))
+            # random: the group sizes of the gradient grouping (a matched control); oracle: the true domains
+            new = dga.assign_groups(o.dga, grads=grads, tau_sim=o.tau_sim, method=o.dga_method,
+                                    domains=[fed.clients[i].domain for i in ids] if o.dga == "oracle" else None,
+                                    rng=rng_for(self.cfg.seed, t, -1, "dga-random") if o.dga == "random" else None)
             groups[np.array(ids)] = new
-            groups = _canonical(groups)
+            groups = dga.canonical_labels(groups)
         members = {int(k): [c.client_id for c in fed.clients if groups[c.client_id] == k] for k in np.unique(groups)}
         private, stamp_p = {}, {}
         for k, mem in members.items():
@@ -349,7 +347,7 @@ class FedSAP(Strategy):
         ex, o, space, fed = state.extra, self.opts, self.ctx.space, self.ctx.federation
         if ex["frozen"]:
             return {"n_reactivated": 0, "n_role_switches": 0}
-        channels = np.array([l.channels for l in space.layers])
+        channels = np.array([layer.channels for layer in space.layers])
         seen = sorted(ex["utility"])
         if not seen:
             return {}
@@ -392,18 +390,13 @@ class FedSAP(Strategy):
         """Per layer, the gradient-carrying entries one channel owns (filters, biases, BN affine)."""
         layout = self.ctx.layout
         sizes = {n: int(np.prod(s)) for n, s, p in zip(layout.names, layout.shapes, layout.is_param) if p}
-        return np.array([sum(sizes.get(ax.name, 0) for ax in l.out) / l.channels for l in self.ctx.space.layers])
+        return np.array([sum(sizes.get(ax.name, 0) for ax in layer.out) / layer.channels for layer in self.ctx.space.layers])
 
     # --- masks and records -------------------------------------------------------------
     def _masks(self, st: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(Global, Private) parameter masks of a tri-state channel vector; memoised on its bytes."""
-        cache = self.__dict__.setdefault("_mask_cache", {})
-        key = st.tobytes()
-        if key not in cache:
-            if len(cache) > 256:
-                cache.clear()
-            cache[key] = tristate_param_masks(self.ctx.space, self.ctx.layout, roles.split(st, self.ctx.space))
-        return cache[key]
+        return self.memo("tristate_masks", st.tobytes(), lambda: tristate_param_masks(
+            self.ctx.space, self.ctx.layout, roles.split(st, self.ctx.space)), maxsize=256)
 
     def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
         fed, ex = self.ctx.federation, state.extra
@@ -452,9 +445,3 @@ def _private_is_fresher(pmask: np.ndarray, gmask: np.ndarray | None, stamp_p: np
     copy was (ties: the role's copy)."""
     take = pmask & (stamp_p >= stamp_g)
     return take if gmask is None else take | (gmask & (stamp_p > stamp_g))
-
-
-def _canonical(groups: np.ndarray) -> np.ndarray:
-    """Relabel groups 0..K-1 in order of first appearance by client id."""
-    mapping: dict[int, int] = {}
-    return np.array([mapping.setdefault(int(g), len(mapping)) for g in groups], dtype=np.int64)

@@ -1,0 +1,392 @@
+"""The experiment config's schema: one frozen, validated dataclass tree, and the strict coercion that
+builds it (and every strategy's options) from plain mappings.
+
+This is the bottom of the config layer: data, models, algorithms and backends import their config
+types from here. Assembling a config (presets, YAML, ``--set`` overrides, checking the algorithm's
+options against its strategy) is :mod:`fedsap_ray.config`, which sits above the strategies; every
+name here is also importable from there. Every error is a :class:`~fedsap_ray.errors.ConfigError`
+whose message names the field, the offending value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from collections.abc import Callable, Mapping
+
+from fedsap_ray.errors import ConfigError
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"invalid {field_name}={value!r}: {allowed}")
+
+
+def _check_ratio(name: str, v: float, *, low_open: bool = False) -> None:
+    if not isinstance(v, (int, float)) or math.isnan(v) or v > 1 or v < 0 or (low_open and v == 0):
+        _fail(name, v, "must be a number in " + ("(0, 1]" if low_open else "[0, 1]"))
+
+
+def _check_pos(name: str, v: Any, *, allow_zero: bool = False) -> None:
+    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+          and (v >= 0 if allow_zero else v > 0))  # isfinite first: comparisons are never true for NaN
+    if not ok:
+        _fail(name, v, "must be " + ("a non-negative finite number" if allow_zero else "a positive finite number"))
+
+
+def _check_choice(name: str, v: Any, choices: typing.Iterable[str]) -> None:
+    choices = list(choices)
+    if v not in choices:
+        _fail(name, v, "allowed values are " + ", ".join(choices))
+
+
+SEED_MAX = 2**32 - 1  # the seed range every numpy/torch seeding API accepts
+SEED_ALLOWED = f"must be an integer in [0, {SEED_MAX}] (0 <= seed < 2**32)"
+
+DATASETS = ("embedded_digits", "digits", "digits_offline", "office_caltech", "cifar10", "emnist", "mnist", "shakespeare")
+PARTITIONS = ("domain", "dirichlet", "natural", "iid")
+CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
+MODELS = ("resnet10", "resnet18", "cnn_small", "cnn_cifar", "cnn_emnist", "mlp", "char_lstm")
+BACKENDS = ("local", "ray")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Which dataset, where its files are, and how it is split over clients (docs/guides/data.md)."""
+
+    name: str = "embedded_digits"  # registered dataset (docs/reference/datasets.md)
+    root: str | None = None  # None: the dataset's default location (cache dir or ../shared/data)
+    download: bool = False  # let torchvision fetch missing files (clusters); off: a missing file is an error
+    partition: str = "domain"  # domain (Digits/Office protocol) | dirichlet | natural | iid
+    num_clients: int = 10  # clients in the federation
+    client_fraction: float = 0.01  # share of its domain's training set each client gets (domain protocol)
+    alpha: float = 0.3  # Dirichlet concentration (dirichlet partition)
+    min_samples: int = 10  # every client keeps at least this many samples (dirichlet partition)
+    max_test_per_domain: int | None = None  # cap on held-out samples per domain (None: full test set)
+    max_train_per_domain: int | None = None  # cap on the training pool per domain before partitioning
+
+    def __post_init__(self) -> None:
+        _check_choice("data.name", self.name, DATASETS)
+        _check_choice("data.partition", self.partition, PARTITIONS)
+        if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
+            _fail("data.num_clients", self.num_clients, "must be an integer >= 1")
+        _check_ratio("data.client_fraction", self.client_fraction, low_open=True)
+        _check_pos("data.alpha", self.alpha)
+        if not isinstance(self.min_samples, int) or self.min_samples < 1:
+            _fail("data.min_samples", self.min_samples, "must be an integer >= 1")
+        for f in ("max_test_per_domain", "max_train_per_domain"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                _fail(f"data.{f}", v, "must be null or an integer >= 1")
+        if self.root is not None:
+            try:
+                exists = Path(self.root).expanduser().exists()
+            except (ValueError, RuntimeError, OSError):  # a NUL byte, ~unknown_user, a name too long
+                exists = False
+            if not exists:
+                _fail("data.root", self.root, "the directory does not exist (point it at the dataset files, or leave it null)")
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    """Client device capacities: FedSAP's cyclic pruning ratios or HAS-FL's p_max tiers."""
+
+    scheme: str = "cyclic"  # cyclic | tiers | full | explicit
+    pruning_ratios: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8)  # FedSAP: rho_i = ratios[i % 5]
+    tiers: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)  # HAS-FL p_max values
+    # relative counts; 7/7/3/3 of 20 is our reading (papers/003 gives only the mean p_max 0.525)
+    tier_shares: tuple[float, ...] = (7.0, 7.0, 3.0, 3.0)
+    keep_ratios: tuple[float, ...] | None = None  # explicit per-client keep ratio / p_max
+
+    def __post_init__(self) -> None:
+        _check_choice("capacity.scheme", self.scheme, CAPACITY_SCHEMES)
+        if not self.pruning_ratios:
+            _fail("capacity.pruning_ratios", self.pruning_ratios, "must be a non-empty list")
+        for r in self.pruning_ratios:
+            if not isinstance(r, (int, float)) or not 0 <= r < 1:
+                _fail("capacity.pruning_ratios", list(self.pruning_ratios), "every ratio must be in [0, 1)")
+        for p in self.tiers:
+            _check_ratio("capacity.tiers", p, low_open=True)
+        if len(self.tiers) != len(self.tier_shares) or not self.tiers:
+            _fail("capacity.tier_shares", list(self.tier_shares), f"must have one entry per tier ({len(self.tiers)} tiers)")
+        for s in self.tier_shares:
+            _check_pos("capacity.tier_shares", s, allow_zero=True)
+        if not 0 < sum(float(s) for s in self.tier_shares) < math.inf:
+            _fail("capacity.tier_shares", [float(s) for s in self.tier_shares],
+                  "the shares (relative client counts per tier) must have a finite sum > 0")
+        if self.keep_ratios is not None:
+            for p in self.keep_ratios:
+                _check_ratio("capacity.keep_ratios", p, low_open=True)
+        if self.scheme == "explicit" and self.keep_ratios is None:
+            _fail("capacity.keep_ratios", None, "capacity.scheme=explicit needs a list with one keep ratio per client")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which network every client trains (the maskable models of ``fedsap_ray/models``)."""
+
+    name: str = "resnet10"  # resnet10/resnet18 (FedSAP), cnn_cifar/cnn_emnist/char_lstm (papers/003), cnn_small, mlp
+    width_mult: float = 1.0  # scales every layer's channel count (tests and laptops use < 1)
+
+    def __post_init__(self) -> None:
+        _check_choice("model.name", self.name, MODELS)
+        _check_pos("model.width_mult", self.width_mult)
+        if self.width_mult > 4:
+            _fail("model.width_mult", self.width_mult, "must be in (0, 4]")
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Federated protocol and the client optimizer (papers/000 Table 4; papers/003 section 4.1)."""
+
+    rounds: int = 100  # communication rounds
+    local_epochs: int = 10  # local epochs per round (E)
+    batch_size: int = 64  # local mini-batch size
+    lr: float = 0.01  # client SGD learning rate (round 1; see lr_decay)
+    momentum: float = 0.9  # client SGD momentum
+    weight_decay: float = 5e-4  # client SGD weight decay
+    lr_decay: float = 1.0  # multiplicative per round (papers/003: 0.995)
+    grad_clip: float | None = None  # max gradient L2 norm (None: off)
+    participation: float = 1.0  # fraction of clients sampled per round (papers/003: 0.5)
+    eval_every: int = 1  # evaluate every this many rounds (the last round is always evaluated)
+    max_steps_per_epoch: int | None = None  # cap on mini-batches per local epoch (None: full pass)
+    # also evaluate each client's deployed model (its own sub-model on its own domain; eval_mode 'deployed')
+    eval_deployed: bool = True
+    # deployed evaluation covers at most this many clients: above it, a seeded sample stratified by domain
+    eval_clients: int = 32
+    # evaluate the deployed models only at every this-many-th round (and the last): each evaluation
+    # recalibrates and evaluates up to eval_clients models, about a round's training on small presets
+    deployed_every: int = 1
+    # BN statistics of a deployed model: 'client' recomputes them on the client's own training data with its
+    # own sub-model (what the device would hold); 'aggregated' keeps the server's averaged running statistics
+    deployed_bn: str = "client"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.eval_deployed, bool):
+            _fail("training.eval_deployed", self.eval_deployed, "must be true or false")
+        if self.deployed_bn not in ("client", "aggregated"):
+            _fail("training.deployed_bn", self.deployed_bn, "allowed values are client, aggregated")
+        for f in ("rounds", "local_epochs", "batch_size", "eval_every", "eval_clients", "deployed_every"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                _fail(f"training.{f}", v, "must be an integer >= 1")
+        _check_pos("training.lr", self.lr)
+        _check_ratio("training.momentum", self.momentum)
+        _check_pos("training.weight_decay", self.weight_decay, allow_zero=True)
+        _check_ratio("training.lr_decay", self.lr_decay, low_open=True)
+        if self.grad_clip is not None:
+            _check_pos("training.grad_clip", self.grad_clip)
+        _check_ratio("training.participation", self.participation, low_open=True)
+        if self.max_steps_per_epoch is not None and (not isinstance(self.max_steps_per_epoch, int) or self.max_steps_per_epoch < 1):
+            _fail("training.max_steps_per_epoch", self.max_steps_per_epoch, "must be null or an integer >= 1")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Strategy name plus its own options (validated by the strategy's options dataclass)."""
+
+    # The options are checked when fedsap_ray.config builds the tree (config._check_algorithm):
+    # the strategies import this module, so it cannot import them.
+
+    name: str = "fedsap"  # registry name (docs/reference/algorithms.md)
+    # the algorithm's own options; set as --set algorithm.<option>=VALUE
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResourcesConfig:
+    """Where and how clients train. Left out of the config hash; of these fields only ``torch_threads``
+    can change a number (see its comment)."""
+
+    backend: str = "local"  # local: clients train in this process; ray: ClientWorker actors
+    device: str = "auto"  # auto: CUDA when available, else CPU
+    num_workers: int | None = None  # concurrent clients; None: local = CPU count / torch_threads, Ray = from cluster resources
+    cpus_per_worker: float = 1.0  # CPUs each Ray ClientWorker reserves
+    gpus_per_worker: float = 0.0  # GPU fraction each Ray ClientWorker reserves (e.g. 0.25: four workers per GPU)
+    address: str | None = None  # Ray cluster address; None: RAY_ADDRESS or a local Ray on 127.0.0.1
+    dashboard: bool = False  # start the Ray dashboard (on 127.0.0.1) when starting a local Ray
+    # Intra-op threads of every client's training and of evaluation. Part of the numerics:
+    # float reductions differ with the thread count, so it is fixed (not "all cores") to
+    # give the same bits on every backend and worker. Parallelism comes from running
+    # clients concurrently (num_workers), not from threads inside one client.
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        _check_choice("resources.backend", self.backend, BACKENDS)
+        _check_choice("resources.device", self.device, DEVICES)
+        if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
+            _fail("resources.num_workers", self.num_workers, "must be null or an integer >= 1")
+        _check_pos("resources.cpus_per_worker", self.cpus_per_worker)
+        _check_pos("resources.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
+        if not isinstance(self.torch_threads, int) or self.torch_threads < 1:
+            _fail("resources.torch_threads", self.torch_threads, "must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """The whole run. Besides each field's own check: ``capacity.keep_ratios`` needs one entry per
+    client, ``partition=domain`` needs a dataset with several domains and ``partition=natural``
+    exists only for Shakespeare."""
+
+    study: str = "default"  # a label stored with every result (the sweep scripts set it to the study's name)
+    seed: int = 0  # seeds every random draw of the run (partition, initialisation, sampling, batches)
+    preset: str = "custom"  # the preset the config started from (set by build_config; recorded in the runs table)
+    data: DataConfig = field(default_factory=DataConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
+            _fail("seed", self.seed, SEED_ALLOWED)
+        if not isinstance(self.study, str) or not self.study:
+            _fail("study", self.study, "must be a non-empty string")
+        kr = self.capacity.keep_ratios
+        if kr is not None and len(kr) != self.data.num_clients:
+            _fail("capacity.keep_ratios", list(kr), f"needs exactly data.num_clients={self.data.num_clients} entries, got {len(kr)}")
+        if self.data.partition == "domain" and self.data.name in ("mnist", "cifar10", "emnist", "shakespeare"):
+            _fail("data.partition", self.data.partition, f"data.name={self.data.name} has one domain: use dirichlet, natural or iid")
+        if self.data.partition == "natural" and self.data.name != "shakespeare":
+            _fail("data.partition", self.data.partition, "natural partitions exist only for data.name=shakespeare")
+
+    # --- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def config_hash(self) -> str:
+        """Stable 12-hex hash of the resolved config (run-id prefix); ignores where it runs."""
+        d = self.to_dict()
+        d.pop("resources", None)
+        d.pop("preset", None)
+        return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _canonical(x: Any) -> Any:
+    """Numbers as floats, so 7 and 7.0 (same meaning) hash alike."""
+    if isinstance(x, dict):
+        return {k: _canonical(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_canonical(v) for v in x]
+    if isinstance(x, int) and not isinstance(x, bool):
+        return float(x)
+    return x
+
+
+def _to_plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _to_plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_plain(v) for v in x]
+    return x
+
+
+Checks = Mapping[type, Callable[[Any], None]]  # extra checks run on each built node of a type
+
+
+def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> Any:
+    """The dataclass ``cls`` from the plain mapping ``d``, each value coerced to its field's type;
+    a one-line ConfigError naming ``prefix + key`` otherwise. ``checks[t](node)`` runs on every node
+    of type ``t`` as soon as it is built (how the config layer checks algorithm options, which this
+    module cannot know), so errors come in the order of the mapping's keys."""
+    if not isinstance(d, Mapping):
+        _fail(prefix.rstrip(".") or "config", d, "must be a mapping")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in d if k not in fields]
+    if unknown:
+        k = unknown[0]
+        _fail(prefix + k, d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for k, v in d.items():
+        kwargs[k] = coerce(hints[k], v, prefix + k, checks)
+    try:
+        node = cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - defensive
+        raise ConfigError(f"invalid {prefix.rstrip('.')}: {e}") from e
+    if checks and cls in checks:
+        checks[cls](node)
+    return node
+
+
+INT64_MAX = 2**63 - 1  # what the Parquet int64 columns (seed, rounds, num_clients...) can hold
+_SCALAR_ERRORS = {
+    float: {"finite_number": "must be a finite number (not NaN or infinity)"},
+    int: {"greater_than_equal": "must be an integer between -2**63 and 2**63-1",
+          "less_than_equal": "must be an integer between -2**63 and 2**63-1"},
+}
+
+
+@functools.cache
+def _adapter(tp: type) -> Any:
+    """A pydantic validator for one scalar type: strict (no "1" for 1, no bools for numbers),
+    no NaN or infinity (a NaN slips through every hand-written ``v <= 0`` check), and
+    integers within int64."""
+    from pydantic import ConfigDict, Field, TypeAdapter
+
+    if tp is int:
+        return TypeAdapter(typing.Annotated[int, Field(strict=True, ge=-INT64_MAX - 1, le=INT64_MAX)])
+    return TypeAdapter(tp, config=ConfigDict(strict=True, allow_inf_nan=False))
+
+
+def _scalar(tp: type, v: Any, name: str) -> Any:
+    """``v`` as a ``tp`` (int or float), or a one-line ConfigError naming ``name``."""
+    from pydantic import ValidationError
+
+    if isinstance(v, bool):  # a bool is an int to Python, never a number to a config
+        _fail(name, v, "must be a number" if tp is float else "must be an integer")
+    try:
+        return _adapter(tp).validate_python(v)
+    except ValidationError as e:
+        kind = e.errors()[0]["type"]
+        if name == "seed" and kind in _SCALAR_ERRORS[int]:
+            _fail(name, v, SEED_ALLOWED)
+        _fail(name, v, _SCALAR_ERRORS[tp].get(kind, "must be a number" if tp is float else "must be an integer"))
+
+
+def coerce(tp: Any, v: Any, name: str, checks: Checks | None = None) -> Any:
+    """``v`` as a value of type ``tp`` (dataclass, optional, tuple, mapping, scalar), strictly: one
+    rule for the config tree and for every strategy's options (:mod:`fedsap_ray.algorithms.registry`)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return construct(tp, v, name + ".", checks)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(inner[0], v, name, checks)
+    if origin is tuple:
+        if not isinstance(v, (list, tuple)):
+            _fail(name, v, "must be a list")
+        return tuple(coerce(args[0], x, name, checks) for x in v)
+    if origin in (Mapping, dict) or tp is Mapping:
+        if not isinstance(v, Mapping):
+            _fail(name, v, "must be a mapping")
+        return dict(v)
+    if tp is float:
+        return _scalar(float, v, name)
+    if tp is int:
+        if isinstance(v, float) and v.is_integer():  # YAML/JSON may spell an integer 3.0
+            v = int(v)
+        return _scalar(int, v, name)
+    if tp is bool:
+        if not isinstance(v, bool):
+            _fail(name, v, "must be true or false")
+        return v
+    if tp is str:
+        if not isinstance(v, str):
+            _fail(name, v, "must be a string")
+        return v
+    return v

@@ -1,0 +1,211 @@
+"""One run's server side, and the loop that drives it: what both backends and the sweeps share.
+
+:class:`RunSession` owns a run's context, strategy, backend, writer and checkpoints; :func:`drive`
+runs its rounds and closes it with the right status. The local path drives a session
+in-process; the Ray backend (:mod:`fedsap_ray.runtime.ray`) hosts one in a ``ServerActor`` and
+drives the same methods remotely. The session takes its backend from the caller, so this module
+needs nothing from :mod:`fedsap_ray.runtime` (which imports it: the Ray backend hosts sessions).
+"""
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+import fedsap_ray
+from fedsap_ray import algorithms, checkpoint
+from fedsap_ray.algorithms.base import RunContext
+from fedsap_ray.client import default_workers, pick_device
+from fedsap_ray.data import build_federation
+from fedsap_ray.data.base import Federation
+from fedsap_ray.errors import ConfigError, RunStopped
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ServerState
+from fedsap_ray.models import build_model
+from fedsap_ray.results import RunWriter
+from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.seeding import seed_for
+from fedsap_ray.server import Backend, RoundSummary, Server
+
+
+@dataclass
+class RunOutcome:
+    run_id: str
+    out: Path
+    status: str
+    final_global_accuracy: float
+    best_global_accuracy: float
+    wall_s: float
+    worker_restarts: int = 0
+
+
+def build_context(cfg: ExperimentConfig, federation: Federation | None = None) -> RunContext:
+    """Federation + seeded initial model + its layout and channel space."""
+    fed = federation if federation is not None else build_federation(cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed_for(cfg.seed, 0, -1, "model-init"))
+        try:
+            model = build_model(cfg.model.name, num_classes=fed.num_classes, input_shape=fed.input_shape,
+                                width_mult=cfg.model.width_mult, vocab_size=fed.vocab_size)
+        except ValueError as e:  # a model that cannot take this dataset's inputs is bad input, not a failed run
+            raise ConfigError(f"invalid model.name={cfg.model.name!r}: {e} (dataset {fed.dataset} gives "
+                              f"{fed.input_kind} inputs of shape {tuple(fed.input_shape)})") from e
+    return RunContext(cfg=cfg, federation=fed, model=model, layout=ParamLayout.from_model(model),
+                      space=model.channel_space())
+
+
+def _now() -> _dt.datetime:
+    return _dt.datetime.now(_dt.timezone.utc)
+
+
+def run_row(cfg: ExperimentConfig, *, dataset: str, num_clients: int, notes: str = "") -> dict:
+    """The provenance part of a run's ``runs`` row (status, times and accuracies are added by the writer's caller)."""
+    return dict(study=cfg.study, algorithm=cfg.algorithm.name, dataset=dataset, model=cfg.model.name,
+                preset=cfg.preset, seed=cfg.seed, num_clients=num_clients, rounds=cfg.training.rounds,
+                backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
+                started_at=_now(), package_version=fedsap_ray.__version__, dataset_notes=notes)
+
+
+def record_failed_start(cfg: ExperimentConfig, out: str | Path, run_id: str, error: BaseException) -> None:
+    """A ``runs`` row (status ``failed``, the error) for a run that failed before it could start
+    (e.g. its data could not be loaded), so a sweep's runs table shows every trial."""
+    row = run_row(cfg, dataset=cfg.data.name, num_clients=cfg.data.num_clients)
+    RunWriter(Path(out), run_id).set_run(dict(row, status="failed", error=f"{error.__class__.__name__}: {error}",
+                                              finished_at=row["started_at"], rounds_done=0))
+
+
+class RunSession:
+    """One run's server side: context, strategy, backend, writer and the round loop.
+
+    The local path drives it in-process; the Ray backend hosts it inside a
+    ``ServerActor`` and drives the same methods remotely, so both share every line of
+    the round logic. The ``runs`` row is written at creation (status ``running``),
+    after every round, and by :meth:`finish` (``finished``, ``failed`` with the error,
+    or ``interrupted``), so an interrupted run is visible and its rounds stay loadable.
+    """
+
+    def __init__(self, cfg: ExperimentConfig, out: str | Path, run_id: str, *,
+                 backend: Backend, federation: Federation | None = None, resume: bool = False) -> None:
+        torch.set_num_threads(cfg.resources.torch_threads)  # evaluation numerics (see ResourcesConfig)
+        self.cfg, self.out, self.run_id = cfg, Path(out), run_id
+        self.t0 = time.perf_counter()
+        self.writer = RunWriter(self.out, run_id)
+        self.ctx = build_context(cfg, federation)
+        self.strategy = algorithms.get(cfg.algorithm.name)(
+            self.ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+        self.backend = backend
+        self.server = Server(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
+                             device=pick_device(cfg.resources.device))
+        fed = self.ctx.federation
+        self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes)
+        self.state: ServerState | None = None
+        self.prior_wall_s = 0.0
+        self._resumed: ServerState | None = None
+        if resume:
+            ck = checkpoint.load(self.out, run_id)
+            self._resumed = ck["state"]
+            self.server.restore_metrics(ck["server"])
+            old = self.writer.restore(self._resumed.round)
+            if old is not None:
+                if old["config_hash"] != cfg.config_hash():
+                    raise ConfigError(f"invalid resume={run_id!r}: the run was made with another config "
+                                      f"(hash {old['config_hash']}, now {cfg.config_hash()})")
+                self.base_row["started_at"] = old["started_at"]
+                # the provenance stays the bytes the run started with (a re-serialised config
+                # can spell the same numbers differently, e.g. 7 as 7.0)
+                self.base_row["config_json"] = old["config_json"] or self.base_row["config_json"]
+                self.prior_wall_s = float(old["wall_s"] or 0.0)
+        self.writer.set_run(self._row("running"))
+
+    def start(self) -> int:
+        """Start the backend; return the last completed round (0, or the checkpoint's when resuming)."""
+        self.backend.start(self.ctx)
+        self.state = self._resumed if self._resumed is not None else self.strategy.init_state()
+        return self.state.round
+
+    def step(self, t: int) -> RoundSummary:
+        assert self.state is not None, "RunSession.start() first"
+        state = self.server.round(self.state, t)
+        checkpoint.save(self.out, self.run_id, state, self.server.metrics_state(),
+                        tables=self.writer.tables_written())
+        self.state = state  # only now is round t done: a resume can continue after it
+        self.writer.set_run(self._row("running"))
+        assert self.server.last_summary is not None, "Server.round sets it"
+        return self.server.last_summary
+
+    def finish(self, status: str, error: str | None = None) -> RunOutcome:
+        try:
+            self.writer.set_run(self._row(status, error))
+            if status == "finished":
+                checkpoint.remove(self.out, self.run_id)
+        finally:
+            self.backend.close()
+        return RunOutcome(run_id=self.run_id, out=self.out, status=status,
+                          final_global_accuracy=self.server.last_global, best_global_accuracy=self.server.best,
+                          wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
+                          worker_restarts=int(getattr(self.backend, "restarts", 0)))
+
+    def _row(self, status: str, error: str | None = None) -> dict:
+        return dict(self.base_row, status=status, error=error, finished_at=None if status == "running" else _now(),
+                    rounds_done=self._rounds_done(), wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
+                    final_global_accuracy=_nan_none(self.server.last_global),
+                    best_global_accuracy=_nan_none(self.server.best))
+
+    def _rounds_done(self) -> int:
+        state = self.state if self.state is not None else self._resumed
+        return 0 if state is None else state.round
+
+
+def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None) -> RunOutcome:
+    """The driver loop shared by both backends (for Ray, ``session`` forwards to the ServerActor)."""
+    try:
+        done = session.start()
+        for t in range(done + 1, rounds + 1):
+            summary = session.step(t)
+            if progress is not None:
+                progress(summary)
+    except RunStopped as e:
+        return session.finish("stopped", str(e) or "stopped early by its caller")
+    except KeyboardInterrupt as e:
+        _finish_after(session, e, "interrupted", "interrupted by the user")
+        raise
+    except BaseException as e:
+        _finish_after(session, e, "failed", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=5)}")
+        raise
+    return session.finish("finished")
+
+
+def _finish_after(session, error: BaseException, status: str, message: str) -> None:
+    """Close the run after ``error`` without ever replacing it: if recording the status fails
+    too (e.g. the disk that broke the round is still full), that second error becomes a
+    note on the first (``error.__notes__``), which the caller re-raises."""
+    try:
+        session.finish(status, message)
+    except Exception as second:
+        add_note(error, f"the runs row could not be updated to status {status!r}: "
+                        f"{second.__class__.__name__}: {str(second).splitlines()[0] if str(second) else ''}")
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """``error.add_note(note)`` (Python >= 3.11), or the same ``__notes__`` list on 3.10."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
+    else:  # pragma: no cover - Python 3.10
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def _scratch(ctx: RunContext) -> list:
+    """Scratch modules for concurrent per-domain evaluation (as many as the local CPU allows)."""
+    n = min(len(ctx.federation.test), default_workers(ctx.cfg.resources.torch_threads))
+    return [copy.deepcopy(ctx.model) for _ in range(max(1, n))]
+
+
+def _nan_none(x: float) -> float | None:
+    return None if x is None or np.isnan(x) else float(x)
