@@ -132,7 +132,7 @@ def report(res: Any) -> str:
     section("Aggregation path x layer-budget rule (Table 5)", grid.reset_index() if len(t5) else grid,
             "Best-so-far global accuracy, DGA on.")
     device = sweep.pm_table(t5)[["path", "budget", "seeds", "best", "final", *sweep.DEVICE_COLUMNS]] if len(t5) else t5
-    if len(device) and sweep.drop_unrecorded(device).columns.size == 5:  # no device column has a value
+    if len(device) and not set(sweep.DEVICE_COLUMNS) & set(sweep.drop_unrecorded(device).columns):
         device = device.iloc[0:0]
     section("Table 5: what each device ran and spent", device,
             "best / final: the group models (the paper's figure); deployed: each client's own model at its own "

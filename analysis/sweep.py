@@ -463,8 +463,7 @@ def pm_table(df: pd.DataFrame, digits: int = 1, not_percent: Sequence[str] = NOT
 def drop_unrecorded(df: pd.DataFrame, cols: Sequence[str] = DEVICE_COLUMNS) -> pd.DataFrame:
     """``df`` without those of ``cols`` that no row has a value in (runs written before the deployed
     evaluation and ``train_macs`` existed), so a report does not print columns of dashes."""
-    empty = [c for c in cols if c in df.columns and df[c].map(lambda v: isinstance(v, str) and v == "–" or
-                                                              (not isinstance(v, str) and pd.isna(v))).all()]
+    empty = [c for c in cols if c in df.columns and df[c].replace("–", np.nan).isna().all()]
     return df.drop(columns=empty)
 
 
