@@ -103,13 +103,13 @@ class Server:
             raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
         new_state = self.strategy.aggregate(state, results, t)
         cfg = self.ctx.cfg
-        evaluated = t % cfg.training.eval_every == 0 or t == cfg.training.rounds
+        evaluated = _due(t, cfg.training.eval_every, cfg.training.rounds)
         by_mode: dict[str, dict[str, tuple[float, float]]] = {}
         if evaluated:
             for mode, models in self.strategy.eval_sets(new_state).items():
                 by_mode[mode] = evaluate_domains(self.eval_scratch, self.ctx.layout, models,
                                                  self.ctx.federation.test, self.device)
-        deployed_now = t % cfg.training.deployed_every == 0 or t == cfg.training.rounds
+        deployed_now = _due(t, cfg.training.deployed_every, cfg.training.rounds)
         deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
                     else {})
         summary = self._record(new_state, t, plans, results, by_mode, deployed, time.perf_counter() - t0)
@@ -234,6 +234,11 @@ class Server:
                             extra=self.strategy.round_columns(state),
                             deployed_accuracy=deployed_global.get("accuracy"),
                             worst_client_accuracy=deployed_global.get("worst_client_accuracy"))
+
+
+def _due(t: int, every: int, rounds: int) -> bool:
+    """Whether round ``t`` is one of every ``every``-th rounds or the last (eval_every, deployed_every)."""
+    return t % every == 0 or t == rounds
 
 
 def deployed_sample(ctx: RunContext) -> tuple[list[int], bool]:
