@@ -1,12 +1,11 @@
 """Config: presets, overrides, files, and a clear error for every kind of bad input."""
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 
-from fedsap_ray.config import PRESETS, ConfigError, ExperimentConfig, build_config, from_dict, load_file
+from fedsap_ray.config import PRESETS, ConfigError, build_config, load_file
 
 
 def test_presets_resolve_and_differ():
@@ -92,9 +91,3 @@ def test_bad_preset_and_file(tmp_path):
     with pytest.raises(ConfigError, match="mapping"):
         load_file(bad)
 
-
-def test_frozen():
-    cfg = from_dict({})
-    assert isinstance(cfg, ExperimentConfig)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.seed = 3  # type: ignore[misc]
