@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from fedsap_ray.aggregation import scatter
-from fedsap_ray.algorithms.hooks import ClientHook, make_hooks
+from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.errors import ClientError
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
@@ -126,7 +126,7 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
     """The local epochs: (per-step losses, optimizer steps over all epochs, samples in their batches)."""
     params = [p for p in model.parameters()]
     tmask = None if plan.mask is None else TorchMask.build(model, layout, plan.mask)
-    base = next((h for h in hooks if type(h).loss is not ClientHook.loss), None)  # at most one (make_hooks)
+    base = next((h for h in hooks if defines_loss(h)), None)  # at most one (make_hooks)
     opt = torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
     x_all = as_input(data.x).to(device)
     y_all = data.y.to(device)

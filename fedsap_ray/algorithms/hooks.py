@@ -121,6 +121,12 @@ def hook_names(plan: ClientPlan) -> tuple[str, ...]:
     return tuple(names)
 
 
+def defines_loss(hook: ClientHook | type[ClientHook]) -> bool:
+    """Whether a hook (class) overrides :meth:`ClientHook.loss`, i.e. gives the base loss."""
+    cls = hook if isinstance(hook, type) else type(hook)
+    return cls.loss is not ClientHook.loss
+
+
 def make_hooks(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
                built: list[ClientHook]) -> list[ClientHook]:
     """Build the plan's hooks in order, appending each to ``built`` as soon as it exists (so the caller
@@ -131,7 +137,7 @@ def make_hooks(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, devi
     unknown = [n for n in names if n not in _HOOKS]
     if unknown:
         raise ValueError(f"unknown client hook(s) {unknown}; registered: {sorted(_HOOKS)}")
-    losses = [n for n in names if _HOOKS[n].loss is not ClientHook.loss]
+    losses = [n for n in names if defines_loss(_HOOKS[n])]
     if len(losses) > 1:
         raise ValueError(f"client hooks {losses} all define the base loss; at most one may")
     for n in names:
