@@ -11,24 +11,24 @@ documents: pure data, so any worker can run any client. Whatever a hook sends ba
 
 Hook points, in the order the client calls them (every hook of the plan at each point):
 
-==================  ===================================================================
-``__init__``        before the plan's values are loaded: read and check the payload; the
-                    model's structure may be read, its values must not (they are stale)
-``before_training`` ``(model, data)``: the scratch model before the plan's values are loaded
-                    into it (FedSAP's probe gradient); anything written to it is overwritten
-``start``           the plan's values are loaded on the device, coordinates outside the
-                    plan's mask are zero; build state from them (FedProx's anchor, masks)
-``epoch_start``     at the start of each local epoch (ChannelStats watches the last one)
-``loss``            the batch's base loss; at most one hook of a plan defines it, otherwise
-                    it is ``cross_entropy(model(x), y)``
-``add_terms``       ``loss -> loss + term`` (FedProx's (mu/2)||w - w^t||^2), after the base
-``after_backward``  gradients are masked to the plan's coordinates, not yet clipped
-``after_clip``      gradients are clipped (``grad_clip``); the optimiser step comes next
-``after_step``      the optimiser step is done
-``result``          arrays for ``ClientResult.stats`` (keys must not collide across hooks)
-``upload_mask``     coordinates to upload when the client chose them (at most one hook)
-``close``           always, in a ``finally``: remove module hooks from the reused scratch model
-==================  ===================================================================
+====================  ===================================================================
+``__init__``          before the plan's values are loaded: read and check the payload; the
+                      model's structure may be read, its values must not (they are stale)
+``before_training``   the scratch model and the client's data, before the plan's values are
+                      loaded into it (FedSAP's probe gradient); anything written to it is overwritten
+``start``             the plan's values are loaded on the device, coordinates outside the
+                      plan's mask are zero; build state from them (FedProx's anchor, masks)
+``epoch_start``       at the start of each local epoch (ChannelStats watches the last one)
+``loss``              the batch's base loss; at most one hook of a plan defines it, otherwise
+                      it is ``cross_entropy(model(x), y)``
+``add_terms``         ``loss -> loss + term`` (FedProx's (mu/2)||w - w^t||^2), after the base
+``after_backward``    gradients are masked to the plan's coordinates, not yet clipped
+``after_clip``        gradients are clipped (``grad_clip``); the optimiser step comes next
+``after_step``        the optimiser step is done
+``result``            arrays for ``ClientResult.stats`` (keys must not collide across hooks)
+``upload_mask``       coordinates to upload when the client chose them (at most one hook)
+``close``             always, in a ``finally``: remove module hooks from the reused scratch model
+====================  ===================================================================
 
 Hooks never change the order of the loop's own floating-point operations: a plan without
 hooks trains exactly as the plain loop.
