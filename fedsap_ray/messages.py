@@ -26,14 +26,13 @@ class ClientPlan:
     weight_decay: float = 0.0
     grad_clip: float | None = None
     max_steps_per_epoch: int | None = None
-    prox_mu: float = 0.0  # FedProx proximal weight (Li et al. 2020, Eq. 2)
-    rep_gamma: float = 0.0  # FedSAP representation regulariser gamma (papers/000 Eq. 7)
     seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
     capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
     channel_counts: dict[str, int] = field(default_factory=dict)  # n_global / n_private / n_dropped
     pseudo_group: int | None = None
-    stats: tuple[str, ...] = ()  # statistics the strategy wants back
-    extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific payload (documented there)
+    # strategy-specific payload, pure data: extra["hooks"] names the client hooks that customise local
+    # training, in order, and the other keys are what they read (fedsap_ray.algorithms.hooks)
+    extra: dict[str, Any] = field(default_factory=dict)
     # bytes of protocol state the real algorithm would also send each way (e.g. SCAFFOLD's control
     # variates c - c_i down and Delta c_i up), counted in bytes_down / the clients' bytes_up
     side_bytes_down: int = 0

@@ -22,10 +22,11 @@ float32 numpy arrays, only the keys it was asked for:
   name starts with ``f"{dga_prefix}."``, flattened and concatenated in layout order
   (the g_i of Eq. 4).
 
-Gradients are read by :meth:`ChannelStats.after_backward`, which the client calls after
-masking the gradients and before clipping: the gradient of the local objective (cross
-entropy, plus the proximal term if any; weight decay is applied inside the optimiser
-and is not part of it). Dropped channels have zero output and zero (masked) gradient, so
+Gradients are read by :meth:`ChannelStats.after_backward`, which FedSAP's ``channel_stats``
+client hook (:mod:`fedsap_ray.algorithms.fedsap.hooks`) calls at the client loop's
+``after_backward`` point, after masking the gradients and before clipping: the gradient of
+the local loss (cross entropy plus the loss terms of the plan's other hooks, e.g. Eq. 7;
+weight decay is applied inside the optimiser and is not part of it). Dropped channels have zero output and zero (masked) gradient, so
 their statistics are exactly 0. Collecting never changes the training numbers: hooks
 only read detached outputs and gradients are copied, never modified.
 """

@@ -12,7 +12,9 @@ from conftest import (assert_finite_global_accuracy, assert_options_rejected, as
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.algorithms.base import RunContext
-from fedsap_ray.algorithms.dapperfl import (MASK_KEY, OBJECTIVE, DapperFL, dar_loss, first_epoch_samples, fusion_alpha,
+from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.representation import HOOK as REP_NORM
+from fedsap_ray.algorithms.dapperfl import (HOOK, MASK_KEY, DapperFL, dar_loss, first_epoch_samples, fusion_alpha,
                                             fusion_prune, pack_channel_masks, unpack_channel_masks)
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.client import train_client
@@ -112,12 +114,15 @@ def _client_setup() -> tuple[torch.nn.Module, ParamLayout, DomainData]:
 
 
 def _plan(values: np.ndarray, epochs: int, gamma: float = 0.01, **extra) -> ClientPlan:
+    """The shared rep_norm hook alone (Eq. 7, squared by default), or before MFP's when ``extra`` is :func:`_mfp`'s."""
+    extra = {HOOKS_KEY: (REP_NORM,), "rep_gamma": gamma, **extra}
     return ClientPlan(client_id=0, round=3, values=values, mask=None, local_epochs=epochs, batch_size=6, lr=0.1,
-                      momentum=0.9, weight_decay=1e-3, seed=7, rep_gamma=gamma, extra=extra)
+                      momentum=0.9, weight_decay=1e-3, seed=7, extra=extra)
 
 
-def _mfp(alpha: float = 0.6, keep: float = 0.5, steps: int = 2, **more) -> dict:
-    return {"objective": OBJECTIVE, "alpha": alpha, "keep_ratio": keep, "prune_after_steps": steps, **more}
+def _mfp(alpha: float = 0.6, keep: float = 0.5, steps: int = 2, dar_form: str = "norm", **more) -> dict:
+    return {HOOKS_KEY: (REP_NORM, HOOK), "rep_form": dar_form, "alpha": alpha, "keep_ratio": keep,
+            "prune_after_steps": steps, **more}
 
 
 def test_client_fuses_the_one_epoch_model_with_the_global_one_and_prunes_the_fusion():
@@ -127,7 +132,7 @@ def test_client_fuses_the_one_epoch_model_with_the_global_one_and_prunes_the_fus
     model, layout, data = _client_setup()
     space = model.channel_space()
     w_global = layout.flatten(model)
-    plain = train_client(_plan(w_global, 1), copy.deepcopy(model), layout, data)  # no objective: client's Eq. 7 loop
+    plain = train_client(_plan(w_global, 1), copy.deepcopy(model), layout, data)  # rep_norm alone: the Eq. 7 loop
     got = train_client(_plan(w_global, 1, **_mfp(dar_form="squared")), copy.deepcopy(model), layout, data)
     assert plain.steps == got.steps == 2
     want, cmasks, pmask = fusion_prune(space, layout, w_global, plain.values, 0.6, 0.5)
@@ -166,7 +171,7 @@ def test_dar_enters_the_loss():
         assert float(dar_loss(model, x, y, 0.01, "squared")) == pytest.approx(float(squared), rel=1e-6)
         assert float(norm) != pytest.approx(float(squared), rel=1e-4)
         assert float(dar_loss(model, x, y, 0.01)) > float(dar_loss(model, x, y, 0.0))
-    with pytest.raises(ValueError, match="DAR form"):
+    with pytest.raises(ValueError, match="form .cubed."):
         dar_loss(model, x, y, 0.01, "cubed")
     w_global = layout.flatten(model)
     on = train_client(_plan(w_global, 2, gamma=0.01, **_mfp()), copy.deepcopy(model), layout, data)
@@ -275,7 +280,7 @@ def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruc
         p = plans[r.client_id]
         assert p.mask is None and p.values is states[1].params
         assert p.extra["alpha"] == pytest.approx(0.72) and p.extra["keep_ratio"] == keeps[r.client_id]
-        assert p.rep_gamma == 0.01
+        assert p.extra["rep_gamma"] == 0.01 and p.extra[HOOKS_KEY] == (REP_NORM, HOOK)
         assert r.steps == 2 * p.extra["prune_after_steps"]
         cm = unpack_channel_masks(ctx.space, r.stats[MASK_KEY])
         for layer in ctx.space.layers:

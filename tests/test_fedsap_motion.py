@@ -325,6 +325,8 @@ def test_probe_dga_recovers_strongly_separated_domains_under_mixed_capacities(se
 
 def test_probe_does_not_change_training(fed):
     """The probe only reads: the same plan without the probe trains to the same values bit for bit."""
+    from fedsap_ray.algorithms.fedsap.hooks import DGA_PROBE
+    from fedsap_ray.algorithms.hooks import HOOKS_KEY
     from fedsap_ray.runtime.local import LocalBackend
 
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "algorithm.dga_source=probe"])
@@ -338,6 +340,7 @@ def test_probe_does_not_change_training(fed):
         with_probe = {r.client_id: r for r in backend.train(plans)}
         for p in plans.values():
             p.extra.pop("probe")
+            p.extra[HOOKS_KEY] = tuple(h for h in p.extra[HOOKS_KEY] if h != DGA_PROBE)
         without = {r.client_id: r for r in backend.train(plans)}
     finally:
         backend.close()

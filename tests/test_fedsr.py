@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, run_rounds_with_plans, tiny_mlp, tiny_overrides, two_runs_fixture)
-from fedsap_ray.algorithms.fedsr import EXTRA_KEYS, FedSRObjective, gaussian_kl, l2r_term
+from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.fedsr import EXTRA_KEYS, HOOK, FedSRObjective, gaussian_kl, l2r_term
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.masks import ParamLayout
@@ -56,7 +57,7 @@ def _extras(model, rng: np.random.Generator | None = None, rho: float | None = N
     out = {"rho": np.full(d, rho, np.float32) if rho is not None else rng.normal(-1.0, 0.5, d).astype(np.float32),
            "r_mu": rng.normal(0.0, 0.5, (c, d)).astype(np.float32),
            "r_rho": rng.normal(0.5, 0.3, (c, d)).astype(np.float32),
-           "objective": "fedsr", "alpha_l2r": 0.01, "alpha_cmi": 0.001, "noise_seed": 1234}
+           HOOKS_KEY: (HOOK,), "alpha_l2r": 0.01, "alpha_cmi": 0.001, "noise_seed": 1234}
     out.update(kw)
     return out
 
@@ -143,7 +144,7 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
     assert (state0.extra["rho"] == 0).all() and (state0.extra["r_mu"] == 0).all() and (state0.extra["r_rho"] == 1).all()
     seeds = set()
     for p in plans.values():
-        assert p.extra["objective"] == "fedsr" and p.extra["alpha_l2r"] == 0.01 and p.extra["alpha_cmi"] == 0.001
+        assert p.extra[HOOKS_KEY] == (HOOK,) and p.extra["alpha_l2r"] == 0.01 and p.extra["alpha_cmi"] == 0.001
         assert p.side_bytes_down == sum(state0.extra[k].nbytes for k in EXTRA_KEYS)
         for k in EXTRA_KEYS:
             np.testing.assert_array_equal(p.extra[k], state0.extra[k])

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, federation_fixture,
                       run_rounds_with_plans, run_twice, tiny_overrides)
-from fedsap_ray.algorithms.fpl import (FPLObjective, class_prototypes, cpcl_loss, finch, first_neighbour_partition,
+from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.fpl import (HOOK, FPLObjective, class_prototypes, cpcl_loss, finch, first_neighbour_partition,
                                        fpl_regulariser, last_epoch_start, server_prototypes, upcr_loss)
 from fedsap_ray.config import build_config
 from fedsap_ray.masks import ParamLayout
@@ -94,7 +95,7 @@ def _mlp_objective(extra: dict, collect_from: int = 0):
     model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
     layout = ParamLayout.from_model(model)
     plan = ClientPlan(client_id=0, round=2, values=layout.flatten(model), mask=None, local_epochs=1, batch_size=4,
-                      lr=0.1, extra={"objective": "fpl", "fpl_tau": 0.02, "fpl_num_classes": 3,
+                      lr=0.1, extra={HOOKS_KEY: (HOOK,), "fpl_tau": 0.02, "fpl_num_classes": 3,
                                      "fpl_collect_from": collect_from, **extra})
     return model, FPLObjective(plan, model, layout, torch.device("cpu"))
 
@@ -184,7 +185,7 @@ def test_round_two_plans_carry_the_prototypes(tiny_fed):
         for k, v in want.items():
             np.testing.assert_array_equal(p.extra[k], v)
         assert p.side_bytes_down == sum(v.nbytes for v in want.values()) > 0
-        assert p.extra["objective"] == "fpl" and p.extra["fpl_tau"] == 0.02
+        assert p.extra[HOOKS_KEY] == (HOOK,) and p.extra["fpl_tau"] == 0.02
     assert all(np.isfinite(r.train_loss) for r in r2)
 
 

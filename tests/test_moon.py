@@ -11,7 +11,8 @@ import torch
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, global_rows, run_rounds_with_plans, tiny_mlp, tiny_overrides,
                       two_runs_fixture)
-from fedsap_ray.algorithms.moon import MoonObjective, model_contrastive_loss
+from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.moon import HOOK, MoonObjective, model_contrastive_loss
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
@@ -58,7 +59,7 @@ def test_previous_equal_to_global_gives_log_2_and_no_gradient():
     model, layout, data = tiny_mlp()
     g = layout.flatten(model)
     for extra in ({}, {"prev": g.copy()}):  # no previous model yet / a previous model equal to the global one
-        obj = MoonObjective(_plan(layout, g, objective="moon", mu=5.0, tau=0.5, **extra), model, layout,
+        obj = MoonObjective(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5, **extra), model, layout,
                             torch.device("cpu"))
         scratch = copy.deepcopy(model)
         scratch.train()
@@ -76,7 +77,7 @@ def test_previous_model_is_used_with_its_own_values():
     rng = np.random.default_rng(1)
     prev = (g + 0.3 * rng.standard_normal(g.size)).astype(np.float32)
     current = (g + 0.3 * rng.standard_normal(g.size)).astype(np.float32)
-    obj = MoonObjective(_plan(layout, g, objective="moon", mu=5.0, tau=0.5, prev=prev), model, layout,
+    obj = MoonObjective(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5, prev=prev), model, layout,
                         torch.device("cpu"))
     np.testing.assert_array_equal(layout.flatten(obj.glob), g)
     np.testing.assert_array_equal(layout.flatten(obj.prev), prev)
@@ -105,10 +106,10 @@ def test_first_participation_trains_like_fedavg_and_a_previous_model_changes_tra
     model, layout, data = tiny_mlp()
     g = layout.flatten(model)
     plain = train_client(_plan(layout, g), copy.deepcopy(model), layout, data)
-    first = train_client(_plan(layout, g, objective="moon", mu=5.0, tau=0.5), copy.deepcopy(model), layout, data)
+    first = train_client(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5), copy.deepcopy(model), layout, data)
     np.testing.assert_allclose(first.values, plain.values, rtol=0, atol=1e-6)
     prev = (g + 0.3 * np.random.default_rng(1).standard_normal(g.size)).astype(np.float32)
-    later = train_client(_plan(layout, g, objective="moon", mu=5.0, tau=0.5, prev=prev), copy.deepcopy(model),
+    later = train_client(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5, prev=prev), copy.deepcopy(model),
                          layout, data)
     assert np.abs(later.values - plain.values).max() > 1e-4
     assert first.stats == {} and later.stats == {}  # nothing but the model comes back
@@ -123,7 +124,7 @@ def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
     _, _, states, plans, outs = run_rounds_with_plans(cfg, tiny_fed, 3)
     assert states[0].extra["prev"] == {}
     for p in plans[0].values():
-        assert "prev" not in p.extra and p.side_bytes_down == 0 and p.extra["objective"] == "moon"
+        assert "prev" not in p.extra and p.side_bytes_down == 0 and p.extra[HOOKS_KEY] == (HOOK,)
         assert p.extra["mu"] == 5.0 and p.extra["tau"] == 0.5
     trained1 = {r.client_id: r.values for r in outs[0]}
     assert set(states[1].extra["prev"]) == set(trained1)

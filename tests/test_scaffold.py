@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, federation_fixture,
                       run_rounds_with_plans, tiny_mlp, tiny_overrides)
 from fedsap_ray import results
+from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.scaffold import HOOK as SCAFFOLD_HOOK
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
@@ -96,7 +98,8 @@ def test_control_variates_match_hand_computation(tiny_fed):
 
 def _mlp_plan(layout: ParamLayout, model: torch.nn.Module, **extra) -> ClientPlan:
     return ClientPlan(client_id=0, round=1, values=layout.flatten(model), mask=None, local_epochs=1, batch_size=6,
-                      lr=0.1, momentum=0.0, weight_decay=1e-2, grad_clip=0.05, seed=7, extra=extra)
+                      lr=0.1, momentum=0.0, weight_decay=1e-2, grad_clip=0.05, seed=7,
+                      extra={HOOKS_KEY: (SCAFFOLD_HOOK,), **extra} if "control" in extra else extra)
 
 
 def test_client_adds_correction_after_clipping():

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fedsap_ray.client as client_mod
+import fedsap_ray.algorithms.fedsap.hooks as fedsap_hooks
+from fedsap_ray.algorithms.hooks import HOOKS_KEY
 from fedsap_ray.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
@@ -50,8 +51,12 @@ def make_plan(model: nn.Module, layout: ParamLayout, mask: np.ndarray | None = N
     if mask is not None:
         flat = np.where(mask, flat, 0).astype(np.float32)  # what the server sends: zeros outside the mask
     values = flat if mask is None else flat[mask]
+    stats = kw.pop("stats", ())
+    extra = dict(kw.pop("extra", {}))
+    if stats:  # FedSAP's channel_stats client hook (fedsap_ray.algorithms.fedsap.hooks)
+        extra.update({HOOKS_KEY: (fedsap_hooks.CHANNEL_STATS,), fedsap_hooks.CHANNEL_STATS: stats})
     args = dict(client_id=3, round=7, values=np.ascontiguousarray(values), mask=mask, local_epochs=1,
-                batch_size=4, lr=0.05, momentum=0.9, weight_decay=1e-3, seed=11)
+                batch_size=4, lr=0.05, momentum=0.9, weight_decay=1e-3, seed=11, extra=extra)
     args.update(kw)
     return ClientPlan(**args)
 
@@ -287,7 +292,7 @@ def test_training_numbers_bit_identical_with_and_without_statistics_and_hooks_re
 def test_no_collector_when_no_statistics_requested(monkeypatch: pytest.MonkeyPatch) -> None:
     def boom(*a, **k):
         raise AssertionError("ChannelStats built without statistics requested")
-    monkeypatch.setattr(client_mod, "ChannelStats", boom)
+    monkeypatch.setattr(fedsap_hooks, "ChannelStats", boom)
     model = make("cnn_small")
     layout = ParamLayout.from_model(model)
     res = train_client(make_plan(model, layout), make("cnn_small", seed=5), layout, make_data("cnn_small", 4))

@@ -19,7 +19,8 @@ Federated Learning with Model Fusion Pruning for Edge Devices"), FedSAP's closes
 5. The remaining E - 1 epochs train the pruned model (masked SGD: pruned coordinates get no
    gradient and are reset to zero after every step, so momentum cannot revive them).
 6. Domain Adaptive Regularization (DAR) on the representation z = f_enc(x) in every step:
-   loss = CE + gamma * mean_x ||z||_2 (``plan.rep_gamma``; ``dar_form``, :func:`dar_loss`).
+   loss = CE + gamma * mean_x ||z||_2 (the shared ``rep_norm`` client hook,
+   :mod:`fedsap_ray.algorithms.representation`; ``dar_form``, :func:`dar_loss`).
 7. Aggregation with reconstruction: each pruned model is brought back to full size by filling
    its pruned coordinates with the previous global model, w~_i = M_i * w_i + (1 - M_i) * W^{t-1},
    then W^t = sum_i n_i w~_i / sum_i n_i (sample weights: the reference code's default
@@ -54,7 +55,7 @@ papers/000 follows): alpha_0 = 0.9, alpha_min = 0.1, epsilon = 0.2, DAR weight g
 (``--reg_coeff``; papers/000 also uses gamma = 0.01 for Eq. 7).
 
 Accounting: the plan carries the full global model (the client chooses its own mask); the client
-uploads only its pruned model's coordinates (``LocalObjective.upload_mask``) plus the kept channel
+uploads only its pruned model's coordinates (``ClientHook.upload_mask``) plus the kept channel
 mask in ``stats`` (C bytes), so ``bytes_up`` and ``macs_per_sample`` (the deployed model) are the
 pruned model's. What the client spent is not: with ``full_first_epoch=true`` ``params_trained`` is the
 full model's trainable count (epoch 1 updates all of it) and ``train_macs`` = (first-epoch samples) x
@@ -68,12 +69,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from fedsap_ray.algorithms.base import Strategy
-from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
+from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.algorithms.representation import HOOK as REP_NORM
+from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
                               nested_count, param_mask)
@@ -81,7 +83,7 @@ from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs
 from fedsap_ray.models.space import ChannelSpace, MaskableModel
 
-OBJECTIVE = "dapperfl_mfp"
+HOOK = "dapperfl_mfp"
 MASK_KEY = "channel_mask"  # ClientResult.stats: the kept channels, concatenated in ChannelSpace order
 
 
@@ -159,34 +161,30 @@ def first_epoch_samples(n_samples: int, batch_size: int, max_steps_per_epoch: in
     return min(steps * batch_size, n_samples)
 
 
-DAR_FORMS = ("norm", "squared")
+DAR_FORMS = REP_FORMS
 
 
 def dar_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma: float, form: str = "norm") -> torch.Tensor:
-    """Cross-entropy plus the DAR term on z = f_enc(x) (step 6).
+    """Cross-entropy plus the DAR term on z = f_enc(x) (step 6): the shared ``rep_norm`` loss
+    (:func:`fedsap_ray.algorithms.representation.rep_norm_loss`).
 
     ``form="norm"`` (default): gamma * mean_x ||z||_2, the unsquared norm of DapperFL's reference code
     (jyzgh/DapperFL ``models/dapperfl.py``, ``--reg_coeff`` 0.01); ``"squared"``: gamma * mean_x ||z||_2^2,
     the form of papers/000 Eq. 7 (this simulator's earlier reading).
     """
-    if gamma <= 0:
-        return F.cross_entropy(model(x), y)
-    if form not in DAR_FORMS:
-        raise ValueError(f"unknown DAR form {form!r}; allowed: {DAR_FORMS}")
-    z = model.forward_features(x)
-    reg = z.pow(2).sum(dim=1).mean() if form == "squared" else z.norm(dim=1).mean()
-    return F.cross_entropy(getattr(model, model.classifier)(z), y) + gamma * reg
+    return rep_norm_loss(model, x, y, gamma, form)
 
 
 # --- client side ---------------------------------------------------------------------------------
 
-@register_objective(OBJECTIVE)
-class ModelFusionPruning(LocalObjective):
-    """Steps 2-6 on the client: full-model epoch, fusion with the received W^{t-1}, l1 pruning, masked rest.
+@register_hook(HOOK)
+class ModelFusionPruning(ClientHook):
+    """Steps 2-5 on the client: full-model epoch, fusion with the received W^{t-1}, l1 pruning, masked rest
+    (the DAR loss of step 6 is the ``rep_norm`` hook the plan lists before this one).
 
     ``plan.extra``: ``alpha`` (alpha_t, 0 = no fusion), ``keep_ratio`` (kappa_i), ``prune_after_steps`` (the
-    optimizer steps of the first local epoch), ``dar_form`` (:func:`dar_loss`) and ``full_first_epoch``
-    (False: the capacity-respecting reading, module docstring); ``plan.values`` is W^{t-1}.
+    optimizer steps of the first local epoch) and ``full_first_epoch`` (False: the capacity-respecting
+    reading, module docstring); ``plan.values`` is W^{t-1}.
     """
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
@@ -198,7 +196,6 @@ class ModelFusionPruning(LocalObjective):
         self.prune_at = int(plan.extra["prune_after_steps"])
         if self.prune_at < 1:
             raise ValueError(f"prune_after_steps must be >= 1, got {self.prune_at}")
-        self.dar_form = str(plan.extra.get("dar_form", "norm"))
         self.full_first = bool(plan.extra.get("full_first_epoch", True))
         self.space = model.channel_space()
         self.steps = 0
@@ -209,10 +206,11 @@ class ModelFusionPruning(LocalObjective):
             self.cmasks = l1_channel_masks(self.space, layout, plan.values, self.keep_ratio)
             self.pmask = param_mask(self.space, layout, self.cmasks)
             self.tmask = TorchMask.build(model, layout, self.pmask)
-            apply_mask_(model, layout, self.tmask)
 
-    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return dar_loss(model, x, y, self.plan.rep_gamma, self.dar_form)
+    def start(self, model: MaskableModel) -> None:
+        if not self.full_first:
+            assert self.tmask is not None  # built from the plan when not full_first
+            apply_mask_(model, self.layout, self.tmask)
 
     def after_backward(self, model: MaskableModel) -> None:
         if self.tmask is not None:
@@ -307,10 +305,10 @@ class DapperFL(Strategy):
             plans[cid] = ClientPlan(
                 values=state.params, mask=None, capacity_used=active / total,  # values shared, never mutated
                 channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
-                rep_gamma=float(self.opts.gamma),
-                extra={"objective": OBJECTIVE, "alpha": float(alpha), "keep_ratio": keep,
+                extra={HOOKS_KEY: (REP_NORM, HOOK), "rep_gamma": float(self.opts.gamma), "rep_form": self.opts.dar_form,
+                       "alpha": float(alpha), "keep_ratio": keep,
                        "prune_after_steps": first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
-                       "dar_form": self.opts.dar_form, "full_first_epoch": bool(self.opts.full_first_epoch)},
+                       "full_first_epoch": bool(self.opts.full_first_epoch)},
                 **self.plan_kwargs(t, cid),
             )
         return plans

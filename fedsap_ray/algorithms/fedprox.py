@@ -1,12 +1,49 @@
 """FedProx (Li et al. 2020): FedAvg plus the proximal term (mu/2)||w - w^t||^2 (their Eq. 2)
-in every client's local objective; aggregation is FedAvg's."""
+in every client's local objective; aggregation is FedAvg's.
+
+Client side: the ``fedprox`` hook (:class:`ProximalTerm`) adds the term to every batch loss after
+the base loss, over every trained parameter (coordinates outside the plan's mask stay at their
+start value 0 and add nothing); w^t is the model as received. ``mu`` travels as
+``plan.extra["prox_mu"]``; with mu = 0 nothing is added (exactly FedAvg).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from fedsap_ray.algorithms.fedavg import FedAvg
+from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ClientPlan, ServerState
+from fedsap_ray.models.space import MaskableModel
+
+HOOK = "fedprox"
+
+
+@register_hook(HOOK)
+class ProximalTerm(ClientHook):
+    """loss + (mu/2) sum_p ||p - p^t||^2 (Li et al. 2020, Eq. 2); ``plan.extra["prox_mu"]`` is mu."""
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
+        super().__init__(plan, model, layout, device)
+        self.mu = float(plan.extra["prox_mu"])
+        if not self.mu >= 0:
+            raise ValueError(f"plan.extra['prox_mu'] must be >= 0, got {self.mu}")
+        self.anchor: list[torch.Tensor] | None = None
+
+    def start(self, model: MaskableModel) -> None:
+        self.params = list(model.parameters())
+        self.anchor = [p.detach().clone() for p in self.params] if self.mu > 0 else None
+
+    def add_terms(self, model: MaskableModel, loss: torch.Tensor) -> torch.Tensor:
+        if self.anchor is None:
+            return loss
+        prox = sum(((p - a) ** 2).sum() for p, a in zip(self.params, self.anchor))
+        return loss + 0.5 * self.mu * prox
 
 
 @register("fedprox")
@@ -21,5 +58,5 @@ class FedProx(FedAvg):
             if not isinstance(self.mu, (int, float)) or self.mu < 0:
                 raise ConfigError(f"invalid algorithm.mu={self.mu!r}: must be a number >= 0")
 
-    def extra_plan_fields(self, state, client_id, t):
-        return {"prox_mu": float(self.opts.mu)}
+    def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
+        return {"extra": {HOOKS_KEY: (HOOK,), "prox_mu": float(self.opts.mu)}}

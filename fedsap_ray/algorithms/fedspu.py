@@ -28,7 +28,7 @@ global model w^0 (``spues.py``: ``personal_models[i] = initial_parameters``), so
 sampled for the first time in a later round freezes neurons at their w^0 values.
 
 Frozen means bit-identical: coordinates outside M_i^t get zero gradients in the masked loop
-(:mod:`fedsap_ray.client`) and the ``fedspu`` local objective writes the personal values back
+(:mod:`fedsap_ray.client`) and the ``fedspu`` client hook writes the personal values back
 after every optimiser step, because weight decay and momentum would move them even with a zero
 gradient (the authors' code trains with plain SGD, where a gradient mask suffices). BatchNorm
 running statistics of frozen channels are restored too (they belong to the frozen neuron).
@@ -67,7 +67,7 @@ import torch
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import Strategy
-from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
+from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
@@ -75,11 +75,11 @@ from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.seeding import rng_for
 
-OBJECTIVE = "fedspu"
+HOOK = "fedspu"
 
 
-@register_objective(OBJECTIVE)
-class FrozenNeurons(LocalObjective):
+@register_hook(HOOK)
+class FrozenNeurons(ClientHook):
     """Cross-entropy; writes the frozen personal values into the model and restores them after every step."""
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
@@ -101,7 +101,9 @@ class FrozenNeurons(LocalObjective):
             vals = torch.from_numpy(np.ascontiguousarray(frozen[pos:pos + k])).to(device=t.device, dtype=t.dtype)
             self.slots.append((t, torch.from_numpy(m.reshape(shape).copy()).to(t.device), vals))
             pos += k
-        self._restore()  # the masked loop started them at 0; a frozen neuron keeps its personal value
+
+    def start(self, model: MaskableModel) -> None:
+        self._restore()  # the masked loop starts them at 0; a frozen neuron keeps its personal value
 
     def _restore(self) -> None:
         with torch.no_grad():
@@ -157,7 +159,7 @@ class FedSPU(Strategy):
                 values=values, mask=mask, capacity_used=active / total,
                 # trained channels are shared (aggregated); frozen ones stay personal on the device
                 channel_counts={"n_global": active, "n_private": total - active, "n_dropped": 0},
-                extra={"objective": OBJECTIVE, "frozen_values": frozen}, **self.plan_kwargs(t, cid),
+                extra={HOOKS_KEY: (HOOK,), "frozen_values": frozen}, **self.plan_kwargs(t, cid),
             )
         return plans
 

@@ -81,7 +81,7 @@ from torch import nn
 
 from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.algorithms.nested import NestedWidth
-from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
+from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
@@ -97,6 +97,7 @@ SCALES = ("input", "shared")
 REFERENCES = ("client", "averaged")
 SCALE_KEYS = {"input": ("scale_w", "scale_b"), "shared": ("rho",)}  # the scale's arrays per option
 REF_KEYS = ("r_mu", "r_rho")
+HOOK = "fedsr"  # the client hook (plan.extra["hooks"])
 
 
 def l2r_term(z: torch.Tensor) -> torch.Tensor:
@@ -113,8 +114,8 @@ def gaussian_kl(mu: torch.Tensor, sigma: torch.Tensor, r_mu: torch.Tensor, r_sig
     return kl.sum(dim=1).mean()
 
 
-@register_objective("fedsr")
-class FedSRObjective(LocalObjective):
+@register_hook(HOOK)
+class FedSRObjective(ClientHook):
     """CE on a sampled z + alpha_L2R ||z||^2 + alpha_CMI KL(p(z|x) || r(z|y)); the scale (head or rho), r_mu and
     r_rho trained alongside. The scale is per input when ``plan.extra`` holds ``scale_w``/``scale_b``, else rho."""
 
@@ -245,7 +246,7 @@ class FedSR(NestedWidth):
         extra: dict[str, Any] = {k: state.extra[k] for k in keys}  # shared with the state, never mutated
         if self.opts.reference == "client":  # the client's own: kept on the device, not counted in bytes_down
             extra.update(self.client_reference(state, client_id))
-        extra.update(objective="fedsr", alpha_l2r=float(self.opts.alpha_l2r), alpha_cmi=float(self.opts.alpha_cmi),
+        extra.update({HOOKS_KEY: (HOOK,)}, alpha_l2r=float(self.opts.alpha_l2r), alpha_cmi=float(self.opts.alpha_cmi),
                      noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"))
         return {"extra": extra, "side_bytes_down": int(sum(state.extra[k].nbytes for k in keys))}
 

@@ -59,14 +59,14 @@ from scipy.sparse.csgraph import connected_components
 
 from fedsap_ray.algorithms.grouping import canonical_labels
 from fedsap_ray.algorithms.nested import NestedWidth
-from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
+from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 
-OBJECTIVE = "fpl"
+HOOK = "fpl"
 PROTO_KEYS = ("fpl_cluster_protos", "fpl_cluster_labels", "fpl_unbiased", "fpl_has_proto")
 
 
@@ -209,8 +209,8 @@ def last_epoch_start(n: int, batch_size: int, local_epochs: int, max_steps_per_e
     return (local_epochs - 1) * per
 
 
-@register_objective(OBJECTIVE)
-class FPLObjective(LocalObjective):
+@register_hook(HOOK)
+class FPLObjective(ClientHook):
     """CE (+ L_CPCL + L_UPCR once prototypes exist); sums last-epoch representations per class."""
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
@@ -271,7 +271,7 @@ class FPL(NestedWidth):
         tr = self.cfg.training
         n = self.ctx.federation.clients[client_id].n_samples
         extra: dict[str, Any] = {
-            "objective": OBJECTIVE, "fpl_tau": float(self.opts.tau),
+            HOOKS_KEY: (HOOK,), "fpl_tau": float(self.opts.tau),
             "fpl_num_classes": int(self.ctx.federation.num_classes),
             "fpl_collect_from": last_epoch_start(n, tr.batch_size, tr.local_epochs, tr.max_steps_per_epoch),
         }

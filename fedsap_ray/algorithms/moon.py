@@ -75,12 +75,15 @@ import torch.nn.functional as F
 
 from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.nested import NestedWidth
-from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
+from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+
+
+HOOK = "moon"
 
 
 def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor, tau: float) -> torch.Tensor:
@@ -101,8 +104,8 @@ def _frozen_copy(model: MaskableModel, layout: ParamLayout, values: np.ndarray) 
     return frozen
 
 
-@register_objective("moon")
-class MoonObjective(LocalObjective):
+@register_hook(HOOK)
+class MoonObjective(ClientHook):
     """CE + mu * l_con (MOON Eq. 3) with frozen global and previous models built from the plan."""
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
@@ -172,7 +175,7 @@ class Moon(NestedWidth):
         return 1.0
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
-        extra: dict[str, Any] = {"objective": "moon", "mu": float(self.opts.mu), "tau": float(self.opts.tau)}
+        extra: dict[str, Any] = {HOOKS_KEY: (HOOK,), "mu": float(self.opts.mu), "tau": float(self.opts.tau)}
         prev = state.extra["prev"].get(client_id)
         if prev is not None:
             extra["prev"] = prev  # shared with the state, never mutated

@@ -18,8 +18,8 @@ paper's unweighted means over S (not FedAvg's sample-size weights).
 Clients are stateless here (any worker may run any client), so the server keeps every
 c_i in ``ServerState.extra["c_i"]`` (client id -> float32 [n_params], only for clients
 that have participated) next to ``extra["c"]``; a plan carries the correction c - c_i as
-``plan.extra["control"]`` and the client adds it to every step's gradient
-(:mod:`fedsap_ray.client`). Because the server knows x, eta and K_i it recomputes
+``plan.extra["control"]`` and the client's ``scaffold`` hook (:class:`ControlCorrection`) adds it
+to every step's gradient after clipping (:mod:`fedsap_ray.algorithms.hooks`). Because the server knows x, eta and K_i it recomputes
 c_i+ from y_i itself, so nothing but the trained model comes back.
 
 Control variates live on nn.Parameter coordinates only; BatchNorm running statistics
@@ -43,10 +43,48 @@ from typing import Any
 
 import numpy as np
 
+import torch
+from torch import nn
+
 from fedsap_ray.algorithms.base import RunContext, Strategy
+from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
+from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models.space import MaskableModel
+
+HOOK = "scaffold"
+
+
+@register_hook(HOOK)
+class ControlCorrection(ClientHook):
+    """y <- y - lr (g_i(y) + c - c_i) (Algorithm 1 line 10): adds ``plan.extra["control"]`` (c - c_i, float32,
+    one value per coordinate of the flat :class:`ParamLayout` vector) to every step's gradient AFTER the raw
+    stochastic gradient was clipped (so clipping never rescales the control variate); the optimizer then adds
+    weight decay inside its step. Only nn.Parameters get a correction (BatchNorm running statistics are not
+    trained by gradients) and coordinates outside ``plan.mask`` get none, so they stay where they were.
+    """
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
+        super().__init__(plan, model, layout, device)
+        control = np.asarray(plan.extra["control"])
+        if control.dtype != np.float32 or control.shape != (layout.size,):
+            raise ValueError(f"plan.extra['control'] must be float32 of shape ({layout.size},), "
+                             f"got {control.dtype} {control.shape}")
+        self.control = control if plan.mask is None else np.where(plan.mask, control, np.float32(0.0))
+        self.corrections: list[tuple[nn.Parameter, torch.Tensor]] = []
+
+    def start(self, model: MaskableModel) -> None:
+        """(parameter, correction) pairs, built once per plan (buffer coordinates are ignored)."""
+        for name, p in model.named_parameters():
+            corr = torch.from_numpy(np.ascontiguousarray(self.layout.slice(name, self.control)))
+            self.corrections.append((p, corr.to(device=self.device, dtype=p.dtype)))
+
+    def after_clip(self, model: MaskableModel) -> None:
+        for p, corr in self.corrections:  # g_i(y) + c - c_i, after clipping g_i(y)
+            assert p.grad is not None  # corrections cover trained parameters only
+            p.grad.add_(corr)
 
 
 @register("scaffold")
@@ -91,7 +129,7 @@ class Scaffold(Strategy):
             plans[cid] = ClientPlan(
                 values=state.params, mask=None, capacity_used=1.0,  # shared, never mutated
                 channel_counts={"n_global": total, "n_private": 0, "n_dropped": 0},
-                extra={"control": control}, side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
+                extra={HOOKS_KEY: (HOOK,), "control": control}, side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
                 **self.plan_kwargs(t, cid),
             )
         return plans

@@ -72,6 +72,9 @@ from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import RunContext, Strategy
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
+from fedsap_ray.algorithms.fedsap.hooks import CHANNEL_STATS, DGA_PROBE
+from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.algorithms.pruning import filter_l1_scores
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, param_mask, tristate_param_masks
@@ -209,7 +212,9 @@ class FedSAP(Strategy):
             gmask, pmask = self._masks(st)
             active = gmask | pmask
             model, _, take_private = self._client_view(state, cid)
-            extra: dict[str, Any] = {"dga_layer": self.opts.dga_layer, "states": st}
+            extra: dict[str, Any] = {HOOKS_KEY: (REP_NORM, CHANNEL_STATS) + ((DGA_PROBE,) if probe_mask is not None else ()),
+                                     "rep_gamma": float(self.opts.gamma), CHANNEL_STATS: stats,
+                                     "dga_layer": self.opts.dga_layer, "states": st}
             side_down = 0
             if probe_mask is not None:
                 extra["probe"] = {"mask": probe_mask, "values": probe_values,
@@ -220,8 +225,8 @@ class FedSAP(Strategy):
                 side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
                 values=model[active], mask=active, capacity_used=float((st != DROPPED).mean()),
-                channel_counts=roles.role_counts(st), pseudo_group=group, stats=stats,
-                extra=extra, rep_gamma=float(self.opts.gamma), side_bytes_down=side_down,
+                channel_counts=roles.role_counts(st), pseudo_group=group,
+                extra=extra, side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )
         return plans

@@ -1,0 +1,70 @@
+"""FedSAP's client hooks: the channel statistics of Algorithm 1 line 6 and the DGA probe gradient.
+
+- ``channel_stats`` (:class:`ChannelStatsHook`): a :class:`fedsap_ray.stats.ChannelStats` watches the
+  LAST local epoch (forward hooks on the model's activation modules; gradients read after masking,
+  before clipping) and sends back the keys ``plan.extra["channel_stats"]`` names (of
+  :data:`fedsap_ray.stats.STAT_KEYS`); the DGA layer is ``plan.extra["dga_layer"]`` (default
+  ``conv1``). It only reads, so the trained values are the same bit for bit.
+- ``dga_probe`` (:class:`DGAProbe`, ``dga_source=probe``): before training, the gradient of the probe
+  model ``plan.extra["probe"]`` (:func:`fedsap_ray.stats.probe_gradient`), sent back as
+  ``dga_gradient``; the client loads the plan's values afterwards, so training is unaffected.
+
+FedSAP's Eq. 7 regulariser is the shared ``rep_norm`` hook (:mod:`fedsap_ray.algorithms.representation`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedsap_ray.algorithms.hooks import ClientHook, register_hook
+from fedsap_ray.data.base import DomainData
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models.space import MaskableModel
+from fedsap_ray.stats import ChannelStats, probe_gradient
+
+CHANNEL_STATS = "channel_stats"
+DGA_PROBE = "dga_probe"
+
+
+@register_hook(CHANNEL_STATS)
+class ChannelStatsHook(ClientHook):
+    """:class:`ChannelStats` over the last local epoch; built (and checked) before training."""
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
+        super().__init__(plan, model, layout, device)
+        self.stats = ChannelStats(model, model.channel_space(), layout, tuple(plan.extra[CHANNEL_STATS]),
+                                  plan.extra.get("dga_layer", "conv1"))
+        self.collector: ChannelStats | None = None
+
+    def epoch_start(self, model: MaskableModel, epoch: int) -> None:
+        if epoch == self.plan.local_epochs - 1:
+            self.collector = self.stats.start()
+
+    def after_backward(self, model: MaskableModel) -> None:
+        if self.collector is not None:
+            self.collector.after_backward()
+
+    def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
+        return {} if self.collector is None else self.collector.result()
+
+    def close(self) -> None:
+        if self.collector is not None:
+            self.collector.stop()
+
+
+@register_hook(DGA_PROBE)
+class DGAProbe(ClientHook):
+    """The probe model's DGA-layer gradient (``dga_gradient``), computed on the scratch model before training."""
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
+        super().__init__(plan, model, layout, device)
+        self.grad: np.ndarray | None = None
+
+    def before_training(self, model: MaskableModel, data: DomainData) -> None:
+        self.grad = probe_gradient(model, self.layout, self.plan.extra["probe"], data,
+                                   self.plan.extra.get("dga_layer", "conv1"), self.plan.batch_size, self.device)
+
+    def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
+        assert self.grad is not None  # before_training ran
+        return {"dga_gradient": self.grad}

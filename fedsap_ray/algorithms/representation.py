@@ -1,0 +1,48 @@
+"""The representation-norm regulariser on z = f_enc(x), shared by FedSAP and DapperFL.
+
+FedSAP's Eq. 7 (papers/000) adds (gamma/|B|) sum_x ||f_enc(x)||_2^2 to the cross-entropy
+(``form="squared"``); DapperFL's DAR (jyzgh/DapperFL ``models/dapperfl.py``, ``--reg_coeff``)
+adds gamma * mean_x ||z||_2, the unsquared norm (``form="norm"``). The ``rep_norm`` client
+hook (:class:`RepresentationNorm`) makes it the base loss of local training; its payload is
+``plan.extra["rep_gamma"]`` (gamma) and ``plan.extra["rep_form"]`` (default ``squared``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fedsap_ray.algorithms.hooks import ClientHook, register_hook
+from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models.space import MaskableModel
+
+HOOK = "rep_norm"
+REP_FORMS = ("norm", "squared")
+
+
+def rep_norm_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma: float,
+                  form: str = "squared") -> torch.Tensor:
+    """Cross-entropy plus gamma times the batch mean of ||z||_2^2 (``squared``, papers/000 Eq. 7) or
+    ||z||_2 (``norm``, DapperFL's DAR); the plain ``cross_entropy(model(x), y)`` when gamma <= 0."""
+    if gamma <= 0:
+        return F.cross_entropy(model(x), y)
+    if form not in REP_FORMS:
+        raise ValueError(f"unknown representation-norm form {form!r}; allowed: {REP_FORMS}")
+    z = model.forward_features(x)
+    reg = z.pow(2).sum(dim=1).mean() if form == "squared" else z.norm(dim=1).mean()
+    return F.cross_entropy(getattr(model, model.classifier)(z), y) + gamma * reg
+
+
+@register_hook(HOOK)
+class RepresentationNorm(ClientHook):
+    """The base loss :func:`rep_norm_loss` with ``plan.extra["rep_gamma"]`` and ``["rep_form"]``."""
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
+        super().__init__(plan, model, layout, device)
+        self.gamma = float(plan.extra["rep_gamma"])
+        self.form = str(plan.extra.get("rep_form", "squared"))
+        if self.form not in REP_FORMS:
+            raise ValueError(f"plan.extra['rep_form'] must be one of {REP_FORMS}, got {self.form!r}")
+
+    def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return rep_norm_loss(model, x, y, self.gamma, self.form)
