@@ -18,7 +18,7 @@ from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.messages import ClientPlan
 
 TINY = tiny_overrides("scaffold", "data.num_clients=4", "training.rounds=2")
 
@@ -142,13 +142,6 @@ def test_control_must_cover_the_flat_vector():
     with pytest.raises(Exception, match="control"):
         train_client(_mlp_plan(layout, model, control=np.zeros(layout.size - 1, np.float32)), model, layout, data)
 
-
-def test_steps_survive_pickling():
-    """ClientResult.steps crosses process boundaries (Ray pickles results) unchanged."""
-    import pickle
-
-    r = ClientResult(client_id=1, round=2, values=np.zeros(3, np.float32), n_samples=5, train_loss=0.1, steps=9)
-    assert pickle.loads(pickle.dumps(r)).steps == 9
 
 
 def test_global_lr_is_validated():
