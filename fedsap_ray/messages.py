@@ -30,8 +30,6 @@ class ClientPlan:
     rep_gamma: float = 0.0  # FedSAP representation regulariser gamma (papers/000 Eq. 7)
     seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
     capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
-    channel_counts: dict[str, int] = field(default_factory=dict)  # n_global / n_private / n_dropped
-    pseudo_group: int | None = None
     stats: tuple[str, ...] = ()  # statistics the strategy wants back
     extra: dict[str, Any] = field(default_factory=dict)  # strategy-specific payload (documented there)
     # bytes of protocol state the real algorithm would also send each way (e.g. SCAFFOLD's control

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.objectives import LocalObjective, register_objective
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
@@ -258,6 +258,7 @@ def _unit(x: Any) -> bool:
 @register("dapperfl")
 class DapperFL(Strategy):
     summary = "fuse global + 1-epoch local model, l1-prune the fusion to kappa_i, DAR loss, refill pruned from global"
+    columns = {"clients": CHANNEL_COUNT_COLUMNS}
 
     @dataclass(frozen=True)
     class Options:
@@ -306,7 +307,6 @@ class DapperFL(Strategy):
             n = self.ctx.federation.clients[cid].n_samples
             plans[cid] = ClientPlan(
                 values=state.params, mask=None, capacity_used=active / total,  # values shared, never mutated
-                channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
                 rep_gamma=float(self.opts.gamma),
                 extra={"objective": OBJECTIVE, "alpha": float(alpha), "keep_ratio": keep,
                        "prune_after_steps": first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
@@ -360,8 +360,12 @@ class DapperFL(Strategy):
         return pmask
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        """``macs_per_sample``: the pruned model, what the client deploys (training: :meth:`train_macs`)."""
-        return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"]))}
+        """``macs_per_sample``: the pruned model, what the client deploys (training: :meth:`train_macs`); the
+        pruned model's channels are shared (Global), the pruned-away ones Dropped."""
+        total = self.ctx.space.total_channels
+        active = int(round(plan.capacity_used * total))  # capacity_used = active / total (configure_round)
+        return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"])), "n_global": active,
+                "n_private": 0, "n_dropped": total - active}
 
     def params_trained(self, plan: ClientPlan, result: ClientResult) -> int:
         """Reference behaviour: every trainable coordinate (epoch 1 updates the full model); with
