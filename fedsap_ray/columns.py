@@ -1,4 +1,4 @@
-"""A results column a strategy declares: name, Arrow type, one-line doc (docs/architecture.md#metrics).
+"""A results column a strategy declares: name, Arrow type, one-line doc (docs/guides/development.md#adding-a-metric).
 
 Kept in its own dependency-free module so both the strategies (which declare columns) and
 :mod:`fedsap_ray.results` (which builds each table's schema from the core columns plus every

@@ -139,7 +139,10 @@ class Strategy(ABC):
         out: dict[str, Column] = {}
         for klass in reversed(cls.__mro__):
             for col in vars(klass).get("columns", {}).get(table, ()):
-                out.setdefault(col.name, col)
+                if col.name in out and out[col.name].type != col.type:
+                    raise ValueError(f"{cls.__name__}: {table}.{col.name} is declared as {out[col.name].type} by a "
+                                     f"base class and as {col.type} by {klass.__name__}")
+                out[col.name] = col  # a subclass may re-describe a column it inherits, not retype it
         return list(out.values())
 
     def eval_models(self, state: ServerState, domains: EvalDomains) -> dict[str, np.ndarray]:
