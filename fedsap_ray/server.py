@@ -3,8 +3,15 @@
     plans   = strategy.configure_round(state, t)
     results = backend.train(plans)             # any order, any worker
     state   = strategy.aggregate(state, results, t)
-    metrics = evaluate(strategy.eval_models(state))
-    writer.add(rounds rows, clients rows); writer.flush()
+    metrics = evaluate(strategy.eval_sets(state, eval_domains))
+    writer.add(rows of rounds, clients, layers, allocations); writer.flush()
+
+The server is the recording side: it holds the whole federation, so what a strategy must not
+know (true domains, TV distances) enters the results here (``true_domain``, ``tv_distance``,
+``ari_domain``) and evaluation gets the domain structure as an explicit argument
+(:class:`~fedsap_ray.data.base.EvalDomains`). Each table's rows come from one method
+(``_rounds_rows``, ``_clients_rows``, ``_layers_rows``, ``_allocations_rows``) and may hold only
+core columns and the ones the strategy declares (:attr:`Strategy.columns`).
 """
 from __future__ import annotations
 
