@@ -171,3 +171,13 @@ def test_every_algorithm_column_is_declared_by_a_strategy_and_named_in_the_refer
     assert {"pseudo_group", "n_global", "n_private", "n_dropped", "h_hat", "h_tilde"} <= set(
         results.extension_columns("clients"))
     assert results.extension_columns("clients")["pseudo_group"][1] == ["fedsap", "fedsap_fixed"]
+
+
+def test_fedsap_writes_its_own_part_of_the_progress_line(fed):
+    cfg = build_config(preset="smoke", overrides=tiny_overrides("fedsap", "data.num_clients=8"))
+    strat = make_strategy(cfg, fed)[1]
+    dga_round = {"n_groups": 2, "ari_domain": 1.0, "ari_capacity": -0.25, "n_reactivated": 3, "n_role_switches": 4}
+    assert strat.progress_text(dga_round) == ("  DGA 2 groups (ARI domains 1.00, capacities -0.25)"
+                                              "  masks +3 back, 4 G<->P")
+    assert strat.progress_text({"n_reactivated": 0, "n_role_switches": 0}) == "  masks +0 back, 0 G<->P"
+    assert strat.progress_text({}) == ""
