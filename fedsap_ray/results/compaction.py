@@ -12,6 +12,7 @@ from fedsap_ray.results.schema import DATA_TABLES
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, list_table,
                                       readahead, run_ids, write_batches)
 
+
 def _checkpointed(fs: pafs.FileSystem, base: str) -> set[str]:
     infos = fs.get_file_info(pafs.FileSelector(f"{base}/checkpoints", allow_not_found=True))
     return {i.base_name[: -len(".pkl")] for i in infos

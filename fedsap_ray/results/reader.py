@@ -18,6 +18,7 @@ import pyarrow.fs as pafs
 from fedsap_ray.results.schema import DATA_TABLES, check_table, schema
 from fedsap_ray.results.store import dataset, filesystem, is_dir, list_table, readahead, sources
 
+
 @dataclass
 class Results:
     runs: pd.DataFrame
@@ -28,7 +29,6 @@ class Results:
 
     def __getitem__(self, table: str) -> pd.DataFrame:
         return getattr(self, table)
-
 
 
 def read_arrow(fs: pafs.FileSystem, base: str, table: str, columns: list[str] | None = None) -> pa.Table:

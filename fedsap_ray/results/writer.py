@@ -14,6 +14,7 @@ from fedsap_ray.atomic import atomic_write
 from fedsap_ray.results.schema import DATA_TABLES, SCHEMA_VERSION, TABLES, to_table
 from fedsap_ray.results.store import check_run_id, dataset, filesystem, list_table, run_ids, write_batches
 
+
 def run_files(out: Path, run_id: str) -> list[Path]:
     """The run's per-run files that exist under the local folder ``out`` (every table)."""
     return [f for t in TABLES if (f := Path(out) / t / f"{run_id}.parquet").is_file()]
