@@ -13,7 +13,8 @@ Pages and where their content comes from:
 - ``algorithms.md``: the strategy registry (``algorithms.names()``, each class's ``summary``, its
   ``Options`` dataclass probed the same way, and the presets' per-algorithm defaults).
 - ``datasets.md``: the dataset registry (description and how to obtain the files).
-- ``results.md``: the column declarations of :mod:`fedsap_ray.results` (``TABLES``).
+- ``results.md``: the core column declarations of :mod:`fedsap_ray.results.schema` and the columns each
+  registered strategy declares (``Strategy.columns``), naming the declaring strategies.
 - ``cli.md``: the argument parsers of ``fedsap-ray`` and of the study scripts in ``sweeps/``,
   with every study's variants.
 
@@ -323,25 +324,35 @@ def datasets_page() -> str:
 def results_page() -> str:
     from fedsap_ray import results
 
-    out = [HEADER.format(command=COMMAND, source="the column declarations in fedsap_ray/results.py"),
+    out = [HEADER.format(command=COMMAND, source="the core column declarations in fedsap_ray/results/schema.py "
+                                                 "and the columns each strategy declares (Strategy.columns)"),
            "# Results reference\n\n",
            f"A results folder (`--out`) holds one Parquet table per folder, one file per run "
            f"(`OUT/<table>/<run_id>.parquet`; `fedsap-ray compact` merges finished runs into "
            f"`compacted-*.parquet`). Read a whole folder with `fedsap_ray.results.load(OUT)` "
            f"(a `Results` with one DataFrame per table) or one table with `pandas.read_parquet(\"OUT/rounds\")`. "
            f"Schema version {results.SCHEMA_VERSION}; older folders still load (missing columns are null). "
-           f"Every column below is declared, typed and described in "
-           f"[fedsap_ray/results.py]({rel('fedsap_ray/results.py')}); each file carries the descriptions as "
-           "Arrow field metadata (`doc`).\n\n"
+           f"The core columns are declared, typed and described in "
+           f"[fedsap_ray/results/schema.py]({rel('fedsap_ray/results/schema.py')}) and filled by the recording "
+           f"side for every algorithm (including those computed from ground truth no strategy sees: "
+           f"`true_domain`, `tv_distance`, `ari_domain`); the others are declared by the strategies that write "
+           f"them (`Strategy.columns`, [fedsap_ray/algorithms/base.py]({rel('fedsap_ray/algorithms/base.py')})) "
+           f"and are null in the rows of every other algorithm. Every table has one schema whatever the "
+           f"algorithm: the core columns followed by every registered strategy's. Each file carries the "
+           "descriptions as Arrow field metadata (`doc`).\n\n"
            "| table | rows |\n|---|---|\n"]
     missing = sorted(set(results.TABLES) - set(results.TABLE_ROWS))
     if missing:
         raise ValueError(f"tables without a line in results.TABLE_ROWS: {missing}")
     for name in results.TABLES:
         out.append(f"| [`{name}`](#{name}) | {cell(results.TABLE_ROWS[name])} |\n")
-    for name, cols in results.TABLES.items():
+    for name, core in results.CORE_TABLES.items():
         out.append(f"\n## {name}\n\n{cell(results.TABLE_ROWS[name])}.\n\n")
-        out.append(table(["column", "type", "description"], ([code(c), code(str(t)), cell(d)] for c, t, d in cols)))
+        rows = [[code(c), code(str(t)), cell(d), "core"] for c, t, d in core]
+        if name in results.DATA_TABLES:
+            rows += [[code(col.name), code(str(col.type)), cell(col.doc), ", ".join(code(a) for a in by)]
+                     for col, by in results.extension_columns(name).values()]
+        out.append(table(["column", "type", "description", "declared by"], rows))
     return "".join(out)
 
 

@@ -28,8 +28,6 @@ class ClientPlan:
     max_steps_per_epoch: int | None = None
     seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
     capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
-    channel_counts: dict[str, int] = field(default_factory=dict)  # n_global / n_private / n_dropped
-    pseudo_group: int | None = None
     # strategy-specific payload, pure data: extra["hooks"] names the client hooks that customise local
     # training, in order, and the other keys are what they read (fedsap_ray.algorithms.hooks)
     extra: dict[str, Any] = field(default_factory=dict)

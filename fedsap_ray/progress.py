@@ -1,4 +1,8 @@
-"""One progress line per round on stderr (log-friendly, works in notebooks and on clusters)."""
+"""One progress line per round on stderr (log-friendly, works in notebooks and on clusters).
+
+The line ends with the strategy's own summary (``RoundSummary.progress``, from
+:meth:`fedsap_ray.algorithms.base.Strategy.progress_text`), so no algorithm is named here.
+"""
 from __future__ import annotations
 
 import sys
@@ -26,12 +30,5 @@ class ProgressPrinter:
                 acc += f"  deployed {s.deployed_accuracy:.4f} (worst client {s.worst_client_accuracy:.4f})"
         else:
             acc = "not evaluated"
-        dga = ""
-        if s.extra.get("n_groups") is not None:
-            dga = (f"  DGA {s.extra['n_groups']} groups (ARI domains {s.extra['ari_domain']:.2f}, "
-                   f"capacities {s.extra['ari_capacity']:.2f})")
-        motion = ""
-        if s.extra.get("n_reactivated") is not None:
-            motion = f"  masks +{s.extra['n_reactivated']} back, {s.extra['n_role_switches']} G<->P"
         print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
-              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{dga}{motion}", file=self.stream, flush=True)
+              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{s.progress}", file=self.stream, flush=True)

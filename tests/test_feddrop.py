@@ -61,7 +61,10 @@ def test_coordinates_outside_every_mask_stay_bit_identical(fed):
     union = np.zeros(ctx.layout.size, dtype=bool)
     for cid, plan in plans.items():
         assert np.array_equal(plan.mask, s.client_mask(states[0], cid, 1))
-        assert plan.capacity_used == pytest.approx(plan.channel_counts["n_global"] / ctx.space.total_channels)
+        active = sum(int(m.sum()) for m in s.channel_masks(states[0], cid, 1).values())
+        assert s.client_columns(states[0], plan, None) == {"n_global": active, "n_private": 0,
+                                                            "n_dropped": ctx.space.total_channels - active}
+        assert plan.capacity_used == pytest.approx(active / ctx.space.total_channels)
         union |= plan.mask
     outside, trainable = ~union, trainable_mask(ctx.layout, ctx.model)
     assert (outside & trainable).sum() > 0

@@ -6,7 +6,6 @@ import copy
 import math
 
 import numpy as np
-import pytest
 
 from conftest import (assert_same_tables, federation_fixture, global_rows, make_strategy, run_rounds_with_plans,
                       run_twice, tiny_overrides)
@@ -39,9 +38,11 @@ def test_masks_keep_ceil_kappa_channels_per_layer_and_change_across_rounds(tiny_
         assert active == sum(int(v.sum()) for v in m1.values())
     assert any(not np.array_equal(strat.channel_masks(1, 0)[n], strat.channel_masks(1, 1)[n])
                for n in strat.channel_masks(1, 0))  # clients of equal kappa draw different neurons
-    plan = strat.configure_round(strat.init_state(), 1)[2]
-    assert plan.capacity_used == pytest.approx(plan.channel_counts["n_global"] / ctx.space.total_channels)
-    assert plan.channel_counts["n_private"] == ctx.space.total_channels - plan.channel_counts["n_global"]
+    state = strat.init_state()
+    plan = strat.configure_round(state, 1)[2]
+    counts = strat.client_columns(state, plan, None)  # the clients row: trained channels shared, frozen private
+    assert counts["n_global"] == strat.trained_mask(1, 2)[1]
+    assert counts["n_private"] == ctx.space.total_channels - counts["n_global"] and counts["n_dropped"] == 0
 
 
 def _output_channel_active(ctx, cm) -> np.ndarray:
@@ -120,10 +121,13 @@ def test_global_model_changes_only_where_some_client_trained(tiny_fed):
         seen |= set(plans)
     state = states[-1]
     # 'personal' evaluation: each domain's largest client's personal model, the global model if unseen
-    sets = strat.eval_sets(state)
+    domains = tiny_fed.eval_domains()  # evaluation-only ground truth
+    sets = strat.eval_sets(state, domains)
     assert list(sets) == ["global", "personal"]
     for d, vec in sets["personal"].items():
-        cid = strat.domain_representative(d)
+        members = [c for c in tiny_fed.clients if c.domain == d]
+        cid = min(members, key=lambda c: (-c.n_samples, c.client_id)).client_id
+        assert strat.domain_representative(domains.members[d]) == cid
         want = state.extra["personal"].get(cid, state.params)
         assert vec is want
 

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from fedsap_ray import results
+from fedsap_ray.results import compaction
 from fedsap_ray.cli import main as cli_main
 from fedsap_ray.storage import ResultsDestination
 
@@ -147,7 +148,7 @@ def test_compact_gives_the_same_frames_from_far_fewer_files(tmp_path):
 def test_interrupted_compaction_loads_every_row_once_and_a_second_compact_finishes(tmp_path, monkeypatch, stop_after):
     sweep(tmp_path)
     before = results.load(tmp_path)
-    real, calls = results._unchanged, []
+    real, calls = compaction._unchanged, []
 
     def interrupt(fs, info):  # called right before each per-run file is deleted
         if len(calls) == stop_after:
@@ -155,7 +156,7 @@ def test_interrupted_compaction_loads_every_row_once_and_a_second_compact_finish
         calls.append(info.path)
         return real(fs, info)
 
-    monkeypatch.setattr(results, "_unchanged", interrupt)
+    monkeypatch.setattr(compaction, "_unchanged", interrupt)
     with pytest.raises(KeyboardInterrupt):
         results.compact(tmp_path)
     monkeypatch.undo()
@@ -196,7 +197,7 @@ def test_a_failed_write_leaves_no_compacted_file(tmp_path, monkeypatch):
         def write_table(self, *a, **k):
             raise OSError("disk full")
 
-    monkeypatch.setattr(results.pq, "ParquetWriter", Broken)
+    monkeypatch.setattr(pq, "ParquetWriter", Broken)
     with pytest.raises(OSError, match="disk full"):
         results.compact(tmp_path)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file()) == files  # temp removed

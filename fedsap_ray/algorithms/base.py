@@ -3,19 +3,33 @@
 A strategy is built with a :class:`RunContext` (config, federation, model template,
 parameter layout) and then only sees explicit :class:`ServerState` objects, so state
 can be checkpointed and a restarted actor cannot change a number.
+
+What a strategy may know is what a real server could know: it keeps a :class:`StrategyContext`
+whose federation is a :class:`~fedsap_ray.data.base.FederationView` (client ids, sample counts,
+capacities; no true domain, no label distribution). Ground truth reaches only evaluation (the
+:class:`~fedsap_ray.data.base.EvalDomains` argument of :meth:`Strategy.eval_models`), the recording
+side (:class:`fedsap_ray.server.Server`: ``true_domain``, ``tv_distance``, ``ari_domain``), and a
+control that declares it needs it (:meth:`Strategy.needs_oracle`: FedSAP's ``dga=oracle``).
+
+A strategy's own metrics are declared, not hard-coded in the core: :attr:`Strategy.columns` lists
+the extra columns (name, Arrow type, one-line doc) it writes to each per-round table, and
+:mod:`fedsap_ray.results.schema` builds every table's schema from the core columns plus the
+union of the registered strategies' declarations.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, TypeVar
-from collections.abc import Callable, Hashable
 
 import numpy as np
+import pyarrow as pa
 
-from fedsap_ray.data.base import Federation
+from fedsap_ray.columns import Column
+from fedsap_ray.data.base import EvalDomains, Federation, FederationView
 from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs, weight_uses
@@ -26,8 +40,27 @@ from fedsap_ray.seeding import rng_for, seed_for
 T = TypeVar("T")
 
 
+# clients-table columns of the strategies that report where a client's channels went (declared, shared)
+CHANNEL_COUNT_COLUMNS: tuple[Column, ...] = (
+    Column("n_global", pa.int64(), "channels trained on the Global (shared, aggregated) path"),
+    Column("n_private", pa.int64(), "channels trained on a Private path (kept by a group or the client)"),
+    Column("n_dropped", pa.int64(), "channels not trained"),
+)
+
+
+@dataclass(frozen=True)
+class OracleInputs:
+    """Ground truth handed to a strategy only when it declares a control that needs it
+    (:meth:`Strategy.needs_oracle`; FedSAP's ``dga=oracle``): such a run is a reference, not a method."""
+
+    client_domains: tuple[str, ...]  # the true domain of each client, by client id
+
+
 @dataclass
 class RunContext:
+    """What the server side of a run holds: the whole federation, ground truth included (backends,
+    evaluation and the results writer use it). Strategies get :meth:`strategy_context` instead."""
+
     cfg: ExperimentConfig
     federation: Federation
     model: MaskableModel  # template: strategies read shapes, never train it
@@ -39,19 +72,44 @@ class RunContext:
         """Coordinates that are nn.Parameters (not BN running statistics), computed once per run."""
         return trainable_mask(self.layout, self.model)
 
+    def strategy_context(self, oracle: bool = False) -> StrategyContext:
+        """The view a strategy is built with: no true domains or TV distances; the domains as an explicit
+        :class:`OracleInputs` only when ``oracle`` (a ground-truth control)."""
+        fed = self.federation
+        truth = OracleInputs(tuple(c.domain for c in fed.clients)) if oracle else None
+        return StrategyContext(cfg=self.cfg, federation=fed.server_view(), model=self.model, layout=self.layout,
+                               space=self.space, trainable=self.trainable, oracle=truth)
+
+
+@dataclass
+class StrategyContext:
+    """What a strategy knows about the run: what a real server could know (:class:`FederationView`)."""
+
+    cfg: ExperimentConfig
+    federation: FederationView
+    model: MaskableModel  # template: strategies read shapes, never train it
+    layout: ParamLayout
+    space: ChannelSpace
+    trainable: np.ndarray  # coordinates that are nn.Parameters (not BN running statistics)
+    oracle: OracleInputs | None = None  # ground truth, only for a control that declares it (needs_oracle)
+
 
 class Strategy(ABC):
     """Base class: client sampling, learning-rate schedule and plan defaults."""
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""  # one line for ``fedsap-ray algorithms``
+    # The extra columns this class writes, by table ("rounds", "clients", "layers", "allocations"); a
+    # subclass declares only its own (declared_columns adds its bases'). The rows it returns from
+    # round_columns / client_columns / layer_rows / allocation_rows may hold only core and declared columns.
+    columns: ClassVar[Mapping[str, tuple[Column, ...]]] = {}
 
     @dataclass(frozen=True)
     class Options:
         pass
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
-        self.ctx = ctx
+        self.ctx: StrategyContext = ctx.strategy_context(oracle=self.needs_oracle(options))
         self.cfg = ctx.cfg
         self.opts = options
         self._memo: dict[str, OrderedDict[Hashable, Any]] = {}  # see memo()
@@ -69,13 +127,35 @@ class Strategy(ABC):
     def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
         """The server state after round t, from the clients' results."""
 
-    def eval_models(self, state: ServerState) -> dict[str, np.ndarray]:
-        """Parameters to evaluate on each domain (one shared global model by default)."""
-        return {d: state.params for d in self.ctx.federation.domains}
+    @classmethod
+    def needs_oracle(cls, options: Any) -> bool:
+        """Whether a run with ``options`` is a control that uses ground truth (it then gets
+        ``ctx.oracle``, :class:`OracleInputs`); False for every method."""
+        return False
 
-    def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
-        """Models to evaluate, by ``eval_mode``; the first mode drives global/best accuracy."""
-        return {"global": self.eval_models(state)}
+    @classmethod
+    def declared_columns(cls, table: str) -> list[Column]:
+        """The extra ``table`` columns this strategy writes: its own :attr:`columns` and its bases'."""
+        out: dict[str, Column] = {}
+        for klass in reversed(cls.__mro__):
+            for col in vars(klass).get("columns", {}).get(table, ()):
+                if col.name in out and out[col.name].type != col.type:
+                    raise ValueError(f"{cls.__name__}: {table}.{col.name} is declared as {out[col.name].type} by a "
+                                     f"base class and as {col.type} by {klass.__name__}")
+                out[col.name] = col  # a subclass may re-describe a column it inherits, not retype it
+        return list(out.values())
+
+    def eval_models(self, state: ServerState, domains: EvalDomains) -> dict[str, np.ndarray]:
+        """Parameters to evaluate on each test domain (one shared global model by default).
+
+        ``domains`` is evaluation-only ground truth (the test domains and which clients' data came
+        from each): use it to pick each domain's model, never to train."""
+        return {d: state.params for d in domains.names}
+
+    def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]:
+        """Models to evaluate, by ``eval_mode``; the first mode drives global/best accuracy (``domains``:
+        as in :meth:`eval_models`)."""
+        return {"global": self.eval_models(state, domains)}
 
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(full-size parameters, parameter mask or None) of the model client ``client_id`` would run on its
@@ -90,8 +170,18 @@ class Strategy(ABC):
         return state.params, None
 
     def round_columns(self, state: ServerState) -> dict[str, Any]:
-        """Extra columns for this round's ``rounds`` rows (e.g. FedSAP's DGA n_groups / ARI)."""
+        """This round's values of the declared ``rounds`` columns (e.g. FedSAP's DGA n_groups)."""
         return {}
+
+    def progress_text(self, round_columns: dict[str, Any]) -> str:
+        """The strategy's part of the per-round progress line, from :meth:`round_columns` ("" by default;
+        start it with two spaces)."""
+        return ""
+
+    def client_groups(self, state: ServerState) -> np.ndarray | None:
+        """Group label of every client when the strategy (re)formed client groups this round, else None.
+        The recording side scores them against the true domains (``rounds.ari_domain``)."""
+        return None
 
     def layer_rows(self, state: ServerState, plans: dict[int, ClientPlan]) -> list[dict[str, Any]]:
         """Rows of the ``layers`` table (where each client's budget went); empty by default."""
@@ -102,7 +192,8 @@ class Strategy(ABC):
         return []
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        """Extra per-client columns for the ``clients`` table (h_hat, pseudo_group, ...)."""
+        """Declared per-client columns for the ``clients`` table (h_hat, pseudo_group, channel counts, ...)
+        and refinements of core ones (``macs_per_sample``)."""
         return {}
 
     # --- honest compute (issue 13): what the client really trained and ran ------------------

@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
@@ -256,6 +256,7 @@ def _unit(x: Any) -> bool:
 @register("dapperfl")
 class DapperFL(Strategy):
     summary = "fuse global + 1-epoch local model, l1-prune the fusion to kappa_i, DAR loss, refill pruned from global"
+    columns = {"clients": CHANNEL_COUNT_COLUMNS}
 
     @dataclass(frozen=True)
     class Options:
@@ -304,7 +305,6 @@ class DapperFL(Strategy):
             n = self.ctx.federation.clients[cid].n_samples
             plans[cid] = ClientPlan(
                 values=state.params, mask=None, capacity_used=active / total,  # values shared, never mutated
-                channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
                 extra={HOOKS_KEY: (REP_NORM, HOOK), "rep_gamma": float(self.opts.gamma), "rep_form": self.opts.dar_form,
                        "alpha": float(alpha), "keep_ratio": keep,
                        "prune_after_steps": first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
@@ -358,8 +358,12 @@ class DapperFL(Strategy):
         return pmask
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        """``macs_per_sample``: the pruned model, what the client deploys (training: :meth:`train_macs`)."""
-        return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"]))}
+        """``macs_per_sample``: the pruned model, what the client deploys (training: :meth:`train_macs`); the
+        pruned model's channels are shared (Global), the pruned-away ones Dropped."""
+        total = self.ctx.space.total_channels
+        active = int(round(plan.capacity_used * total))  # capacity_used = active / total (configure_round)
+        return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"])), "n_global": active,
+                "n_private": 0, "n_dropped": total - active}
 
     def params_trained(self, plan: ClientPlan, result: ClientResult) -> int:
         """Reference behaviour: every trainable coordinate (epoch 1 updates the full model); with

@@ -66,10 +66,11 @@ import numpy as np
 import torch
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -117,6 +118,7 @@ class FrozenNeurons(ClientHook):
 @register("fedspu")
 class FedSPU(Strategy):
     summary = "full model on every client, a random 1 - kappa_i of neurons frozen each round, personalised models"
+    columns = {"clients": CHANNEL_COUNT_COLUMNS}
 
     @dataclass(frozen=True)
     class Options:
@@ -157,8 +159,6 @@ class FedSPU(Strategy):
                 values, frozen = state.params[mask], self.personal_model(state, cid)[~mask]
             plans[cid] = ClientPlan(
                 values=values, mask=mask, capacity_used=active / total,
-                # trained channels are shared (aggregated); frozen ones stay personal on the device
-                channel_counts={"n_global": active, "n_private": total - active, "n_dropped": 0},
                 extra={HOOKS_KEY: (HOOK,), "frozen_values": frozen}, **self.plan_kwargs(t, cid),
             )
         return plans
@@ -182,27 +182,33 @@ class FedSPU(Strategy):
         stay in it)."""
         return self.personal_model(state, client_id), None
 
-    def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
+    def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]:
         """``global`` first (drives global accuracy), then each domain's ``personal`` model."""
-        return {"global": self.eval_models(state), "personal": self.personal_eval_models(state)}
+        return {"global": self.eval_models(state, domains), "personal": self.personal_eval_models(state, domains)}
 
-    def personal_eval_models(self, state: ServerState) -> dict[str, np.ndarray]:
+    def personal_eval_models(self, state: ServerState, domains: EvalDomains) -> dict[str, np.ndarray]:
+        """Per test domain, the personal model of its representative client (``domains``: evaluation-only)."""
         out = {}
-        for d in self.ctx.federation.domains:
-            cid = self.domain_representative(d)
+        for d in domains.names:
+            cid = self.domain_representative(domains.members[d])
             out[d] = state.params if cid is None else state.extra["personal"].get(cid, state.params)
         return out
 
-    def domain_representative(self, domain: str) -> int | None:
-        """The client of ``domain`` with the most training samples (ties: lowest id); None if none."""
-        members = [c for c in self.ctx.federation.clients if c.domain == domain]
+    def domain_representative(self, members: tuple[int, ...]) -> int | None:
+        """The client among ``members`` (a test domain's clients) with the most training samples (ties:
+        lowest id); None if none."""
+        clients = self.ctx.federation.clients
         if not members:
             return None
-        return min(members, key=lambda c: (-c.n_samples, c.client_id)).client_id
+        return min(members, key=lambda c: (-clients[c].n_samples, c))
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        """Every client runs the full model forward (frozen neurons stay in it)."""
-        return {"macs_per_sample": self.mask_macs(None)}
+        """Every client runs the full model forward (frozen neurons stay in it); trained channels are shared
+        (aggregated, Global), frozen ones stay personal on the device (Private)."""
+        total = self.ctx.space.total_channels
+        active = int(round(plan.capacity_used * total))  # capacity_used = active / total (configure_round)
+        return {"macs_per_sample": self.mask_macs(None), "n_global": active, "n_private": total - active,
+                "n_dropped": 0}
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """samples_seen x full-model MACs: frozen neurons get no update but still run forward."""

@@ -1,5 +1,6 @@
 """Group labels in one canonical form, shared by every strategy that clusters clients or prototypes
-(FedSAP's DGA, FPL's FINCH clusters).
+(FedSAP's DGA, FPL's FINCH clusters), and :func:`agreement`, how well a grouping matches reference
+labels (the recording side scores client groups against the true domains with it: ``rounds.ari_domain``).
 
 Canonical: ``0..K-1`` numbered in order of first appearance by index, so element 0 is in group 0
 and equal partitions give equal arrays, whatever labels the clustering produced.
@@ -27,3 +28,20 @@ def canonical_labels(labels: Sequence[Any] | np.ndarray) -> np.ndarray:
     rank = np.empty(len(first), dtype=np.int64)
     rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int64)
     return rank[inverse.reshape(-1)]
+
+
+def agreement(groups: Sequence[Any] | np.ndarray, labels: Sequence[Any] | np.ndarray) -> float:
+    """Adjusted Rand index of a grouping against reference labels (strings or numbers).
+
+    Used to record what Appendix C's DGA actually recovered: ARI against the true domains
+    versus against the device-capacity tiers (a grouping that tracks capacity rather than
+    domain is the confound to watch for). 1.0 for identical partitions up to relabelling,
+    about 0 for independent ones (can be negative).
+    """
+    from sklearn.metrics import adjusted_rand_score
+
+    g = np.asarray(groups)
+    lab = np.asarray(labels)
+    if g.ndim != 1 or lab.ndim != 1 or g.shape != lab.shape:
+        raise ValueError(f"groups and labels must be 1-D of equal length, got {g.shape} and {lab.shape}")
+    return float(adjusted_rand_score(canonical_labels(lab), canonical_labels(g)))

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.columns import Column
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.messages import ClientResult, ServerState
@@ -53,6 +55,13 @@ def h_hat(delta_i: np.ndarray, delta_bar: np.ndarray, eps: float) -> float:
 @register("hasfl")
 class HasFL(NestedWidth):
     summary = "heterogeneity-aware widths from update divergence, Eqs. 4-6, coverage guarantee"
+    columns = {
+        "clients": (Column("h_hat", pa.float64(), "HAS-FL raw heterogeneity estimate (Eq. 4)"),
+                    Column("h_tilde", pa.float64(), "HAS-FL smoothed estimate (Eq. 5)")),
+        "allocations": (Column("h_hat", pa.float64(), "HAS-FL Eq. 4: the client's latest raw estimate (null before "
+                                                      "its first)"),
+                        Column("h_tilde", pa.float64(), "HAS-FL Eq. 5: smoothed estimate at the end of the round")),
+    }
     @dataclass(frozen=True)
     class Options:
         p_min: float = 0.4  # base capacity (section 4.1)

@@ -26,9 +26,11 @@ from abc import abstractmethod
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from fedsap_ray.aggregation import masked_weighted_average
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.columns import Column
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import model_macs
@@ -40,6 +42,7 @@ class SubModelStrategy(Strategy):
     """Base of every sub-model strategy: a subclass chooses each client's channels per (state, client, round)."""
 
     track_allocations = False  # write the ``allocations`` table (nested widths only)
+    columns = {"clients": CHANNEL_COUNT_COLUMNS}
 
     @abstractmethod
     def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
@@ -72,16 +75,23 @@ class SubModelStrategy(Strategy):
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         plans: dict[int, ClientPlan] = {}
-        total = self.ctx.space.total_channels
         for cid in self.sample_clients(t):
-            mask, active, used = self.sub_model(state, cid, t)
+            mask, _, used = self.sub_model(state, cid, t)
             values = state.params if mask is None else state.params[mask]  # full: shared, never mutated
             plans[cid] = ClientPlan(
                 values=values, mask=mask, capacity_used=float(used),
-                channel_counts={"n_global": active, "n_private": 0, "n_dropped": total - active},
                 **self.plan_kwargs(t, cid), **self.extra_plan_fields(state, cid, t),
             )
         return plans
+
+    def active_channels(self, plan: ClientPlan) -> int:
+        """Channels the plan trains: capacity_used is active / total here (:meth:`sub_model`), so exact."""
+        return int(round(plan.capacity_used * self.ctx.space.total_channels))
+
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        """Channel counts: every trained channel is shared (Global); none is Private."""
+        active = self.active_channels(plan)
+        return {"n_global": active, "n_private": 0, "n_dropped": self.ctx.space.total_channels - active}
 
     def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
         """Algorithm 1 lines 17-19 (:meth:`merge`), then :meth:`after_aggregate` (HAS-FL's adaptation step)."""
@@ -116,6 +126,10 @@ class NestedWidth(SubModelStrategy):
     """Base of the nested-width strategies: a subclass chooses p_i per (client, round) (Algorithm 2)."""
 
     track_allocations = True  # write the ``allocations`` table (every client's width each round)
+    columns = {"allocations": (
+        Column("p", pa.float64(), "width assigned to the client for this round (what it trains if sampled)"),
+        Column("adapted", pa.bool_(), "an adaptation step (new allocations) happened at the end of this round"),
+    )}
 
     @abstractmethod
     def width_for(self, state: ServerState, client_id: int, t: int) -> float:
@@ -147,7 +161,7 @@ class NestedWidth(SubModelStrategy):
             return []
         widths = self.round_widths(state, t)
         return [dict(client_id=c.client_id, capacity_max=float(c.capacity), p=float(min(widths[c.client_id], 1.0)),
-                     tv_distance=c.tv_distance, adapted=bool(state.extra.get("adapted", False)),
+                     adapted=bool(state.extra.get("adapted", False)),
                      **self.estimate_columns(state, c.client_id))
                 for c in self.ctx.federation.clients]
 
@@ -155,8 +169,14 @@ class NestedWidth(SubModelStrategy):
         """h_hat / h_tilde of a client (HAS-FL); none for static rules."""
         return {}
 
+    def active_channels(self, plan: ClientPlan) -> int:
+        """Channels of the width-p sub-model (capacity_used is p itself here, :meth:`sub_model`)."""
+        p = plan.capacity_used
+        return self.ctx.space.total_channels if p >= 1.0 else self.nested_mask(p)[1]
+
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        return {"macs_per_sample": self.macs(plan.capacity_used), **self.estimate_columns(state, plan.client_id)}
+        return {**super().client_columns(state, plan, result), "macs_per_sample": self.macs(plan.capacity_used),
+                **self.estimate_columns(state, plan.client_id)}
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """One forward pass of the width-p sub-model per sample seen (:meth:`Strategy.train_macs`)."""

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.algorithms.base import RunContext, Strategy
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, RunContext, Strategy
 from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
@@ -90,6 +90,7 @@ class ControlCorrection(ClientHook):
 @register("scaffold")
 class Scaffold(Strategy):
     summary = "full model, control variates c - c_i correct client drift (plain local SGD)"
+    columns = {"clients": CHANNEL_COUNT_COLUMNS}
     @dataclass(frozen=True)
     class Options:
         global_lr: float = 1.0  # eta_g, the server step size (Algorithm 1 line 16)
@@ -121,14 +122,16 @@ class Scaffold(Strategy):
         c_i = state.extra["c_i"].get(client_id)
         return c.copy() if c_i is None else (c - c_i).astype(np.float32)
 
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        """Every client trains the whole model: all channels shared (Global)."""
+        return {"n_global": sum(layer.channels for layer in self.ctx.space.layers), "n_private": 0, "n_dropped": 0}
+
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        total = sum(layer.channels for layer in self.ctx.space.layers)
         plans: dict[int, ClientPlan] = {}
         for cid in self.sample_clients(t):
             control = self.control_for(state, cid)  # sent down; the client would send Delta c_i back up
             plans[cid] = ClientPlan(
                 values=state.params, mask=None, capacity_used=1.0,  # shared, never mutated
-                channel_counts={"n_global": total, "n_private": 0, "n_dropped": 0},
                 extra={HOOKS_KEY: (HOOK,), "control": control}, side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
                 **self.plan_kwargs(t, cid),
             )

@@ -46,7 +46,7 @@ class ClientSpec:
     """One virtual client: where its data is, its true domain and its device capacity."""
 
     client_id: int
-    domain: str  # true domain (ground truth, never shown to strategies that must infer it)
+    domain: str  # true domain (ground truth: strategies see ClientInfo, which has none)
     indices: np.ndarray  # int64 indices into Federation.train[domain]
     pruning_ratio: float  # FedSAP rho_i (0 under the tiers scheme)
     capacity: float  # keep ratio kappa_i = 1 - rho_i, or HAS-FL p_max
@@ -77,3 +77,50 @@ class Federation:
     def client_data(self, client_id: int) -> DomainData:
         c = self.clients[client_id]
         return self.train[c.domain].subset(c.indices)
+
+    def server_view(self) -> FederationView:
+        """What a real server could know about this federation: no data, no true domain, no label distribution."""
+        return FederationView(
+            dataset=self.dataset,
+            clients=tuple(ClientInfo(c.client_id, c.n_samples, c.pruning_ratio, c.capacity) for c in self.clients),
+            num_classes=self.num_classes, input_kind=self.input_kind, input_shape=tuple(self.input_shape),
+            vocab_size=self.vocab_size)
+
+    def eval_domains(self) -> EvalDomains:
+        """The domain structure evaluation needs (test domains, clients per domain); ground truth."""
+        return EvalDomains(names=tuple(self.domains),
+                           members={d: tuple(c.client_id for c in self.clients if c.domain == d) for d in self.domains})
+
+
+@dataclass(frozen=True)
+class ClientInfo:
+    """One client as a real server knows it: its id, how much data it has and what its device can run.
+
+    Its true domain and label distribution (:class:`ClientSpec`) are ground truth and are not here."""
+
+    client_id: int
+    n_samples: int
+    pruning_ratio: float  # FedSAP rho_i (0 under the tiers scheme)
+    capacity: float  # keep ratio kappa_i = 1 - rho_i, or HAS-FL p_max
+
+
+@dataclass(frozen=True)
+class FederationView:
+    """The federation as a strategy sees it (:class:`fedsap_ray.algorithms.base.StrategyContext`)."""
+
+    dataset: str
+    clients: tuple[ClientInfo, ...]
+    num_classes: int
+    input_kind: InputKind
+    input_shape: tuple[int, ...]
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class EvalDomains:
+    """Evaluation-only ground truth: the test domains and, per domain, the clients whose training data
+    came from it. Passed to :meth:`Strategy.eval_models` / ``eval_sets`` to build one model per test
+    domain (e.g. FedSAP's group model of a domain's clients); a strategy must not train with it."""
+
+    names: tuple[str, ...]
+    members: dict[str, tuple[int, ...]]

@@ -30,7 +30,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from fedsap_ray.algorithms.grouping import canonical_labels
+from fedsap_ray.algorithms.grouping import agreement, canonical_labels
 from fedsap_ray.errors import ConfigError
 
 DGA_MODES = ("gradient", "none", "oracle", "random")
@@ -220,23 +220,6 @@ def assign_groups(mode: str, *, grads: np.ndarray | None = None, domains: Sequen
             raise ValueError("algorithm.dga='random' needs reference (the gradient grouping) or grads")
         reference = groups_from_similarity(cosine_similarity_matrix(grads), tau_sim=tau_sim, method=method)
     return random_groups_like(reference, rng)
-
-
-def agreement(groups: Sequence[Any] | np.ndarray, labels: Sequence[Any] | np.ndarray) -> float:
-    """Adjusted Rand index of a grouping against reference labels (strings or numbers).
-
-    Used to record what Appendix C's DGA actually recovered: ARI against the true domains
-    versus against the device-capacity tiers (a grouping that tracks capacity rather than
-    domain is the confound to watch for). 1.0 for identical partitions up to relabelling,
-    about 0 for independent ones (can be negative).
-    """
-    from sklearn.metrics import adjusted_rand_score
-
-    g = np.asarray(groups)
-    lab = np.asarray(labels)
-    if g.ndim != 1 or lab.ndim != 1 or g.shape != lab.shape:
-        raise ValueError(f"groups and labels must be 1-D of equal length, got {g.shape} and {lab.shape}")
-    return float(adjusted_rand_score(canonical_labels(lab), canonical_labels(g)))
 
 
 def n_groups(groups: Sequence[Any] | np.ndarray) -> int:

@@ -67,15 +67,18 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.base import RunContext, Strategy
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, RunContext, Strategy
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
 from fedsap_ray.algorithms.fedsap.hooks import CHANNEL_STATS, DGA_PROBE
 from fedsap_ray.algorithms.hooks import HOOKS_KEY
 from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.algorithms.pruning import filter_l1_scores
+from fedsap_ray.columns import Column
+from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, param_mask, tristate_param_masks
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -145,6 +148,22 @@ class FedSAPOptions(Strategy.Options):
 class FedSAP(Strategy):
     Options = FedSAPOptions
     eval_modes = ("group", "global_only")
+    columns = {
+        "rounds": (
+            Column("n_groups", pa.int64(), "FedSAP: pseudo-groups formed by DGA this round (null except on DGA rounds)"),
+            Column("ari_capacity", pa.float64(),
+                   "FedSAP: adjusted Rand index of the pseudo-groups vs. the capacity tiers (DGA rounds)"),
+            Column("n_reactivated", pa.int64(),
+                   "FedSAP: client-channels Dropped in a client's mask of this round and active in its next one"),
+            Column("n_role_switches", pa.int64(),
+                   "FedSAP: client-channels switching Global <-> Private between this round and the next"),
+        ),
+        "clients": (Column("pseudo_group", pa.int64(), "FedSAP pseudo-domain group the client trained in"),
+                    *CHANNEL_COUNT_COLUMNS),
+        "layers": (Column("n_global", pa.int64(), "Global channels"),
+                   Column("n_private", pa.int64(), "Private channels"),
+                   Column("n_dropped", pa.int64(), "Dropped channels")),
+    }
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)
@@ -154,6 +173,12 @@ class FedSAP(Strategy):
             except ValueError as e:
                 raise ConfigError(f"invalid algorithm.dga_layer={self.opts.dga_layer!r}: model {ctx.cfg.model.name} "
                                   f"has no such layer ({e}); use algorithm.dga=none on it") from None
+
+    @classmethod
+    def needs_oracle(cls, options: Any) -> bool:
+        """``dga=oracle`` is a control that groups clients by their TRUE domains (ground truth a real
+        server lacks): only such a run gets ``ctx.oracle``."""
+        return getattr(options, "dga", None) == "oracle"
 
     # --- schedule -------------------------------------------------------------------
     def in_warmup(self, t: int) -> bool:
@@ -215,6 +240,7 @@ class FedSAP(Strategy):
             extra: dict[str, Any] = {HOOKS_KEY: (REP_NORM, CHANNEL_STATS) + ((DGA_PROBE,) if probe_mask is not None else ()),
                                      "rep_gamma": float(self.opts.gamma), CHANNEL_STATS: stats,
                                      "dga_layer": self.opts.dga_layer, "states": st}
+            extra["pseudo_group"] = group  # for the clients table (client_columns); the client ignores it
             side_down = 0
             if probe_mask is not None:
                 extra["probe"] = {"mask": probe_mask, "values": probe_values,
@@ -225,7 +251,6 @@ class FedSAP(Strategy):
                 side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
                 values=model[active], mask=active, capacity_used=float((st != DROPPED).mean()),
-                channel_counts=roles.role_counts(st), pseudo_group=group,
                 extra=extra, side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )
@@ -328,9 +353,11 @@ class FedSAP(Strategy):
         groups = old_groups.copy()
         if ids:
             grads = np.stack([ex["dga_grads"][i] for i in ids]).astype(np.float64)
-            # random: the group sizes of the gradient grouping (a matched control); oracle: the true domains
+            # random: the group sizes of the gradient grouping (a matched control); oracle: the true domains,
+            # handed to this control explicitly (ctx.oracle, needs_oracle), never to the method itself
+            oracle = self.ctx.oracle
             new = dga.assign_groups(o.dga, grads=grads, tau_sim=o.tau_sim, method=o.dga_method,
-                                    domains=[fed.clients[i].domain for i in ids] if o.dga == "oracle" else None,
+                                    domains=[oracle.client_domains[i] for i in ids] if oracle is not None else None,
                                     rng=rng_for(self.cfg.seed, t, -1, "dga-random") if o.dga == "random" else None)
             groups[np.array(ids)] = new
             groups = dga.canonical_labels(groups)
@@ -342,10 +369,8 @@ class FedSAP(Strategy):
             private[k] = masked_weighted_average(state.params, models)
             stamp_p[k] = np.maximum.reduce([v[1] for v in views])  # the freshest value that went into it
         ex["private"], ex["stamp_p"], ex["groups"] = private, stamp_p, groups
-        domains = [c.domain for c in fed.clients]
-        capacities = [c.capacity for c in fed.clients]
-        return {"n_groups": int(len(members)), "ari_domain": dga.agreement(groups, domains),
-                "ari_capacity": dga.agreement(groups, capacities)}
+        capacities = [c.capacity for c in fed.clients]  # ARI vs the true domains: the recorder's (client_groups)
+        return {"n_groups": int(len(members)), "ari_capacity": dga.agreement(groups, capacities)}
 
     def _next_masks(self, state: ServerState, t: int) -> dict[str, int]:
         """Lines 11-17 for round t+1; returns how the masks moved (``n_reactivated``, ``n_role_switches``)."""
@@ -403,13 +428,15 @@ class FedSAP(Strategy):
         return self.memo("tristate_masks", st.tobytes(), lambda: tristate_param_masks(
             self.ctx.space, self.ctx.layout, roles.split(st, self.ctx.space)), maxsize=256)
 
-    def eval_sets(self, state: ServerState) -> dict[str, dict[str, np.ndarray]]:
+    def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]:
+        """``group``: each test domain gets the model of the group most of its clients are in (which
+        clients those are is evaluation-only ground truth, ``domains``); ``global_only``: W_G."""
         fed, ex = self.ctx.federation, state.extra
         groups = ex["groups"]
         group_models: dict[int, np.ndarray] = {}
         out: dict[str, np.ndarray] = {}
-        for d in fed.domains:
-            ids = [c.client_id for c in fed.clients if c.domain == d]
+        for d in domains.names:
+            ids = list(domains.members[d])
             k = int(np.bincount(groups[ids]).argmax()) if ids else 0
             if k not in group_models:
                 private = ex["private"].get(k)
@@ -424,10 +451,29 @@ class FedSAP(Strategy):
                         model = np.where(take, private, state.params)
                 group_models[k] = model
             out[d] = group_models[k]
-        return {"group": out, "global_only": {d: state.params for d in fed.domains}}
+        return {"group": out, "global_only": {d: state.params for d in domains.names}}
 
     def round_columns(self, state: ServerState) -> dict[str, Any]:
         return dict(state.extra.get("round_info") or {})
+
+    def client_groups(self, state: ServerState) -> np.ndarray | None:
+        """The pseudo-groups, on the rounds DGA formed them (the recorder's ``ari_domain``)."""
+        return state.extra["groups"] if (state.extra.get("round_info") or {}).get("n_groups") is not None else None
+
+    def progress_text(self, round_columns: dict[str, Any]) -> str:
+        """DGA's groups (with the recorder's ARI vs the true domains) and how the masks moved."""
+        c = round_columns
+        dga_text = motion = ""
+        if c.get("n_groups") is not None:
+            dga_text = (f"  DGA {c['n_groups']} groups (ARI domains {c['ari_domain']:.2f}, "
+                        f"capacities {c['ari_capacity']:.2f})")
+        if c.get("n_reactivated") is not None:
+            motion = f"  masks +{c['n_reactivated']} back, {c['n_role_switches']} G<->P"
+        return dga_text + motion
+
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        """The pseudo-group the client trained in and its channels by role (from the plan's tri-state masks)."""
+        return {"pseudo_group": plan.extra["pseudo_group"], **roles.role_counts(plan.extra["states"])}
 
     def layer_rows(self, state: ServerState, plans: dict[int, ClientPlan]) -> list[dict[str, Any]]:
         """Where each client's budget went this round: one row per (client, layer)."""

@@ -1,0 +1,90 @@
+"""Compaction: the per-run files of final runs merged into one file per table (``fedsap-ray compact``)."""
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+
+from fedsap_ray.results.reader import run_statuses
+from fedsap_ray.results.schema import DATA_TABLES
+from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, list_table,
+                                      readahead, run_ids, write_batches)
+
+
+def _checkpointed(fs: pafs.FileSystem, base: str) -> set[str]:
+    infos = fs.get_file_info(pafs.FileSelector(f"{base}/checkpoints", allow_not_found=True))
+    return {i.base_name[: -len(".pkl")] for i in infos
+            if i.type == pafs.FileType.File and i.base_name.endswith(".pkl") and not i.base_name.startswith(".")}
+
+
+def _unchanged(fs: pafs.FileSystem, info: pafs.FileInfo) -> bool:
+    now = fs.get_file_info(info.path)
+    return now.type == pafs.FileType.File and now.mtime == info.mtime and now.size == info.size
+
+
+def compact(path: str | Path) -> dict[str, int]:
+    """Merge the per-run files of final runs into one ``compacted-<uuid8>.parquet`` per table.
+
+    Thousands of tiny per-run files make every listing and scan slow (worst on object
+    stores); one file per table loads in one read. A run is compacted when its ``runs``
+    status is final (:data:`FINAL_STATUSES`) and it has no checkpoint left (an interrupted
+    or failed run that still has one can be resumed, and resuming reads its per-run files).
+    Running runs are never touched.
+
+    Safe to interrupt at any moment: the compacted file is written atomically before any
+    per-run file is deleted, and readers let a run's per-run file win over compacted rows,
+    so every row is read exactly once; running ``compact`` again finishes the job (per-run
+    files older than the compacted file that holds their run are deleted; newer ones, from a
+    re-run under the same id, replace the run's compacted rows). A per-run file that changed
+    while compacting is kept. Returns counts: ``runs_compacted``, ``files_written``,
+    ``files_rewritten`` (older compacted files that lost a re-run run), ``files_removed``
+    and ``runs_kept`` (runs with per-run files left because they are running or resumable).
+    """
+    fs, base = filesystem(path)
+    if not is_dir(fs, base):
+        raise FileNotFoundError(f"no results folder at {path}")
+    statuses = run_statuses(path)
+    resumable = _checkpointed(fs, base)
+    final = {r for r, s in statuses.items() if s in FINAL_STATUSES and r not in resumable}
+    done: set[str] = set()
+    kept: set[str] = set()
+    written = rewritten = removed = 0
+    for table in (*DATA_TABLES, "runs"):  # runs last: until then a status is still found per run
+        listing = list_table(fs, base, table)
+        kept |= {r for r in listing.per_run if r not in final}
+        todo = {r: i for r, i in listing.per_run.items() if r in final}
+        if not todo:
+            continue
+        ids = {c.path: run_ids(fs, c.path) for c in listing.compacted}
+        fresh = {}
+        for r, info in todo.items():
+            covering = [c for c in listing.compacted if r in ids[c.path]]
+            # a leftover of an interrupted compaction is older than the file holding its rows
+            if not covering or any(info.mtime >= c.mtime for c in covering):
+                fresh[r] = info
+        if fresh:
+            new = f"{base}/{table}/{COMPACTED_PREFIX}{uuid.uuid4().hex[:8]}.parquet"
+            paths = sorted(i.path for i in fresh.values())
+            write_batches(fs, new, table, dataset(fs, paths, table).to_batches(fragment_readahead=readahead(fs)))
+            written += 1
+            for c in listing.compacted:  # drop superseded rows of re-run runs from older compacted files
+                drop = ids[c.path] & fresh.keys()
+                if not drop:
+                    continue
+                rest = dataset(fs, [c.path], table).to_batches(filter=~pc.field("run_id").isin(sorted(drop)))
+                if drop == ids[c.path]:
+                    fs.delete_file(c.path)
+                else:
+                    write_batches(fs, c.path, table, rest)
+                rewritten += 1
+        for r, info in todo.items():
+            if _unchanged(fs, info):
+                fs.delete_file(info.path)
+                removed += 1
+                done.add(r)
+            else:
+                kept.add(r)
+    return {"runs_compacted": len(done - kept), "files_written": written, "files_rewritten": rewritten,
+            "files_removed": removed, "runs_kept": len(kept)}

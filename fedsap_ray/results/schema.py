@@ -1,0 +1,226 @@
+"""The results tables' schemas: the core columns declared here plus the columns strategies declare.
+
+A strategy declares its own columns (:attr:`fedsap_ray.algorithms.base.Strategy.columns`); each
+per-round table's schema is the core columns below followed by the union of every registered
+strategy's declarations (:func:`extension_columns`), so every run of every algorithm writes the
+same stable Parquet schema and adding a metric never means editing this file. The core columns
+are those the recording side fills for every strategy (:class:`fedsap_ray.server.Server`),
+including the ones computed from ground truth a strategy never sees (``true_domain``,
+``tv_distance``, ``ari_domain``). docs/reference/results.md is generated from these declarations.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pyarrow as pa
+
+from fedsap_ray.columns import RECORDED_TABLES, Column
+
+SCHEMA_VERSION = 4  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+# n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*)
+GLOBAL_DOMAIN = "__global__"
+
+# (column, arrow type, description): the core columns, filled by the recording side for every strategy.
+# (column, arrow type, description): the single place the columns are documented.
+RUNS_COLUMNS: list[Column] = [
+    Column("schema_version", pa.int32(), "results schema version"),
+    Column("run_id", pa.string(), "config hash + '-' + random suffix; joins the tables"),
+    Column("study", pa.string(), "study name (config 'study')"),
+    Column("algorithm", pa.string(), "registry name of the strategy"),
+    Column("dataset", pa.string(), "honest dataset name (e.g. embedded_digits, digits_offline)"),
+    Column("model", pa.string(), "model registry name"),
+    Column("preset", pa.string(), "preset the config started from"),
+    Column("seed", pa.int64(), "run seed"),
+    Column("num_clients", pa.int64(), "clients in the federation"),
+    Column("rounds", pa.int64(), "rounds configured"),
+    Column("rounds_done", pa.int64(), "rounds completed when this row was written"),
+    Column("backend", pa.string(), "local | ray"),
+    Column("config_json", pa.string(), "the resolved config (provenance)"),
+    Column("config_hash", pa.string(), "stable hash of the config (resources excluded)"),
+    Column("started_at", pa.timestamp("us", tz="UTC"), "start time"),
+    Column("finished_at", pa.timestamp("us", tz="UTC"), "end time (null while running)"),
+    Column("status", pa.string(), "running | finished | failed | interrupted | stopped (ended early by a Tune scheduler)"),
+    Column("error", pa.string(), "error message when status is failed"),
+    Column("package_version", pa.string(), "fedsap_ray version"),
+    Column("wall_s", pa.float64(), "wall time so far, seconds"),
+    Column("final_global_accuracy", pa.float64(), "global accuracy at the last evaluated round"),
+    Column("best_global_accuracy", pa.float64(), "best-so-far global accuracy"),
+    Column("dataset_notes", pa.string(), "what the data is (real / rendered stand-in)"),
+]
+
+ROUNDS_COLUMNS: list[Column] = [
+    Column("schema_version", pa.int32(), "results schema version"),
+    Column("run_id", pa.string(), "run id"),
+    Column("round", pa.int64(), "communication round, 1-based"),
+    Column("domain", pa.string(), f"test domain, or '{GLOBAL_DOMAIN}' for the summary row"),
+    Column("eval_mode", pa.string(),
+     "which model was evaluated: 'global' (FedSAP: 'group' and 'global_only'; FedSPU adds 'personal'); "
+     "'deployed': each client's own model at its own mask on its own domain (training.eval_deployed)"),
+    Column("evaluated", pa.bool_(), "False on rounds skipped by eval_every (accuracy/loss null)"),
+    Column("accuracy", pa.float64(), "top-1 accuracy on the held-out set of this domain (global row: mean over domains)"),
+    Column("loss", pa.float64(), "mean cross-entropy on the held-out set (global row: mean over domains)"),
+    Column("n_test", pa.int64(), "held-out samples (global row: total)"),
+    Column("n_eval_clients", pa.int64(),
+     "deployed mode: clients whose own model was evaluated for this row (domain: its clients; accuracy is their "
+     "sample-weighted mean); null for other modes"),
+    Column("eval_clients_sampled", pa.bool_(),
+     "deployed mode: True when those clients are a seeded sample (more clients than training.eval_clients)"),
+    Column("worst_client_accuracy", pa.float64(), "deployed mode: lowest accuracy of one client's own model in this row"),
+    Column("worst_client_id", pa.int64(), "deployed mode: the client with that lowest accuracy"),
+    Column("global_accuracy", pa.float64(), "unweighted mean of domain accuracies at this round"),
+    Column("best_global_accuracy", pa.float64(), "best global accuracy up to this round"),
+    Column("worst_domain_accuracy", pa.float64(), "lowest domain accuracy at this round"),
+    Column("avg_capacity", pa.float64(), "mean fraction of channels trained by this round's clients"),
+    Column("n_clients", pa.int64(), "clients that trained this round"),
+    Column("bytes_up", pa.int64(), "bytes clients sent this round (values actually uploaded + statistics)"),
+    Column("bytes_down", pa.int64(), "bytes the server sent this round (values + packed masks)"),
+    Column("train_loss", pa.float64(), "sample-weighted mean local training loss"),
+    Column("round_wall_s", pa.float64(), "wall time of the round incl. evaluation, seconds"),
+    Column("ari_domain", pa.float64(),
+           "adjusted Rand index of the strategy's client groups (Strategy.client_groups) vs. the true domains, on "
+           "the rounds it forms them (FedSAP: DGA rounds); recorded from ground truth, never by the strategy"),
+    Column("frozen_params", pa.int64(),
+     "trainable coordinates no client has covered since initialisation, after this round (papers/003 Prop. 3)"),
+    Column("domain_coverage", pa.float64(),
+     "share of trainable coordinates some client of this domain has trained since round 1 (global row: any client)"),
+]
+
+CLIENTS_COLUMNS: list[Column] = [
+    Column("schema_version", pa.int32(), "results schema version"),
+    Column("run_id", pa.string(), "run id"),
+    Column("round", pa.int64(), "communication round, 1-based"),
+    Column("client_id", pa.int64(), "client id"),
+    Column("true_domain", pa.string(), "ground-truth domain of the client's data"),
+    Column("pruning_ratio", pa.float64(), "FedSAP rho_i (0 under capacity tiers)"),
+    Column("capacity_max", pa.float64(), "device capacity: keep ratio kappa_i or p_max"),
+    Column("capacity_used", pa.float64(), "fraction of channels the client trained this round (p_i / realised kappa)"),
+    Column("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.); recorded, never shown to strategies"),
+    Column("n_samples", pa.int64(), "local training samples"),
+    Column("train_loss", pa.float64(), "mean local training loss over the round's steps"),
+    Column("params_trained", pa.int64(), "trainable parameters (nn.Parameters; BN running statistics not counted) the "
+     "client updated in local training, any epoch (DapperFL's default: the full model, its first epoch trains all "
+     "of it; FedSPU: its active neurons only); Strategy.params_trained"),
+    Column("macs_per_sample", pa.int64(), "per-sample forward multiply-accumulates of the model the client runs at "
+     "inference (its sub-model), one pass: Strategy.mask_macs of the plan's coverage unless the strategy refines "
+     "it (DapperFL's pruned model); not what training spent: see train_macs"),
+    Column("train_macs", pa.int64(), "forward multiply-accumulates the client executed in local training, all epochs: "
+     "sum over its steps of batch samples x per-sample forward MACs of the network run in that step x forward "
+     "passes per step (MOON's frozen models, DapperFL's full-model first epoch, FedSPU's frozen neurons "
+     "included); backward not counted (about 2x the forward on the trained part); Strategy.train_macs"),
+    Column("bytes_up", pa.int64(), "bytes uploaded"),
+    Column("bytes_down", pa.int64(), "bytes downloaded"),
+    Column("wall_s", pa.float64(), "local training wall time, seconds"),
+    Column("worker", pa.string(), "which worker ran the client ('local' in-process)"),
+    Column("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
+]
+
+LAYERS_COLUMNS: list[Column] = [
+    Column("schema_version", pa.int32(), "results schema version"),
+    Column("run_id", pa.string(), "run id"),
+    Column("round", pa.int64(), "communication round, 1-based"),
+    Column("client_id", pa.int64(), "client id"),
+    Column("layer", pa.string(), "ChannelSpace layer (e.g. layer1, layer2.0.conv1)"),
+    Column("channels", pa.int64(), "C_l, channels of the layer"),
+    Column("keep_ratio", pa.float64(), "kappa_{i,l}: fraction of the layer's channels active for this client"),
+]
+
+ALLOCATIONS_COLUMNS: list[Column] = [
+    Column("schema_version", pa.int32(), "results schema version"),
+    Column("run_id", pa.string(), "run id"),
+    Column("round", pa.int64(), "communication round, 1-based"),
+    Column("client_id", pa.int64(), "client id (every client of the federation, sampled or not)"),
+    Column("capacity_max", pa.float64(), "p_max: the client's resource constraint"),
+    Column("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.); recorded, never shown to strategies"),
+]
+
+CORE_TABLES: dict[str, list[Column]] = {
+    "runs": RUNS_COLUMNS, "rounds": ROUNDS_COLUMNS, "clients": CLIENTS_COLUMNS, "layers": LAYERS_COLUMNS,
+    "allocations": ALLOCATIONS_COLUMNS,
+}
+DATA_TABLES = RECORDED_TABLES  # per-round tables (everything but runs)
+# What one row of each table is (docs/reference/results.md is generated from these declarations).
+TABLE_ROWS: dict[str, str] = {
+    "runs": "one row per run: its provenance (the resolved config), status, times and headline accuracies; "
+            "results.load and read_table add one config.<section>.<field> column per config leaf",
+    "rounds": f"one row per (round, evaluated model, test domain) plus a '{GLOBAL_DOMAIN}' row per round and model",
+    "clients": "one row per (round, participating client): its data, capacity, mask and cost",
+    "layers": "one row per (round, client, channel layer): where a client's channel budget went (FedSAP)",
+    "allocations": "one row per (round, client) for every client of the federation, sampled or not: the widths "
+                   "and heterogeneity estimates of the sub-model allocation strategies",
+}
+# the columns that identify a table's rows: a file in the table's folder must have them
+KEY_COLUMNS: dict[str, tuple[str, ...]] = {
+    "runs": ("run_id", "status"), "rounds": ("run_id", "round", "domain"),
+    "clients": ("run_id", "round", "client_id"), "layers": ("run_id", "round", "client_id", "layer"),
+    "allocations": ("run_id", "round", "client_id", "p"),
+}
+
+
+def extension_columns(table: str) -> dict[str, tuple[Column, list[str]]]:
+    """column name -> (its declaration, the registered strategies declaring it), in registry order.
+
+    Two strategies may declare the same column (the channel counts) only with the same Arrow
+    type; a declaration may not reuse a core column's name (the core fills those).
+    """
+    from fedsap_ray.algorithms import registry
+
+    if table not in CORE_TABLES:
+        raise ValueError(f"invalid table={table!r}: allowed values are {sorted(CORE_TABLES)}")
+    core = {c.name for c in CORE_TABLES[table]}
+    out: dict[str, tuple[Column, list[str]]] = {}
+    for name in registry.names():
+        for col in registry.get(name).declared_columns(table):
+            if col.name in core:
+                raise ValueError(f"algorithm {name!r} declares {table}.{col.name}, a core column")
+            if col.name not in out:
+                out[col.name] = (col, [name])
+            elif out[col.name][0].type != col.type:
+                first = out[col.name]
+                raise ValueError(f"{table}.{col.name}: algorithm {name!r} declares type {col.type}, "
+                                 f"{first[1][0]!r} declared {first[0].type}")
+            else:
+                out[col.name][1].append(name)
+    return out
+
+
+class _Tables(Mapping[str, list[Column]]):
+    """table -> its columns: the core ones, then every registered strategy's (read at each access, so a
+    strategy registered later, e.g. a plugin, is in the schema from then on)."""
+
+    def __getitem__(self, table: str) -> list[Column]:
+        core = CORE_TABLES[table]
+        if table not in DATA_TABLES:
+            return list(core)
+        return [*core, *(c for c, _ in extension_columns(table).values())]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(CORE_TABLES)
+
+    def __len__(self) -> int:
+        return len(CORE_TABLES)
+
+
+TABLES: Mapping[str, list[Column]] = _Tables()
+
+
+def schema(table: str) -> pa.Schema:
+    return pa.schema([pa.field(n, t, metadata={"doc": d}) for n, t, d in TABLES[table]])
+
+
+def to_table(table: str, rows: list[dict[str, Any]]) -> pa.Table:
+    """Typed Arrow table; unknown keys are an error so the declarations stay the one source of truth."""
+    sch = schema(table)
+    names = set(sch.names)
+    for r in rows:
+        extra = set(r) - names
+        if extra:
+            raise KeyError(f"{table}: columns {sorted(extra)} are not in the schema (declare them in the "
+                           "strategy's `columns`, fedsap_ray/algorithms/base.py)")
+    cols = {n: [r.get(n) for r in rows] for n in sch.names}
+    return pa.Table.from_pydict(cols, schema=sch)
+
+
+def check_table(table: str) -> None:
+    if table not in TABLES:
+        raise ValueError(f"invalid table={table!r}: allowed values are {sorted(TABLES)}")

@@ -1,0 +1,220 @@
+"""Where results live: local folders or URIs, the table listings, run ids and atomic output streams.
+
+A table folder holds one file per run (``<run_id>.parquet``) and compacted files
+(``compacted-<uuid8>.parquet``, :mod:`fedsap_ray.results.compaction`); names starting with
+``.`` (temporary) or ``_`` are never results. On object stores a single PUT is atomic; on
+other filesystems a file appears by rename once complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import uuid
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from fedsap_ray.errors import ConfigError
+from fedsap_ray.results.schema import KEY_COLUMNS, TABLES, schema
+
+# ----------------------------------------------------------------------------- run ids
+
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]{0,127}")
+RUN_ID_RULE = ("1 to 128 characters from A-Z a-z 0-9 . _ = -, starting with a letter or digit, "
+               "without '..' and not starting with 'compacted-'")
+
+
+def check_run_id(run_id: Any, field: str = "run_id") -> str:
+    """``run_id`` if it is safe as a file name in every table folder, else a ConfigError naming ``field``.
+
+    A run id becomes ``OUT/<table>/<run_id>.parquet``: a path separator or ``..`` would
+    write outside the table folder (``../x`` put every table on one file), and a
+    ``compacted-`` prefix would be read as a compacted file.
+    """
+    if (not isinstance(run_id, str) or not RUN_ID_PATTERN.fullmatch(run_id) or ".." in run_id
+            or run_id.startswith(COMPACTED_PREFIX)):
+        raise ConfigError(f"invalid {field}={run_id!r}: a run id is {RUN_ID_RULE}")
+    return run_id
+
+
+# ----------------------------------------------------------------------------- where the results are
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_OBJECT_STORES = frozenset({"s3", "gcs", "abfs"})  # a single PUT is atomic there; rename is a copy
+FINAL_STATUSES = ("finished", "failed", "stopped", "interrupted")  # a run with these writes no more rows
+COMPACTED_PREFIX = "compacted-"  # OUT/<table>/compacted-<uuid8>.parquet: rows of many final runs
+_ROW_GROUP = 1 << 17
+
+
+def is_uri(path: str | Path) -> bool:
+    """True for a string with a scheme (``s3://``, ``file://``...); a :class:`Path` is always local."""
+    return isinstance(path, str) and bool(_URI.match(path))
+
+
+def filesystem(path: str | Path) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) for a local folder or a URI ``FileSystem.from_uri`` accepts."""
+    if not is_uri(path):
+        return pafs.LocalFileSystem(), Path(path).absolute().as_posix()
+    try:
+        fs, inner = pafs.FileSystem.from_uri(str(path))
+    except (ValueError, NotImplementedError, OSError) as e:
+        raise ValueError(f"invalid results location {str(path)!r}: {e}; use a local path or a URI that "
+                         "pyarrow.fs.FileSystem.from_uri accepts (file://, s3://, gs://, hdfs://, abfs://)") from e
+    return fs, inner.rstrip("/") or inner
+
+
+def is_dir(fs: pafs.FileSystem, base: str) -> bool:
+    return fs.get_file_info(base).type == pafs.FileType.Directory
+
+
+@dataclass
+class Listing:
+    per_run: dict[str, pafs.FileInfo]  # run_id (file stem) -> its file
+    compacted: list[pafs.FileInfo]
+
+
+def foreign_reason(names: list[str], table: str) -> str | None:
+    """Why a file with columns ``names`` is not a file of ``table`` (None: it is one).
+
+    A file of this table (any schema version) has the table's key columns and no column
+    outside its schema; a file of another table placed in the folder fails one of the two,
+    and reading it would give rows that are null in almost every column.
+    """
+    cols = {n for n, _, _ in TABLES[table]}
+    extra = sorted(set(names) - cols)
+    missing = [k for k in KEY_COLUMNS[table] if k not in names]
+    if not extra and not missing:
+        return None
+    why = []
+    if missing:
+        why.append(f"lacks the key column(s) {', '.join(missing)}")
+    if extra:
+        why.append(f"has column(s) {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} that {table} has not")
+    return " and ".join(why)
+
+
+def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str) -> str | None:
+    try:
+        with fs.open_input_file(info.path) as f:
+            names = pq.read_schema(f).names
+    except (OSError, pa.ArrowException):
+        return None  # unreadable: let the reader report it, naming the file
+    return foreign_reason(names, table)
+
+
+def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
+    """The table's Parquet files; names starting with "." (temporary) or "_" are not results.
+
+    A Parquet file of another table placed in the folder is skipped with a warning (see
+    :func:`foreign_reason`), never read as rows of this table nor compacted or deleted.
+    """
+    infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", allow_not_found=True))
+    per_run: dict[str, pafs.FileInfo] = {}
+    compacted: list[pafs.FileInfo] = []
+    for info in sorted(infos, key=lambda i: i.path):
+        name = info.base_name
+        if info.type != pafs.FileType.File or name.startswith((".", "_")) or not name.endswith(".parquet"):
+            continue
+        reason = _foreign(fs, info, table)
+        if reason is not None:
+            warnings.warn(f"skipped {info.path}: not a file of the {table} table: it {reason}", stacklevel=3)
+            continue
+        if name.startswith(COMPACTED_PREFIX):
+            compacted.append(info)
+        else:
+            per_run[name[: -len(".parquet")]] = info
+    return Listing(per_run, compacted)
+
+
+def run_ids(fs: pafs.FileSystem, path: str) -> set[str]:
+    with fs.open_input_file(path) as f:
+        col = pq.ParquetFile(f).read(columns=["run_id"]).column("run_id")
+    return set(pc.unique(col).to_pylist())
+
+
+def dataset(fs: pafs.FileSystem, paths: list[str], table: str) -> ds.FileSystemDataset:
+    """One dataset over many files; the explicit schema adds columns an older file lacks as nulls."""
+    return ds.FileSystemDataset.from_paths(paths, schema=schema(table), format=ds.ParquetFileFormat(),
+                                           filesystem=fs)
+
+
+def sources(fs: pafs.FileSystem, listing: Listing) -> tuple[list[str], list[tuple[str, set[str]]]]:
+    """Files to read whole, and compacted files to read without some runs, so each run is read once.
+
+    A run's per-run file wins over compacted rows of the same run (after an interrupted
+    :func:`compact` both hold the same rows; after a re-run under the same id the per-run
+    file is the newer); among compacted files the first (by name) wins.
+    """
+    whole = [i.path for i in listing.per_run.values()]
+    partial: list[tuple[str, set[str]]] = []
+    seen = set(listing.per_run)
+    for c in listing.compacted:
+        ids = run_ids(fs, c.path)
+        skip = ids & seen
+        if not skip:
+            whole.append(c.path)
+        elif skip != ids:
+            partial.append((c.path, skip))
+        seen |= ids
+    return sorted(whole), partial
+
+
+def readahead(fs: pafs.FileSystem) -> int:
+    """Files read at once: pyarrow's default locally; many on remote stores, where latency dominates."""
+    return 4 if fs.type_name == "local" else 64
+
+
+@contextmanager
+def atomic_output(fs: pafs.FileSystem, path: str) -> Iterator[pa.NativeFile]:
+    """A stream whose bytes appear at ``path`` only once complete.
+
+    Object stores: written to memory, then one upload (a single PUT is atomic). Other
+    filesystems: a temporary file named ``.<name>.<uuid>.tmp`` (readers skip it) moved into
+    place.
+    """
+    parent, name = path.rsplit("/", 1)
+    if fs.type_name in _OBJECT_STORES:
+        buf = pa.BufferOutputStream()
+        yield buf
+        data = buf.getvalue()
+        with fs.open_output_stream(path, compression=None) as out:
+            out.write(data)
+        return
+    fs.create_dir(parent, recursive=True)
+    tmp = f"{parent}/.{name}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with fs.open_output_stream(tmp, compression=None) as out:
+            yield out
+        fs.move(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.delete_file(tmp)
+        raise
+
+
+def write_batches(fs: pafs.FileSystem, path: str, table: str, batches: Iterator[pa.RecordBatch]) -> int:
+    """Stream batches into one Parquet file (row groups of ~128k rows); return the row count."""
+    sch, rows = schema(table), 0
+    with atomic_output(fs, path) as sink, pq.ParquetWriter(sink, sch) as w:
+        buf: list[pa.RecordBatch] = []
+        n = 0
+        for b in batches:
+            buf.append(b)
+            n += b.num_rows
+            if n >= _ROW_GROUP:
+                w.write_table(pa.Table.from_batches(buf).cast(sch))
+                rows, buf, n = rows + n, [], 0
+        if buf:
+            w.write_table(pa.Table.from_batches(buf).cast(sch))
+            rows += n
+    return rows
+
