@@ -18,7 +18,8 @@ from analysis.metrics import LATE_ROUNDS
 from analysis.confound.figures import plot_frontier
 from analysis.confound.stats import CONTROLS, correlation_table, matched_budget
 from analysis.confound.tables import (HASFL, RANDOM_BUDGET, TABLE3_VARIANTS, TABLE4_VARIANTS,
-                                      TABLE6_VARIANTS, VARIANT_TYPE, _finished, cost_table, frontier, per_run, summary_table)
+                                      TABLE6_VARIANTS, VARIANT_TYPE, cost_table, finished_runs, frontier, per_run,
+                                      summary_table)
 
 __all__ = ["CONTROLS", "report", "to_markdown"]
 
@@ -167,7 +168,7 @@ def report(path_or_res: Any, *, finished_only: bool = True, frontier_png: str | 
     res = runs.load_sweep(path_or_res)
     pr = per_run(res)
     if finished_only:
-        pr = _finished(pr)
+        pr = finished_runs(pr)
     out = ["# Capacity-confound analysis (papers/003)", ""]
     if pr.empty:
         return "\n".join([*out, "No runs.", ""])

@@ -66,7 +66,8 @@ def per_run(res: Any) -> pd.DataFrame:
     return pr
 
 
-def _finished(pr: pd.DataFrame) -> pd.DataFrame:
+def finished_runs(pr: pd.DataFrame) -> pd.DataFrame:
+    """The finished rows of a per-run table (a run without a status counts as finished)."""
     if "status" not in pr.columns:
         return pr
     return pr[pr["status"].isna() | (pr["status"] == "finished")]
