@@ -96,7 +96,7 @@ def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     if hasattr(path, "runs"):
         res = path
     else:
-        res = results.load(path)
+        res = results.load(os.fspath(path))
         if getattr(res, "allocations", None) is None:
             res = _replace_tables(res, allocations=_allocations(Path(path)))
     if "label" not in res.runs.columns:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 import pandas as pd
 from scipy import stats
 
@@ -41,7 +42,7 @@ def _nan_corr(n: int) -> Corr:
     return Corr(math.nan, math.nan, math.nan, math.nan, int(n))
 
 
-def _complete(*cols: np.ndarray) -> list[np.ndarray]:
+def _complete(*cols: npt.ArrayLike) -> list[np.ndarray]:
     arrs = [np.asarray(c, dtype=float) for c in cols]
     ok = np.ones(len(arrs[0]), dtype=bool)
     for a in arrs:
@@ -63,7 +64,7 @@ def _fisher_ci(r: float, n_eff: int, level: float = 0.95) -> tuple[float, float]
     return float(np.tanh(z - half)), float(np.tanh(z + half))
 
 
-def pearson(x: Sequence[float], y: Sequence[float]) -> Corr:
+def pearson(x: npt.ArrayLike, y: npt.ArrayLike) -> Corr:
     """Pearson r (scipy.stats.pearsonr) with its p-value and 95% CI (Fisher z, n-3) over the
     pairwise-complete observations; NaN (no exception) for a constant input or n < 3."""
     x, y = _complete(x, y)
@@ -91,7 +92,7 @@ def tier_dummies(z: Sequence[float] | np.ndarray) -> np.ndarray:
 CONTROLS = ("tiers", "linear")  # how p_max is controlled in Table 5's partial correlations
 
 
-def partial_corr(x: Sequence[float], y: Sequence[float], z: Sequence[float] | np.ndarray,
+def partial_corr(x: npt.ArrayLike, y: npt.ArrayLike, z: npt.ArrayLike,
                  control: str = "linear") -> Corr:
     """Partial correlation r(x, y | z) (papers/003 Table 5): regress x and y on [1, Z] by
     least squares and correlate the residuals.
