@@ -47,15 +47,15 @@ def drop_unrecorded(df: pd.DataFrame, cols: Sequence[str] = DEVICE_COLUMNS) -> p
 
 
 def markdown(df: pd.DataFrame, index: bool = False) -> str:
-    """``df`` as a GitHub markdown table (:meth:`pandas.DataFrame.to_markdown`, text cells as they are, missing
-    values "–"), each cell padded by one space only so tables diff well and read as the docs quote them."""
+    """``df`` as a GitHub markdown table: :meth:`pandas.DataFrame.to_markdown` with text cells as they are
+    (missing values "–") and no alignment padding (``stralign=None``), so cells are padded by one space
+    and the tables diff well and read as the README and docs/studies quote them."""
     d = df.reset_index() if index else df
     d = d.map(lambda v: v if isinstance(v, str) else MISSING if _missing(v) else str(v)).rename(columns=str)
-    text = d.to_markdown(index=False, tablefmt="github", disable_numparse=True, missingval=MISSING)
-    lines = text.splitlines()
-    rows = [[c.strip() for c in line.strip()[1:-1].split(" | ")] for line in lines]
-    rows[1] = ["---"] * len(rows[0])
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    lines = d.to_markdown(index=False, tablefmt="github", disable_numparse=True, stralign=None,
+                          missingval=MISSING).splitlines()
+    lines[1] = "| " + " | ".join("---" for _ in d.columns) + " |"  # tabulate's rule spans the widest cell
+    return "\n".join(lines)
 
 
 def _missing(v: Any) -> bool:
