@@ -467,3 +467,12 @@ def test_option_table_splits_a_row_whose_runs_differ_beyond_the_seed() -> None:
         t = sweep.option_table(res, "fedavg", [("FedAvg", {})])
     assert sorted(t["row"]) == ["FedAvg [training.rounds=2]", "FedAvg [training.rounds=30]"]
     assert sorted(t["best_mean"]) == pytest.approx([0.2, 0.8])
+
+
+def test_markdown_renders_text_cells_as_given_with_one_space_padding() -> None:
+    """The one renderer (DataFrame.to_markdown): numbers are never re-parsed ("0.50" stays), missing cells
+    print "–", cells are not padded to the column width, and a title holding "|" keeps one rule per column."""
+    df = pd.DataFrame({"method": ["FedAvg", "a much longer name"], "r(x, y | z)": ["0.50", np.nan], "n": [3, 12]})
+    assert sweep.markdown(df).splitlines() == ["| method | r(x, y | z) | n |", "| --- | --- | --- |",
+                                               "| FedAvg | 0.50 | 3 |", "| a much longer name | – | 12 |"]
+    assert sweep.markdown(df.iloc[0:0]).splitlines() == ["| method | r(x, y | z) | n |", "| --- | --- | --- |"]
