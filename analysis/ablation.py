@@ -9,6 +9,7 @@ best-so-far per domain for Figure 4), mean ± std over seeds.
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +105,16 @@ def mask_motion_table(res: Any) -> pd.DataFrame:
 
 def baselines_table(res: Any) -> pd.DataFrame:
     """The non-FedSAP runs of the folder (e.g. heterogeneous FedAvg at the same keep ratios, the floor
-    under every ablation cell), one row per distinct config (:func:`analysis.sweep.config_label`)."""
+    under every ablation cell), one row per run label (:func:`analysis.labels.label`); runs of one label
+    whose configurations differ beyond the seed get one row each, ``<label> [<differing keys>]``, with a
+    :class:`UserWarning`."""
     res = sweep.load_sweep(res)
-    runs = res.runs[~res.runs["algorithm"].isin(FEDSAP_ALGORITHMS) & (res.runs["status"] == "finished")]
-    pr = runs[["run_id", "variant", "seed"]].assign(baseline=[sweep.config_label(r) for _, r in runs.iterrows()])
-    pr = pr.set_index("run_id").join(sweep.global_accuracy(sweep.table(res, "rounds"))).reset_index()
+    pr = sweep.per_run(res)
+    pr = pr[~pr["algorithm"].isin(FEDSAP_ALGORITHMS) & (pr["status"] == "finished")].assign(baseline=lambda d: d["label"])
+    configs, mixed = sweep.split_configs(pr, ["baseline"])
+    if mixed:
+        warnings.warn(sweep.mixed_warning(mixed), UserWarning, stacklevel=2)
+        pr["baseline"] = [f"{b} [{c}]" if c else b for b, c in zip(pr["baseline"], configs)]
     out = sweep.mean_std(pr, "baseline", {"best": "best_global_accuracy", "final": "final_global_accuracy"})
     names = pr.groupby("baseline", sort=False)["variant"].agg(lambda v: ", ".join(dict.fromkeys(v)))
     out.insert(1, "variants", out["baseline"].map(names))
@@ -122,7 +128,7 @@ def report(res: Any) -> str:
     out = ["# FedSAP ablations (papers/000)", ""]
 
     def section(title: str, table: pd.DataFrame, note: str = "", empty: str = "No runs of this table in the folder.") -> None:
-        body = sweep.to_markdown(sweep.drop_unrecorded(table)) if len(table) else empty
+        body = sweep.markdown(sweep.drop_unrecorded(table)) if len(table) else empty
         out.extend([f"## {title}", ""] + ([note, ""] if note else []) + [body, ""])
 
     section("Component ablation (Figure 4)", sweep.pm_table(figure4_table(res)),

@@ -20,27 +20,33 @@ Beside the paper's figures, what each device really got and spent:
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from matplotlib.ticker import FuncFormatter
 
-from analysis import plots, sweep
+from analysis import labels, plots, runs, sweep
+from analysis.display import markdown
 from fedsap_ray import results
 
 GLOBAL = results.GLOBAL_DOMAIN
-# papers/000 Table 1 rows, in its order: (label, registry name, marked with system heterogeneity). papers/000's
-# "FedDrop" row is Adaptive Federated Dropout; ours runs plain Federated Dropout by default, so it is labelled
-# "FedDrop (FD)" (selection=afd: "FedDrop (AFD)", unvalidated; fedsap_ray/algorithms/feddrop.py)
+# papers/000 Table 1 rows, in its order: (row name, run label (analysis.labels.label), marked with system
+# heterogeneity). papers/000's "FedDrop" row is Adaptive Federated Dropout; ours runs plain Federated Dropout by
+# default, so it is named "FedDrop (FD)" (selection=afd: "FedDrop (AFD)", unvalidated; fedsap_ray/algorithms/feddrop.py);
+# the paper's FedProx row trains nested sub-models (width=capacity).
 TABLE1 = [
     ("FedAvg", "fedavg", False), ("MOON", "moon", False), ("FedSR", "fedsr", False), ("FPL", "fpl", False),
-    ("FedSPU", "fedspu", False), ("FedDrop (FD)", "feddrop", True), ("FedProx", "fedprox", True), ("FedMP", "fedmp", True),
-    ("NeFL", "nefl", True), ("DapperFL", "dapperfl", True), ("FedSAP", "fedsap", True),
+    ("FedSPU", "fedspu", False), ("FedDrop (FD)", "feddrop", True), ("FedProx", "fedprox (width=capacity)", True),
+    ("FedMP", "fedmp", True), ("NeFL", "nefl", True), ("DapperFL", "dapperfl", True), ("FedSAP", "fedsap", True),
 ]
-LABEL = {name: label for label, name, _ in TABLE1}
-# labels method_of gives to a Table 1 method run with a non-default option, listed right after it
+# The Table 1 row name of each run label; a label not listed (a method outside the paper's table) keeps its own text.
+TABLE1_ROWS = {
+    **{run_label: row for row, run_label, _ in TABLE1},
+    "fedavg (width=capacity)": "FedAvg (sub-models)", "fedprox": "FedProx (full model)",
+    "feddrop (selection=afd)": "FedDrop (AFD)", "dapperfl (full_first_epoch=False)": "DapperFL (capacity)",
+}
+# row names of a Table 1 method run with a non-default option, listed right after it
 VARIANT_LABELS = {"FedDrop (FD)": ("FedDrop (AFD)",), "DapperFL": ("DapperFL (capacity)",)}
 EXTRA = sweep.DEVICE_COLUMNS  # per-run figures averaged over seeds
 NOT_DOMAINS = ("global", "final_global", "global_std", "seeds", "sub_models", "deployed_std", "max_train_gmacs",
@@ -48,34 +54,30 @@ NOT_DOMAINS = ("global", "final_global", "global_std", "seeds", "sub_models", "d
 
 
 def method_of(config: dict[str, Any]) -> str:
-    """Table 1 label of a run (FedAvg / FedProx note the width they trained at)."""
-    algo = config["algorithm"]
-    label = LABEL.get(algo["name"], algo["name"])
-    width = (algo.get("options") or {}).get("width")
-    if algo["name"] == "fedavg" and width == "capacity":
-        return "FedAvg (sub-models)"
-    if algo["name"] == "fedprox" and width != "capacity":
-        return "FedProx (full model)"
-    if algo["name"] == "feddrop" and (algo.get("options") or {}).get("selection") == "afd":
-        return "FedDrop (AFD)"
-    if algo["name"] == "dapperfl" and (algo.get("options") or {}).get("full_first_epoch") is False:
-        return "DapperFL (capacity)"
-    return label
+    """Table 1 row name of a run's config (:data:`TABLE1_ROWS` of :func:`analysis.labels.label`)."""
+    return TABLE1_ROWS.get(name := labels.label(labels.config_of(config)), name)
 
 
 def per_run(res: results.Results) -> pd.DataFrame:
-    """One row per finished run: method, seed, best accuracy per domain, best and final global accuracy,
-    the deployed evaluation and the training compute (module docstring)."""
-    runs = res.runs[res.runs["status"] == "finished"].copy()
-    runs["method"] = [method_of(json.loads(c)) for c in runs["config_json"]]
-    best = sweep.domain_best(res.rounds).join(sweep.global_accuracy(res.rounds)["final_global_accuracy"])
-    best = best.rename(columns={"final_global_accuracy": "final_global"})
-    best = best.join(sweep.deployed_accuracy(res.rounds), how="left").join(sweep.train_compute(res.clients), how="left")
-    return runs[["run_id", "method", "seed", "dataset"]].set_index("run_id").join(best).reset_index()
+    """One row per finished run of :func:`analysis.runs.per_run`: method (Table 1 row name), seed, dataset,
+    best accuracy per domain, best and final global accuracy, the deployed evaluation and the training
+    compute (module docstring)."""
+    res = sweep.load_sweep(res)
+    pr = runs.per_run(res, domains=True)
+    pr = pr[pr["status"] == "finished"]
+    domains = [c for c in sweep.domain_best(sweep.table(res, "rounds")).columns if c != "global"]
+    out = pr[["run_id", "seed", "dataset"]].copy()
+    out.insert(1, "method", [TABLE1_ROWS.get(x, x) for x in pr["label"]])
+    out[domains] = pr[domains]
+    out["global"], out["final_global"] = pr["best_global_accuracy"], pr["final_global_accuracy"]
+    for c in ("deployed", "deployed_final", "worst_client", "train_gmacs", "max_train_gmacs"):
+        out[c] = pr[c]
+    return out.reset_index(drop=True)
 
 
 def table1(res: results.Results) -> pd.DataFrame:
     """Mean over seeds per method (rows in the paper's order), with the seed count and global std."""
+    res = sweep.load_sweep(res)
     pr = per_run(res)
     cols = [c for c in pr.columns if c not in ("run_id", "method", "seed", "dataset")]
     domains = [c for c in cols if c not in ("global", "final_global", *EXTRA)]
@@ -85,7 +87,8 @@ def table1(res: results.Results) -> pd.DataFrame:
     agg["deployed_std"] = pr.groupby("method")["deployed"].std()
     agg["seeds"] = pr.groupby("method")["seed"].nunique()
     # methods outside the paper's table: "sub-models" when some client trained less than the full model
-    narrow = res.clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
+    clients = sweep.table(res, "clients")
+    narrow = clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
     agg["sub_models"] = pr.assign(narrow=pr["run_id"].map(narrow).fillna(False).astype(bool)).groupby("method")[
         "narrow"].any()
     return agg.loc[in_table1_order(agg.index)]
@@ -99,14 +102,13 @@ def in_table1_order(methods: Any) -> list[str]:
     return [m for m in known if m in present] + sorted(present - set(known))
 
 
-def to_markdown(table: pd.DataFrame) -> str:
-    """README table: accuracies in percent; the 'sys. het.' column says who trained sub-models (the
-    paper's marks for its Table 1 methods, our runs' clients table for the others)."""
-    het = {label: h for label, _, h in TABLE1}
+def display(table: pd.DataFrame) -> pd.DataFrame:
+    """The README's Table 1 (text cells): accuracies in percent; the 'sys. het.' column says who trained
+    sub-models (the paper's marks for its Table 1 methods, our runs' clients table for the others)."""
+    het = {row: h for row, _, h in TABLE1}
     domains = [c for c in table.columns if c not in NOT_DOMAINS]
     head = ["method", "sys. het.", "seeds", *domains, "global (best)", "global (final)", "deployed (best)",
             "deployed (final)", "worst client (final)", "train GMACs / client-round (max)"]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
 
     def pct(v: Any) -> str:
         return "–" if pd.isna(v) else f"{100 * v:.2f}"
@@ -114,6 +116,7 @@ def to_markdown(table: pd.DataFrame) -> str:
     def pm(v: Any, sd: Any) -> str:
         return "–" if pd.isna(v) else f"{100 * v:.2f} ± {100 * (0.0 if pd.isna(sd) else sd):.2f}"
 
+    rows = []
     for m, r in table.iterrows():
         cells = [m, "✓" if het.get(m, "sub-models" in m or bool(r.get("sub_models", False))) else "✗",
                  str(int(r["seeds"]))]
@@ -121,8 +124,13 @@ def to_markdown(table: pd.DataFrame) -> str:
         cells += [pm(r["global"], r["global_std"]), pct(r["final_global"]),
                   pm(r.get("deployed"), r.get("deployed_std")), pct(r.get("deployed_final")), pct(r.get("worst_client")),
                   "–" if pd.isna(r.get("train_gmacs")) else f"{r['train_gmacs']:.2f} ({r['max_train_gmacs']:.2f})"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return pd.DataFrame(rows, columns=head, dtype=object)
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """:func:`display` through the one renderer, :func:`analysis.display.markdown`."""
+    return markdown(display(table))
 
 
 def compute_figure(res: results.Results, path: str | Path | None = None) -> Any:

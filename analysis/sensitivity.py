@@ -83,14 +83,18 @@ def plot_sensitivity(table: pd.DataFrame, path: str | Path | None = None, metric
     return finish(fig, path)
 
 
-def to_markdown(table: pd.DataFrame) -> str:
-    """Table 7 as markdown: hyperparameter, value (the reference marked "(ref.)"), seeds and
-    best / final global accuracy (%, mean ± std over seeds), and the runs' variant labels."""
-    if table.empty:
-        return "No one-factor sensitivity runs (algorithm fedsap_fixed) in this folder."
+def display(table: pd.DataFrame) -> pd.DataFrame:
+    """Table 7 for reading (text cells): hyperparameter, value (the reference marked "(ref.)"), seeds and
+    best / final global accuracy (%, mean ± std over seeds), and the runs' variant names."""
     shown = sweep.pm_table(table)
     shown["value"] = [f"{v:g}" + (" (ref.)" if r else "") for v, r in zip(table["value"], table["reference"])]
     shown = shown.rename(columns={"factor": "hyperparameter", "best": "best global acc. (%)",
                                   "final": "final global acc. (%)", "variants": "runs"})
-    return sweep.to_markdown(shown[["hyperparameter", "value", "seeds", "best global acc. (%)",
-                                    "final global acc. (%)", "runs"]])
+    return shown[["hyperparameter", "value", "seeds", "best global acc. (%)", "final global acc. (%)", "runs"]]
+
+
+def to_markdown(table: pd.DataFrame) -> str:
+    """:func:`display` through the one renderer (:func:`analysis.display.markdown`), or why there is no table."""
+    if table.empty:
+        return "No one-factor sensitivity runs (algorithm fedsap_fixed) in this folder."
+    return sweep.markdown(display(table))

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
 from analysis import ablation, comparison, plots, sensitivity, sweep
-from analysis import fedsap as fedsap_analysis
+from analysis import confound, labels, runs
 from fedsap_ray import results
 
 G = results.GLOBAL_DOMAIN
@@ -84,7 +85,7 @@ def test_load_sweep_labels_variants_and_resolves_options_from_the_config(tmp_pat
 
 def test_locate_finds_a_relative_folder_under_the_repository_root(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    assert sweep.locate("analysis") == str(sweep.Path(sweep.__file__).resolve().parents[1] / "analysis")
+    assert sweep.locate("analysis") == str(Path(runs.__file__).resolve().parents[1] / "analysis")
     assert sweep.locate("s3://bucket/runs") == "s3://bucket/runs"
     assert sweep.locate("no/such/folder") == "no/such/folder"
 
@@ -94,7 +95,7 @@ def test_per_run_accuracy_reads_the_primary_mode_up_to_the_last_evaluated_round(
                round_rows("a-s0", [0.4, 0.7, 0.6, None], modes=("group", "global_only"),
                           domain_accs={"mnist": [0.9, 0.5, 0.95, None], "svhn": [0.2, 0.8, 0.3, None]})
                + round_rows("b-s0", [0.3, 0.2]))
-    pr = sweep.per_run_accuracy(res).set_index("run_id")
+    pr = runs.per_run(res).set_index("run_id")
     assert pr.loc["a-s0", "best_global_accuracy"] == pytest.approx(0.7)   # not the 0.99 decoy mode
     assert pr.loc["a-s0", "final_global_accuracy"] == pytest.approx(0.6)  # round 4 was not evaluated
     assert pr.loc["b-s0", "best_global_accuracy"] == pytest.approx(0.3)
@@ -104,9 +105,9 @@ def test_per_run_accuracy_reads_the_primary_mode_up_to_the_last_evaluated_round(
     assert list(best.columns) == [*DOMAINS, "global"]
     assert best.loc["a-s0", "mnist"] == pytest.approx(0.95) and best.loc["a-s0", "svhn"] == pytest.approx(0.8)
     # the refactored callers read the same numbers
-    old = fedsap_analysis.per_run(res).set_index("run_id")
-    assert old.loc["a-s0", "best_global_accuracy"] == pytest.approx(0.7)
-    assert old.loc["a-s0", "final_global_accuracy"] == pytest.approx(0.6)
+    cf = confound.per_run(res).set_index("run_id")
+    assert cf.loc["a-s0", "best_accuracy"] == pytest.approx(0.7)
+    assert cf.loc["a-s0", "final_accuracy"] == pytest.approx(0.6)
     cmp = comparison.per_run(res).set_index("run_id")
     assert cmp.loc["a-s0", "global"] == pytest.approx(0.7) and cmp.loc["a-s0", "final_global"] == pytest.approx(0.6)
     assert cmp.loc["a-s0", "mnist"] == pytest.approx(0.95) and "c-s0" not in cmp.index
@@ -319,10 +320,26 @@ def test_dga_controls_average_the_grouping_over_dga_rounds_then_seeds() -> None:
     assert sweep.pm_table(t.reset_index()).set_index("dga").loc["oracle", "n_groups"] == "4.00"
 
 
-def test_ablation_table_of_analysis_fedsap_still_groups_by_config() -> None:
-    t = fedsap_analysis.ablation_table(ablation_results())
-    assert t.loc["fedsap: tri-state, adaptive budget", "seeds"] == 2
-    assert t.loc["fedavg (full model)", "best_mean"] == pytest.approx(0.9)
+def test_every_analysis_names_a_run_by_the_one_label_of_its_resolved_options() -> None:
+    """One label per run, from the config.* columns: the studies' row names are renamings of it, so two
+    tables never disagree about what a run ran (FedProx's mu is a hyperparameter, not part of a label)."""
+    rows = [run_row("p-s0", "fedprox", 0, width="capacity", mu=1.0), run_row("q-s0", "fedprox", 0),
+            run_row("h-s0", "hasfl", 0, coverage="false"), run_row("d-s0", "feddrop", 0, selection="afd"),
+            run_row("x-s0", "dapperfl", 0, full_first_epoch=False), run_row("f-s0", "fedavg", 0, width="full")]
+    res = make(rows, [r for row in rows for r in round_rows(row["run_id"], [0.5])])
+    pr = runs.per_run(res).set_index("run_id")
+    assert pr["label"].to_dict() == {"p-s0": "fedprox (width=capacity)", "q-s0": "fedprox",
+                                     "h-s0": "hasfl (coverage=False)", "d-s0": "feddrop (selection=afd)",
+                                     "x-s0": "dapperfl (full_first_epoch=False)", "f-s0": "fedavg"}
+    assert "config.algorithm.options.mu" in pr.columns and pr.loc["p-s0", "opt_mu"] == 1.0
+    method = comparison.per_run(res).set_index("run_id")["method"]
+    assert method.to_dict() == {"p-s0": "FedProx", "q-s0": "FedProx (full model)", "h-s0": "hasfl (coverage=False)",
+                                "d-s0": "FedDrop (AFD)", "x-s0": "DapperFL (capacity)", "f-s0": "FedAvg"}
+    variant = confound.per_run(res).set_index("run_id")["variant"]
+    assert variant["h-s0"] == "HAS-FL (no coverage)" and variant["p-s0"] == "FedProx (capacity width)"
+    for rid, name in method.items():  # the Table 1 name is the same map of the same label from a bare config
+        assert comparison.method_of(json.loads(res.runs.set_index("run_id").loc[rid, "config_json"])) == name
+    assert labels.protocol(pr.loc["p-s0"])["algorithm.options.mu"] == 1.0
 
 
 def test_reports_render_every_table_as_markdown() -> None:
@@ -425,7 +442,7 @@ def test_eval_every_2_keeps_best_and_final_accuracy() -> None:
         if not r["evaluated"]:
             r["eval_mode"] = None  # as the server writes a skipped round
     res = make([run_row("a-s0", "fedsap", 0), run_row("b-s0", "fedavg", 0)], rows)
-    pr = sweep.per_run_accuracy(res).set_index("run_id")
+    pr = runs.per_run(res).set_index("run_id")
     assert pr.loc["a-s0", "best_global_accuracy"] == pytest.approx(0.7)
     assert pr.loc["a-s0", "final_global_accuracy"] == pytest.approx(0.6)
     assert pr.loc["b-s0", "best_global_accuracy"] == pytest.approx(0.3)
@@ -433,7 +450,7 @@ def test_eval_every_2_keeps_best_and_final_accuracy() -> None:
     assert sweep.domain_best(res.rounds).loc["a-s0", "mnist"] == pytest.approx(0.7)
     cmp = comparison.per_run(res).set_index("run_id")
     assert cmp.loc["b-s0", "global"] == pytest.approx(0.3) and cmp.loc["b-s0", "final_global"] == pytest.approx(0.2)
-    assert fedsap_analysis.per_run(res).set_index("run_id").loc["a-s0", "final_global_accuracy"] == pytest.approx(0.6)
+    assert confound.per_run(res).set_index("run_id").loc["a-s0", "final_accuracy"] == pytest.approx(0.6)
     table = sweep.option_table(res, "fedavg", [("FedAvg", {})])
     assert table.loc[0, "best_mean"] == pytest.approx(0.3) and table.loc[0, "final_mean"] == pytest.approx(0.2)
 
@@ -450,3 +467,12 @@ def test_option_table_splits_a_row_whose_runs_differ_beyond_the_seed() -> None:
         t = sweep.option_table(res, "fedavg", [("FedAvg", {})])
     assert sorted(t["row"]) == ["FedAvg [training.rounds=2]", "FedAvg [training.rounds=30]"]
     assert sorted(t["best_mean"]) == pytest.approx([0.2, 0.8])
+
+
+def test_markdown_renders_text_cells_as_given_with_one_space_padding() -> None:
+    """The one renderer (DataFrame.to_markdown): numbers are never re-parsed ("0.50" stays), missing cells
+    print "–", cells are not padded to the column width, and a title holding "|" keeps one rule per column."""
+    df = pd.DataFrame({"method": ["FedAvg", "a much longer name"], "r(x, y | z)": ["0.50", np.nan], "n": [3, 12]})
+    assert sweep.markdown(df).splitlines() == ["| method | r(x, y | z) | n |", "| --- | --- | --- |",
+                                               "| FedAvg | 0.50 | 3 |", "| a much longer name | – | 12 |"]
+    assert sweep.markdown(df.iloc[0:0]).splitlines() == ["| method | r(x, y | z) | n |", "| --- | --- | --- |"]

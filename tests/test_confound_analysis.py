@@ -12,6 +12,7 @@ import pytest
 from scipy import stats
 
 from analysis import confound as cf
+from analysis.runs import annotate_runs
 
 G = "__global__"
 
@@ -161,10 +162,13 @@ def test_variant_labels() -> None:
     pr = cf.per_run(two_seed_results()).set_index("run_id")
     assert pr["variant"].to_dict() == {"a": "HAS-FL", "b": "HAS-FL", "c": "HAS-FL (no coverage)", "d": "FedAvg",
                                       "e": "FedAvg (capacity width)", "f": "FedProx"}
-    assert cf.variant_of(run_row("x", "random_budget", 1)) == "Random-budget"
-    assert cf.variant_of(run_row("x", "hasfl", 1, {"coverage": "false"})) == "HAS-FL (no coverage)"
-    assert cf.variant_of(run_row("x", "hasfl", 1, {"coverage": True})) == "HAS-FL"
-    assert cf.variant_of(run_row("x", "newalgo", 1)) == "newalgo"
+    def variant(row: dict) -> str:  # variant_of reads a runs-table row: config.* columns, as results.load gives
+        return cf.variant_of(annotate_runs(pd.DataFrame([row])).iloc[0])
+
+    assert variant(run_row("x", "random_budget", 1)) == "Random-budget"
+    assert variant(run_row("x", "hasfl", 1, {"coverage": "false"})) == "HAS-FL (no coverage)"
+    assert variant(run_row("x", "hasfl", 1, {"coverage": True})) == "HAS-FL"
+    assert variant(run_row("x", "newalgo", 1)) == "newalgo"
 
 
 def test_per_run_and_summary_hand_computed() -> None:

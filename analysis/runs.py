@@ -1,0 +1,153 @@
+"""Loading a results folder for analysis, and the one per-run table every study builds on.
+
+A study script writes run ids ``<variant>-s<seed>`` (sweeps/common.py); :func:`load_sweep` adds that
+``variant`` name (the study's own name for the run: its identity, not a description), the run's
+:func:`analysis.labels.label` and every algorithm option *resolved* against the strategy's defaults
+(``opt_<name>`` columns), all from the flattened ``config.*`` columns, so tables select runs by what
+they ran, not by their names. :func:`per_run` is one row per run with those and every per-run figure
+of :mod:`analysis.metrics`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+from collections.abc import Sequence
+
+import pandas as pd
+
+from analysis import labels, metrics
+from fedsap_ray import results
+
+TABLES = ("runs", "rounds", "clients", "layers", "allocations")
+RUN_COLUMNS = ("variant", "seed", "algorithm", "study", "dataset")  # what join_runs adds by default
+IDENTITY = ("run_id", "variant", "label", "seed", "study", "dataset", "algorithm", "status", "rounds_done")
+_SEED_SUFFIX = re.compile(r"-s\d+$")
+
+
+class MissingData(ValueError):
+    """The folder lacks what a table or figure needs (e.g. no allocations rows); notebooks skip it."""
+
+
+def _variant(run_id: Any) -> str:
+    """``full-s2`` -> ``full``: the study script's name for the run."""
+    return _SEED_SUFFIX.sub("", str(run_id))
+
+
+def annotate_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with its ``config.*`` columns (added when missing), ``variant`` (run id without
+    ``-s<seed>``), ``label`` (:func:`analysis.labels.label`) and one ``opt_<name>`` column per resolved
+    algorithm option (NaN where a run's algorithm has no such option)."""
+    runs = results.with_config_columns(runs) if not any(str(c).startswith(results.CONFIG_PREFIX)
+                                                         for c in runs.columns) else runs.copy()
+    runs = runs.copy()
+    runs["variant"] = [_variant(r) for r in runs["run_id"]] if "run_id" in runs.columns else []
+    runs["label"] = labels.labels(runs)
+    resolved = pd.DataFrame([labels.options_of(r) for _, r in runs.iterrows()], index=runs.index, dtype=object)
+    for name in resolved.columns:
+        runs[labels.OPT + name] = resolved[name]
+    return runs
+
+
+def _replace_tables(res: Any, **tables: pd.DataFrame) -> Any:
+    if dataclasses.is_dataclass(res) and not isinstance(res, type):
+        return dataclasses.replace(res, **tables)
+    return SimpleNamespace(**{**vars(res), **tables})
+
+
+def locate(path: str | os.PathLike) -> str | os.PathLike:
+    """``path`` as given if it exists (or is a URI); a relative path that does not exist here but does
+    under the repository root (where the study scripts write ``runs/<study>``) is taken from there,
+    so a notebook opened in analysis/notebooks/ finds ``runs/<study>``."""
+    text = os.fspath(path)
+    if "://" in text or os.path.isabs(text) or os.path.exists(text):
+        return path
+    root = Path(__file__).resolve().parents[1] / text
+    return str(root) if root.exists() else path
+
+
+def table(res: Any, name: str) -> pd.DataFrame:
+    """Table ``name`` of a Results-like object; a missing one is an empty frame with the schema's columns."""
+    if name not in TABLES:
+        raise ValueError(f"table={name!r}: allowed values are {', '.join(TABLES)}")
+    df = getattr(res, name, None)
+    if df is None or (df.empty and len(df.columns) == 0):
+        return results.schema(name).empty_table().to_pandas()
+    return df
+
+
+def _allocations(folder: Path) -> pd.DataFrame | None:
+    """The ``allocations`` table read straight from its Parquet files (for a loader that does not expose it)."""
+    if not (folder / "allocations").is_dir():
+        return None
+    files = [f for f in (folder / "allocations").glob("*.parquet") if not f.name.startswith((".", "_"))]
+    return pd.concat([pd.read_parquet(f) for f in sorted(files)], ignore_index=True) if files else None
+
+
+def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
+    """A results folder (``fedsap_ray.results.load``) with annotated runs (:func:`annotate_runs`) and every
+    table present (a missing one empty).
+
+    ``path`` may also be an already loaded Results-like object. ``study`` keeps only the runs whose
+    ``runs.study`` is that name (for folders holding several studies)."""
+    if hasattr(path, "runs"):
+        res = path
+    else:
+        res = results.load(os.fspath(path))
+        if getattr(res, "allocations", None) is None:
+            res = _replace_tables(res, allocations=_allocations(Path(path)))
+    if "label" not in res.runs.columns:
+        res = _replace_tables(res, runs=annotate_runs(table(res, "runs")))
+    return _study(res, study)
+
+
+def _study(res: Any, study: str | None) -> Any:
+    if study is None:
+        return res
+    runs = res.runs[res.runs["study"] == study]
+    keep = set(runs["run_id"])
+    others = {t: table(res, t) for t in TABLES[1:]}
+    return _replace_tables(res, runs=runs, **{t: df[df["run_id"].isin(keep)] for t, df in others.items()})
+
+
+def join_runs(df: pd.DataFrame, runs: pd.DataFrame, cols: Sequence[str] = RUN_COLUMNS) -> pd.DataFrame:
+    """``df`` (rounds, clients, layers or allocations rows) with the runs' ``cols`` joined on run_id."""
+    cols = [c for c in cols if c in runs.columns and c not in df.columns]
+    return df.merge(runs[["run_id", *cols]], on="run_id", how="left")
+
+
+def joined(res: Any, name: str, cols: Sequence[str] = RUN_COLUMNS) -> pd.DataFrame:
+    """Table ``name`` of a sweep with the runs' ``cols`` (variant, seed, ...) joined on."""
+    res = load_sweep(res)
+    return join_runs(table(res, name), res.runs, cols)
+
+
+def per_run(res: Any, *, domains: bool = False) -> pd.DataFrame:
+    """The per-run table: one row per run (every status) with its identity (:data:`IDENTITY`: run id,
+    variant, label, seed, study, dataset, algorithm, status, rounds done), its ``config.*`` and
+    ``opt_*`` columns, and every per-run figure (NaN where the run did not record it):
+
+    - ``best_global_accuracy`` / ``final_global_accuracy`` (:func:`analysis.metrics.global_accuracy`);
+    - ``deployed``, ``deployed_final``, ``worst_client`` (the deployed models) and ``train_gmacs``,
+      ``max_train_gmacs`` (training compute per client-round);
+    - ``n_groups``, ``ari_domain``, ``ari_capacity`` (FedSAP's DGA, mean over DGA rounds);
+    - ``rounds``, ``avg_p``, ``final_frozen_params``, ``widest_p_late`` (:func:`analysis.metrics.width_stats`);
+    - with ``domains``, one column per test domain: its best-so-far accuracy (papers/000 Table 1).
+    """
+    res = load_sweep(res)
+    runs = res.runs
+    rounds, clients = table(res, "rounds"), table(res, "clients")
+    ident = [c for c in IDENTITY if c in runs.columns]
+    config = [c for c in runs.columns if c not in ident and (str(c).startswith((results.CONFIG_PREFIX, labels.OPT))
+                                                             or c == "config_json")]
+    out = runs[[*ident, *config]].set_index("run_id")
+    figures = [metrics.global_accuracy(rounds), metrics.deployed_accuracy(rounds), metrics.train_compute(clients),
+               metrics.grouping_stats(rounds), metrics.width_stats(rounds, clients)]
+    if domains:
+        figures.append(metrics.domain_best(rounds).drop(columns="global", errors="ignore"))
+    for f in figures:
+        out = out.join(f.drop(columns=[c for c in f.columns if c in out.columns]), how="left")
+    return out.reset_index()
