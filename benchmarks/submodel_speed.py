@@ -55,6 +55,7 @@ import fedsap_ray
 from fedsap_ray import results
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.experiment import run_experiment
+from fedsap_ray.schema import ExperimentConfig
 
 MODES = ("masked", "sliced")
 CASES: dict[str, tuple[str, list[str]]] = {
@@ -79,7 +80,7 @@ def emit(rec: dict, sink) -> None:
         sink.flush()
 
 
-def case_config(case: str, mode: str, args) -> "fedsap_ray.config.ExperimentConfig":
+def case_config(case: str, mode: str, args) -> ExperimentConfig:
     preset, extra = CASES[case]
     over = [*extra, f"training.submodel={mode}", "resources.backend=local", f"seed={args.seed}"]
     if args.rounds is not None:
