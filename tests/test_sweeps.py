@@ -31,13 +31,13 @@ def _load(name: str):
 
 
 @pytest.fixture(scope="module")
-def common():
-    from sweeps import common
+def trials():
+    from sweeps import trials
 
-    return common
+    return trials
 
 
-def _flat(common, **extra):
+def _flat(trials, **extra):
     return {"algorithm.name": "fedsap_fixed", "algorithm.g_target": 0.8, "training.rounds": 3, "seed": 1,
             "_study": "sensitivity", "_preset": "smoke", "_out": "/tmp/x", "_variant": "g_target=0.8", **extra}
 
@@ -45,16 +45,16 @@ def _flat(common, **extra):
 # ----------------------------------------------------------------------------------------------
 # The flat-dict boundary and trial resources
 # ----------------------------------------------------------------------------------------------
-def test_flat_tune_config_becomes_the_typed_config(common):
-    (cfg,), (run_id,) = common.to_configs(_flat(common))
+def test_flat_tune_config_becomes_the_typed_config(trials):
+    (cfg,), (run_id,) = trials.to_configs(_flat(trials))
     assert run_id == "g_target=0.8-s1"
     assert (cfg.seed, cfg.study, cfg.preset, cfg.training.rounds) == (1, "sensitivity", "smoke", 3)
     assert cfg.algorithm.name == "fedsap_fixed" and cfg.algorithm.options["g_target"] == 0.8
     # the same trial from override strings (what the scripts write) gives the same config
-    flat = {**common.flat_overrides(["algorithm.name=fedsap_fixed", "algorithm.g_target=0.8", "training.rounds=3"]),
-            **{k: v for k, v in _flat(common).items() if k.startswith("_") or k == "seed"}}
-    assert common.to_configs(flat)[0][0] == cfg
-    cfgs, ids = common.to_configs(_flat(common, _seeds=[0, 2], _variant=None))
+    flat = {**trials.flat_overrides(["algorithm.name=fedsap_fixed", "algorithm.g_target=0.8", "training.rounds=3"]),
+            **{k: v for k, v in _flat(trials).items() if k.startswith("_") or k == "seed"}}
+    assert trials.to_configs(flat)[0][0] == cfg
+    cfgs, ids = trials.to_configs(_flat(trials, _seeds=[0, 2], _variant=None))
     assert [c.seed for c in cfgs] == [0, 2] and ids[0].endswith("-s0") and ids[1].endswith("-s2")
     assert ids[0].startswith("t") and ids[0][:-3] == ids[1][:-3]  # sampled trials: one hash for all seeds
 
@@ -62,18 +62,18 @@ def test_flat_tune_config_becomes_the_typed_config(common):
 @pytest.mark.parametrize("key,value,field", [("algorithm.g_target", 1.5, "algorithm.g_target"),
                                              ("training.rounds", 0, "training.rounds"),
                                              ("model.nope", 1, "model.nope")])
-def test_a_bad_trial_value_is_rejected_naming_the_field(common, key, value, field):
+def test_a_bad_trial_value_is_rejected_naming_the_field(trials, key, value, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        common.to_configs(_flat(common, **{key: value}))
+        trials.to_configs(_flat(trials, **{key: value}))
 
 
-def test_placement_group_has_a_server_bundle_and_one_per_client_worker(common):
-    pgf = common.trial_resources(_flat(common, _workers=3, _server_cpus=0.5, **{"resources.cpus_per_worker": 2,
+def test_placement_group_has_a_server_bundle_and_one_per_client_worker(trials):
+    pgf = trials.trial_resources(_flat(trials, _workers=3, _server_cpus=0.5, **{"resources.cpus_per_worker": 2,
                                                                               "resources.gpus_per_worker": 0.25}))
     assert pgf.bundles == [{"CPU": 0.5}] + [{"CPU": 2.0, "GPU": 0.25}] * 3
-    pgf = common.trial_resources(_flat(common, _workers=2, _seeds=[0, 1, 2], _variant=None))
+    pgf = trials.trial_resources(_flat(trials, _workers=2, _seeds=[0, 1, 2], _variant=None))
     assert pgf.bundles == [{"CPU": 1.0}] + [{"CPU": 1.0}] * 6  # lockstep seeds: workers for every run
-    assert common.trial_resources(_flat(common, _workers=0)).bundles == [{"CPU": 1.0}]
+    assert trials.trial_resources(_flat(trials, _workers=0)).bundles == [{"CPU": 1.0}]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def test_placement_group_has_a_server_bundle_and_one_per_client_worker(common):
 # ----------------------------------------------------------------------------------------------
 def test_sensitivity_grid_is_the_papers_one_factor_design():
     mod = _load("sensitivity")
-    from sweeps.common import flat_overrides
+    from sweeps.trials import flat_overrides
 
     # papers/000 Table 7's value lists, around the fixed-mask reference (0.9, 0.1, 0.3)
     assert mod.GRID == {"g_target": [0.5, 0.6, 0.7, 0.8, 0.9, 0.95], "tau_var": [0.05, 0.1, 0.2, 0.3, 0.5],
