@@ -1,7 +1,7 @@
 """Loading a sweep folder for analysis: runs labelled by variant and resolved options, per-run
 accuracies, and mean ± std over seeds.
 
-A study script writes run ids ``<variant>-s<seed>`` (sweeps/common.py); :func:`load_sweep` adds
+A study script writes run ids ``<variant>-s<seed>`` (sweeps/trials.py); :func:`load_sweep` adds
 that ``variant`` label and every algorithm option, *resolved* against the strategy's defaults
 (``opt_<name>`` columns), to the ``runs`` table, so tables select runs by what they ran
 (:func:`select_runs`), not by their names.
