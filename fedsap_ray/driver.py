@@ -24,7 +24,7 @@ removes a checkpoint left beside it, see ``sweeps/study.py``).
 from __future__ import annotations
 
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from fedsap_ray.errors import RunStopped
@@ -62,7 +62,7 @@ class DriverCallback:
 class Progress(DriverCallback):
     """Calls ``fn(summary)`` for every round of every session (what ``run_experiment(progress=...)`` takes)."""
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn: Callable[[RoundSummary], None]) -> None:
         self.fn = fn
 
     def on_round(self, t: int, summaries: Sequence[RoundSummary], metrics: Sequence[SessionMetrics]) -> None:
