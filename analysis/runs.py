@@ -1,6 +1,6 @@
 """Loading a results folder for analysis, and the one per-run table every study builds on.
 
-A study script writes run ids ``<variant>-s<seed>`` (sweeps/common.py); :func:`load_sweep` adds that
+A study script writes run ids ``<variant>-s<seed>`` (sweeps/trials.py); :func:`load_sweep` adds that
 ``variant`` name (the study's own name for the run: its identity, not a description), the run's
 :func:`analysis.labels.label` and every algorithm option *resolved* against the strategy's defaults
 (``opt_<name>`` columns), all from the flattened ``config.*`` columns, so tables select runs by what

@@ -413,14 +413,14 @@ STUDIES = ("sensitivity", "ablation", "main_comparison", "capacity_confound")
 def _sweeps_section() -> str:
     import importlib
 
-    from sweeps import common, tune
+    from sweeps import study as grid, tune
 
     out = ["\n## Study scripts (`sweeps/`)\n\n"
            "Every study script takes the options below (`python sweeps/<study>.py --help` prints them with "
            "the study's own description). One trial is one run per variant and seed; run ids are "
            "`<variant>-s<seed>`. `--smoke-test` switches to the `smoke` preset, the first seed and "
-           f"these overrides: {', '.join(f'`{o}`' for o in common.SMOKE_BASE)} (plus the study's own, below).\n\n"]
-    probe = common.study_parser(doc="study", variants={"v": []}, study="STUDY", default_preset="PRESET")
+           f"these overrides: {', '.join(f'`{o}`' for o in grid.SMOKE_BASE)} (plus the study's own, below).\n\n"]
+    probe = grid.study_parser(doc="study", variants={"v": []}, study="STUDY", default_preset="PRESET")
     out.append(_options_table(probe).replace("`runs/STUDY`", "`runs/<study>`").replace("`PRESET`", "per study")
                .replace("(default: PRESET)", "(default: the study's, below)"))
     for study in STUDIES:

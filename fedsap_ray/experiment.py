@@ -2,26 +2,27 @@
 
 :func:`run_experiment` is what ``fedsap-ray run`` calls: the checks before any write, the run
 claim, then a :class:`~fedsap_ray.session.RunSession` driven in-process or, for the Ray backend,
-hosted on a ``ServerActor``. The session's names are re-exported here.
+hosted on a ``ServerActor``, by the one driver loop (:func:`fedsap_ray.driver.drive`). The
+session's names are re-exported here.
 """
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from fedsap_ray import checkpoint
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
+from fedsap_ray.driver import DriverCallback, Progress, add_note, drive, drive_one
 from fedsap_ray.errors import ConfigError, RunStopped
 from fedsap_ray.runtime import make_backend
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.server import RoundSummary
-from fedsap_ray.session import (RunOutcome, RunSession, add_note, build_context, drive, record_failed_start,
-                                run_row)
+from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, build_context, record_failed_start, run_row
 
-__all__ = ["RunOutcome", "RunSession", "RunStopped", "add_note", "build_context", "drive", "new_run_id",
-           "record_failed_start", "run_experiment", "run_row"]
+__all__ = ["DriverCallback", "RunOutcome", "RunSession", "RunStopped", "SessionMetrics", "add_note", "build_context",
+           "drive", "new_run_id", "record_failed_start", "run_experiment", "run_row"]
 
 
 def new_run_id(cfg: ExperimentConfig) -> str:
@@ -32,7 +33,7 @@ def new_run_id(cfg: ExperimentConfig) -> str:
 def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None = None,
                    progress: Callable[[RoundSummary], None] | None = None,
                    federation: Federation | None = None, backend=None, resume: bool = False,
-                   overwrite: bool = False) -> RunOutcome:
+                   overwrite: bool = False, callbacks: Sequence[DriverCallback] = ()) -> RunOutcome:
     """Run ``cfg`` and write its ``runs``/``rounds``/``clients`` rows under ``out``.
 
     ``resume=True`` continues run ``run_id`` from its last checkpoint in ``out``; the
@@ -44,6 +45,10 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
     held for the whole run); a new run refuses an id ``out`` already holds unless
     ``overwrite`` (the old run's rows are then deleted, once the new run's data checks
     passed); a resume refuses when a file the run had written is missing or unreadable.
+
+    ``progress(summary)`` is called after every round; ``callbacks`` are further hooks of the
+    driver loop (:class:`fedsap_ray.driver.DriverCallback`; one may stop the run early by
+    raising :class:`RunStopped`: the outcome then has status ``stopped``).
     """
     from fedsap_ray import guard, results
 
@@ -59,10 +64,11 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
         if claim["previous"] is not None:  # --overwrite, and this run's input is good: drop the old rows
             results.remove_run(out, run_id)
             checkpoint.remove(out, run_id)
+        hooks = [*([Progress(progress)] if progress is not None else []), *callbacks]
         if cfg.resources.backend == "ray" and backend is None:
             from fedsap_ray.runtime.ray import run_on_ray  # Ray is imported only here
 
-            return run_on_ray(cfg, out.resolve(), run_id, progress=progress, federation=fed, resume=resume)
+            return run_on_ray(cfg, out.resolve(), run_id, callbacks=hooks, federation=fed, resume=resume)
         session = RunSession(cfg, out, run_id, federation=fed, resume=resume,
                              backend=backend if backend is not None else make_backend(cfg))
-        return drive(session, cfg.training.rounds, progress)
+        return drive_one(session, cfg.training.rounds, hooks)

@@ -1,9 +1,11 @@
-"""One run's server side, and the loop that drives it: what both backends and the sweeps share.
+"""One run's server side: what both backends and the sweeps share.
 
-:class:`RunSession` owns a run's context, strategy, backend, writer and checkpoints; :func:`drive`
-runs its rounds and closes it with the right status. The local path drives a session
-in-process; the Ray backend (:mod:`fedsap_ray.runtime.ray`) hosts one in a ``ServerActor`` and
-drives the same methods remotely. The session takes its backend from the caller, so this module
+:class:`RunSession` owns a run's context, strategy, backend, writer and checkpoints; the one
+driver loop, :func:`fedsap_ray.driver.drive`, runs its rounds and closes it with the right status.
+The local path drives a session in-process; the Ray backend (:mod:`fedsap_ray.runtime.ray`) hosts
+one in a ``ServerActor`` and drives the same methods remotely. Callers read a session's progress
+through :meth:`RunSession.metrics`, a read-only :class:`SessionMetrics` (also what crosses the
+wire from the ``ServerActor``). The session takes its backend from the caller, so this module
 needs nothing from :mod:`fedsap_ray.runtime` (which imports it: the Ray backend hosts sessions).
 """
 from __future__ import annotations
@@ -11,10 +13,8 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from fedsap_ray.algorithms.base import RunContext
 from fedsap_ray.client import default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
-from fedsap_ray.errors import ConfigError, RunStopped
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
@@ -44,6 +44,36 @@ class RunOutcome:
     best_global_accuracy: float
     wall_s: float
     worker_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Where one client worker runs (Ray backend): its actor name, GPU, process and placement group."""
+
+    name: str
+    gpu_id: int | None
+    pid: int
+    device: str
+    placement_group: str | None  # hex id, None outside a placement group
+
+
+@dataclass(frozen=True)
+class SessionMetrics:
+    """A read-only view of a run's progress, for drivers and sweeps (nothing here can change the run).
+
+    ``global_accuracy``/``best_global_accuracy`` are those of the primary eval mode (NaN before
+    the first evaluation); ``deployed_accuracy`` is the last round's 'deployed' figure (None when
+    that round did not evaluate it). ``workers`` is filled only when asked for (it queries them).
+    """
+
+    run_id: str
+    round: int  # rounds done
+    rounds: int  # rounds planned
+    global_accuracy: float
+    best_global_accuracy: float
+    deployed_accuracy: float | None = None
+    worker_restarts: int = 0
+    workers: tuple[WorkerInfo, ...] = ()
 
 
 def build_context(cfg: ExperimentConfig, federation: Federation | None = None) -> RunContext:
@@ -152,6 +182,17 @@ class RunSession:
                           wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
                           worker_restarts=int(getattr(self.backend, "restarts", 0)))
 
+    def metrics(self, workers: bool = False) -> SessionMetrics:
+        """The run's progress so far; ``workers``: also where its client workers run (asks each one)."""
+        last = self.server.last_summary
+        info = getattr(self.backend, "worker_info", None) if workers else None
+        return SessionMetrics(run_id=self.run_id, round=self._rounds_done(), rounds=self.cfg.training.rounds,
+                              global_accuracy=float(self.server.last_global),
+                              best_global_accuracy=float(self.server.best),
+                              deployed_accuracy=None if last is None else last.deployed_accuracy,
+                              worker_restarts=int(getattr(self.backend, "restarts", 0)),
+                              workers=tuple(info()) if info is not None else ())
+
     def _row(self, status: str, error: str | None = None) -> dict:
         return dict(self.base_row, status=status, error=error, finished_at=None if status == "running" else _now(),
                     rounds_done=self._rounds_done(), wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
@@ -161,44 +202,6 @@ class RunSession:
     def _rounds_done(self) -> int:
         state = self.state if self.state is not None else self._resumed
         return 0 if state is None else state.round
-
-
-def drive(session, rounds: int, progress: Callable[[RoundSummary], None] | None) -> RunOutcome:
-    """The driver loop shared by both backends (for Ray, ``session`` forwards to the ServerActor)."""
-    try:
-        done = session.start()
-        for t in range(done + 1, rounds + 1):
-            summary = session.step(t)
-            if progress is not None:
-                progress(summary)
-    except RunStopped as e:
-        return session.finish("stopped", str(e) or "stopped early by its caller")
-    except KeyboardInterrupt as e:
-        _finish_after(session, e, "interrupted", "interrupted by the user")
-        raise
-    except BaseException as e:
-        _finish_after(session, e, "failed", f"{e.__class__.__name__}: {e}\n{traceback.format_exc(limit=5)}")
-        raise
-    return session.finish("finished")
-
-
-def _finish_after(session, error: BaseException, status: str, message: str) -> None:
-    """Close the run after ``error`` without ever replacing it: if recording the status fails
-    too (e.g. the disk that broke the round is still full), that second error becomes a
-    note on the first (``error.__notes__``), which the caller re-raises."""
-    try:
-        session.finish(status, message)
-    except Exception as second:
-        add_note(error, f"the runs row could not be updated to status {status!r}: "
-                        f"{second.__class__.__name__}: {str(second).splitlines()[0] if str(second) else ''}")
-
-
-def add_note(error: BaseException, note: str) -> None:
-    """``error.add_note(note)`` (Python >= 3.11), or the same ``__notes__`` list on 3.10."""
-    if hasattr(error, "add_note"):
-        error.add_note(note)
-    else:  # pragma: no cover - Python 3.10
-        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
 
 
 def _scratch(ctx: RunContext) -> list:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `analysis`/`swee
 
 from analysis.ablation import report as ablation_report  # noqa: E402
 from fedsap_ray import results  # noqa: E402
-from sweeps.common import study_main  # noqa: E402
+from sweeps.study import study_main  # noqa: E402
 
 MAIN = ["algorithm.name=fedsap"]
 FIXED = ["algorithm.name=fedsap_fixed"]

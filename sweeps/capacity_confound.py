@@ -16,7 +16,7 @@ Default preset ``confound_laptop``: real MNIST (../shared/data/mnist, 20,000 tra
 Dirichlet(0.3) over 20 clients, p_max tiers 7 x 0.25 / 7 x 0.5 / 3 x 0.75 / 3 x 1.0 (our split: the
 paper gives only the mean 0.525), 10 clients
 per round, cnn_small at half width, 50 rounds, papers/003 section 4.1's optimiser and HAS-FL settings.
-Runs under Ray Tune (``sweeps.common``; ``--resume`` continues a killed sweep). Prints
+Runs under Ray Tune (``sweeps.study``; ``--resume`` continues a killed sweep). Prints
 ``analysis.confound.report`` at the end (Tables 3-6 and the Figure 6 frontier, written as
 ``frontier.png`` in the results folder when it is local);
 ``analysis/notebooks/capacity_confound.ipynb`` plots allocations and estimates.
@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `analysis` from a source checkout
 
 from analysis.confound import report  # noqa: E402
-from sweeps.common import study_main  # noqa: E402
+from sweeps.study import study_main  # noqa: E402
 
 VARIANTS: dict[str, list[str]] = {
     "hasfl": ["algorithm.name=hasfl"],

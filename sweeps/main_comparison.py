@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `analysis`/`swee
 
 from analysis.comparison import table1, to_markdown  # noqa: E402
 from fedsap_ray import algorithms, results  # noqa: E402
-from sweeps.common import study_main  # noqa: E402
+from sweeps.study import study_main  # noqa: E402
 
 # per-algorithm settings of the Table 1 row (anything not listed runs with its defaults)
 SETTINGS: dict[str, list[str]] = {"fedprox": ["algorithm.width=capacity"]}

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `analysis`/`swee
 
 from analysis.sensitivity import sensitivity_table, to_markdown  # noqa: E402
 from fedsap_ray import results  # noqa: E402
-from sweeps.common import study_main  # noqa: E402
+from sweeps.study import study_main  # noqa: E402
 
 REFERENCE = {"g_target": 0.9, "tau_var": 0.1, "beta_ema": 0.3}  # papers/000 Appendix B, fixed-mask column
 GRID = {  # papers/000 Table 7: every evaluated value

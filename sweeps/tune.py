@@ -38,8 +38,9 @@ from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 
 from fedsap_ray.config import ConfigError  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
-from sweeps.common import (METRIC, add_common_args, flat_overrides, options_from, report_failures,  # noqa: E402
-                           run_trials, to_configs)
+from sweeps.study import add_common_args, options_from, report_failures  # noqa: E402
+from sweeps.trials import METRIC, flat_overrides, to_configs  # noqa: E402
+from sweeps.tuner import run_trials  # noqa: E402
 
 STUDY = "tune"
 # FedSAP's hyperparameters and their search ranges (papers/000 Table 7 brackets the first three)

@@ -3,7 +3,8 @@
 - ``ServerActor`` hosts a :class:`~fedsap_ray.session.RunSession` (server state,
   strategy ``configure_round``/``aggregate``, evaluation, Parquet writer); it is pinned
   to the driver's node so results land in the driver's ``--out`` folder. The driver
-  only calls ``start``/``step``/``finish`` and prints progress.
+  runs the one loop (:func:`fedsap_ray.driver.drive`) through :class:`RemoteSession`, each
+  ``start``/``step``/``metrics``/``finish`` a call on the actor, and prints progress.
 - ``ClientWorker`` actors are created with ``num_gpus=resources.gpus_per_worker`` and
   ``num_cpus=resources.cpus_per_worker``; each hosts many virtual clients. The training
   pools go into the object store once per run (numpy, zero-copy per node) and workers
@@ -23,9 +24,9 @@ import math
 import os
 import uuid
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -40,7 +41,8 @@ from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper
 from fedsap_ray.schema import ExperimentConfig
-from fedsap_ray.session import RunSession, drive
+from fedsap_ray.driver import DriverCallback, drive_one
+from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
@@ -49,18 +51,28 @@ PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan tran
 _INLINE_BYTES = 1 << 20
 
 
-def connect(cfg: ExperimentConfig) -> None:
-    """Join ``resources.address`` / ``RAY_ADDRESS``, or start a local Ray bound to 127.0.0.1."""
+def connect(address: str | None = None, *, dashboard: bool = False, log_to_driver: bool = True,
+            import_paths: Sequence[str] = ()) -> None:
+    """Join ``address`` / ``RAY_ADDRESS``, or start a local Ray bound to 127.0.0.1: the one way this
+    package and the sweeps reach Ray (a no-op when Ray is already initialised).
+
+    A local Ray gets the dashboard only if ``dashboard``, carries plans and results below
+    ``_INLINE_BYTES`` inline, prepends ``import_paths`` to the ``PYTHONPATH`` its workers
+    inherit (the sweeps pass their source checkout, so workers import ``sweeps``), and is
+    watched by :mod:`fedsap_ray.runtime.reaper` (a kill -9 of this driver must not leave Ray's
+    agents behind).
+    """
     if ray.is_initialized():
         return
-    address = cfg.resources.address or os.environ.get("RAY_ADDRESS")
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        ray.init(include_dashboard=cfg.resources.dashboard, _node_ip_address="127.0.0.1",
-                 dashboard_host="127.0.0.1", log_to_driver=True,
-                 _system_config={"max_direct_call_object_size": _INLINE_BYTES})
-        reaper.start()  # a kill -9 of this driver must not leave Ray's agents behind
+        ray.init(address=address, log_to_driver=log_to_driver)
+        return
+    if import_paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*import_paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+    ray.init(include_dashboard=dashboard, _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
+             log_to_driver=log_to_driver, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+    reaper.start()
 
 
 def pool_size(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, float] | None = None) -> int:
@@ -108,10 +120,10 @@ class ClientWorker:
         gpu_ids = ray.get_gpu_ids()
         self.gpu_id = int(gpu_ids[0]) if gpu_ids else None
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> WorkerInfo:
         pg = ray.util.get_current_placement_group()
-        return {"name": self.name, "gpu_id": self.gpu_id, "pid": os.getpid(), "device": str(self.device),
-                "placement_group": pg.id.hex() if pg is not None else None}
+        return WorkerInfo(name=self.name, gpu_id=self.gpu_id, pid=os.getpid(), device=str(self.device),
+                          placement_group=pg.id.hex() if pg is not None else None)
 
     def train(self, plan: ClientPlan) -> ClientResult:
         domain, idx = self.client_index[plan.client_id]
@@ -159,7 +171,7 @@ class RayWorkerPool:
         return ClientWorker.options(name=name, num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker).remote(
             name, *self._init_args, r.device, r.torch_threads)
 
-    def worker_info(self) -> list[dict[str, Any]]:
+    def worker_info(self) -> list[WorkerInfo]:
         return ray.get([w.info.remote() for w in self.workers])
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
@@ -220,15 +232,15 @@ class ServerActor:
     def step(self, t: int):
         return self.session.step(t)
 
-    def finish(self, status: str, error: str | None = None):
+    def metrics(self, workers: bool = False) -> SessionMetrics:
+        return self.session.metrics(workers)
+
+    def finish(self, status: str, error: str | None = None) -> RunOutcome:
         return self.session.finish(status, error)
 
-    def worker_info(self) -> list[dict[str, Any]]:
-        return self.pool.worker_info()
 
-
-class _RemoteSession:
-    """The RunSession interface, each call executed on the ServerActor."""
+class RemoteSession:
+    """The RunSession interface the driver loop needs, each call executed on the ServerActor."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -239,13 +251,16 @@ class _RemoteSession:
     def step(self, t: int):
         return ray.get(self.actor.step.remote(t))
 
-    def finish(self, status: str, error: str | None = None):
+    def metrics(self, workers: bool = False) -> SessionMetrics:
+        return ray.get(self.actor.metrics.remote(workers))
+
+    def finish(self, status: str, error: str | None = None) -> RunOutcome:
         return ray.get(self.actor.finish.remote(status, error))
 
 
-def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Callable | None = None,
-               federation: Federation | None = None, resume: bool = False):
-    """Driver side of ``--backend ray``: the same loop as the local path, each call remote.
+def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, callbacks: Sequence[DriverCallback] = (),
+               federation: Federation | None = None, resume: bool = False) -> RunOutcome:
+    """Driver side of ``--backend ray``: the one driver loop, each session call remote.
 
     The federation is built here (so missing files fail fast, before any actor starts)
     and shipped once through the object store.
@@ -253,12 +268,12 @@ def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, progress: Calla
     from fedsap_ray.data import build_federation
 
     fed = federation if federation is not None else build_federation(cfg)
-    connect(cfg)
+    connect(cfg.resources.address, dashboard=cfg.resources.dashboard)
     check_cluster(cfg, len(fed.clients))
     here = ray.get_runtime_context().get_node_id()
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
     actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed, resume)
     try:
-        return drive(_RemoteSession(actor), cfg.training.rounds, progress)
+        return drive_one(RemoteSession(actor), cfg.training.rounds, callbacks)
     finally:
         ray.kill(actor)

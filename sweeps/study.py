@@ -1,0 +1,167 @@
+"""Every study script's command line: options, grids of variants x seeds, what is left to run, the report.
+
+A grid study (``sensitivity.py``, ``ablation.py``, ...) is a docstring, a dict of named
+variants (config overrides) and a report function; :func:`study_main` does the rest: parse,
+validate every trial's config before Ray starts (``--dry-run`` stops there), skip finished
+runs (``--resume``; a folder that already holds the sweep is refused without it), run the rest
+under Tune (:func:`sweeps.tuner.run_trials`) and print the study's table.
+
+Resuming (``--resume``): finished runs are skipped; every other trial runs again and
+continues from its per-round checkpoint (``fedsap_ray.checkpoint``), whether the driver was
+stopped by Ctrl-C, killed, or a trial crashed. Tune retries a failed trial
+(``--max-failures``); a retry also resumes from the checkpoint. Trials that still fail are
+listed with their error and the script exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from fedsap_ray import checkpoint
+from fedsap_ray.config import PRESETS, ConfigError
+from fedsap_ray.storage import ResultsDestination
+from sweeps.trials import flat_overrides, to_configs
+from sweeps.tuner import SweepOptions, run_trials
+
+SMOKE_BASE = ["training.rounds=3", "data.max_test_per_domain=60", "model.width_mult=0.0625",
+              "resources.cpus_per_worker=0.5"]  # every script's --smoke-test adds these to the smoke preset
+
+
+def add_common_args(p: argparse.ArgumentParser, *, study: str, default_preset: str) -> None:
+    p.add_argument("--out", default=f"runs/{study}", help="results folder: a path or a URI (s3://..., gs://...)")
+    p.add_argument("--preset", default=default_preset, choices=sorted(PRESETS),
+                   help=f"base config of every trial (default: {default_preset})")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="one trial per variant and seed")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: what the resources fit)")
+    p.add_argument("--resume", action="store_true", help="continue a sweep in --out: finished trials are skipped, "
+                                                         "interrupted ones continue from their last round")
+    p.add_argument("--workers-per-trial", type=int, default=1,
+                   help="client worker actors per run (0: clients train inside the trial process)")
+    p.add_argument("--server-cpus", type=float, default=1.0, help="CPUs of each trial's server bundle")
+    p.add_argument("--max-failures", type=int, default=2, help="retries of a failed trial (it resumes)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override applied to every trial, e.g. training.rounds=50")
+    p.add_argument("--smoke-test", action="store_true", help="tiny and fast: what CI runs")
+    p.add_argument("--dry-run", action="store_true", help="validate every trial's config, print the trials and "
+                                                          "exit: no Ray, nothing trained, --out not read")
+
+
+def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions:
+    preset, seeds, extra = args.preset, list(args.seeds), list(args.overrides)
+    server_cpus = args.server_cpus
+    if args.smoke_test:
+        preset, seeds, extra = "smoke", seeds[:1], [*SMOKE_BASE, *smoke, *extra]
+        server_cpus = min(server_cpus, 0.5)
+    if args.workers_per_trial < 0:
+        raise ConfigError(f"invalid --workers-per-trial={args.workers_per_trial}: must be >= 0")
+    # Tune runs each trial in its own working directory: a relative local --out must be made absolute here
+    out = str(args.out) if ResultsDestination(args.out).is_remote else str(Path(args.out).resolve())
+    return SweepOptions(out=out, preset=preset, seeds=seeds, address=args.address,
+                        max_concurrent=args.max_concurrent, resume=args.resume,
+                        workers_per_trial=args.workers_per_trial, server_cpus=server_cpus,
+                        max_failures=args.max_failures, extra=extra)
+
+
+def grid_trials(variants: Mapping[str, Sequence[str]], opts: SweepOptions, study: str) -> list[dict[str, Any]]:
+    """One flat trial per (variant, seed); every config is validated here, before Ray starts."""
+    trials = []
+    for seed in opts.seeds:
+        for variant, overrides in variants.items():
+            flat = {**flat_overrides([*overrides, *opts.extra]), "seed": seed, "_variant": variant,
+                    "_study": study, "_preset": opts.preset, "_out": opts.out,
+                    "_workers": opts.workers_per_trial, "_server_cpus": opts.server_cpus}
+            to_configs(flat)  # raises ConfigError naming the field
+            trials.append(flat)
+    return trials
+
+
+def pending(trials: list[dict[str, Any]], opts: SweepOptions) -> list[dict[str, Any]]:
+    """The trials still to run; refuses to mix a new sweep into a folder that has one unless ``--resume``."""
+    statuses = ResultsDestination(opts.out).statuses()
+    ids = [to_configs(t)[1][0] for t in trials]
+    known = [i for i in ids if i in statuses]
+    if known and not opts.resume:
+        raise ConfigError(f"invalid --out={opts.out!r}: it already holds {len(known)} of this sweep's runs "
+                          f"(e.g. {known[0]}); pass --resume to continue it or choose another --out")
+    return [t for t, i in zip(trials, ids) if statuses.get(i) != "finished"]
+
+
+def drop_stale_checkpoints(dest: ResultsDestination, finished: Sequence[str]) -> list[str]:
+    """Remove the checkpoints of the ``finished`` runs where there still are some; return their run ids.
+
+    A run closes by writing its ``finished`` row, then removing its checkpoint: a driver killed
+    between the two leaves both. The run is done (it is skipped), so its checkpoint goes.
+    """
+    gone = []
+    for run_id in finished:
+        if dest.is_remote:
+            assert dest.fs is not None  # set whenever is_remote
+            path = f"{dest.base}/checkpoints/{run_id}.pkl"
+            if dest.fs.get_file_info(path).type == pafs.FileType.File:
+                dest.fs.delete_file(path)
+                gone.append(run_id)
+        elif checkpoint.path_for(dest.local, run_id).is_file():
+            checkpoint.remove(dest.local, run_id)
+            gone.append(run_id)
+    return gone
+
+
+def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
+                 default_preset: str) -> argparse.ArgumentParser:
+    """The command line of a grid study (also read by ``fedsap_ray.docgen`` for the reference pages)."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0], epilog=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, study=study, default_preset=default_preset)
+    p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants),
+                   help="a subset of the grid (default: every variant)")
+    return p
+
+
+def print_plan(trials: list[dict[str, Any]], opts: SweepOptions, study: str) -> None:
+    """``--dry-run``: one line per trial (run id and its config overrides), every config already validated."""
+    print(f"{study}: {len(trials)} trials, preset {opts.preset}, seeds {opts.seeds}; results would go to {opts.out}")
+    for t in trials:
+        overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(t.items()) if not k.startswith("_") and k != "seed")
+        print(f"  {to_configs(t)[1][0]}: {overrides}")
+
+
+def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, Sequence[str]], study: str,
+               default_preset: str, smoke: Sequence[str], report: Callable[[str], str]) -> int:
+    """The command line of every grid study: parse, run what is missing under Tune, print the table."""
+    args = study_parser(doc=doc, variants=variants, study=study, default_preset=default_preset).parse_args(argv)
+    try:
+        opts = options_from(args, smoke)
+        chosen = args.variants
+        trials = grid_trials({v: variants[v] for v in chosen}, opts, study)
+        if args.dry_run:
+            print_plan(trials, opts, study)
+            return 0
+        todo = pending(trials, opts)
+        left = {id(t) for t in todo}
+        drop_stale_checkpoints(ResultsDestination(opts.out), [to_configs(t)[1][0] for t in trials if id(t) not in left])
+    except ConfigError as e:
+        print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr)
+        return 2
+    print(f"{study}: {len(trials)} trials ({len(chosen)} variants x {len(opts.seeds)} seeds), "
+          f"{len(trials) - len(todo)} finished earlier, {len(todo)} to run; results in {opts.out}", file=sys.stderr)
+    failures = run_trials(todo, opts, study) if todo else []
+    print(report(ResultsDestination(opts.out).uri))
+    return report_failures(failures)
+
+
+def report_failures(failures: list[tuple[str, str]]) -> int:
+    if not failures:
+        return 0
+    print(f"\n{len(failures)} trial(s) failed after their retries (status 'failed' and the error in their runs rows; "
+          "fix the cause, then rerun with --resume):",
+          file=sys.stderr)
+    for name, err in failures:
+        print(f"  {name}: {err}", file=sys.stderr)
+    return 1
