@@ -131,7 +131,7 @@ def _run(args) -> int:
         return 1
     print(f"run {outcome.run_id}: {outcome.status} in {outcome.wall_s:.1f}s; final global accuracy "
           f"{outcome.final_global_accuracy:.4f}, best {outcome.best_global_accuracy:.4f}; results in {out}/"
-          "{" + ",".join(f.parent.name for f in run_files(out, outcome.run_id)) + "}")
+          "{" + ",".join(dict.fromkeys(f.parent.name for f in run_files(out, outcome.run_id))) + "}")
     return 0
 
 

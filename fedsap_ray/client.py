@@ -1,14 +1,32 @@
 """Local training of one virtual client under a :class:`ClientPlan` (pure; no Ray).
 
-The client holds a full-size model and trains the sub-model by masking: coordinates
-outside the plan's mask are set to zero before training and their gradients are zeroed
-after every backward pass. Zero weights, zero gradients, zero momentum and weight
-decay of a zero weight keep them exactly zero, and because a dropped channel's BN
-weight and bias are zero too its activation is exactly zero, so the forward pass equals
-that of the physically sliced sub-model (tested in tests/test_masks.py). Only the
-covered coordinates are sent back, so BatchNorm running statistics of channels the
-client did not train never reach the server (docs/architecture.md#batchnorm: statistics
-follow their channel like parameters do).
+Sub-model training (docs/architecture.md#sub-model-training), chosen by ``plan.submodel``
+(``training.submodel``):
+
+- ``sliced`` (default): when the plan has a mask that a channel set describes exactly,
+  :func:`fedsap_ray.sliced.sliced_model` gives a dense smaller network holding only the active
+  channels (cached per scratch model and channel counts) and the map from its flat coordinates to
+  the full ones. The client loads the covered values into it, trains it with the loop below and
+  scatters the trained values back into the full-size vector; ``values = flat[plan.mask]`` as in
+  masked mode. Gradient clipping acts on the sub-network (its norm over the sub-network's
+  gradients equals the masked one, whose other gradients are zero); the hooks map between the
+  two layouts themselves (:mod:`fedsap_ray.algorithms.hooks`, "Sliced sub-models"). Sliced and
+  masked agree to float rounding (tests/test_sliced.py).
+- ``masked``, and the fallback whatever the option: when no channel set describes the mask (NeFL's
+  ``depth=true``), when the model cannot be rebuilt at other widths (not built by
+  :func:`fedsap_ray.models.build_model`), or when a hook of the plan does not declare
+  ``supports_sliced`` (MOON, FedSR and FPL send full models anyway, FedSPU restores frozen
+  full-model coordinates, DapperFL prunes during training). The client holds a full-size model and
+  trains the sub-model by masking: coordinates outside the plan's mask are set to zero before
+  training and their gradients are zeroed after every backward pass. Zero weights, zero
+  gradients, zero momentum and weight decay of a zero weight keep them exactly zero, and because a
+  dropped channel's BN weight and bias are zero too its activation is exactly zero, so the forward
+  pass equals that of the physically sliced sub-model (tested in tests/test_masks.py).
+
+Either way only the covered coordinates are sent back, so BatchNorm running statistics of channels
+the client did not train never reach the server (docs/architecture.md#batchnorm: statistics
+follow their channel like parameters do). Each step's loss stays on the device and is read once
+after training (no host synchronisation per step on CUDA).
 
 Local update: mini-batch SGD with momentum and weight decay (papers/000 Appendix C) and
 optional gradient-norm clipping (papers/003 section 4.1). This loop names no algorithm:
@@ -45,18 +63,26 @@ import torch
 import torch.nn.functional as F
 
 from fedsap_ray.aggregation import scatter
-from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks
+from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks, supports_sliced
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.errors import ClientError
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.sliced import SlicedModel, sliced_model
 
 
 def pick_device(preference: str = "auto") -> torch.device:
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
+
+
+def on_device(data: DomainData, device: torch.device) -> DomainData:
+    """``data`` with its tensors on ``device`` (the same object when they already are: a no-op on CPU)."""
+    if data.x.device == device and data.y.device == device:
+        return data
+    return DomainData(data.x.to(device), data.y.to(device))
 
 
 def default_workers(torch_threads: int) -> int:
@@ -83,33 +109,46 @@ def train_client(
 def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
     t0 = time.perf_counter()
     model.to(device)
+    sliced = _sliced_for(plan, model, layout)
+    # the model the loop trains: the dense sub-network when sliced (module docstring), else the scratch model
+    tmodel, tlayout = (model, layout) if sliced is None else (sliced.model, sliced.layout)
     hooks: list[ClientHook] = []
     try:
-        make_hooks(plan, model, layout, device, hooks)
+        make_hooks(plan, model, layout, device, hooks, sliced)
         for h in hooks:
-            h.before_training(model, data)
-        layout.load_into(model, scatter(plan.values, plan.mask, layout.size))
+            h.before_training(model, data)  # always the full-size scratch model
+        start = scatter(plan.values, plan.mask, layout.size)
+        if sliced is None:
+            layout.load_into(model, start)
+        else:
+            tmodel.to(device)
+            tlayout.load_into(tmodel, sliced.gather(start))
         for h in hooks:
-            h.start(model)
-        losses, steps, seen = _loop(plan, model, layout, data, device, hooks)
+            h.start(tmodel)
+        losses, steps, seen = _loop(plan, tmodel, tlayout, data, device, hooks, None if sliced else plan.mask)
     finally:
         for h in hooks:
             h.close()  # the scratch model is reused: never leave hooks behind
     n = len(data.y)
     if not losses:
         raise ValueError(f"no training step ran ({n} samples, batch size {plan.batch_size})")
-    loss_mean = float(np.mean(losses))
+    # read once after training: the same float32 values as a per-step float(), averaged in float64
+    loss_mean = float(np.mean(torch.stack(losses).to("cpu", torch.float64).numpy()))
     if not np.isfinite(loss_mean):
         raise FloatingPointError(f"training loss is {loss_mean} (diverged; lower training.lr?)")
-    flat = layout.flatten(model)
+    flat = tlayout.flatten(tmodel)
+    if sliced is not None:
+        flat = sliced.scatter_into(start, flat)
     chosen = [m for m in (h.upload_mask() for h in hooks) if m is not None]
     if len(chosen) > 1:
         raise ValueError(f"{len(chosen)} client hooks chose the upload mask; at most one may")
+    if chosen and sliced is not None:
+        raise ValueError("a client hook that chooses its own upload mask must not set supports_sliced")
     upload = chosen[0] if chosen else plan.mask
     values = flat if upload is None else flat[upload]
     stats: dict[str, np.ndarray] = {}
     for h in hooks:
-        out = h.result(model)
+        out = h.result(tmodel)
         clash = sorted(set(out) & set(stats))
         if clash:
             raise ValueError(f"client hook {type(h).__name__} sends back {clash}, already sent by another hook")
@@ -121,11 +160,19 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
     )
 
 
+def _sliced_for(plan: ClientPlan, model: MaskableModel, layout: ParamLayout) -> SlicedModel | None:
+    """The sub-network to train instead of the masked full model, or None (masked; module docstring)."""
+    if plan.submodel != "sliced" or plan.mask is None or not supports_sliced(plan):
+        return None
+    return sliced_model(model, layout, plan.mask)
+
+
 def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device,
-          hooks: list[ClientHook]) -> tuple[list[float], int, int]:
-    """The local epochs: (per-step losses, optimizer steps over all epochs, samples in their batches)."""
+          hooks: list[ClientHook], mask: np.ndarray | None) -> tuple[list[torch.Tensor], int, int]:
+    """The local epochs on ``model`` (gradients masked to ``mask``, None for a full or sliced model):
+    (per-step losses, kept on the device; optimizer steps over all epochs; samples in their batches)."""
     params = [p for p in model.parameters()]
-    tmask = None if plan.mask is None else TorchMask.build(model, layout, plan.mask)
+    tmask = None if mask is None else TorchMask.build(model, layout, mask)
     base = next((h for h in hooks if defines_loss(h)), None)  # at most one (make_hooks)
     opt = torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
     x_all = as_input(data.x).to(device)
@@ -133,7 +180,7 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
     n = len(y_all)
     gen = torch.Generator().manual_seed(plan.seed)
     model.train()
-    losses: list[float] = []
+    losses: list[torch.Tensor] = []
     seen = 0  # samples in the batches of the steps taken (ClientResult.samples_seen)
     for epoch in range(plan.local_epochs):
         for h in hooks:
@@ -163,7 +210,7 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
             opt.step()
             for h in hooks:
                 h.after_step(model)
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
             seen += len(idx)
             steps += 1
             if plan.max_steps_per_epoch is not None and steps >= plan.max_steps_per_epoch:

@@ -24,13 +24,13 @@ import yaml
 
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DATASETS, DEVICES, INT64_MAX, MODELS, PARTITIONS,
-                               SEED_ALLOWED, SEED_MAX, AlgorithmConfig, CapacityConfig, DataConfig,
+                               SEED_ALLOWED, SEED_MAX, SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig,
                                ExperimentConfig, ModelConfig, ResourcesConfig, TrainingConfig, _fail, construct)
 from fedsap_ray.schema import Checks
 
 __all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.schema
     "BACKENDS", "CAPACITY_SCHEMES", "DATASETS", "DEVICES", "INT64_MAX", "MODELS", "PARTITIONS", "SEED_ALLOWED",
-    "SEED_MAX", "AlgorithmConfig", "CapacityConfig", "ConfigError", "DataConfig", "ExperimentConfig", "ModelConfig",
+    "SEED_MAX", "SUBMODELS", "AlgorithmConfig", "CapacityConfig", "ConfigError", "DataConfig", "ExperimentConfig", "ModelConfig",
     "ResourcesConfig", "TrainingConfig", "PRESETS", "PRESET_NOTES", "DEFAULT_PRESET", "build_config", "from_dict",
     "load_file", "parse_override", "deep_merge", "apply_algorithm_defaults",
 ]

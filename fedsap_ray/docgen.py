@@ -328,7 +328,9 @@ def results_page() -> str:
                                                  "and the columns each strategy declares (Strategy.columns)"),
            "# Results reference\n\n",
            f"A results folder (`--out`) holds one Parquet table per folder, one file per run "
-           f"(`OUT/<table>/<run_id>.parquet`; `fedsap-ray compact` merges finished runs into "
+           f"(`OUT/<table>/<run_id>.parquet`; while a run is in progress, one part per round, "
+           f"`OUT/<table>/<run_id>@r<round>.parquet`, merged into the run's file when it ends; "
+           f"`fedsap-ray compact` merges finished runs into "
            f"`compacted-*.parquet`). Read a whole folder with `fedsap_ray.results.load(OUT)` "
            f"(a `Results` with one DataFrame per table) or one table with `pandas.read_parquet(\"OUT/rounds\")`. "
            f"Schema version {results.SCHEMA_VERSION}; older folders still load (missing columns are null). "

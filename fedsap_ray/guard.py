@@ -168,15 +168,18 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
     expected = ck["tables"] if "tables" in ck else (["rounds"] if done > 0 else [])
     for table in expected:
         f = out / table / f"{run_id}.parquet"
-        if not f.is_file():
+        files = [g for g in results.run_files(out, run_id) if g.parent.name == table]
+        if not files:
             raise ConfigError(f"invalid {field}: {f} is missing (the run had written rounds 1-{done} of its "
                               f"{table} table); restore the file, or start the run afresh (--run-id ID --overwrite)")
-        try:
-            rounds = set(pq.read_table(f, columns=["round"]).column("round").to_pylist())
-        except Exception as e:
-            raise ConfigError(f"invalid {field}: {f} is unreadable ({e.__class__.__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); restore the file, or start the run "
-                              "afresh (--run-id ID --overwrite)") from e
+        rounds: set[int] = set()
+        for g in files:  # its per-run file and the parts of rounds not merged into it yet
+            try:
+                rounds |= set(pq.read_table(g, columns=["round"]).column("round").to_pylist())
+            except Exception as e:
+                raise ConfigError(f"invalid {field}: {g} is unreadable ({e.__class__.__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); restore the file, or start the run "
+                                  "afresh (--run-id ID --overwrite)") from e
         lost = sorted(set(range(1, done + 1)) - rounds) if table == "rounds" else []
         if lost:
             raise ConfigError(f"invalid {field}: {f} lacks rounds {_spans(lost)} of the {done} the checkpoint "

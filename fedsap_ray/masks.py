@@ -173,6 +173,26 @@ def channel_mask_counts(channel_masks: ChannelMasks) -> dict[str, int]:
     return {k: int(np.count_nonzero(v)) for k, v in channel_masks.items()}
 
 
+def covering_channel_masks(space: ChannelSpace, layout: ParamLayout, mask: np.ndarray) -> dict[str, np.ndarray]:
+    """The channel masks a parameter mask was built from: channel c of layer l is active iff any entry it owns in
+    the layer's first ``out`` tensor is covered.
+
+    For a mask that came from :func:`param_mask` this recovers its channel masks exactly (a channel's own
+    output entries are covered iff it is active). Other masks (a skipped residual branch, a single
+    coordinate) give some channel set too: compare ``param_mask`` of the result with ``mask`` to know
+    whether a channel set describes the mask at all (what the sliced client does).
+    """
+    mask = np.asarray(mask, dtype=bool)
+    if mask.shape != (layout.size,):
+        raise ValueError(f"covering_channel_masks: mask has shape {mask.shape}, layout size is {layout.size}")
+    out: dict[str, np.ndarray] = {}
+    for layer in space.layers:
+        ax = layer.out[0]
+        t = np.moveaxis(layout.slice(ax.name, mask), ax.axis, 0)
+        out[layer.name] = np.asarray(t.reshape(ax.blocks, layer.channels, ax.group, -1).any(axis=(0, 2, 3)))
+    return out
+
+
 @lru_cache(maxsize=64)
 def _deps(space: ChannelSpace, layout: ParamLayout) -> tuple[tuple[tuple[str, ParamAxis, bool], ...], ...]:
     """Per layout tensor: (layer name, axis, is_output) for every channel axis it has. Validates shapes."""

@@ -27,6 +27,7 @@ class ClientPlan:
     grad_clip: float | None = None
     max_steps_per_epoch: int | None = None
     seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
+    submodel: str = "sliced"  # sliced | masked: how the client trains its sub-model (training.submodel)
     capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
     # strategy-specific payload, pure data: extra["hooks"] names the client hooks that customise local
     # training, in order, and the other keys are what they read (fedsap_ray.algorithms.hooks)
@@ -46,6 +47,9 @@ class ClientPlan:
                 raise ValueError(
                     f"ClientPlan(client {self.client_id}, round {self.round}): mask covers {int(self.mask.sum())} "
                     f"coordinates but values has {self.values.size}")
+        if self.submodel not in ("sliced", "masked"):
+            raise ValueError(f"ClientPlan(client {self.client_id}, round {self.round}): submodel must be "
+                             f"'sliced' or 'masked', got {self.submodel!r}")
         if self.local_epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"ClientPlan(client {self.client_id}, round {self.round}): bad optimiser settings")
 

@@ -55,6 +55,7 @@ CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
 MODELS = ("resnet10", "resnet18", "cnn_small", "cnn_cifar", "cnn_emnist", "mlp", "char_lstm")
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
+SUBMODELS = ("sliced", "masked")
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,15 @@ class TrainingConfig:
     # BN statistics of a deployed model: 'client' recomputes them on the client's own training data with its
     # own sub-model (what the device would hold); 'aggregated' keeps the server's averaged running statistics
     deployed_bn: str = "client"
+    # How a client trains a sub-model (fedsap_ray/client.py). sliced: a dense smaller network holding only
+    # the active channels (pays for the sub-model); masked: the full-size network with the other
+    # coordinates zeroed (the reference). They agree to float rounding, not bit for bit, so this is part
+    # of the config hash (here, not under resources). Clients whose mask no channel set describes, and
+    # client hooks that need the full model, train masked either way.
+    submodel: str = "sliced"
 
     def __post_init__(self) -> None:
+        _check_choice("training.submodel", self.submodel, SUBMODELS)
         if not isinstance(self.eval_deployed, bool):
             _fail("training.eval_deployed", self.eval_deployed, "must be true or false")
         if self.deployed_bn not in ("client", "aggregated"):

@@ -2,7 +2,7 @@
 
 A run always writes its per-run Parquet files and checkpoint to a local folder
 (:class:`~fedsap_ray.results.RunWriter` and :mod:`fedsap_ray.checkpoint` stay plain
-local-file code, rewritten every round). For a remote ``--out`` that local folder is a
+local-file code: each round adds its part files). For a remote ``--out`` that local folder is a
 node-local staging directory, and :meth:`ResultsDestination.push` copies the run's files
 to the destination after each round, so trials on every node of a cluster land in one
 place; :meth:`ResultsDestination.pull` brings a run's files to whichever node resumes it.
@@ -13,6 +13,7 @@ path is testable without an object store. No Ray here (docs/architecture.md#layo
 """
 from __future__ import annotations
 
+import glob
 import hashlib
 import shutil
 from pathlib import Path
@@ -54,6 +55,20 @@ class ResultsDestination:
         results.check_run_id(run_id)  # a ConfigError (ValueError) naming it: no path separators, no '..'
         return [f"{t}/{run_id}.parquet" for t in results.TABLES] + [f"checkpoints/{run_id}.pkl"]
 
+    def _local_parts(self, run_id: str) -> list[str]:
+        """The run's part files (rounds not merged yet) in ``local``, relative to it."""
+        return [f"{t}/{f.name}" for t in results.DATA_TABLES
+                for f in sorted((self.local / t).glob(f"{glob.escape(run_id)}{results.PART_SEP}*.parquet"))]
+
+    def _remote_parts(self, run_id: str) -> list[str]:
+        """The run's part files at the destination, relative to it."""
+        assert self.fs is not None and self.base is not None  # only called when is_remote
+        rels: list[str] = []
+        for t in results.DATA_TABLES:
+            _, _, parts = results.run_files_in(self.fs, self.base, t, run_id)
+            rels.extend(f"{t}/{info.base_name}" for _, info in parts)
+        return rels
+
     def pull(self, run_id: str) -> None:
         """Make ``local`` hold exactly the destination's files of this run (before resuming it here).
 
@@ -64,6 +79,11 @@ class ResultsDestination:
         if not self.is_remote:
             return
         assert self.fs is not None  # set whenever is_remote
+        remote_parts = self._remote_parts(run_id)
+        for rel in self._local_parts(run_id):
+            if rel not in remote_parts:
+                (self.local / rel).unlink(missing_ok=True)
+        rels += remote_parts
         infos = self.fs.get_file_info([f"{self.base}/{rel}" for rel in rels])
         for rel, info in zip(rels, infos):
             dst = self.local / rel
@@ -87,6 +107,7 @@ class ResultsDestination:
         if not self.is_remote:
             return
         assert self.fs is not None  # set whenever is_remote
+        rels += self._local_parts(run_id)
         for rel in rels:
             src = self.local / rel
             dst = f"{self.base}/{rel}"
@@ -104,6 +125,13 @@ class ResultsDestination:
             with open(src, "rb") as f, results.atomic_output(self.fs, dst) as out:
                 shutil.copyfileobj(f, out, _COPY_CHUNK)
             self._pushed[rel] = stamp
+        # parts merged locally (the run ended): gone at the destination too, after the per-run files above
+        prefix = f"{run_id}{results.PART_SEP}"
+        for rel in [r for r in self._pushed if r.split("/", 1)[-1].startswith(prefix) and r not in rels]:
+            dst = f"{self.base}/{rel}"
+            if self.fs.get_file_info(dst).type == pafs.FileType.File:
+                self.fs.delete_file(dst)
+            self._pushed.pop(rel, None)
 
     def statuses(self) -> dict[str, str]:
         """run_id -> ``runs`` status at the destination (per-run and compacted files)."""

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -342,3 +343,124 @@ def test_runs_gain_flattened_config_columns_from_their_resolved_config(tmp_path)
         assert pd.isna(r.loc["b", "config.algorithm.options.g_target"])
         assert r.loc["a", "config.capacity.tiers"] == [0.25, 1.0]
     assert not any(c.startswith("config.") for c in pq.read_schema(tmp_path / "runs" / "a.parquet").names)
+
+
+def _round_rows(t: int, n_clients: int = 8) -> dict[str, list[dict]]:
+    return {"rounds": [{"round": t, "domain": d, "accuracy": 0.1 * t, "evaluated": True} for d in ("a", "b")],
+            "clients": [{"round": t, "client_id": c, "train_loss": 1.0 / t} for c in range(n_clients)]}
+
+
+def _stamps(folder: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.rglob("*.parquet"))}
+
+
+def test_a_round_write_adds_new_part_files_and_never_touches_earlier_ones(tmp_path):
+    """Append-only results (issue 17): a round's flush writes only that round's parts (and the one-row runs
+    file); a run in progress loads from its parts; a final status merges them into the per-run files."""
+    w = results.RunWriter(tmp_path, "r")
+    w.set_run({"status": "running"})
+    for t in (1, 2):
+        for table, rows in _round_rows(t).items():
+            w.add(table, rows)
+        w.flush()
+    before = _stamps(tmp_path)
+    assert sorted(k for k in before if not k.startswith("runs/")) == [
+        "clients/r@r000001.parquet", "clients/r@r000002.parquet", "rounds/r@r000001.parquet", "rounds/r@r000002.parquet"]
+    for table, rows in _round_rows(3).items():
+        w.add(table, rows)
+    w.flush()
+    after = _stamps(tmp_path)
+    changed = sorted(k for k in after if before.get(k) != after[k])
+    assert changed == ["clients/r@r000003.parquet", "rounds/r@r000003.parquet", "runs/r.parquet"]  # only new files
+    running = results.load(tmp_path)  # a run in progress loads from its parts
+    assert running.rounds["round"].tolist() == [1, 1, 2, 2, 3, 3] and len(running.clients) == 3 * 8
+    assert results.run_statuses(tmp_path) == {"r": "running"}
+    assert w.tables_written() == ["rounds", "clients"]
+    w.set_run({"status": "finished"})  # the run's end merges its parts
+    assert sorted(p.name for p in tmp_path.rglob("*.parquet")) == ["r.parquet"] * 3
+    assert sorted(w.consolidate()) == ["clients", "rounds"]  # nothing left to merge: the tables it has
+    meta = pq.read_schema(tmp_path / "rounds" / "r.parquet").metadata
+    assert meta[results.UPTO_KEY] == b"3"
+    done = results.load(tmp_path)
+    pd.testing.assert_frame_equal(done.rounds, running.rounds)
+    pd.testing.assert_frame_equal(done.clients, running.clients)
+
+
+def test_parts_a_merged_file_holds_are_read_once_and_compact_merges_leftover_parts(tmp_path):
+    w = results.RunWriter(tmp_path, "r")
+    for t in (1, 2, 3):
+        for table, rows in _round_rows(t).items():
+            w.add(table, rows)
+        w.flush()
+    parts = {f: f.read_bytes() for f in tmp_path.glob("*/r@r*.parquet")}
+    assert len(parts) == 6
+    w.set_run({"status": "interrupted"})  # final: merged
+    assert not list(tmp_path.glob("*/r@r*.parquet"))
+    for f, b in parts.items():  # a merge killed before it deleted its parts
+        f.write_bytes(b)
+    res = results.load(tmp_path)
+    assert res.rounds["round"].tolist() == [1, 1, 2, 2, 3, 3]
+    t3 = pq.read_table(tmp_path / "rounds" / "r@r000003.parquet")  # a round a killed writer added after the merge
+    i = t3.schema.get_field_index("round")
+    pq.write_table(t3.set_column(i, t3.schema.field(i), pa.array([4] * t3.num_rows, pa.int64())),
+                   tmp_path / "rounds" / "r@r000004.parquet")
+    assert results.load(tmp_path).rounds["round"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+    n = results.compact(tmp_path)  # final, no checkpoint: its parts are merged, then compacted
+    assert n["runs_compacted"] == 1 and not list(tmp_path.glob("*/r@r*.parquet"))
+    assert results.load(tmp_path).rounds["round"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_a_merge_that_fails_leaves_the_parts_loadable(tmp_path, monkeypatch):
+    """The end-of-run merge is best effort: an OSError (a full disk) warns and keeps every part, which load reads."""
+    w = results.RunWriter(tmp_path, "r")
+    for table, rows in _round_rows(1).items():
+        w.add(table, rows)
+    w.flush()
+
+    def full_disk(*a, **kw):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(results.writer, "consolidate_run", full_disk)
+    with pytest.warns(UserWarning, match="not merged"):
+        w.set_run({"status": "failed"})
+    assert (tmp_path / "rounds" / "r@r000001.parquet").is_file()
+    res = results.load(tmp_path)
+    assert res.rounds["round"].tolist() == [1, 1] and res.runs["status"].tolist() == ["failed"]
+
+
+def test_destination_push_and_pull_carry_parts_and_drop_them_once_merged(tmp_path):
+    remote = tmp_path / "bucket" / "sweep"
+    dest = ResultsDestination(remote.as_uri(), staging_root=tmp_path / "stage")
+    w = results.RunWriter(dest.local, "r")
+    w.set_run({"status": "running"})
+    for t in (1, 2):
+        for table, rows in _round_rows(t).items():
+            w.add(table, rows)
+        w.flush()
+        dest.push("r")
+    assert files_of(remote) == files_of(dest.local) and (remote / "rounds" / "r@r000002.parquet").is_file()
+    other = ResultsDestination(remote.as_uri(), staging_root=tmp_path / "node2")  # resumed elsewhere
+    (other.local / "clients").mkdir(parents=True)
+    (other.local / "clients" / "r@r000007.parquet").write_bytes(b"an older attempt on this node")
+    other.pull("r")
+    assert files_of(other.local) == files_of(remote)
+    running = results.load(remote.as_uri())
+    w.set_run({"status": "finished"})
+    dest.push("r")
+    assert files_of(remote) == files_of(dest.local) and not list(remote.glob("*/r@r*.parquet"))
+    done = results.load(remote.as_uri())
+    pd.testing.assert_frame_equal(done.rounds, running.rounds)
+    pd.testing.assert_frame_equal(done.clients, running.clients)
+
+
+def test_submodel_speed_benchmark_runs_its_write_case_tiny(capsys):
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("submodel_speed_bench",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "submodel_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--cases", "writes", "--write-rounds", "3", "--write-window", "2", "--write-clients", "2"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["case"] == "writes" and rec["rounds"] == 3 and rec["append_growth"] > 0 and rec["rewrite_growth"] > 0

@@ -180,3 +180,41 @@ def test_a_schema_1_folder_still_loads(tmp_path, tiny_fed):
     assert res.rounds["frozen_params"].isna().all() and len(res.rounds) == old.num_rows
     assert res.allocations.empty and "p" in res.allocations.columns
     assert (res.runs["schema_version"] == results.SCHEMA_VERSION).all()
+
+
+@pytest.mark.parametrize("merged", [False, True], ids=["killed-before-merging-parts", "merged-at-the-end"])
+def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monkeypatch, merged):
+    """Round 3's rows reach disk but its checkpoint does not (the run dies in between): the resume
+    from round 2 drops them (as parts, or inside the merged per-run file) and redoes round 3, so the
+    tables equal an uninterrupted run's."""
+    from fedsap_ray import checkpoint
+
+    save = checkpoint.save
+
+    def save_fails_at_round_3(out, run_id, state, *a, **kw):
+        if state.round == 3:
+            raise OSError("killed between the round's rows and its checkpoint")
+        return save(out, run_id, state, *a, **kw)
+
+    extra = ["training.rounds=4", "algorithm.width=capacity"]
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "save", save_fails_at_round_3)
+        if not merged:
+            m.setattr(results.RunWriter, "consolidate", lambda self: self.tables_written())
+        with pytest.raises(OSError):
+            _run(tmp_path / "cut", tiny_fed, extra, run_id="r")
+    cut = tmp_path / "cut"
+    if merged:
+        assert not list(cut.glob("*/r@r*.parquet")) and 3 in set(results.load(cut).rounds["round"])
+    else:
+        assert (cut / "rounds" / "r@r000003.parquet").is_file() and not (cut / "rounds" / "r.parquet").exists()
+        stale = cut / "clients" / "r@r000009.parquet"  # a part from further on must go too
+        stale.write_bytes((cut / "clients" / "r@r000003.parquet").read_bytes())
+    _, outcome = _run(cut, tiny_fed, extra, run_id="r", resume=True)
+    assert outcome.status == "finished" and not list(cut.glob("*/r@r*.parquet"))
+    _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
+    a, b = results.load(cut), results.load(tmp_path / "whole")
+    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
+    pd.testing.assert_frame_equal(a.layers, b.layers)
+    pd.testing.assert_frame_equal(a.allocations, b.allocations)

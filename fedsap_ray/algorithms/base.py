@@ -279,5 +279,6 @@ class Strategy(ABC):
             client_id=client_id, round=t, local_epochs=tr.local_epochs, batch_size=tr.batch_size,
             lr=self.lr_at(t), momentum=tr.momentum, weight_decay=tr.weight_decay, grad_clip=tr.grad_clip,
             max_steps_per_epoch=tr.max_steps_per_epoch, seed=seed_for(self.cfg.seed, t, client_id, "train"),
+            submodel=tr.submodel,
         )
 

@@ -20,16 +20,23 @@ from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan, ServerState
 from fedsap_ray.models.space import MaskableModel
+from fedsap_ray.sliced import SlicedModel
 
 HOOK = "fedprox"
 
 
 @register_hook(HOOK)
 class ProximalTerm(ClientHook):
-    """loss + (mu/2) sum_p ||p - p^t||^2 (Li et al. 2020, Eq. 2); ``plan.extra["prox_mu"]`` is mu."""
+    """loss + (mu/2) sum_p ||p - p^t||^2 (Li et al. 2020, Eq. 2); ``plan.extra["prox_mu"]`` is mu.
 
-    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
-        super().__init__(plan, model, layout, device)
+    Works on a sliced sub-network as is: the anchor is the trained model's own parameters at ``start``
+    (the masked model's other coordinates are 0 in both w and w^t and add nothing)."""
+
+    supports_sliced = True
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
+                 sliced: SlicedModel | None = None) -> None:
+        super().__init__(plan, model, layout, device, sliced)
         self.mu = float(plan.extra["prox_mu"])
         if not self.mu >= 0:
             raise ValueError(f"plan.extra['prox_mu'] must be >= 0, got {self.mu}")

@@ -1,6 +1,6 @@
 """The one client extension point: named hooks a strategy declares for its clients' local training.
 
-The client loop (:mod:`fedsap_ray.client`) is masked mini-batch SGD and names no algorithm.
+The client loop (:mod:`fedsap_ray.client`) is mini-batch SGD on the plan's sub-model (sliced or masked) and names no algorithm.
 Everything a method adds to local training (FedProx's proximal term, FedSAP's Eq. 7 and
 channel statistics, SCAFFOLD's correction, MOON's contrastive term, DapperFL's pruning, ...)
 is a :class:`ClientHook` subclass registered under a name in that method's module
@@ -32,11 +32,29 @@ Hook points, in the order the client calls them (every hook of the plan at each 
 
 Hooks never change the order of the loop's own floating-point operations: a plan without
 hooks trains exactly as the plain loop.
+
+Sliced sub-models (``training.submodel=sliced``, the default; docs/architecture.md#sub-model-training):
+when the plan's mask is a channel sub-model the client trains a dense smaller network
+(:class:`fedsap_ray.sliced.SlicedModel`) instead of the masked full-size one, but only if EVERY hook of
+the plan declares ``supports_sliced = True``; otherwise the plan trains masked, bit for bit as before.
+A hook that supports it is built with ``sliced`` (None when the plan trains masked or has no mask) and
+
+- its ``model`` and ``layout`` arguments, ``self.layout``, ``before_training``'s model and
+  ``plan.values``/``plan.mask``/``plan.extra`` stay in the FULL-size coordinates (the plan's);
+- every later hook point (``start`` ... ``result``) receives the model being trained: the
+  sub-network ``sliced.model`` with layout ``sliced.layout`` (:attr:`ClientHook.train_layout`);
+- ``sliced.gather`` maps a full flat vector to the sub-network's coordinates (SCAFFOLD's control),
+  ``sliced.index``/``sliced.channel_masks`` map sub-network values back (FedSAP's statistics are
+  scattered to the full channel space, 0 on inactive channels, what masked training gives there).
+
+A hook that only touches ``model.parameters()`` or the loss (FedProx, Eq. 7) needs no mapping. The
+default is False because a hook written for the full model may read full-size coordinates, a
+frozen full-size copy or choose its own upload mask (MOON, FedSR, FPL, FedSPU, DapperFL).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -45,6 +63,7 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan
 from fedsap_ray.models.space import MaskableModel
+from fedsap_ray.sliced import SlicedModel
 
 HOOKS_KEY = "hooks"  # plan.extra[HOOKS_KEY]: the names of the plan's client hooks, in calling order
 
@@ -54,8 +73,20 @@ _HOOKS: dict[str, type[ClientHook]] = {}
 class ClientHook:
     """Does nothing at every hook point; subclasses override the points they need (module docstring)."""
 
-    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
-        self.plan, self.layout, self.device = plan, layout, device
+    # whether the hook works on a sliced sub-network (module docstring, "Sliced sub-models"); a plan
+    # with any hook that does not trains masked
+    supports_sliced: ClassVar[bool] = False
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
+                 sliced: SlicedModel | None = None) -> None:
+        if sliced is not None and not self.supports_sliced:
+            raise TypeError(f"client hook {type(self).__name__} does not support sliced sub-models")
+        self.plan, self.layout, self.device, self.sliced = plan, layout, device, sliced
+
+    @property
+    def train_layout(self) -> ParamLayout:
+        """The layout of the model the hook points receive: the sub-network's when sliced, else ``self.layout``."""
+        return self.layout if self.sliced is None else self.sliced.layout
 
     def before_training(self, model: MaskableModel, data: DomainData) -> None:
         """The scratch model before the plan's values are loaded (they overwrite whatever is left in it)."""
@@ -127,19 +158,32 @@ def defines_loss(hook: ClientHook | type[ClientHook]) -> bool:
     return cls.loss is not ClientHook.loss
 
 
-def make_hooks(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
-               built: list[ClientHook]) -> list[ClientHook]:
-    """Build the plan's hooks in order, appending each to ``built`` as soon as it exists (so the caller
-    can close those already built when a later one fails). Strategies register theirs on import."""
+def hook_classes(plan: ClientPlan) -> list[type[ClientHook]]:
+    """The classes of the plan's hooks, in order; raises on an unknown name. Strategies register theirs on import."""
     names = hook_names(plan)
     if names:
         import fedsap_ray.algorithms  # noqa: F401  (registers every strategy's hooks, also on Ray workers)
     unknown = [n for n in names if n not in _HOOKS]
     if unknown:
         raise ValueError(f"unknown client hook(s) {unknown}; registered: {sorted(_HOOKS)}")
-    losses = [n for n in names if defines_loss(_HOOKS[n])]
+    return [_HOOKS[n] for n in names]
+
+
+def supports_sliced(plan: ClientPlan) -> bool:
+    """Whether every hook of the plan works on a sliced sub-network (a plan without hooks does)."""
+    return all(cls.supports_sliced for cls in hook_classes(plan))
+
+
+def make_hooks(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
+               built: list[ClientHook], sliced: SlicedModel | None = None) -> list[ClientHook]:
+    """Build the plan's hooks in order, appending each to ``built`` as soon as it exists (so the caller
+    can close those already built when a later one fails). ``model``/``layout`` are the full-size ones;
+    ``sliced`` the sub-network the client trains (only when :func:`supports_sliced`)."""
+    classes = hook_classes(plan)
+    losses = [n for n, cls in zip(hook_names(plan), classes) if defines_loss(cls)]
     if len(losses) > 1:
         raise ValueError(f"client hooks {losses} all define the base loss; at most one may")
-    for n in names:
-        built.append(_HOOKS[n](plan, model, layout, device))
+    for cls in classes:
+        # hooks that do not support sliced models keep the four-argument constructor
+        built.append(cls(plan, model, layout, device) if sliced is None else cls(plan, model, layout, device, sliced=sliced))
     return built

@@ -15,6 +15,7 @@ from fedsap_ray.algorithms.hooks import ClientHook, register_hook
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan
 from fedsap_ray.models.space import MaskableModel
+from fedsap_ray.sliced import SlicedModel
 
 HOOK = "rep_norm"
 REP_FORMS = ("norm", "squared")
@@ -35,10 +36,16 @@ def rep_norm_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma:
 
 @register_hook(HOOK)
 class RepresentationNorm(ClientHook):
-    """The base loss :func:`rep_norm_loss` with ``plan.extra["rep_gamma"]`` and ``["rep_form"]``."""
+    """The base loss :func:`rep_norm_loss` with ``plan.extra["rep_gamma"]`` and ``["rep_form"]``.
 
-    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
-        super().__init__(plan, model, layout, device)
+    Works on a sliced sub-network as is: a dropped channel's feature is exactly 0 in the masked model, so
+    ||z|| over the sub-network's features is the same norm."""
+
+    supports_sliced = True
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
+                 sliced: SlicedModel | None = None) -> None:
+        super().__init__(plan, model, layout, device, sliced)
         self.gamma = float(plan.extra["rep_gamma"])
         self.form = str(plan.extra.get("rep_form", "squared"))
         if self.form not in REP_FORMS:

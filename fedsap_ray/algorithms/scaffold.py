@@ -53,6 +53,7 @@ from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel
+from fedsap_ray.sliced import SlicedModel
 
 HOOK = "scaffold"
 
@@ -64,21 +65,29 @@ class ControlCorrection(ClientHook):
     stochastic gradient was clipped (so clipping never rescales the control variate); the optimizer then adds
     weight decay inside its step. Only nn.Parameters get a correction (BatchNorm running statistics are not
     trained by gradients) and coordinates outside ``plan.mask`` get none, so they stay where they were.
+    On a sliced sub-network the control is gathered to its coordinates (the covered ones, exactly those
+    the masked model would correct).
     """
 
-    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
-        super().__init__(plan, model, layout, device)
+    supports_sliced = True
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
+                 sliced: SlicedModel | None = None) -> None:
+        super().__init__(plan, model, layout, device, sliced)
         control = np.asarray(plan.extra["control"])
         if control.dtype != np.float32 or control.shape != (layout.size,):
             raise ValueError(f"plan.extra['control'] must be float32 of shape ({layout.size},), "
                              f"got {control.dtype} {control.shape}")
-        self.control = control if plan.mask is None else np.where(plan.mask, control, np.float32(0.0))
+        if sliced is not None:
+            self.control = sliced.gather(control)
+        else:
+            self.control = control if plan.mask is None else np.where(plan.mask, control, np.float32(0.0))
         self.corrections: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def start(self, model: MaskableModel) -> None:
         """(parameter, correction) pairs, built once per plan (buffer coordinates are ignored)."""
         for name, p in model.named_parameters():
-            corr = torch.from_numpy(np.ascontiguousarray(self.layout.slice(name, self.control)))
+            corr = torch.from_numpy(np.ascontiguousarray(self.train_layout.slice(name, self.control)))
             self.corrections.append((p, corr.to(device=self.device, dtype=p.dtype)))
 
     def after_clip(self, model: MaskableModel) -> None:

@@ -50,8 +50,12 @@ def build_model(name: str, *, num_classes: int, input_shape: tuple[int, ...], wi
         raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
     if not width_mult > 0:
         raise ValueError(f"width_mult must be > 0, got {width_mult!r}")
-    return MODEL_REGISTRY[name](num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
-                                vocab_size=vocab_size, channels=channels)
+    model = MODEL_REGISTRY[name](num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
+                                 vocab_size=vocab_size, channels=channels)
+    # how to build it again at other widths (the client's sliced sub-models, fedsap_ray.sliced)
+    model.build_spec = (name, dict(num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
+                                   vocab_size=vocab_size))
+    return model
 
 
 def example_input(model: nn.Module, input_shape: tuple[int, ...], batch_size: int = 2,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -188,6 +189,9 @@ class MaskableModel(nn.Module):
     # every subclass defines these two methods (declared here so that code holding a MaskableModel is typed)
     forward_features: Callable[[torch.Tensor], torch.Tensor]
     channel_space: Callable[[], ChannelSpace]
+    # (registry name, build_model keywords) when built by fedsap_ray.models.build_model: how to build it
+    # again at other widths (sliced sub-models, fedsap_ray.sliced); absent otherwise
+    build_spec: tuple[str, dict[str, Any]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.classifier)(self.forward_features(x))

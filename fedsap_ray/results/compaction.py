@@ -11,6 +11,7 @@ from fedsap_ray.results.reader import run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, list_table,
                                       readahead, run_ids, write_batches)
+from fedsap_ray.results.writer import consolidate_run
 
 
 def _checkpointed(fs: pafs.FileSystem, base: str) -> set[str]:
@@ -31,7 +32,8 @@ def compact(path: str | Path) -> dict[str, int]:
     stores); one file per table loads in one read. A run is compacted when its ``runs``
     status is final (:data:`FINAL_STATUSES`) and it has no checkpoint left (an interrupted
     or failed run that still has one can be resumed, and resuming reads its per-run files).
-    Running runs are never touched.
+    Running runs are never touched. A final run whose per-round parts were not merged (killed while
+    ending) has them merged into its per-run files first (:func:`consolidate_run`).
 
     Safe to interrupt at any moment: the compacted file is written atomically before any
     per-run file is deleted, and readers let a run's per-run file win over compacted rows,
@@ -51,6 +53,10 @@ def compact(path: str | Path) -> dict[str, int]:
     done: set[str] = set()
     kept: set[str] = set()
     written = rewritten = removed = 0
+    with_parts: set[str] = set().union(*(list_table(fs, base, t).parts for t in DATA_TABLES))
+    for r in sorted(with_parts & final):
+        consolidate_run(fs, base, r)
+    kept |= with_parts - final
     for table in (*DATA_TABLES, "runs"):  # runs last: until then a status is still found per run
         listing = list_table(fs, base, table)
         kept |= {r for r in listing.per_run if r not in final}

@@ -1,8 +1,12 @@
 """Where results live: local folders or URIs, the table listings, run ids and atomic output streams.
 
-A table folder holds one file per run (``<run_id>.parquet``) and compacted files
+A table folder holds one file per run (``<run_id>.parquet``), the per-round parts of runs in
+progress (``<run_id>@r<round:06d>.parquet``, merged into the run's file when it ends:
+:func:`fedsap_ray.results.writer.consolidate_run`) and compacted files
 (``compacted-<uuid8>.parquet``, :mod:`fedsap_ray.results.compaction`); names starting with
-``.`` (temporary) or ``_`` are never results. On object stores a single PUT is atomic; on
+``.`` (temporary) or ``_`` are never results. A per-run file's schema metadata
+``fedsap_ray.upto_round`` says up to which round it already holds its run's parts: readers skip
+those, so a merge interrupted before it deleted the parts still gives every row once. On object stores a single PUT is atomic; on
 other filesystems a file appears by rename once complete.
 """
 from __future__ import annotations
@@ -13,7 +17,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,10 +80,46 @@ def is_dir(fs: pafs.FileSystem, base: str) -> bool:
     return fs.get_file_info(base).type == pafs.FileType.Directory
 
 
+PART_SEP = "@r"  # OUT/<table>/<run_id>@r000123.parquet: '@' is outside the run id alphabet
+UPTO_KEY = b"fedsap_ray.upto_round"  # a per-run file's metadata: it holds every part up to this round
+
+
+def part_name(run_id: str, rnd: int) -> str:
+    """The file name of round ``rnd``'s part of run ``run_id`` (zero-padded: parts sort by round)."""
+    return f"{run_id}{PART_SEP}{int(rnd):06d}.parquet"
+
+
+def parse_part(stem: str) -> tuple[str, int] | None:
+    """(run_id, round) of a part file's stem, or None when the stem is a run id."""
+    if PART_SEP not in stem:
+        return None
+    run_id, _, rnd = stem.rpartition(PART_SEP)
+    return (run_id, int(rnd)) if rnd.isdigit() else None
+
+
+def upto_round(meta: dict[bytes, bytes] | None) -> float:
+    """The round up to which a per-run file holds its run's parts (its metadata); a file without
+    the key (written before parts existed, or by :func:`compact`) holds all of them."""
+    v = (meta or {}).get(UPTO_KEY)
+    return float(int(v)) if v is not None else float("inf")
+
+
 @dataclass
 class Listing:
     per_run: dict[str, pafs.FileInfo]  # run_id (file stem) -> its file
     compacted: list[pafs.FileInfo]
+    # run_id -> [(round, part)] sorted by round, of runs in progress (or ended and not merged yet)
+    parts: dict[str, list[tuple[int, pafs.FileInfo]]] = field(default_factory=dict)
+    upto: dict[str, float] = field(default_factory=dict)  # run_id -> upto_round of its per-run file
+
+    def live_parts(self) -> dict[str, list[tuple[int, pafs.FileInfo]]]:
+        """Each run's parts its per-run file does not hold yet (round above the file's ``upto_round``)."""
+        out = {}
+        for r, ps in self.parts.items():
+            live = [(rnd, i) for rnd, i in ps if rnd > self.upto.get(r, 0.0)]
+            if live:
+                out[r] = live
+        return out
 
 
 def foreign_reason(names: list[str], table: str) -> str | None:
@@ -102,13 +142,14 @@ def foreign_reason(names: list[str], table: str) -> str | None:
     return " and ".join(why)
 
 
-def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str) -> str | None:
+def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str) -> tuple[str | None, float]:
+    """(why the file is not one of ``table``, or None; the round up to which it holds its run's parts)."""
     try:
         with fs.open_input_file(info.path) as f:
-            names = pq.read_schema(f).names
+            sch = pq.read_schema(f)
     except (OSError, pa.ArrowException):
-        return None  # unreadable: let the reader report it, naming the file
-    return foreign_reason(names, table)
+        return None, float("inf")  # unreadable: let the reader report it, naming the file
+    return foreign_reason(sch.names, table), upto_round(sch.metadata)
 
 
 def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
@@ -120,19 +161,51 @@ def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
     infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", allow_not_found=True))
     per_run: dict[str, pafs.FileInfo] = {}
     compacted: list[pafs.FileInfo] = []
+    parts: dict[str, list[tuple[int, pafs.FileInfo]]] = {}
+    upto: dict[str, float] = {}
     for info in sorted(infos, key=lambda i: i.path):
         name = info.base_name
         if info.type != pafs.FileType.File or name.startswith((".", "_")) or not name.endswith(".parquet"):
             continue
-        reason = _foreign(fs, info, table)
+        stem = name[: -len(".parquet")]
+        part = None if name.startswith(COMPACTED_PREFIX) else parse_part(stem)
+        if part is not None:  # written by this package under its own name: not opened for a schema check
+            parts.setdefault(part[0], []).append((part[1], info))
+            continue
+        reason, file_upto = _foreign(fs, info, table)
         if reason is not None:
             warnings.warn(f"skipped {info.path}: not a file of the {table} table: it {reason}", stacklevel=3)
             continue
         if name.startswith(COMPACTED_PREFIX):
             compacted.append(info)
         else:
-            per_run[name[: -len(".parquet")]] = info
-    return Listing(per_run, compacted)
+            per_run[stem] = info
+            upto[stem] = file_upto
+    for ps in parts.values():
+        ps.sort(key=lambda p: p[0])
+    return Listing(per_run, compacted, parts, upto)
+
+
+def run_files_in(fs: pafs.FileSystem, base: str, table: str, run_id: str
+                 ) -> tuple[pafs.FileInfo | None, float, list[tuple[int, pafs.FileInfo]]]:
+    """(per-run file or None, the round up to which it holds parts, [(round, part)] sorted) of one run;
+    reads one schema, not the whole folder's (a run ending in a sweep of thousands)."""
+    infos = fs.get_file_info(pafs.FileSelector(f"{base}/{table}", allow_not_found=True))
+    whole, parts = None, []
+    for info in infos:
+        name = info.base_name
+        if info.type != pafs.FileType.File or not name.endswith(".parquet"):
+            continue
+        stem = name[: -len(".parquet")]
+        if stem == run_id:
+            whole = info
+        elif (pr := parse_part(stem)) is not None and pr[0] == run_id:
+            parts.append((pr[1], info))
+    upto = 0.0
+    if whole is not None:
+        with fs.open_input_file(whole.path) as f:
+            upto = upto_round(pq.read_schema(f).metadata)
+    return whole, upto, sorted(parts, key=lambda p: p[0])
 
 
 def run_ids(fs: pafs.FileSystem, path: str) -> set[str]:
@@ -150,22 +223,29 @@ def dataset(fs: pafs.FileSystem, paths: list[str], table: str) -> ds.FileSystemD
 def sources(fs: pafs.FileSystem, listing: Listing) -> tuple[list[str], list[tuple[str, set[str]]]]:
     """Files to read whole, and compacted files to read without some runs, so each run is read once.
 
-    A run's per-run file wins over compacted rows of the same run (after an interrupted
+    A run's per-run file and parts win over compacted rows of the same run (after an interrupted
     :func:`compact` both hold the same rows; after a re-run under the same id the per-run
-    file is the newer); among compacted files the first (by name) wins.
+    file is the newer); among compacted files the first (by name) wins. Parts the run's per-run
+    file already holds (its ``upto_round``) are skipped; the others are read right after it, by
+    round, so a run's rows come in the order they were written.
     """
-    whole = [i.path for i in listing.per_run.values()]
+    live = listing.live_parts()
+    # (sort key, round, path): files by path as ever, a run's live parts right after its own file
+    keyed: list[tuple[str, int, str]] = [(i.path, 0, i.path) for i in listing.per_run.values()]
+    for r, ps in live.items():
+        home = ps[0][1].path.rsplit("/", 1)[0] + f"/{r}.parquet"
+        keyed.extend((home, rnd, i.path) for rnd, i in ps)
     partial: list[tuple[str, set[str]]] = []
-    seen = set(listing.per_run)
+    seen = set(listing.per_run) | set(live)
     for c in listing.compacted:
         ids = run_ids(fs, c.path)
         skip = ids & seen
         if not skip:
-            whole.append(c.path)
+            keyed.append((c.path, 0, c.path))
         elif skip != ids:
             partial.append((c.path, skip))
         seen |= ids
-    return sorted(whole), partial
+    return [p for _, _, p in sorted(keyed)], partial
 
 
 def readahead(fs: pafs.FileSystem) -> int:

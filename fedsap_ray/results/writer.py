@@ -1,23 +1,34 @@
-"""Writing one run's rows: :class:`RunWriter` rewrites its files atomically after every round,
-and the helpers that find, delete or clean up a run's files (``--overwrite``, resume)."""
+"""Writing one run's rows: :class:`RunWriter` adds each round's rows as new part files (append-only:
+a round's write cost does not grow with the round number) and merges them into the run's per-run
+files when the run ends (:func:`consolidate_run`); and the helpers that find, delete or clean up a
+run's files (``--overwrite``, resume)."""
 from __future__ import annotations
 
 import glob
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.results.schema import DATA_TABLES, SCHEMA_VERSION, TABLES, to_table
-from fedsap_ray.results.store import check_run_id, dataset, filesystem, list_table, run_ids, write_batches
+from fedsap_ray.results.store import (FINAL_STATUSES, PART_SEP, UPTO_KEY, atomic_output, check_run_id, dataset,
+                                      filesystem, list_table, part_name, run_files_in, run_ids, write_batches)
 
 
 def run_files(out: Path, run_id: str) -> list[Path]:
-    """The run's per-run files that exist under the local folder ``out`` (every table)."""
-    return [f for t in TABLES if (f := Path(out) / t / f"{run_id}.parquet").is_file()]
+    """The run's per-run files and parts that exist under the local folder ``out`` (every table)."""
+    found = []
+    for t in TABLES:
+        f = Path(out) / t / f"{run_id}.parquet"
+        if f.is_file():
+            found.append(f)
+        found.extend(sorted((Path(out) / t).glob(f"{glob.escape(run_id)}{PART_SEP}*.parquet")))
+    return found
 
 
 def in_compacted(out: Path, run_id: str) -> bool:
@@ -40,6 +51,9 @@ def remove_run(out: Path, run_id: str) -> int:
         if run_id in listing.per_run:
             fs.delete_file(listing.per_run[run_id].path)
             changed += 1
+        for _, info in listing.parts.get(run_id, []):
+            fs.delete_file(info.path)
+            changed += 1
         for c in listing.compacted:
             ids = run_ids(fs, c.path)
             if run_id not in ids:
@@ -54,15 +68,17 @@ def remove_run(out: Path, run_id: str) -> int:
 
 
 def remove_temp_files(out: Path, run_id: str) -> list[Path]:
-    """Delete the temporary files a killed writer of this run left (``.<run_id>.parquet.*.tmp``).
+    """Delete the temporary files a killed writer of this run left (``.<run_id>.parquet.*.tmp``, and
+    ``.<run_id>@r<round>.parquet.*.tmp`` of its parts).
 
     Only call it while holding the run's claim (no live writer of the run can own them).
     """
     gone = []
     for t in TABLES:
-        for f in (Path(out) / t).glob(f".{glob.escape(run_id)}.parquet.*.tmp"):
-            f.unlink(missing_ok=True)
-            gone.append(f)
+        for pattern in (f".{glob.escape(run_id)}.parquet.*.tmp", f".{glob.escape(run_id)}{PART_SEP}*.parquet.*.tmp"):
+            for f in (Path(out) / t).glob(pattern):
+                f.unlink(missing_ok=True)
+                gone.append(f)
     return gone
 
 
@@ -73,39 +89,116 @@ def write_atomic(table: pa.Table, path: Path) -> None:
 
 
 class RunWriter:
-    """Accumulates one run's rows and rewrites its files atomically on every flush."""
+    """One run's writer: every flush adds the round's rows as new part files (append-only).
+
+    A round's write touches only that round's parts and the one-row ``runs`` file, so its cost
+    does not grow with the round number; a final status (:meth:`set_run` with one of
+    :data:`FINAL_STATUSES`) merges the parts into ``<run_id>.parquet`` (:func:`consolidate_run`).
+    Rows are not kept in memory beyond the round being written.
+    """
 
     def __init__(self, out: Path, run_id: str) -> None:
         self.out = Path(out)
         self.run_id = check_run_id(run_id)
-        self.rows: dict[str, list[dict[str, Any]]] = {t: [] for t in TABLES}
+        self.run_row: dict[str, Any] | None = None
+        self.pending: dict[str, list[dict[str, Any]]] = {t: [] for t in DATA_TABLES}
+        self.tables: set[str] = set()  # per-round tables the run has rows in
+        self._last: dict[str, tuple[int, list[dict[str, Any]]]] = {}  # table -> (round, rows) of its newest part
 
     def tables_written(self) -> list[str]:
         """The per-round tables this run has rows in (and so files for, after a flush)."""
-        return [t for t in DATA_TABLES if self.rows[t]]
+        return [t for t in DATA_TABLES if t in self.tables or self.pending[t]]
 
     def set_run(self, row: dict[str, Any]) -> None:
-        self.rows["runs"] = [{"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **row}]
-        self._write("runs")
+        """Write the run's ``runs`` row; a final status also merges its parts (:meth:`consolidate`)."""
+        self.run_row = {"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **row}
+        self._write_runs()
+        if row.get("status") in FINAL_STATUSES:
+            self.consolidate()
 
     def add(self, table: str, rows: list[dict[str, Any]]) -> None:
-        self.rows[table].extend({"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **r} for r in rows)
+        self.pending[table].extend({"schema_version": SCHEMA_VERSION, "run_id": self.run_id, **r} for r in rows)
 
     def restore(self, upto_round: int) -> dict[str, Any] | None:
-        """Reload this run's rows from disk (rounds <= ``upto_round``) to resume it; return its old runs row."""
-        for table in DATA_TABLES:
-            f = self.out / table / f"{self.run_id}.parquet"
-            rows = pq.read_table(f).to_pylist() if f.is_file() else []
-            self.rows[table] = [r for r in rows if r["round"] <= upto_round]
+        """Prepare to resume after round ``upto_round``: drop the run's rows of later rounds (parts and
+        per-run rows written after the checkpoint), merge the rest into its per-run files, and return
+        its old runs row."""
+        fs, base = filesystem(self.out)
+        self.tables = set(consolidate_run(fs, base, self.run_id, upto_round=upto_round))
         f = self.out / "runs" / f"{self.run_id}.parquet"
         old = pq.read_table(f).to_pylist() if f.is_file() else []
         return old[0] if old else None
 
     def flush(self) -> None:
-        for t in (*DATA_TABLES, "runs"):
-            self._write(t)
+        for t in DATA_TABLES:
+            rows, self.pending[t] = self.pending[t], []
+            by_round: dict[int, list[dict[str, Any]]] = {}
+            for r in rows:
+                by_round.setdefault(int(r["round"]), []).append(r)
+            for rnd, rs in sorted(by_round.items()):
+                last = self._last.get(t)
+                if last is not None and last[0] == rnd:  # a second flush of the same round: its part grows
+                    rs = last[1] + rs
+                write_atomic(to_table(t, rs), self.out / t / part_name(self.run_id, rnd))
+                self._last[t] = (rnd, rs)
+                self.tables.add(t)
+        if self.run_row is not None:
+            self._write_runs()
 
-    def _write(self, table: str) -> None:
-        if self.rows[table] or table == "runs":
-            write_atomic(to_table(table, self.rows[table]), self.out / table / f"{self.run_id}.parquet")
+    def consolidate(self) -> list[str]:
+        """Merge the run's parts into its per-run files; return the tables it has. Best effort: when it
+        fails (e.g. the full disk that ended the run) the parts stay, complete and loadable, and a
+        resume or ``fedsap-ray compact`` merges them later."""
+        self._last.clear()
+        fs, base = filesystem(self.out)
+        try:
+            return consolidate_run(fs, base, self.run_id)
+        except OSError as e:
+            warnings.warn(f"run {self.run_id}: its per-round parts were not merged ({e}); they stay loadable "
+                          "and a resume or `fedsap-ray compact` merges them", stacklevel=2)
+            return self.tables_written()
 
+    def _write_runs(self) -> None:
+        write_atomic(to_table("runs", [self.run_row] if self.run_row else []),
+                     self.out / "runs" / f"{self.run_id}.parquet")
+
+
+def consolidate_run(fs: pafs.FileSystem, base: str, run_id: str, upto_round: int | None = None) -> list[str]:
+    """Merge run ``run_id``'s part files into its per-run file, table by table; return the per-round
+    tables that hold rows of the run afterwards.
+
+    ``upto_round`` (a resume from that round's checkpoint): rows of later rounds are dropped, from
+    parts and from the per-run file. Safe to interrupt: the parts beyond ``upto_round`` go first,
+    then the per-run file is written atomically with metadata ``fedsap_ray.upto_round`` (readers
+    skip the parts it holds), then the parts are deleted.
+    """
+    have = []
+    for table in DATA_TABLES:
+        whole, upto, parts = run_files_in(fs, base, table, run_id)
+        if upto_round is not None:
+            for rnd, info in parts:
+                if rnd > upto_round:
+                    fs.delete_file(info.path)
+            parts = [(r, i) for r, i in parts if r <= upto_round]
+        live = [(r, i) for r, i in parts if r > upto]
+        if upto_round is None and not parts:
+            if whole is not None:
+                have.append(table)
+            continue
+        paths = ([whole.path] if whole is not None else []) + [i.path for _, i in live]
+        target = f"{base}/{table}/{run_id}.parquet"
+        new_upto = upto_round if upto_round is not None else max(
+            [0 if upto == float("inf") else int(upto)] + [r for r, _ in live])
+        if paths:
+            data = dataset(fs, paths, table).to_table()
+            if upto_round is not None:
+                data = data.filter(pc.field("round") <= upto_round)
+            if data.num_rows:
+                with atomic_output(fs, target) as sink:
+                    pq.write_table(data.replace_schema_metadata({UPTO_KEY: str(new_upto).encode()}), sink)
+                have.append(table)
+            elif whole is not None:
+                fs.delete_file(whole.path)
+        for _, info in parts:
+            fs.delete_file(info.path)
+    return have

@@ -15,7 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from fedsap_ray.algorithms.base import RunContext
-from fedsap_ray.client import default_workers, pick_device, train_client
+from fedsap_ray.client import default_workers, on_device, pick_device, train_client
+from fedsap_ray.data.base import DomainData
 from fedsap_ray.messages import ClientPlan, ClientResult
 
 
@@ -28,6 +29,7 @@ class LocalBackend:
         self.num_workers = num_workers or default_workers(torch_threads)
         self.ctx: RunContext | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._data: dict[int, DomainData] = {}  # client id -> its data on the GPU (moved once; unused on CPU)
 
     def start(self, ctx: RunContext) -> None:
         self.ctx = ctx
@@ -43,9 +45,18 @@ class LocalBackend:
         assert self.ctx is not None
         model = self._models.get()
         try:
-            return train_client(plan, model, self.ctx.layout, self.ctx.federation.client_data(plan.client_id), self.device)
+            return train_client(plan, model, self.ctx.layout, self._client_data(plan.client_id), self.device)
         finally:
             self._models.put(model)
+
+    def _client_data(self, cid: int) -> DomainData:
+        """The client's data; on a GPU moved there once, not every round (issue 17: no per-round copies)."""
+        assert self.ctx is not None
+        if self.device.type == "cpu":
+            return self.ctx.federation.client_data(cid)
+        if cid not in self._data:
+            self._data[cid] = on_device(self.ctx.federation.client_data(cid), self.device)
+        return self._data[cid]
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
         if self.ctx is None:
@@ -59,4 +70,5 @@ class LocalBackend:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        self._data.clear()
         self.ctx = None

@@ -116,6 +116,7 @@ class ClientWorker:
         self.pools = pools  # zero-copy views into the object store
         self.client_index = client_index
         self.device = pick_device(device)
+        self._on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # domain -> its pool on the GPU
         gpu_ids = ray.get_gpu_ids()
         self.gpu_id = int(gpu_ids[0]) if gpu_ids else None
 
@@ -127,7 +128,16 @@ class ClientWorker:
     def train(self, plan: ClientPlan) -> ClientResult:
         domain, idx = self.client_index[plan.client_id]
         x, y = self.pools[domain]
-        data = DomainData(torch.from_numpy(np.ascontiguousarray(x[idx])), torch.from_numpy(np.ascontiguousarray(y[idx])))
+        if self.device.type == "cpu":
+            data = DomainData(torch.from_numpy(np.ascontiguousarray(x[idx])),
+                              torch.from_numpy(np.ascontiguousarray(y[idx])))
+        else:  # a domain's pool goes to the device once; each client's rows are gathered there
+            if domain not in self._on_device:
+                self._on_device[domain] = (torch.from_numpy(np.array(x)).to(self.device),
+                                           torch.from_numpy(np.array(y)).to(self.device))
+            xd, yd = self._on_device[domain]
+            at = torch.as_tensor(idx, dtype=torch.long, device=self.device)
+            data = DomainData(xd[at], yd[at])
         result = train_client(plan, self.model, self.layout, data, self.device)
         result.worker, result.gpu_id = self.name, self.gpu_id
         return result

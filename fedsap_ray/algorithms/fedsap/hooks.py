@@ -4,10 +4,13 @@
   LAST local epoch (forward hooks on the model's activation modules; gradients read after masking,
   before clipping) and sends back the keys ``plan.extra["channel_stats"]`` names (of
   :data:`fedsap_ray.stats.STAT_KEYS`); the DGA layer is ``plan.extra["dga_layer"]`` (default
-  ``conv1``). It only reads, so the trained values are the same bit for bit.
+  ``conv1``). It only reads, so the trained values are the same bit for bit. On a sliced sub-network it
+  watches the sub-network and scatters its statistics to the full channel space / DGA tensors, 0 on
+  inactive channels (what masked training gives there: zero activation, zero masked gradient).
 - ``dga_probe`` (:class:`DGAProbe`, ``dga_source=probe``): before training, the gradient of the probe
   model ``plan.extra["probe"]`` (:func:`fedsap_ray.stats.probe_gradient`), sent back as
-  ``dga_gradient``; the client loads the plan's values afterwards, so training is unaffected.
+  ``dga_gradient``; the client loads the plan's values afterwards, so training is unaffected. It always
+  runs on the full-size scratch model (``before_training``), so it supports sliced training as is.
 
 FedSAP's Eq. 7 regulariser is the shared ``rep_norm`` hook (:mod:`fedsap_ray.algorithms.representation`).
 """
@@ -21,7 +24,8 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.stats import ChannelStats, probe_gradient
+from fedsap_ray.sliced import SlicedModel, scatter_channel_values, scatter_tensor_values
+from fedsap_ray.stats import ChannelStats, dga_param_names, probe_gradient
 
 CHANNEL_STATS = "channel_stats"
 DGA_PROBE = "dga_probe"
@@ -31,10 +35,16 @@ DGA_PROBE = "dga_probe"
 class ChannelStatsHook(ClientHook):
     """:class:`ChannelStats` over the last local epoch; built (and checked) before training."""
 
-    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
-        super().__init__(plan, model, layout, device)
-        self.stats = ChannelStats(model, model.channel_space(), layout, tuple(plan.extra[CHANNEL_STATS]),
-                                  plan.extra.get("dga_layer", "conv1"))
+    supports_sliced = True
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
+                 sliced: SlicedModel | None = None) -> None:
+        super().__init__(plan, model, layout, device, sliced)
+        self.space = model.channel_space()
+        self.dga_layer = plan.extra.get("dga_layer", "conv1")
+        watched = model if sliced is None else sliced.model  # the model the loop trains
+        self.stats = ChannelStats(watched, watched.channel_space(), self.train_layout, tuple(plan.extra[CHANNEL_STATS]),
+                                  self.dga_layer)
         self.collector: ChannelStats | None = None
 
     def epoch_start(self, model: MaskableModel, epoch: int) -> None:
@@ -46,7 +56,17 @@ class ChannelStatsHook(ClientHook):
             self.collector.after_backward()
 
     def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
-        return {} if self.collector is None else self.collector.result()
+        out = {} if self.collector is None else self.collector.result()
+        if self.sliced is None:
+            return out
+        for key in ("channel_activation", "channel_gradient"):  # sub-network channels -> the full channel space
+            if key in out:
+                out[key] = scatter_channel_values(self.space, self.sliced.model.channel_space(),
+                                                  self.sliced.channel_masks, out[key])
+        if "dga_gradient" in out:
+            out["dga_gradient"] = scatter_tensor_values(self.layout, self.sliced,
+                                                        dga_param_names(self.layout, self.dga_layer), out["dga_gradient"])
+        return out
 
     def close(self) -> None:
         if self.collector is not None:
@@ -57,8 +77,11 @@ class ChannelStatsHook(ClientHook):
 class DGAProbe(ClientHook):
     """The probe model's DGA-layer gradient (``dga_gradient``), computed on the scratch model before training."""
 
-    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
-        super().__init__(plan, model, layout, device)
+    supports_sliced = True  # before_training gets the full-size scratch model and self.layout is its layout
+
+    def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
+                 sliced: SlicedModel | None = None) -> None:
+        super().__init__(plan, model, layout, device, sliced)
         self.grad: np.ndarray | None = None
 
     def before_training(self, model: MaskableModel, data: DomainData) -> None:
