@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis import sweep
+from analysis import stability, sweep
 from analysis.plots import color, finish, new_figure
 
 # papers/000 Figure 4: FedSAP (selected adaptive configuration) without DGA, SGP or both.
@@ -32,6 +32,12 @@ TABLE2 = [("Conv1", "conv1"), ("Layer1", "layer1"), ("Layer2", "layer2"), ("Laye
 DGA_CONTROLS = [("gradient", {"dga": "gradient", "dga_source": "train"}),
                 ("gradient (probe)", {"dga": "gradient", "dga_source": "probe"}),
                 *((m, {"dga": m, "dga_source": "train"}) for m in ("oracle", "random", "none"))]
+# Stable masks (docs/readings.md#stable-masks): what line 14's selection smooths and how it resists swaps.
+_TODAY = {"smoothing": "dispersion", "stability": "none", "ranking": "client", "masks": "dynamic"}
+_EMA = {**_TODAY, "smoothing": "statistics"}
+STABILITY_RULES = [("re-ranked every round", _TODAY), ("EMA", _EMA), ("EMA + hysteresis", {**_EMA, "stability": "hysteresis"}),
+                   ("EMA + swap budget", {**_EMA, "stability": "swap_budget"}), ("EMA + pooled ranking", {**_EMA, "ranking": "pooled"}),
+                   ("fixed after warm-up", {**_TODAY, "masks": "fixed"})]
 FEDSAP_ALGORITHMS = ("fedsap", "fedsap_fixed")
 NON_DOMAIN = ("best", "final", "n_groups", "ari_domain", "ari_capacity", *sweep.DEVICE_COLUMNS)
 
@@ -81,6 +87,19 @@ def dga_controls_table(res: Any) -> pd.DataFrame:
     return t.rename(columns={"row": "dga"})
 
 
+def stability_table(res: Any) -> pd.DataFrame:
+    """FedSAP under each mask-stability rule (:data:`STABILITY_RULES`), with the deployed models, the worst
+    client and the mean swapped share of the narrowest clients after warm-up (``swap keep-min``)."""
+    t = sweep.option_table(res, "fedsap", STABILITY_RULES)
+    if t.empty:
+        return t.rename(columns={"row": "rule"})
+    pr = stability.per_run(res)
+    rows = [pr.loc[pr["variant"].isin([v.strip() for v in names.split(",")]), "swap_narrow"] for names in t["variants"]]
+    t["swap keep-min_mean"] = [r.mean() for r in rows]
+    t["swap keep-min_std"] = [r.std() for r in rows]
+    return t.rename(columns={"row": "rule"})
+
+
 def mask_motion_table(res: Any) -> pd.DataFrame:
     """How FedSAP's masks moved, one row per run: mean client-channels re-activated per round and
     Global <-> Private switches per round (rounds 1..R-1: the last round prepares no masks), and the
@@ -100,6 +119,10 @@ def mask_motion_table(res: Any) -> pd.DataFrame:
     cov = cov.pivot_table(index="run_id", columns="domain", values="domain_coverage", aggfunc="first")
     cov = cov[[d for d in dict.fromkeys(rounds["domain"]) if d in cov.columns and d != sweep.GLOBAL]]
     out = runs[["run_id", "variant", "seed"]].set_index("run_id").join(moves).join(cov.add_prefix("coverage "))
+    shares = stability.swap_shares(res)
+    if len(shares):  # the share of each keep ratio's active channels that are new per round, after warm-up
+        keep = shares.pivot_table(index="run_id", columns="capacity_max", values="swap_share", aggfunc="first")
+        out = out.join(keep.rename(columns=lambda k: f"swap keep {k:g}"))
     return out.dropna(subset=["n_reactivated"]).sort_values(["variant", "seed"]).reset_index()
 
 
@@ -154,9 +177,13 @@ def report(res: Any) -> str:
     motion = mask_motion_table(res)
     section("How the masks moved", motion.round(3),
             "Mean client-channels re-activated (Dropped -> active) and Global <-> Private switches per round; "
-            "coverage: share of trainable coordinates some client of the domain trained since round 1.",
+            "coverage: share of trainable coordinates some client of the domain trained since round 1; "
+            "swap keep k: mean share of the active channels of keep-k clients that are new each round after warm-up.",
             empty="No FedSAP run of the folder recorded its mask motion (rounds.n_reactivated, written since "
                   "results schema 3).")
+    section("Mask stability rules", sweep.pm_table(stability_table(res)),
+            "Line 14's selection under each rule (docs/readings.md#stable-masks); swap keep-min: mean share of "
+            "the narrowest clients' active channels that are new each round after warm-up (%).")
     section("Baselines", sweep.pm_table(baselines_table(res)))
     return "\n".join(out)
 

@@ -407,7 +407,7 @@ def cli_page() -> str:
     return "".join(out)
 
 
-STUDIES = ("sensitivity", "ablation", "main_comparison", "capacity_confound")
+STUDIES = ("sensitivity", "ablation", "main_comparison", "capacity_confound", "mask_stability")
 
 
 def _sweeps_section() -> str:

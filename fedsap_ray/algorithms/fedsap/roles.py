@@ -117,6 +117,73 @@ def selection_scores(own: np.ndarray, held: np.ndarray, estimate: np.ndarray | N
     return np.where(np.asarray(held, dtype=bool), np.asarray(own, dtype=np.float64), est)
 
 
+def smooth_utility(prev: np.ndarray | None, prev_held: np.ndarray | None, new: np.ndarray, held: np.ndarray,
+                   estimate: np.ndarray | None, beta: float) -> np.ndarray:
+    """A client's Eq. 5 utilities smoothed over rounds on the channels it holds (papers/000 Appendix C:
+    "beta_EMA is the EMA coefficient used to smooth channel statistics"): u~ <- beta * u~_prev + (1 - beta) * u.
+
+    A channel held at both measurements continues its own EMA. A newly held channel starts from the
+    federation's estimate it was ranked on (:func:`federation_utility`, the score that brought it in),
+    else (never measured, or the first round) from its first observation. Starting from the first
+    observation would rank a new channel by one noisy measurement against its neighbours' averages, so
+    a narrow client would drop it again at the first unlucky round (docs/readings.md#stable-masks).
+    Channels not held score 0, as the raw utility does (nothing was measured there). ``beta = 0`` gives
+    the raw utility exactly."""
+    new = np.asarray(new, dtype=np.float64)
+    held = np.asarray(held, dtype=bool)
+    if beta == 0 or prev is None or prev_held is None:
+        return new.copy()
+    start = new if estimate is None else np.where(np.isfinite(estimate), estimate, new)
+    base = np.where(held & np.asarray(prev_held, dtype=bool), prev, start)
+    return np.where(held, beta * base + (1.0 - beta) * new, 0.0)
+
+
+def stable_select(scores: np.ndarray, held: np.ndarray, counts: np.ndarray, space: ChannelSpace, *,
+                  margin: float = 0.0, max_swaps: int | None = None) -> np.ndarray:
+    """Line 14's top-n_l per layer with a stability rule over the client's current channels ``held``.
+
+    Per layer the held channels are kept best-first up to n_l (a shrinking layer drops its weakest;
+    a growing one takes its best candidates: forced entries). Then the j-th best candidate replaces
+    the j-th weakest held channel while it beats it by more than ``margin`` (hysteresis). With
+    ``max_swaps`` such exchanges are made in order of that gain over the whole network until the
+    forced entries plus the exchanges reach ``max_swaps`` (the per-round swap budget). With
+    ``margin = 0`` and no budget the result is the top n_l of every layer (the exchange argument),
+    except that on an exact tie the held channel stays."""
+    scores = np.asarray(scores, dtype=np.float64)
+    held = np.asarray(held, dtype=bool)
+    active = np.zeros(scores.shape, dtype=bool)
+    off = layer_offsets(space)
+    swaps: list[tuple[float, int, int, int]] = []  # (gain, order, entrant, leaver), absolute indices
+    forced = 0
+    for i in range(len(space.layers)):
+        lo, n = int(off[i]), int(counts[i])
+        seg, h = scores[lo:off[i + 1]], held[lo:off[i + 1]]
+        mine = np.flatnonzero(h)[np.argsort(-seg[h], kind="stable")]
+        others = np.flatnonzero(~h)[np.argsort(-seg[~h], kind="stable")]
+        take = mine[:n]
+        grow = max(0, n - take.size)
+        forced += grow
+        active[lo + take] = True
+        active[lo + others[:grow]] = True
+        rest, weakest = others[grow:], take[::-1]
+        for j in range(min(rest.size, weakest.size)):
+            gain = seg[rest[j]] - seg[weakest[j]] - margin
+            if gain <= 0:
+                break
+            swaps.append((float(gain), len(swaps), lo + int(rest[j]), lo + int(weakest[j])))
+    swaps.sort(key=lambda s: (-s[0], s[1]))
+    allowed = len(swaps) if max_swaps is None else max(0, max_swaps - forced)
+    for _, _, enter, leave in swaps[:allowed]:
+        active[enter], active[leave] = True, False
+    return active
+
+
+def swap_limit(share: float, n_active: int) -> int:
+    """The per-round swap budget: floor(share * active channels), at least one when ``share > 0`` so a
+    clearly better channel can always enter within a bounded number of rounds."""
+    return max(1, math.floor(share * n_active + 1e-9)) if share > 0 else 0
+
+
 def select_active(scores: np.ndarray, counts: np.ndarray, space: ChannelSpace) -> np.ndarray:
     """Algorithm 1 line 14: the top n_l channels of each layer by score (ties: lower index first)."""
     active = np.zeros(scores.shape, dtype=bool)

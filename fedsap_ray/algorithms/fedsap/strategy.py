@@ -58,7 +58,17 @@ Readings beyond the paper text (documented, configurable where it matters):
   group id), at the coordinates any member of that group holds as Private (where the
   Private copy is not older than W_G); ``global_only`` evaluates W_G alone.
 - Records: ``n_reactivated`` (client-channels Dropped in a client's previous mask and
-  active in its next one) and ``n_role_switches`` (Global <-> Private) per round.
+  active in its next one), ``n_role_switches`` (Global <-> Private), ``swap_share`` and
+  ``swap_share_narrow`` (the share of a client's next-round active channels that are new)
+  per round; per client ``n_new_channels`` (active channels it did not train last time).
+
+Stable masks (``smoothing``, ``stability``, ``ranking``; docs/readings.md#stable-masks): a
+narrow client's measured utilities are mostly noise, so ranking them afresh every round
+swapped ~40% of its channels and it deployed sub-networks it never trained. ``smoothing=
+statistics`` applies beta_EMA to each client's utilities and to the layer utilities too
+(Appendix C: beta_EMA "smooth[s] channel statistics"); ``stability`` adds hysteresis or a
+per-round swap budget to line 14's top-k; ``ranking=pooled`` ranks every client's channels
+by the one federation estimate.
 """
 from __future__ import annotations
 
@@ -86,6 +96,9 @@ from fedsap_ray.seeding import rng_for, seed_for
 from fedsap_ray.stats import dga_param_names
 
 MASK_MODES = ("dynamic", "fixed")
+SMOOTHING = ("dispersion", "statistics")
+STABILITY = ("none", "hysteresis", "swap_budget")
+RANKINGS = ("client", "pooled")
 DGA_LAYERS = ("conv1", "layer1", "layer2", "layer3")
 DGA_SOURCES = ("train", "probe")
 
@@ -113,6 +126,13 @@ class FedSAPOptions(Strategy.Options):
     regroup_every: int = 5  # R_d, rounds between DGA regroupings
     dga_source: str = "train"  # train: the paper's gradient after local training; probe: see the module docstring
     probe_samples: int = 256  # samples per client in the probe gradient (dga_source=probe)
+    # Stable masks (docs/readings.md#stable-masks). smoothing: what beta_ema smooths (dispersion: Eq. 6's d~
+    # only; statistics: also each client's utilities and the layer utilities, Appendix C's "channel statistics")
+    smoothing: str = "dispersion"
+    stability: str = "none"  # none: top-n_l by score; hysteresis: a held channel leaves only for a margin; swap_budget
+    margin: float = 0.1  # hysteresis: how much a candidate's utility must beat a held channel's to replace it
+    swap_budget: float = 0.1  # swap_budget: most of a client's active channels that may change in one round
+    ranking: str = "client"  # client: own utilities where held, the federation's elsewhere; pooled: one shared ranking
 
     def __post_init__(self) -> None:
         def bad(field: str, allowed: str) -> None:
@@ -128,19 +148,22 @@ class FedSAPOptions(Strategy.Options):
         for f in ("temperature",):
             if getattr(self, f) <= 0:
                 bad(f, "must be > 0")
-        for f in ("lambda_a", "lambda_g", "tau_var", "gamma"):
+        for f in ("lambda_a", "lambda_g", "tau_var", "gamma", "margin"):
             if getattr(self, f) < 0:
                 bad(f, "must be >= 0")
         if not -1 <= self.tau_sim <= 1:
             bad("tau_sim", "must be in [-1, 1] (a cosine similarity)")
         for f, choices in (("masks", MASK_MODES), ("dga", DGA_MODES), ("dga_layer", DGA_LAYERS),
-                           ("dga_method", DGA_METHODS), ("dga_source", DGA_SOURCES)):
+                           ("dga_method", DGA_METHODS), ("dga_source", DGA_SOURCES), ("smoothing", SMOOTHING),
+                           ("stability", STABILITY), ("ranking", RANKINGS)):
             if getattr(self, f) not in choices:
                 bad(f, "allowed values are " + ", ".join(choices))
         if self.warmup < 0:
             bad("warmup", "must be an integer >= 0")
         if self.regroup_every < 1:
             bad("regroup_every", "must be an integer >= 1")
+        if not 0 < self.swap_budget <= 1:
+            bad("swap_budget", "must be in (0, 1] (a share of the client's active channels)")
         if self.probe_samples < 2:
             bad("probe_samples", "must be an integer >= 2")
 
@@ -157,8 +180,15 @@ class FedSAP(Strategy):
                    "FedSAP: client-channels Dropped in a client's mask of this round and active in its next one"),
             Column("n_role_switches", pa.int64(),
                    "FedSAP: client-channels switching Global <-> Private between this round and the next"),
+            Column("swap_share", pa.float64(),
+                   "FedSAP: mean over clients of the share of next round's active channels not active this round"),
+            Column("swap_share_narrow", pa.float64(),
+                   "FedSAP: swap_share over the clients of the smallest keep ratio"),
         ),
         "clients": (Column("pseudo_group", pa.int64(), "FedSAP pseudo-domain group the client trained in"),
+                    Column("n_new_channels", pa.int64(),
+                           "FedSAP: active channels not active in the mask the client last trained under "
+                           "(null on its first round)"),
                     *CHANNEL_COUNT_COLUMNS),
         "layers": (Column("n_global", pa.int64(), "Global channels"),
                    Column("n_private", pa.int64(), "Private channels"),
@@ -216,6 +246,7 @@ class FedSAP(Strategy):
             "frozen": False,
             "round_info": {},
             "layer_counts": {},  # client -> active channels per layer (for the layers table)
+            "layer_u": None,  # the layer utilities U_l, EMA-smoothed under smoothing=statistics
         }
         if self.opts.dga == "none":
             state.extra["private"] = {int(k): state.params.copy() for k in range(n)}
@@ -241,6 +272,8 @@ class FedSAP(Strategy):
                                      "rep_gamma": float(self.opts.gamma), CHANNEL_STATS: stats,
                                      "dga_layer": self.opts.dga_layer, "states": st}
             extra["pseudo_group"] = group  # for the clients table (client_columns); the client ignores it
+            last = ex["measured_on"].get(cid)
+            extra["n_new_channels"] = None if last is None else int(((st != DROPPED) & ~last).sum())
             side_down = 0
             if probe_mask is not None:
                 extra["probe"] = {"mask": probe_mask, "values": probe_values,
@@ -334,12 +367,16 @@ class FedSAP(Strategy):
         space = self.ctx.space
         util, act, grads = dict(ex["utility"]), dict(ex["activation"]), dict(ex["dga_grads"])
         chan_grad, measured = dict(ex["gradient"]), dict(ex["measured_on"])
+        beta = self.opts.beta_ema if self.opts.smoothing == "statistics" else 0.0
         for r in results:
             a, g = r.stats["channel_activation"], r.stats["channel_gradient"]
             act[r.client_id] = a.astype(np.float64)
             chan_grad[r.client_id] = g.astype(np.float64)
-            measured[r.client_id] = ex["states"][r.client_id] != DROPPED  # the mask it trained under
-            util[r.client_id] = roles.utility(a, g, space, self.opts.lambda_a, self.opts.lambda_g)
+            held = ex["states"][r.client_id] != DROPPED  # the mask it trained under
+            u = roles.utility(a, g, space, self.opts.lambda_a, self.opts.lambda_g)
+            util[r.client_id] = roles.smooth_utility(util.get(r.client_id), measured.get(r.client_id), u, held,
+                                                     ex["estimate"], beta)
+            measured[r.client_id] = held
             if "dga_gradient" in r.stats:
                 grads[r.client_id] = r.stats["dga_gradient"]
         ex["utility"], ex["activation"], ex["dga_grads"] = util, act, grads
@@ -376,7 +413,7 @@ class FedSAP(Strategy):
         """Lines 11-17 for round t+1; returns how the masks moved (``n_reactivated``, ``n_role_switches``)."""
         ex, o, space, fed = state.extra, self.opts, self.ctx.space, self.ctx.federation
         if ex["frozen"]:
-            return {"n_reactivated": 0, "n_role_switches": 0}
+            return {"n_reactivated": 0, "n_role_switches": 0, "swap_share": 0.0, "swap_share_narrow": 0.0}
         channels = np.array([layer.channels for layer in space.layers])
         seen = sorted(ex["utility"])
         if not seen:
@@ -390,30 +427,49 @@ class FedSAP(Strategy):
         ex["estimate"] = roles.federation_utility(ex["estimate"], [ex["utility"][i] for i in seen], actives, weights)
         layer_u = roles.layer_utility([ex["activation"][i] for i in seen], [ex["gradient"][i] for i in seen],
                                       actives, weights, space, self._entries_per_channel, o.lambda_a, o.lambda_g)
+        if o.smoothing == "statistics":  # Appendix C: the layer scores are channel statistics too
+            layer_u = ex["layer_u"] = roles.ema(ex["layer_u"], layer_u, o.beta_ema)
         states, counts_by_client = dict(ex["states"]), dict(ex["layer_counts"])
         reactivated = switches = 0
+        shares: dict[float, list[float]] = {}
         for c in fed.clients:
             if c.client_id not in ex["utility"]:
                 continue  # no statistics yet: keep its initial mask
             counts = budget.layer_channel_counts(c.capacity, channels, layer_u, temperature=o.temperature,
                                                  adaptive=bool(o.adaptive_layer_budget))
-            scores = roles.selection_scores(ex["utility"][c.client_id], ex["measured_on"][c.client_id],
-                                            ex["estimate"], space)
-            active = roles.select_active(scores, counts, space)
+            old = states[c.client_id]
+            active = self._select(ex, c.client_id, old != DROPPED, counts)
             if warm:
                 st = np.where(active, GLOBAL, DROPPED).astype(np.int8)
             else:
                 st = roles.assign_roles(active, ex["d_tilde"], space, tau_var=o.tau_var, g_target=o.g_target,
                                         sgp=o.sgp)
-            old = states[c.client_id]
             reactivated += int(((old == DROPPED) & (st != DROPPED)).sum())
+            shares.setdefault(c.capacity, []).append(float((active & (old == DROPPED)).sum() / max(active.sum(), 1)))
             switches += int((((old == GLOBAL) & (st == PRIVATE)) | ((old == PRIVATE) & (st == GLOBAL))).sum())
             states[c.client_id] = st
             counts_by_client[c.client_id] = counts
         ex["states"], ex["layer_counts"] = states, counts_by_client
         if o.masks == "fixed" and not warm:
             ex["frozen"] = True
-        return {"n_reactivated": reactivated, "n_role_switches": switches}
+        every = [x for v in shares.values() for x in v]
+        return {"n_reactivated": reactivated, "n_role_switches": switches,
+                "swap_share": float(np.mean(every)) if every else None,
+                "swap_share_narrow": float(np.mean(shares[min(shares)])) if shares else None}
+
+    def _select(self, ex: dict, cid: int, held: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Line 14 under the ``ranking`` and ``stability`` options (docs/readings.md#stable-masks)."""
+        o, space = self.opts, self.ctx.space
+        # pooled: every client ranks by the one federation estimate (FedMP's shared ranking), its own
+        # measurements entering only through that estimate
+        on = ex["measured_on"][cid] if o.ranking == "client" else np.zeros_like(held)
+        scores = roles.selection_scores(ex["utility"][cid], on, ex["estimate"], space)
+        if o.stability == "none":
+            return roles.select_active(scores, counts, space)
+        if o.stability == "hysteresis":
+            return roles.stable_select(scores, held, counts, space, margin=o.margin)
+        return roles.stable_select(scores, held, counts, space,
+                                   max_swaps=roles.swap_limit(o.swap_budget, int(np.sum(counts))))
 
     @cached_property
     def _entries_per_channel(self) -> np.ndarray:
@@ -469,11 +525,14 @@ class FedSAP(Strategy):
                         f"capacities {c['ari_capacity']:.2f})")
         if c.get("n_reactivated") is not None:
             motion = f"  masks +{c['n_reactivated']} back, {c['n_role_switches']} G<->P"
+        if c.get("swap_share") is not None:
+            motion += f", swap {c['swap_share']:.0%} (narrowest {c['swap_share_narrow']:.0%})"
         return dga_text + motion
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         """The pseudo-group the client trained in and its channels by role (from the plan's tri-state masks)."""
-        return {"pseudo_group": plan.extra["pseudo_group"], **roles.role_counts(plan.extra["states"])}
+        return {"pseudo_group": plan.extra["pseudo_group"], "n_new_channels": plan.extra["n_new_channels"],
+                **roles.role_counts(plan.extra["states"])}
 
     def layer_rows(self, state: ServerState, plans: dict[int, ClientPlan]) -> list[dict[str, Any]]:
         """Where each client's budget went this round: one row per (client, layer)."""
