@@ -37,6 +37,7 @@ _TODAY = {"smoothing": "dispersion", "stability": "none", "ranking": "client", "
 _EMA = {**_TODAY, "smoothing": "statistics"}
 STABILITY_RULES = [("re-ranked every round", _TODAY), ("EMA", _EMA), ("EMA + hysteresis", {**_EMA, "stability": "hysteresis"}),
                    ("EMA + swap budget", {**_EMA, "stability": "swap_budget"}), ("EMA + pooled ranking", {**_EMA, "ranking": "pooled"}),
+                   ("EMA + pooled ranking + swap budget", {**_EMA, "ranking": "pooled", "stability": "swap_budget"}),
                    ("fixed after warm-up", {**_TODAY, "masks": "fixed"})]
 FEDSAP_ALGORITHMS = ("fedsap", "fedsap_fixed")
 NON_DOMAIN = ("best", "final", "n_groups", "ari_domain", "ari_capacity", *sweep.DEVICE_COLUMNS)

@@ -25,7 +25,7 @@ def _load():
 
 def test_every_reading_pins_every_stability_option_and_the_grid_crosses_dga_sources():
     mod = _load()
-    assert len(mod.VARIANTS) == 12
+    assert len(mod.VARIANTS) == 14
     pinned = ("smoothing", "stability", "ranking", "masks", "dga_source")
     configs = {}
     for name, overrides in mod.VARIANTS.items():
@@ -33,7 +33,7 @@ def test_every_reading_pins_every_stability_option_and_the_grid_crosses_dga_sour
         opts = cfg.algorithm.options
         assert all(k in opts for k in pinned), name  # a later change of FedSAP's defaults cannot move the study
         configs[name] = tuple(sorted((k, str(v)) for k, v in opts.items()))
-    assert len(set(configs.values())) == 12  # twelve distinct configurations
+    assert len(set(configs.values())) == 14  # fourteen distinct configurations
 
 
 @pytest.fixture(scope="module")
