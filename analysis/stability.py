@@ -45,10 +45,10 @@ def min_coverage(res: Any) -> pd.Series:
 
 
 def per_run(res: Any) -> pd.DataFrame:
-    """:func:`analysis.sweep.per_run` of the FedSAP runs plus ``swap_narrow`` and ``min_coverage``."""
+    """:func:`analysis.sweep.per_run` of the finished FedSAP runs plus ``swap_narrow`` and ``min_coverage``."""
     res = sweep.load_sweep(res)
     pr = sweep.per_run(res)
-    pr = pr[pr["algorithm"].isin(("fedsap", "fedsap_fixed"))].set_index("run_id")
+    pr = pr[pr["algorithm"].isin(("fedsap", "fedsap_fixed")) & (pr["status"] == "finished")].set_index("run_id")
     shares = swap_shares(res)
     narrow = shares[shares["capacity_max"] == shares.groupby("run_id")["capacity_max"].transform("min")]
     pr = pr.join(narrow.set_index("run_id")["swap_share"].rename("swap_narrow")).join(min_coverage(res))

@@ -1,6 +1,6 @@
 """FedSAP's ablations (papers/000): Figure 4, Table 5, Table 2 and the DGA controls.
 
-    python sweeps/ablation.py --out runs/ablation --seeds 0 1 2     # laptop preset, 42 trials
+    python sweeps/ablation.py --out runs/ablation --seeds 0 1 2     # laptop preset, 57 trials
     python sweeps/ablation.py --smoke-test                          # minutes on 2 cores
 
 - Figure 4 (main adaptive configuration): ``full``; ``no-dga`` (dga=none: no pseudo-domain
@@ -18,9 +18,12 @@
   ``dga-probe`` groups by the probe gradient (``dga_source=probe``: one common sub-model's
   gradient on each client's data before training) instead of the trained gradient.
 
+- Mask stability (main configuration, whose line 14 is the pooled ranking under a 10% swap budget):
+  ``rule-today`` (re-ranked every round, only the dispersion smoothed), ``rule-ema``,
+  ``rule-hysteresis``, ``rule-budget`` (own ranking under the budget), ``rule-pooled`` (no budget).
 - ``fedavg-het``: heterogeneous FedAvg at the same keep ratios, the floor under every cell.
 
-Shared runs are not repeated: 14 variants per seed. Prints every table at the end
+Shared runs are not repeated: 19 variants per seed. Prints every table at the end
 (``analysis.ablation``); ``analysis/notebooks/ablation.ipynb`` plots them.
 """
 from __future__ import annotations
@@ -51,6 +54,13 @@ VARIANTS: dict[str, list[str]] = {
     "dga-oracle": [*MAIN, "algorithm.dga=oracle"],
     "dga-random": [*MAIN, "algorithm.dga=random"],
     "dga-probe": [*MAIN, "algorithm.dga_source=probe"],
+    # mask stability (docs/readings.md#stable-masks): the line-14 readings other than the default (pooled
+    # ranking, EMA-smoothed statistics, 10% swap budget, which is `full`)
+    "rule-today": [*MAIN, "algorithm.smoothing=dispersion", "algorithm.stability=none", "algorithm.ranking=client"],
+    "rule-ema": [*MAIN, "algorithm.stability=none", "algorithm.ranking=client"],
+    "rule-hysteresis": [*MAIN, "algorithm.stability=hysteresis", "algorithm.ranking=client"],
+    "rule-budget": [*MAIN, "algorithm.ranking=client"],
+    "rule-pooled": [*MAIN, "algorithm.stability=none"],
     # the reference below every cell: heterogeneous FedAvg (sub-models at the same keep ratios)
     "fedavg-het": ["algorithm.name=fedavg", "algorithm.width=capacity"],
 }

@@ -103,7 +103,7 @@ def test_ablation_variants_are_distinct_configs():
 
     mod = _load("ablation")
     hashes = {build_config(preset="smoke", overrides=ov, seed=0).config_hash() for ov in mod.VARIANTS.values()}
-    assert len(hashes) == len(mod.VARIANTS) == 14
+    assert len(hashes) == len(mod.VARIANTS) == 19
 
 
 def test_dry_run_validates_and_lists_the_trials_without_running_them(tmp_path, capsys):
