@@ -84,16 +84,10 @@ def _resolve(args) -> ExperimentConfig:
 
 
 def _stored_config(out: Path, run_id: str) -> dict:
-    from fedsap_ray import checkpoint, guard
+    from fedsap_ray import guard
 
+    row = guard.check_checkpoint_present(out, run_id)
     f = out / "runs" / f"{run_id}.parquet"
-    if not f.is_file():
-        raise ConfigError(f"invalid --resume={run_id!r}: no run with that id in {out}/runs")
-    row = guard._read_first_row(f, f"--resume={run_id!r}")
-    if row.get("status") == "finished":
-        raise ConfigError(f"invalid --resume={run_id!r}: the run already finished")
-    if not checkpoint.path_for(out, run_id).is_file():
-        raise ConfigError(f"invalid --resume={run_id!r}: no checkpoint at {checkpoint.path_for(out, run_id)}")
     try:
         return json.loads(row["config_json"])
     except (TypeError, ValueError) as e:

@@ -103,14 +103,32 @@ def drop_stale_checkpoints(dest: ResultsDestination, finished: Sequence[str]) ->
     for run_id in finished:
         if dest.is_remote:
             assert dest.fs is not None  # set whenever is_remote
-            path = f"{dest.base}/checkpoints/{run_id}.pkl"
-            if dest.fs.get_file_info(path).type == pafs.FileType.File:
+            paths = [f"{dest.base}/checkpoints/{run_id}{suffix}" for suffix in (checkpoint.SUFFIX, checkpoint.LEGACY_SUFFIX)]
+            found = [i.path for i in dest.fs.get_file_info(paths) if i.type == pafs.FileType.File]
+            for path in found:
                 dest.fs.delete_file(path)
+            if found:
                 gone.append(run_id)
-        elif checkpoint.path_for(dest.local, run_id).is_file():
+        elif checkpoint.path_for(dest.local, run_id).is_file() or checkpoint.legacy_path_for(dest.local, run_id).is_file():
             checkpoint.remove(dest.local, run_id)
             gone.append(run_id)
     return gone
+
+
+def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) -> None:
+    """A run to continue whose checkpoint is an older version's pickle is refused before Ray starts
+    (reading it could run code: :mod:`fedsap_ray.checkpoint`), naming the file and what to do."""
+    for run_id in run_ids:
+        if dest.is_remote:
+            assert dest.fs is not None  # set whenever is_remote
+            path = f"{dest.base}/checkpoints/{run_id}{checkpoint.LEGACY_SUFFIX}"
+            found = dest.fs.get_file_info(path).type == pafs.FileType.File
+            shown = f"{dest.uri.rstrip('/')}/checkpoints/{run_id}{checkpoint.LEGACY_SUFFIX}"
+        else:
+            found = checkpoint.legacy_path_for(dest.local, run_id).is_file()
+            shown = str(checkpoint.legacy_path_for(dest.local, run_id))
+        if found:
+            raise ConfigError(f"invalid --resume: {checkpoint.legacy_refusal(shown)}")
 
 
 def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
@@ -145,7 +163,9 @@ def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, S
             return 0
         todo = pending(trials, opts)
         left = {id(t) for t in todo}
-        drop_stale_checkpoints(ResultsDestination(opts.out), [to_configs(t)[1][0] for t in trials if id(t) not in left])
+        dest = ResultsDestination(opts.out)
+        refuse_legacy_checkpoints(dest, [to_configs(t)[1][0] for t in todo])
+        drop_stale_checkpoints(dest, [to_configs(t)[1][0] for t in trials if id(t) not in left])
     except ConfigError as e:
         print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr)
         return 2
