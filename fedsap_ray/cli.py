@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset (default: laptop)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set training.rounds=20 (repeatable)")
-    r.add_argument("--out", default="runs", help="results folder (default: ./runs)")
+    r.add_argument("--out", default="runs", help="results folder, a local path (default: ./runs; a URI is refused: "
+                   "sweeps write to URIs)")
     r.add_argument("--backend", choices=["local", "ray"], help="where clients train (default: config resources.backend)")
     r.add_argument("--address", help="Ray cluster address (auto or HOST:PORT) for --backend ray")
     r.add_argument("--seed", type=int, help="run seed (overrides the config)")
@@ -63,9 +64,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0  # pragma: no cover
 
 
+def check_run_out(out: str) -> None:
+    """``--out`` of ``fedsap-ray run`` must name a local folder: ``''`` would write into the current
+    folder, and a URI (``s3://bucket/x``) would become a local folder named ``s3:``."""
+    from fedsap_ray import results
+
+    if out.strip() == "":
+        raise ConfigError(f"invalid --out={out!r}: must name a folder (--out . for the current one)")
+    if results.is_uri(out):
+        raise ConfigError(f"invalid --out={out!r}: fedsap-ray run writes to a local folder; results go to a URI "
+                          "through the sweeps (python sweeps/<study>.py --out s3://...), or copy the folder there "
+                          "after the run")
+
+
 def _resolve(args) -> ExperimentConfig:
     from fedsap_ray import results
 
+    check_run_out(args.out)
     file_data = load_file(args.config) if args.config else None
     overrides = list(args.overrides)
     if args.run_id is not None:

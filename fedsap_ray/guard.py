@@ -50,6 +50,26 @@ def check_out(out: Path) -> bool:
     return created
 
 
+def check_out_writable(out: Path, field: str = "--out") -> None:
+    """Without creating anything: ``out`` is a folder, or can be made one, by this process.
+
+    For the sweep drivers, which must refuse before Ray starts (and write nothing on ``--dry-run``):
+    the nearest existing folder on the way to ``out`` must be writable and searchable
+    (``os.access``, which also reports a read-only filesystem for root).
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"invalid {field}={str(out)!r}: it is a file, not a folder")
+    probe = out.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"invalid {field}={str(out)!r}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "the folder" if probe == out.absolute() else f"{probe}, where it would be created,"
+        raise ConfigError(f"invalid {field}={str(out)!r}: {what} is not writable by this process")
+
+
 def check_device(cfg: ExperimentConfig) -> None:
     """``resources.device=cuda`` on the local backend needs a GPU this process can use."""
     if cfg.resources.device != "cuda" or cfg.resources.backend != "local":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,8 +24,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from fedsap_ray import checkpoint
+from fedsap_ray import checkpoint, guard
 from fedsap_ray.config import PRESETS, ConfigError
+from fedsap_ray.schema import check_ray_address
 from fedsap_ray.storage import ResultsDestination
 from sweeps.trials import flat_overrides, to_configs
 from sweeps.tuner import SweepOptions, run_trials
@@ -59,14 +61,43 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions
     if args.smoke_test:
         preset, seeds, extra = "smoke", seeds[:1], [*SMOKE_BASE, *smoke, *extra]
         server_cpus = min(server_cpus, 0.5)
-    if args.workers_per_trial < 0:
-        raise ConfigError(f"invalid --workers-per-trial={args.workers_per_trial}: must be >= 0")
+    check_sweep_flags(args)
+    try:
+        remote = ResultsDestination(args.out).is_remote
+    except ValueError as e:  # a URI pyarrow cannot open (unknown scheme, bad bucket name)
+        raise ConfigError(f"invalid --out={args.out!r}: {str(e).splitlines()[0] if str(e) else 'not a usable URI'}") \
+            from e
+    if not remote:  # creates nothing (a dry run writes nothing)
+        guard.check_out_writable(Path(args.out))
     # Tune runs each trial in its own working directory: a relative local --out must be made absolute here
-    out = str(args.out) if ResultsDestination(args.out).is_remote else str(Path(args.out).resolve())
+    out = str(args.out) if remote else str(Path(args.out).resolve())
     return SweepOptions(out=out, preset=preset, seeds=seeds, address=args.address,
                         max_concurrent=args.max_concurrent, resume=args.resume,
                         workers_per_trial=args.workers_per_trial, server_cpus=server_cpus,
                         max_failures=args.max_failures, extra=extra)
+
+
+def check_sweep_flags(args: argparse.Namespace) -> None:
+    """The flags every study shares, checked before any config is built or Ray starts; each refusal
+    one line naming the flag, the value and what is allowed."""
+    if args.workers_per_trial < 0:
+        raise ConfigError(f"invalid --workers-per-trial={args.workers_per_trial}: must be an integer >= 0")
+    seeds = list(args.seeds)
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"invalid --seeds={list(args.seeds)}: each seed at most once (seed {twice[0]} is given twice; "
+                          "its trials would share one run id)")
+    if args.max_concurrent is not None and args.max_concurrent < 1:
+        raise ConfigError(f"invalid --max-concurrent={args.max_concurrent}: must be an integer >= 1 (leave it out: "
+                          "as many trials as the resources fit)")
+    if not (math.isfinite(args.server_cpus) and args.server_cpus > 0):
+        raise ConfigError(f"invalid --server-cpus={args.server_cpus}: must be a positive finite number")
+    if args.max_failures < 0:
+        raise ConfigError(f"invalid --max-failures={args.max_failures}: must be an integer >= 0 (retries of a "
+                          "failed trial)")
+    if str(args.out).strip() == "":
+        raise ConfigError(f"invalid --out={args.out!r}: must name a folder or a URI")
+    check_ray_address("--address", args.address)
 
 
 def grid_trials(variants: Mapping[str, Sequence[str]], opts: SweepOptions, study: str) -> list[dict[str, Any]]:

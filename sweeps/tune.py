@@ -135,6 +135,11 @@ def write_trials(study: optuna.Study, dest: ResultsDestination) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
+        for flag, value in (("--num-samples", args.num_samples), ("--grace-period", args.grace_period)):
+            if value is not None and value < 1:
+                raise ConfigError(f"invalid {flag}={value}: must be an integer >= 1")
+        if not 0 <= args.sampler_seed <= 2**32 - 1:
+            raise ConfigError(f"invalid --sampler-seed={args.sampler_seed}: must be an integer in [0, 4294967295]")
         opts = options_from(args, smoke=[])
         target = args.num_samples if args.num_samples is not None else (3 if args.smoke_test else 40)
         rounds_cfg = to_configs(base_space(args, opts))[0][0]
