@@ -10,14 +10,23 @@ import argparse
 import json
 import shlex
 import sys
+import typing
 from pathlib import Path
 
 from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
 from fedsap_ray.errors import ConfigError, DatasetUnavailable
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other refusal of the command line
+    (argparse prints the whole usage block first); exit code 2 as before."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedsap-ray", description="Simulate heterogeneous federated learning; results go to Parquet.")
+    p = OneLineParser(prog="fedsap-ray", description="Simulate heterogeneous federated learning; results go to Parquet.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one experiment")
     r.add_argument("--config", help="YAML or JSON config file (keys as in docs/reference/config.md)")

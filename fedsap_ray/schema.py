@@ -346,8 +346,9 @@ def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> An
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in d if k not in fields]
     if unknown:
-        k = unknown[0]  # any YAML key (an int, a null), named as written
-        _fail(f"{prefix}{k}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
+        k = unknown[0]  # any YAML key (an int, a null, ''), named as written: quoted unless it is a plain word
+        key = k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]+", k) else repr(k)
+        _fail(f"{prefix}{key}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for k, v in d.items():

@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from fedsap_ray import checkpoint, guard
+from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError
 from fedsap_ray.schema import check_ray_address
 from fedsap_ray.storage import ResultsDestination
@@ -165,7 +166,7 @@ def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) 
 def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
                  default_preset: str) -> argparse.ArgumentParser:
     """The command line of a grid study (also read by ``fedsap_ray.docgen`` for the reference pages)."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0], epilog=doc,
+    p = OneLineParser(description=doc.splitlines()[0], epilog=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=study, default_preset=default_preset)
     p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants),
@@ -198,7 +199,7 @@ def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, S
         refuse_legacy_checkpoints(dest, [to_configs(t)[1][0] for t in todo])
         drop_stale_checkpoints(dest, [to_configs(t)[1][0] for t in trials if id(t) not in left])
     except ConfigError as e:
-        print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         return 2
     print(f"{study}: {len(trials)} trials ({len(chosen)} variants x {len(opts.seeds)} seeds), "
           f"{len(trials) - len(todo)} finished earlier, {len(todo)} to run; results in {opts.out}", file=sys.stderr)

@@ -36,6 +36,7 @@ from ray import tune  # noqa: E402
 from ray.tune.schedulers import ASHAScheduler  # noqa: E402
 from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 
+from fedsap_ray.cli import OneLineParser  # noqa: E402
 from fedsap_ray.config import ConfigError  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
 from sweeps.study import add_common_args, options_from, report_failures  # noqa: E402
@@ -55,7 +56,7 @@ SPACE = {
 
 def parser() -> argparse.ArgumentParser:
     """The command line (also read by ``fedsap_ray.docgen`` for the reference pages)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+    p = OneLineParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=STUDY, default_preset="laptop")
     p.set_defaults(seeds=[0])
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         url = storage_url(args, dest)
         storage, done = open_study(url, args.study_name, opts.resume)
     except ConfigError as e:
-        print(f"tune.py: {e}", file=sys.stderr)
+        print(f"tune.py: error: {e}", file=sys.stderr)
         return 2
     rounds = rounds_cfg.training.rounds
     todo = max(0, target - done)
