@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import enum
 import io
+import json
 import pickle
 import random
 import re
@@ -176,14 +177,33 @@ def _malicious(marker: Path) -> bytes:
     return payload
 
 
-@pytest.mark.parametrize("where", ["checkpoint", "legacy"])
+def _malicious_npz(marker: Path) -> bytes:
+    """A well-formed checkpoint whose parameter array is an object array: a pickle inside the npz."""
+    skeleton = {"format": treecodec.FORMAT, "version": treecodec.VERSION, "kind": "checkpoint", "run_id": "k1",
+                "tree": {"d": [["state", {"d": [["round", 1], ["params", {"a": "a0"}], ["extra", {"d": []}]]}],
+                               ["server", {"d": []}], ["tables", {"l": []}]]}}
+
+    def npz(m: Path) -> bytes:
+        buf = io.BytesIO()
+        np.savez(buf, allow_pickle=True, **{treecodec.META: np.frombuffer(json.dumps(skeleton).encode(), np.uint8),
+                                            "a0": np.array([_Payload(m)], dtype=object)})
+        return buf.getvalue()
+
+    probe = marker.with_name("probe-npz")
+    with np.load(io.BytesIO(npz(probe)), allow_pickle=True) as z:
+        z["a0"]  # read with pickles allowed, the payload runs
+    assert probe.exists()
+    return npz(marker)
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "pickle-in-npz", "legacy"])
 def test_resume_refuses_a_malicious_pickle_without_running_it(tmp_path, capsys, where):
     out = tmp_path / "o"
     tiny_run(out, "k1", stop_after=1)
     marker = tmp_path / "pwned"
-    target = checkpoint.path_for(out, "k1") if where == "checkpoint" else checkpoint.legacy_path_for(out, "k1")
+    target = checkpoint.legacy_path_for(out, "k1") if where == "legacy" else checkpoint.path_for(out, "k1")
     checkpoint.path_for(out, "k1").unlink()
-    target.write_bytes(_malicious(marker))
+    target.write_bytes(_malicious_npz(marker) if where == "pickle-in-npz" else _malicious(marker))
     rc, lines = cli(capsys, "run", "--quiet", "--out", str(out), "--resume", "k1")
     assert rc == 2 and len(lines) == 1, lines
     assert lines[0].startswith("fedsap-ray: error: invalid --resume='k1': ") and str(target) in lines[0], lines
@@ -228,3 +248,11 @@ def test_no_code_reads_results_files_with_pickle():
              for p in sorted((REPO / folder).rglob("*.py")) for i, line in enumerate(p.read_text().splitlines(), 1)
              if bad.search(line)]
     assert found == []
+    unpicklers = sorted(str(p.relative_to(REPO)) for folder in ("fedsap_ray", "sweeps", "analysis", "benchmarks")
+                        for p in (REPO / folder).rglob("*.py") if "pickle.Unpickler" in p.read_text())
+    assert unpicklers == ["fedsap_ray/data/cifar.py"]
+    from fedsap_ray.data.cifar import _BatchUnpickler
+
+    assert set(_BatchUnpickler.allowed) == {("numpy.core.multiarray", "_reconstruct"),
+                                            ("numpy._core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+                                            ("numpy", "dtype")}
