@@ -26,16 +26,22 @@ def atomic_write(path: str | Path, *, mode: int | None = None) -> Iterator[Binar
     block ends without an error, and the temporary file is removed on any error (KeyboardInterrupt too).
 
     ``mode``: permission bits given to the file before it appears (e.g. ``0o644`` for a shared cache,
-    whatever the umask); None keeps what ``open`` gives.
+    whatever the umask); None keeps what ``open`` gives. An ``OSError`` that names no file (a write
+    on a full disk says only "No space left on device") gets ``path`` as its file name, so the
+    message says which file could not be written.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "xb") as f:
             yield f
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            e.filename = str(path)
+        raise
     finally:
         tmp.unlink(missing_ok=True)  # gone already after a successful replace

@@ -4,20 +4,45 @@ Every random choice is seeded by (run seed, round, client, purpose) and the stat
 explicit (docs/architecture.md#determinism), so a run resumed from round t's checkpoint produces the
 same numbers as one that was never interrupted. The file is removed when the run
 finishes.
+
+Format: ``OUT/checkpoints/<run_id>.npz``, an uncompressed npz of the state's arrays plus a JSON
+skeleton for everything else (:mod:`fedsap_ray.treecodec`, format version in the file), read with
+``allow_pickle=False``. A results folder is often someone else's (a shared sweep, a bucket), and
+reading a checkpoint must never run code from it, which unpickling would: the ``<run_id>.pkl``
+checkpoints of older versions are therefore never opened; a resume that finds one is refused
+and says how to start the run again.
 """
 from __future__ import annotations
 
-import pickle
+import glob
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from fedsap_ray import treecodec
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.errors import CheckpointUnreadable
 from fedsap_ray.messages import ServerState
 
+SUFFIX = ".npz"
+LEGACY_SUFFIX = ".pkl"  # pickled checkpoints of fedsap_ray before format version 1: refused, never read
+KIND = "checkpoint"
+
 
 def path_for(out: Path, run_id: str) -> Path:
-    return Path(out) / "checkpoints" / f"{run_id}.pkl"
+    return Path(out) / "checkpoints" / f"{run_id}{SUFFIX}"
+
+
+def legacy_path_for(out: Path, run_id: str) -> Path:
+    """Where an older fedsap_ray left its pickled checkpoint (only ever checked for, never opened)."""
+    return Path(out) / "checkpoints" / f"{run_id}{LEGACY_SUFFIX}"
+
+
+def legacy_refusal(path: Path | str) -> str:
+    """Why a pickled checkpoint is not resumed, and what to do instead (the tail of a ConfigError)."""
+    return (f"{path} is a pickled checkpoint of an older fedsap_ray; it is not read, because unpickling a file "
+            "can run any code it holds: start the run again with --run-id ID --overwrite (a sweep: in a new --out)")
 
 
 def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, Any],
@@ -25,43 +50,64 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
     """Write the checkpoint atomically; ``tables``: the per-round tables the run has written
     so far, so a resume can tell a missing table file from one the run never had.
 
-    On any failure (e.g. a full disk) the temporary file is removed: a half-written
-    checkpoint the size of the model would otherwise keep the disk full.
+    A value the format does not store raises :class:`~fedsap_ray.treecodec.TreeTypeError` naming
+    its key (before anything is written). On any failure (e.g. a full disk) the temporary file is
+    removed: a half-written checkpoint the size of the model would otherwise keep the disk full
+    (:func:`fedsap_ray.atomic.atomic_write`, whose error names the file).
     """
+    tree = {"state": {"round": int(state.round), "params": state.params, "extra": state.extra},
+            "server": server_metrics, "tables": list(tables or [])}
     with atomic_write(path_for(out, run_id)) as f:
-        pickle.dump({"state": state, "server": server_metrics, "tables": list(tables or [])}, f,
-                    protocol=pickle.HIGHEST_PROTOCOL)
+        treecodec.write(f, tree, header={"kind": KIND, "run_id": run_id, "round": int(state.round)})
 
 
 def load(out: Path, run_id: str) -> dict[str, Any]:
-    """The checkpoint's dict (``state``, ``server``, ``tables``: absent in older checkpoints).
+    """The checkpoint's dict (``state``: a :class:`ServerState`, ``server``, ``tables``).
 
-    A file that cannot be unpickled raises :class:`CheckpointUnreadable` naming it.
+    Anything but a checkpoint this format wrote for this run raises :class:`CheckpointUnreadable`
+    naming the file; nothing in the file is ever executed.
     """
     path = path_for(out, run_id)
     if not path.is_file():
+        legacy = legacy_path_for(out, run_id)
+        if legacy.is_file():
+            raise CheckpointUnreadable(legacy_refusal(legacy))
         raise FileNotFoundError(f"no checkpoint for run {run_id} at {path}")
     try:
-        with open(path, "rb") as f:
-            ck = pickle.load(f)
-        if not isinstance(ck, dict) or not isinstance(ck.get("state"), ServerState):
-            raise ValueError("not a fedsap_ray checkpoint")
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
-            KeyError, MemoryError) as e:
-        raise CheckpointUnreadable(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); it is truncated "
-                                   "or damaged, so the run cannot continue from it") from e
-    return ck
+        header, tree = treecodec.read(path)
+        if header.get("kind") != KIND or header.get("run_id") != run_id:
+            raise treecodec.TreeFormatError(f"a {header.get('kind')!r} file of run {header.get('run_id')!r}, "
+                                            f"not the checkpoint of run {run_id!r}")
+        st = tree["state"]
+        params = st["params"]
+        if type(st["round"]) is not int or not isinstance(params, np.ndarray) or params.dtype != np.float32 \
+                or params.ndim != 1 or type(st["extra"]) is not dict:
+            raise treecodec.TreeFormatError("the state is not a round number, a 1-D float32 parameter vector "
+                                            "and a dict of strategy state")
+        if type(tree["server"]) is not dict or type(tree["tables"]) is not list:
+            raise treecodec.TreeFormatError("no server metrics or table list")
+    except (treecodec.TreeFormatError, KeyError, TypeError) as e:
+        raise CheckpointUnreadable(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); it is truncated, "
+                                   "damaged or not a fedsap_ray checkpoint, so the run cannot continue from it") from e
+    return {"state": ServerState(round=st["round"], params=params, extra=st["extra"]),
+            "server": tree["server"], "tables": tree["tables"]}
 
 
 def remove(out: Path, run_id: str) -> None:
+    """Delete the run's checkpoint (and a pickled one an older version left: it can never be resumed)."""
     path_for(out, run_id).unlink(missing_ok=True)
+    legacy_path_for(out, run_id).unlink(missing_ok=True)
+
+
+def run_ids_in(names: list[str]) -> set[str]:
+    """The run ids of the checkpoint file names ``names`` (base names in a ``checkpoints`` folder)."""
+    return {n[: -len(SUFFIX)] for n in names if n.endswith(SUFFIX) and not n.startswith(".")}
 
 
 def remove_temp_files(out: Path, run_id: str) -> list[Path]:
     """Delete temporary checkpoints a killed writer of this run left (only while holding its claim)."""
-    import glob
-
-    gone = list(Path(path_for(out, run_id).parent).glob(f".{glob.escape(run_id)}.pkl.*.tmp"))
+    folder = Path(path_for(out, run_id).parent)
+    gone = [*folder.glob(f".{glob.escape(run_id)}{SUFFIX}.*.tmp"), *folder.glob(f".{glob.escape(run_id)}.pkl.*.tmp")]
     for f in gone:
         f.unlink(missing_ok=True)
     return gone

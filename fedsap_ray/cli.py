@@ -10,21 +10,31 @@ import argparse
 import json
 import shlex
 import sys
+import typing
 from pathlib import Path
 
 from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
 from fedsap_ray.errors import ConfigError, DatasetUnavailable
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line, like every other refusal of the command line
+    (argparse prints the whole usage block first); exit code 2 as before."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedsap-ray", description="Simulate heterogeneous federated learning; results go to Parquet.")
+    p = OneLineParser(prog="fedsap-ray", description="Simulate heterogeneous federated learning; results go to Parquet.")
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run one experiment")
     r.add_argument("--config", help="YAML or JSON config file (keys as in docs/reference/config.md)")
     r.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset (default: laptop)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set training.rounds=20 (repeatable)")
-    r.add_argument("--out", default="runs", help="results folder (default: ./runs)")
+    r.add_argument("--out", default="runs", help="results folder, a local path (default: ./runs; a URI is refused: "
+                   "sweeps write to URIs)")
     r.add_argument("--backend", choices=["local", "ray"], help="where clients train (default: config resources.backend)")
     r.add_argument("--address", help="Ray cluster address (auto or HOST:PORT) for --backend ray")
     r.add_argument("--seed", type=int, help="run seed (overrides the config)")
@@ -63,9 +73,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0  # pragma: no cover
 
 
+def check_run_out(out: str) -> None:
+    """``--out`` of ``fedsap-ray run`` must name a local folder: ``''`` would write into the current
+    folder, and a URI (``s3://bucket/x``) would become a local folder named ``s3:``."""
+    from fedsap_ray import results
+
+    if out.strip() == "":
+        raise ConfigError(f"invalid --out={out!r}: must name a folder (--out . for the current one)")
+    if results.is_uri(out):
+        raise ConfigError(f"invalid --out={out!r}: fedsap-ray run writes to a local folder; results go to a URI "
+                          "through the sweeps (python sweeps/<study>.py --out s3://...), or copy the folder there "
+                          "after the run")
+
+
 def _resolve(args) -> ExperimentConfig:
     from fedsap_ray import results
 
+    check_run_out(args.out)
     file_data = load_file(args.config) if args.config else None
     overrides = list(args.overrides)
     if args.run_id is not None:
@@ -84,16 +108,10 @@ def _resolve(args) -> ExperimentConfig:
 
 
 def _stored_config(out: Path, run_id: str) -> dict:
-    from fedsap_ray import checkpoint, guard
+    from fedsap_ray import guard
 
+    row = guard.check_checkpoint_present(out, run_id)
     f = out / "runs" / f"{run_id}.parquet"
-    if not f.is_file():
-        raise ConfigError(f"invalid --resume={run_id!r}: no run with that id in {out}/runs")
-    row = guard._read_first_row(f, f"--resume={run_id!r}")
-    if row.get("status") == "finished":
-        raise ConfigError(f"invalid --resume={run_id!r}: the run already finished")
-    if not checkpoint.path_for(out, run_id).is_file():
-        raise ConfigError(f"invalid --resume={run_id!r}: no checkpoint at {checkpoint.path_for(out, run_id)}")
     try:
         return json.loads(row["config_json"])
     except (TypeError, ValueError) as e:

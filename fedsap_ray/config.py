@@ -197,12 +197,20 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 def load_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"invalid --config={str(path)!r}: file does not exist")
+        raise ConfigError(f"invalid --config={str(path)!r}: " + ("it is a folder, not a file" if p.is_dir()
+                                                                 else "file does not exist"))
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"invalid --config={str(path)!r}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                          f"{e.start}); save the file as UTF-8") from e
+    except OSError as e:
+        raise ConfigError(f"invalid --config={str(path)!r}: cannot read it ({e.strerror or e})") from e
+    try:
         data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_YamlLoader)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError(f"invalid --config={str(path)!r}: cannot parse ({e.__class__.__name__}: {str(e).splitlines()[0]})") from e
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as e:
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"invalid --config={str(path)!r}: cannot parse ({e.__class__.__name__}: {first})") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -217,15 +225,25 @@ def build_config(
     seed: int | None = None,
 ) -> ExperimentConfig:
     """Defaults <- preset <- config file <- ``--set`` overrides <- ``--seed``; then validate."""
-    preset = preset or (file_data or {}).get("preset") or DEFAULT_PRESET
+    allowed = "allowed values are " + ", ".join([*PRESETS, "custom"])
+    in_file = (file_data or {}).get("preset")
+    if in_file is not None and (not isinstance(in_file, str) or in_file not in PRESETS and in_file != "custom"):
+        _fail("preset", in_file, allowed + " (the preset key of a config file chooses the preset)")
+    if preset is not None and in_file is not None and in_file != preset:
+        _fail("preset", in_file, f"the config file asks for preset {in_file} but --preset {preset} was given; "
+                                 "drop one of them")
+    preset = preset or in_file or DEFAULT_PRESET
     if preset not in PRESETS and preset != "custom":
-        _fail("preset", preset, "allowed values are " + ", ".join(PRESETS))
+        _fail("preset", preset, allowed)
     merged: dict[str, Any] = deep_merge({}, PRESETS.get(preset, {}))
     merged["preset"] = preset
     if file_data:
         merged = deep_merge(merged, file_data)
     for text in overrides:
         path, value = parse_override(text)
+        if path[0] == "preset":  # the recorded preset must be the one the config was built from
+            _fail("--set preset", value, "the preset is chosen with --preset NAME (or preset: NAME in a config file), "
+                                         "before the overrides; " + allowed)
         if path[0] == "algorithm" and len(path) >= 2 and path[1] not in ("name", "options"):
             path = ["algorithm", "options", *path[1:]]  # --set algorithm.mu=0.01 is an option
         merged = deep_merge(merged, _nest(path, value))
@@ -242,10 +260,16 @@ def apply_algorithm_defaults(merged: dict[str, Any]) -> dict[str, Any]:
     """
     merged = dict(merged)
     defaults = merged.pop("algorithm_defaults", None) or {}
-    algo = dict(merged.get("algorithm") or {})
+    raw = merged.get("algorithm") or {}
+    if isinstance(raw, str):  # --set algorithm=fedprox: the user meant the method's name
+        _fail("algorithm", raw, f"must be a mapping; the method is chosen with algorithm.name={raw}")
+    if not isinstance(raw, Mapping):
+        return merged  # a bad value, which the schema names
+    algo = dict(raw)
     name = algo.get("name", AlgorithmConfig.name)
-    if name in defaults:
-        algo["options"] = {**defaults[name], **dict(algo.get("options") or {})}
+    options = algo.get("options") or {}
+    if isinstance(name, str) and name in defaults and isinstance(options, Mapping):
+        algo["options"] = {**defaults[name], **dict(options)}
         merged["algorithm"] = algo
     return merged
 

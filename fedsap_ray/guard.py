@@ -50,6 +50,26 @@ def check_out(out: Path) -> bool:
     return created
 
 
+def check_out_writable(out: Path, field: str = "--out") -> None:
+    """Without creating anything: ``out`` is a folder, or can be made one, by this process.
+
+    For the sweep drivers, which must refuse before Ray starts (and write nothing on ``--dry-run``):
+    the nearest existing folder on the way to ``out`` must be writable and searchable
+    (``os.access``, which also reports a read-only filesystem for root).
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"invalid {field}={str(out)!r}: it is a file, not a folder")
+    probe = out.absolute()
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"invalid {field}={str(out)!r}: {probe} is a file, so the folder cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "the folder" if probe == out.absolute() else f"{probe}, where it would be created,"
+        raise ConfigError(f"invalid {field}={str(out)!r}: {what} is not writable by this process")
+
+
 def check_device(cfg: ExperimentConfig) -> None:
     """``resources.device=cuda`` on the local backend needs a GPU this process can use."""
     if cfg.resources.device != "cuda" or cfg.resources.backend != "local":
@@ -98,6 +118,25 @@ class RunClaim:
                 return
             os.close(fd)
 
+    def holder(self) -> str | None:
+        """The pid of the process running this run right now, or None when none is (asks the kernel,
+        without creating the lock file and without keeping any lock)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return None  # no lock file: nobody has claimed the run since it last ended
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                raise
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)
+
     def release(self) -> None:
         if self._fd is None:
             return
@@ -124,7 +163,8 @@ def existing_run(out: Path, run_id: str) -> str | None:
             return f"status {pq.read_table(f, columns=['status']).column('status')[0].as_py()}"
         except Exception:  # unreadable: still the run's file
             return "an unreadable runs file"
-    if results.run_files(out, run_id) or checkpoint.path_for(out, run_id).is_file():
+    if results.run_files(out, run_id) or checkpoint.path_for(out, run_id).is_file() \
+            or checkpoint.legacy_path_for(out, run_id).is_file():
         return "some of its files"
     if (out / "runs").is_dir() and results.in_compacted(out, run_id):
         return "rows in a compacted file"
@@ -150,15 +190,7 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
     """
     out = Path(out)
     field = f"--resume={run_id!r}"
-    runs_file = out / "runs" / f"{run_id}.parquet"
-    if not runs_file.is_file():
-        raise ConfigError(f"invalid {field}: no run with that id in {out}/runs")
-    row = _read_first_row(runs_file, field)
-    if row.get("status") == "finished":
-        raise ConfigError(f"invalid {field}: the run already finished")
-    ck_path = checkpoint.path_for(out, run_id)
-    if not ck_path.is_file():
-        raise ConfigError(f"invalid {field}: no checkpoint at {ck_path}")
+    check_checkpoint_present(out, run_id, running=False)  # under our claim: nobody else runs it
     try:
         ck = checkpoint.load(out, run_id)
     except CheckpointUnreadable as e:
@@ -185,6 +217,33 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
             raise ConfigError(f"invalid {field}: {f} lacks rounds {_spans(lost)} of the {done} the checkpoint "
                               "holds; restore the file, or start the run afresh (--run-id ID --overwrite)")
     return ck
+
+
+def check_checkpoint_present(out: Path, run_id: str, *, running: bool = True) -> dict[str, Any]:
+    """The first checks of a resume, each a one-line refusal that says what to do: the run exists, has
+    not finished, is not running right now (``running``: ask the run's lock for the pid of the process
+    that runs it; off under this process's own claim) and has a checkpoint in the current format.
+    Returns the run's ``runs`` row."""
+    out = Path(out)
+    field = f"--resume={run_id!r}"
+    runs_file = out / "runs" / f"{run_id}.parquet"
+    if not runs_file.is_file():
+        raise ConfigError(f"invalid {field}: no run with that id in {out}/runs")
+    row = _read_first_row(runs_file, field)
+    if row.get("status") == "finished":
+        raise ConfigError(f"invalid {field}: the run already finished")
+    pid = RunClaim(out, run_id).holder() if running else None
+    if pid is not None:
+        raise ConfigError(f"invalid {field}: the run is running right now in {out} (pid {pid}); wait for it to end "
+                          "or stop it, then resume")
+    ck_path = checkpoint.path_for(out, run_id)
+    if not ck_path.is_file():
+        legacy = checkpoint.legacy_path_for(out, run_id)
+        if legacy.is_file():
+            raise ConfigError(f"invalid {field}: {checkpoint.legacy_refusal(legacy)}")
+        raise ConfigError(f"invalid {field}: no checkpoint at {ck_path} (the run ended before its first round was "
+                          f"checkpointed, status {row.get('status')!r}); start it again with --run-id {run_id} --overwrite")
+    return row
 
 
 def _read_first_row(f: Path, field: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -56,6 +57,19 @@ MODELS = ("resnet10", "resnet18", "cnn_small", "cnn_cifar", "cnn_emnist", "mlp",
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
 SUBMODELS = ("sliced", "masked")
+_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])"
+_RAY_ADDRESS = re.compile(rf"(?:ray://)?{_HOST}:(\d{{1,5}})")
+RAY_ADDRESS_ALLOWED = "must be auto, local, HOST:PORT or ray://HOST:PORT (a host name or IP address, a port 1-65535)"
+
+
+def check_ray_address(field_name: str, v: Any) -> None:
+    """A Ray address the way ``ray.init`` takes it; anything else is refused here, before Ray starts
+    (ray.init would fail later, after the run was set up, with a message that does not name the option)."""
+    if v is None or v in ("auto", "local"):
+        return
+    m = _RAY_ADDRESS.fullmatch(v) if isinstance(v, str) else None
+    if m is None or not 1 <= int(m.group(1)) <= 65535:
+        _fail(field_name, v, RAY_ADDRESS_ALLOWED)
 
 
 @dataclass(frozen=True)
@@ -88,11 +102,14 @@ class DataConfig:
                 _fail(f"data.{f}", v, "must be null or an integer >= 1")
         if self.root is not None:
             try:
-                exists = Path(self.root).expanduser().exists()
+                root = Path(self.root).expanduser()
+                kind = "folder" if root.is_dir() else "file" if root.exists() else None
             except (ValueError, RuntimeError, OSError):  # a NUL byte, ~unknown_user, a name too long
-                exists = False
-            if not exists:
+                kind = None
+            if kind is None:
                 _fail("data.root", self.root, "the directory does not exist (point it at the dataset files, or leave it null)")
+            if kind == "file":
+                _fail("data.root", self.root, "it is a file; data.root is the folder that holds the dataset's files")
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,10 @@ class CapacityConfig:
         if self.keep_ratios is not None:
             for p in self.keep_ratios:
                 _check_ratio("capacity.keep_ratios", p, low_open=True)
+            if self.scheme != "explicit":  # ignored by every other scheme, yet part of the config hash
+                _fail("capacity.keep_ratios", list(self.keep_ratios),
+                      f"used only by capacity.scheme=explicit (the scheme is {self.scheme}); set capacity.scheme=explicit "
+                      "or leave keep_ratios null")
         if self.scheme == "explicit" and self.keep_ratios is None:
             _fail("capacity.keep_ratios", None, "capacity.scheme=explicit needs a list with one keep ratio per client")
 
@@ -235,13 +256,19 @@ class ResourcesConfig:
         _check_pos("resources.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
         if not isinstance(self.torch_threads, int) or self.torch_threads < 1:
             _fail("resources.torch_threads", self.torch_threads, "must be an integer >= 1")
+        check_ray_address("resources.address", self.address)
 
 
 @dataclass(frozen=True)
 class ExperimentConfig:
     """The whole run. Besides each field's own check: ``capacity.keep_ratios`` needs one entry per
-    client, ``partition=domain`` needs a dataset with several domains and ``partition=natural``
-    exists only for Shakespeare."""
+    client (and ``capacity.scheme=explicit``, the only scheme that reads it), ``partition=domain``
+    needs a dataset with several domains, ``partition=natural`` exists only for Shakespeare, and
+    ``training.participation`` must sample at least one client a round: round(participation *
+    num_clients) >= 1 (a fraction that rounds to no client is refused, not raised to one).
+    ``preset`` is chosen by ``--preset`` or a config file's ``preset:`` key, never by ``--set``.
+    Algorithm options are checked by their strategy (algorithms.md); e.g. random_budget's ``p_low``
+    above ``p_min`` is legal (the draws are rescaled to the budget either way)."""
 
     study: str = "default"  # a label stored with every result (the sweep scripts set it to the study's name)
     seed: int = 0  # seeds every random draw of the run (partition, initialisation, sampling, batches)
@@ -263,6 +290,12 @@ class ExperimentConfig:
             _fail("capacity.keep_ratios", list(kr), f"needs exactly data.num_clients={self.data.num_clients} entries, got {len(kr)}")
         if self.data.partition == "domain" and self.data.name in ("mnist", "cifar10", "emnist", "shakespeare"):
             _fail("data.partition", self.data.partition, f"data.name={self.data.name} has one domain: use dirichlet, natural or iid")
+        sampled = int(round(self.training.participation * self.data.num_clients))
+        if sampled < 1:
+            _fail("training.participation", self.training.participation,
+                  f"with data.num_clients={self.data.num_clients} it samples round({self.training.participation} * "
+                  f"{self.data.num_clients}) = 0 clients a round; must be > {0.5 / self.data.num_clients:g} "
+                  "(at least one client a round)")
         if self.data.partition == "natural" and self.data.name != "shakespeare":
             _fail("data.partition", self.data.partition, "natural partitions exist only for data.name=shakespeare")
 
@@ -313,8 +346,9 @@ def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> An
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in d if k not in fields]
     if unknown:
-        k = unknown[0]
-        _fail(prefix + k, d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
+        k = unknown[0]  # any YAML key (an int, a null, ''), named as written: quoted unless it is a plain word
+        key = k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]+", k) else repr(k)
+        _fail(f"{prefix}{key}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for k, v in d.items():

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from fedsap_ray import results
+from fedsap_ray import checkpoint, results
 from fedsap_ray.atomic import atomic_write
 
 _COPY_CHUNK = 1 << 20
@@ -53,7 +53,7 @@ class ResultsDestination:
     def _files(run_id: str) -> list[str]:
         """The run's files relative to an output folder: one per table plus the checkpoint."""
         results.check_run_id(run_id)  # a ConfigError (ValueError) naming it: no path separators, no '..'
-        return [f"{t}/{run_id}.parquet" for t in results.TABLES] + [f"checkpoints/{run_id}.pkl"]
+        return [f"{t}/{run_id}.parquet" for t in results.TABLES] + [f"checkpoints/{run_id}{checkpoint.SUFFIX}"]
 
     def _local_parts(self, run_id: str) -> list[str]:
         """The run's part files (rounds not merged yet) in ``local``, relative to it."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,8 +24,10 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from fedsap_ray import checkpoint
+from fedsap_ray import checkpoint, guard
+from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError
+from fedsap_ray.schema import check_ray_address
 from fedsap_ray.storage import ResultsDestination
 from sweeps.trials import flat_overrides, to_configs
 from sweeps.tuner import SweepOptions, run_trials
@@ -59,14 +62,43 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions
     if args.smoke_test:
         preset, seeds, extra = "smoke", seeds[:1], [*SMOKE_BASE, *smoke, *extra]
         server_cpus = min(server_cpus, 0.5)
-    if args.workers_per_trial < 0:
-        raise ConfigError(f"invalid --workers-per-trial={args.workers_per_trial}: must be >= 0")
+    check_sweep_flags(args)
+    try:
+        remote = ResultsDestination(args.out).is_remote
+    except ValueError as e:  # a URI pyarrow cannot open (unknown scheme, bad bucket name)
+        raise ConfigError(f"invalid --out={args.out!r}: {str(e).splitlines()[0] if str(e) else 'not a usable URI'}") \
+            from e
+    if not remote:  # creates nothing (a dry run writes nothing)
+        guard.check_out_writable(Path(args.out))
     # Tune runs each trial in its own working directory: a relative local --out must be made absolute here
-    out = str(args.out) if ResultsDestination(args.out).is_remote else str(Path(args.out).resolve())
+    out = str(args.out) if remote else str(Path(args.out).resolve())
     return SweepOptions(out=out, preset=preset, seeds=seeds, address=args.address,
                         max_concurrent=args.max_concurrent, resume=args.resume,
                         workers_per_trial=args.workers_per_trial, server_cpus=server_cpus,
                         max_failures=args.max_failures, extra=extra)
+
+
+def check_sweep_flags(args: argparse.Namespace) -> None:
+    """The flags every study shares, checked before any config is built or Ray starts; each refusal
+    one line naming the flag, the value and what is allowed."""
+    if args.workers_per_trial < 0:
+        raise ConfigError(f"invalid --workers-per-trial={args.workers_per_trial}: must be an integer >= 0")
+    seeds = list(args.seeds)
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise ConfigError(f"invalid --seeds={list(args.seeds)}: each seed at most once (seed {twice[0]} is given twice; "
+                          "its trials would share one run id)")
+    if args.max_concurrent is not None and args.max_concurrent < 1:
+        raise ConfigError(f"invalid --max-concurrent={args.max_concurrent}: must be an integer >= 1 (leave it out: "
+                          "as many trials as the resources fit)")
+    if not (math.isfinite(args.server_cpus) and args.server_cpus > 0):
+        raise ConfigError(f"invalid --server-cpus={args.server_cpus}: must be a positive finite number")
+    if args.max_failures < 0:
+        raise ConfigError(f"invalid --max-failures={args.max_failures}: must be an integer >= 0 (retries of a "
+                          "failed trial)")
+    if str(args.out).strip() == "":
+        raise ConfigError(f"invalid --out={args.out!r}: must name a folder or a URI")
+    check_ray_address("--address", args.address)
 
 
 def grid_trials(variants: Mapping[str, Sequence[str]], opts: SweepOptions, study: str) -> list[dict[str, Any]]:
@@ -103,20 +135,38 @@ def drop_stale_checkpoints(dest: ResultsDestination, finished: Sequence[str]) ->
     for run_id in finished:
         if dest.is_remote:
             assert dest.fs is not None  # set whenever is_remote
-            path = f"{dest.base}/checkpoints/{run_id}.pkl"
-            if dest.fs.get_file_info(path).type == pafs.FileType.File:
+            paths = [f"{dest.base}/checkpoints/{run_id}{suffix}" for suffix in (checkpoint.SUFFIX, checkpoint.LEGACY_SUFFIX)]
+            found = [i.path for i in dest.fs.get_file_info(paths) if i.type == pafs.FileType.File]
+            for path in found:
                 dest.fs.delete_file(path)
+            if found:
                 gone.append(run_id)
-        elif checkpoint.path_for(dest.local, run_id).is_file():
+        elif checkpoint.path_for(dest.local, run_id).is_file() or checkpoint.legacy_path_for(dest.local, run_id).is_file():
             checkpoint.remove(dest.local, run_id)
             gone.append(run_id)
     return gone
 
 
+def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) -> None:
+    """A run to continue whose checkpoint is an older version's pickle is refused before Ray starts
+    (reading it could run code: :mod:`fedsap_ray.checkpoint`), naming the file and what to do."""
+    for run_id in run_ids:
+        if dest.is_remote:
+            assert dest.fs is not None  # set whenever is_remote
+            path = f"{dest.base}/checkpoints/{run_id}{checkpoint.LEGACY_SUFFIX}"
+            found = dest.fs.get_file_info(path).type == pafs.FileType.File
+            shown = f"{dest.uri.rstrip('/')}/checkpoints/{run_id}{checkpoint.LEGACY_SUFFIX}"
+        else:
+            found = checkpoint.legacy_path_for(dest.local, run_id).is_file()
+            shown = str(checkpoint.legacy_path_for(dest.local, run_id))
+        if found:
+            raise ConfigError(f"invalid --resume: {checkpoint.legacy_refusal(shown)}")
+
+
 def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
                  default_preset: str) -> argparse.ArgumentParser:
     """The command line of a grid study (also read by ``fedsap_ray.docgen`` for the reference pages)."""
-    p = argparse.ArgumentParser(description=doc.splitlines()[0], epilog=doc,
+    p = OneLineParser(description=doc.splitlines()[0], epilog=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=study, default_preset=default_preset)
     p.add_argument("--variants", nargs="+", default=list(variants), choices=list(variants),
@@ -145,9 +195,11 @@ def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, S
             return 0
         todo = pending(trials, opts)
         left = {id(t) for t in todo}
-        drop_stale_checkpoints(ResultsDestination(opts.out), [to_configs(t)[1][0] for t in trials if id(t) not in left])
+        dest = ResultsDestination(opts.out)
+        refuse_legacy_checkpoints(dest, [to_configs(t)[1][0] for t in todo])
+        drop_stale_checkpoints(dest, [to_configs(t)[1][0] for t in trials if id(t) not in left])
     except ConfigError as e:
-        print(f"{Path(sys.argv[0]).name}: {e}", file=sys.stderr)
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         return 2
     print(f"{study}: {len(trials)} trials ({len(chosen)} variants x {len(opts.seeds)} seeds), "
           f"{len(trials) - len(todo)} finished earlier, {len(todo)} to run; results in {opts.out}", file=sys.stderr)

@@ -66,6 +66,8 @@ def open_sessions(cfgs: Sequence[ExperimentConfig], run_ids: Sequence[str], dest
             if local_status(dest, run_id) == "finished":  # e.g. a retry after the run had finished
                 raise RuntimeError(f"run {run_id} already finished in {dest.uri}; refusing to overwrite it")
             resume = checkpoint.path_for(dest.local, run_id).is_file()
+            if not resume and checkpoint.legacy_path_for(dest.local, run_id).is_file():  # never unpickled
+                raise RuntimeError(checkpoint.legacy_refusal(checkpoint.legacy_path_for(dest.local, run_id)))
             fed = build_federation(cfg, splits=shared_splits(cfg))
             sessions.append(RunSession(cfg, dest.local, run_id, federation=fed, backend=_backend(cfg, workers),
                                        resume=resume))

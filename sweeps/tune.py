@@ -36,6 +36,7 @@ from ray import tune  # noqa: E402
 from ray.tune.schedulers import ASHAScheduler  # noqa: E402
 from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 
+from fedsap_ray.cli import OneLineParser  # noqa: E402
 from fedsap_ray.config import ConfigError  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
 from sweeps.study import add_common_args, options_from, report_failures  # noqa: E402
@@ -55,7 +56,7 @@ SPACE = {
 
 def parser() -> argparse.ArgumentParser:
     """The command line (also read by ``fedsap_ray.docgen`` for the reference pages)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+    p = OneLineParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=STUDY, default_preset="laptop")
     p.set_defaults(seeds=[0])
@@ -135,6 +136,11 @@ def write_trials(study: optuna.Study, dest: ResultsDestination) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
+        for flag, value in (("--num-samples", args.num_samples), ("--grace-period", args.grace_period)):
+            if value is not None and value < 1:
+                raise ConfigError(f"invalid {flag}={value}: must be an integer >= 1")
+        if not 0 <= args.sampler_seed <= 2**32 - 1:
+            raise ConfigError(f"invalid --sampler-seed={args.sampler_seed}: must be an integer in [0, 4294967295]")
         opts = options_from(args, smoke=[])
         target = args.num_samples if args.num_samples is not None else (3 if args.smoke_test else 40)
         rounds_cfg = to_configs(base_space(args, opts))[0][0]
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         url = storage_url(args, dest)
         storage, done = open_study(url, args.study_name, opts.resume)
     except ConfigError as e:
-        print(f"tune.py: {e}", file=sys.stderr)
+        print(f"tune.py: error: {e}", file=sys.stderr)
         return 2
     rounds = rounds_cfg.training.rounds
     todo = max(0, target - done)

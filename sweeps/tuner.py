@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,13 +86,16 @@ def run_trials(trials: list[dict[str, Any]], opts: SweepOptions, study: str, *, 
             failure_config=tune.FailureConfig(max_failures=opts.max_failures)),
     )
     tuner.fit()
-    failures = []
-    for trial in progress.errored:
-        error = trial.get_pickled_error() or trial.get_error()
-        cause = getattr(error, "cause", None) or error
-        failures.append((trial_name(trial.config),
-                         f"{cause.__class__.__name__}: {cause}".strip().splitlines()[-1][:500]))
-    return failures
+    return [(trial_name(trial.config), error_line(trial.get_error())) for trial in progress.errored]
+
+
+def error_line(text: object) -> str:
+    """The last line of a trial's error text (``Trial.get_error``: Tune's ``error.txt``), as
+    ``Type: message`` without the module path. Never ``Trial.get_pickled_error``: it unpickles the
+    trial's ``error.pkl`` from the results destination, which could run code left there."""
+    lines = [line.strip() for line in str(text or "").splitlines() if line.strip()]
+    last = lines[-1] if lines else "the trial failed (no error text)"
+    return re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=\w+: )", "", last)[:500]
 
 
 def _trial_dirname(trial) -> str:

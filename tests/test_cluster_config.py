@@ -375,3 +375,82 @@ def test_local_placeholders_are_documentation_addresses(local):
         assert any(ipaddress.ip_address(ip) in net for net in DOC_NETS), ip
     assert len(set(ips)) == len(ips)
     assert local["max_workers"] <= len(local["provider"]["worker_ips"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Supply chain and network exposure (issue 25): installs come from the package registry, never a
+# script piped into a shell; Ray requires its token; the ports the guide's firewall rules name are pinned
+# ---------------------------------------------------------------------------------------------
+COMMAND_KEYS = ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                "head_start_ray_commands", "worker_start_ray_commands")
+PIPE_TO_SHELL = re.compile(
+    r"(?:curl|wget|fetch)\b[^|;&]*\|\s*(?:env\b[^|;&]*?\s)?(?:sudo\s+(?:-\S+\s+)*)?(?:ba|z|da|k)?sh\b"  # curl .. | sh
+    r"|(?:ba|z|da|k)?sh\s+(?:-\S+\s+)*(?:<\(|-c\s+[\"']?\$\()\s*(?:curl|wget)"  # sh <(curl ..), sh -c "$(curl ..)"
+    r"|(?:curl|wget)\b[^|;&]*\|\s*(?:sudo\s+)?python3?\b")  # curl .. | python
+PINNED_PORTS = ("--port=6379", "--object-manager-port=8076", "--node-manager-port=8077", "--runtime-env-agent-port=8078",
+                "--dashboard-agent-grpc-port=8079", "--dashboard-agent-listen-port=52365", "--metrics-export-port=8080",
+                "--min-worker-port=10002", "--max-worker-port=10999")
+
+
+def pipe_to_shell_problems(config: dict) -> list[str]:
+    """Commands that run a downloaded script (``curl ... | sh`` and its spellings)."""
+    return [f"{key}: runs a downloaded script: {cmd}" for key in COMMAND_KEYS for cmd in config.get(key) or []
+            if PIPE_TO_SHELL.search(cmd)]
+
+
+def auth_problems(config: dict) -> list[str]:
+    """Every node runs Ray with token authentication and gets the token from the machine running `ray up`."""
+    problems = []
+    if not any(re.search(r"export RAY_AUTH_MODE=token\b", c) for c in config.get("setup_commands", [])):
+        problems.append("setup_commands do not export RAY_AUTH_MODE=token (Ray would accept anyone who reaches it)")
+    if config.get("file_mounts", {}).get("~/.ray/auth_token") != "~/.ray/auth_token":
+        problems.append("no file mount `~/.ray/auth_token: ~/.ray/auth_token` (nodes would lack the token)")
+    return problems
+
+
+def port_problems(config: dict) -> list[str]:
+    """Each `ray start` pins the ports docs/guides/cluster.md names, so a firewall can allow exactly those."""
+    problems = []
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        for cmd in [c for c in config.get(key, []) if "ray start" in c]:
+            wanted = PINNED_PORTS if "--head" in cmd else PINNED_PORTS[1:]
+            problems += [f"{key}: {flag} not pinned" for flag in wanted if flag not in cmd.split()]
+    return problems
+
+
+@pytest.mark.parametrize("path", [AWS_FILE, LOCAL_FILE], ids=lambda p: p.name)
+def test_no_downloaded_script_runs_and_ray_needs_its_token_on_pinned_ports(path):
+    config = load(path)
+    assert pipe_to_shell_problems(config) == []
+    assert auth_problems(config) == []
+    assert port_problems(config) == []
+    installs = [c for c in config["setup_commands"] if re.search(r"\bpip install\b", c)]
+    assert any('"uv==' in c for c in installs)  # uv itself comes from PyPI, pinned
+
+
+@pytest.mark.parametrize("cmd", [
+    'command -v uv >/dev/null 2>&1 || curl -LsSf https://astral.sh/uv/install.sh | env UV_INSTALL_DIR="$HOME/.local/bin" sh',
+    "wget -qO- https://example.com/install | sudo -E bash",
+    'sh -c "$(curl -fsSL https://example.com/install.sh)"',
+    "bash <(curl -s https://example.com/x.sh)",
+    "curl -s https://bootstrap.pypa.io/get-pip.py | python3",
+])
+def test_pipe_to_shell_check_finds_every_spelling(aws, cmd):
+    broken = {**aws, "setup_commands": [*aws["setup_commands"], cmd]}
+    assert pipe_to_shell_problems(broken) == [f"setup_commands: runs a downloaded script: {cmd}"]
+
+
+def test_auth_and_port_checks_find_a_cluster_open_to_anyone(local):
+    no_token = {**local, "setup_commands": [c for c in local["setup_commands"] if "RAY_AUTH_MODE" not in c],
+                "file_mounts": {k: v for k, v in local["file_mounts"].items() if "auth_token" not in k}}
+    assert len(auth_problems(no_token)) == 2
+    random_ports = {**local, "worker_start_ray_commands": ["ray stop", "ray start --address=$RAY_HEAD_IP:6379"]}
+    assert "worker_start_ray_commands: --min-worker-port=10002 not pinned" in port_problems(random_ports)
+
+
+def test_the_cluster_guide_names_every_pinned_port():
+    guide = (REPO / "docs" / "guides" / "cluster.md").read_text()
+    for flag in PINNED_PORTS:
+        port = flag.split("=")[1]
+        assert port in guide, f"docs/guides/cluster.md does not name port {port} ({flag})"
+    assert "RAY_AUTH_MODE=token" in guide and "ray get-auth-token --generate" in guide

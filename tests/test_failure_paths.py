@@ -17,7 +17,8 @@ def test_a_full_disk_keeps_the_original_error_leaves_no_temp_file_and_resumes_on
     with tmpfs(tmp_path / "small", "size=2m") as mnt:
         rc, lines = cli(capsys, "run", "--preset", "smoke", "--quiet", "--out", str(mnt / "o"), "--run-id", "full")
         assert rc == 1
-        assert lines[0] == "fedsap-ray: run failed: OSError: [Errno 28] No space left on device", lines
+        assert lines[0].startswith("fedsap-ray: run failed: OSError: [Errno 28] No space left on device: "), lines
+        assert str(mnt / "o") in lines[0], lines  # names the file it failed on
         assert temp_files(mnt) == []
         row = runs_row(mnt / "o", "full")  # writable again once the temporary checkpoint was removed
         assert row["status"] == "failed" and "No space left on device" in row["error"]
@@ -70,3 +71,21 @@ def test_a_runs_row_that_cannot_be_written_never_replaces_the_error(tmp_path, ca
     assert rc == 1
     assert lines[0] == "fedsap-ray: run failed: RuntimeError: boom in round 2", lines
     assert lines[1].startswith("fedsap-ray: also: the runs row could not be updated to status 'failed': OSError")
+
+
+def test_a_disk_full_error_names_the_file_it_failed_on(tmp_path, monkeypatch):
+    """A write on a full disk raises ENOSPC with no file name; atomic_write adds the file's own path
+    (what the user must free space for), and leaves no temporary file."""
+    from fedsap_ray.atomic import atomic_write
+
+    target = tmp_path / "checkpoints" / "r.npz"
+    with pytest.raises(OSError) as e:
+        with atomic_write(target) as f:
+            f.write(b"x")
+            raise OSError(28, "No space left on device")
+    assert e.value.errno == 28 and str(e.value) == f"[Errno 28] No space left on device: {str(target)!r}"
+    assert temp_files(tmp_path) == [] and not target.exists()
+    with pytest.raises(OSError) as e:  # an error that already names its file keeps it
+        with atomic_write(target):
+            raise FileNotFoundError(2, "No such file or directory", "/elsewhere")
+    assert e.value.filename == "/elsewhere"

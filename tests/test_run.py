@@ -158,7 +158,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
     assert results.load(tmp_path / "cut").runs.loc[0, "rounds_done"] == 2
     _, outcome = _run(tmp_path / "cut", tiny_fed, extra, run_id="r", resume=True)
     assert outcome.status == "finished"
-    assert not (tmp_path / "cut" / "checkpoints" / "r.pkl").exists()  # removed once finished
+    assert not (tmp_path / "cut" / "checkpoints" / "r.npz").exists()  # removed once finished
     _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
     a, b = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
     pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))

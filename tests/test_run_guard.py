@@ -119,7 +119,7 @@ def cut_run(tmp_path_factory) -> Path:
     (lambda o: (o / "rounds" / "r.parquet").unlink(), "rounds/r.parquet is missing"),
     (lambda o: (o / "clients" / "r.parquet").unlink(), "clients/r.parquet is missing"),
     (lambda o: os.truncate(o / "clients" / "r.parquet", 100), "clients/r.parquet is unreadable"),
-    (lambda o: os.truncate(o / "checkpoints" / "r.pkl", 1000), "checkpoints/r.pkl is unreadable"),
+    (lambda o: os.truncate(o / "checkpoints" / "r.npz", 1000), "checkpoints/r.npz is unreadable"),
     (lambda o: os.truncate(o / "runs" / "r.parquet", 100), "runs/r.parquet is unreadable"),
     (lambda o: _keep_round(o / "rounds" / "r.parquet", 1), "lacks rounds 2"),
 ])
@@ -147,7 +147,7 @@ def test_an_intact_interrupted_run_still_resumes(cut_run, tmp_path, capsys):
 
 def test_stale_temp_files_of_a_killed_writer_are_removed_when_the_run_resumes(tmp_path, capsys):
     tiny_run(tmp_path, "r", stop_after=1)
-    stale = [tmp_path / "rounds" / ".r.parquet.deadbeef.tmp", tmp_path / "checkpoints" / ".r.pkl.deadbeef.tmp"]
+    stale = [tmp_path / "rounds" / ".r.parquet.deadbeef.tmp", tmp_path / "checkpoints" / ".r.npz.deadbeef.tmp"]
     for f in stale:
         f.write_bytes(b"x" * 1000)
     other = tmp_path / "rounds" / ".other.parquet.deadbeef.tmp"  # another run's: not ours to delete

@@ -285,7 +285,7 @@ def test_a_sweep_whose_driver_is_killed_resumes_every_trial_exactly_once(tmp_pat
     res = _check_complete(out, {f"{v}-s0" for v in KILL_VARIANTS}, 5)
     # finished trials were not re-run; the interrupted one continued from its checkpoint
     assert stamps == {k: (out / "rounds" / f"{k}.parquet").stat().st_mtime_ns for k in finished_before}
-    assert not list((out / "checkpoints").glob("*.pkl"))
+    assert not list((out / "checkpoints").glob("*.npz"))
     assert res.runs.set_index("run_id").loc[sorted(partial), "rounds_done"].eq(5).all()
 
 
@@ -314,11 +314,11 @@ def test_a_finished_runs_leftover_checkpoint_is_removed_on_resume(tmp_path, uri)
     folder = tmp_path / "out"
     for run_id in ("done-s0", "cut-s0"):
         (folder / "checkpoints").mkdir(parents=True, exist_ok=True)
-        (folder / "checkpoints" / f"{run_id}.pkl").write_bytes(b"state")
+        (folder / "checkpoints" / f"{run_id}.npz").write_bytes(b"state")
     dest = ResultsDestination(folder.as_uri() if uri else folder, staging_root=tmp_path / "staging")
     assert dest.is_remote == uri
     assert drop_stale_checkpoints(dest, ["done-s0"]) == ["done-s0"]
-    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["cut-s0.pkl"]  # a run to resume keeps its own
+    assert sorted(p.name for p in (folder / "checkpoints").iterdir()) == ["cut-s0.npz"]  # a run to resume keeps its own
     assert drop_stale_checkpoints(dest, ["done-s0"]) == []
 
 

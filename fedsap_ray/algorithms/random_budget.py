@@ -58,7 +58,9 @@ class RandomBudget(HasFL):
     summary = "matched-budget control: random widths scaled to HAS-FL's mean allocation"
     @dataclass(frozen=True)
     class Options(HasFL.Options):
-        p_low: float = 0.25  # lower end of the uniform draw (the smallest tier)
+        # lower end of the uniform draw (the smallest tier). Above p_min is legal: p_min only sets the shadow
+        # HAS-FL rule's budget, and the draws are rescaled to that budget anyway (a client may end below p_low)
+        p_low: float = 0.25
         target: float | None = None  # fixed mean budget instead of HAS-FL's rule
 
         def __post_init__(self) -> None:

@@ -2,7 +2,10 @@
 
 Layouts under ``root``:
 
-* standard: torchvision's ``<root>/cifar-10-batches-py/`` (downloaded with ``download=True``);
+* standard: torchvision's ``<root>/cifar-10-batches-py/`` (downloaded with ``download=True``). Those
+  batches are pickles; they are read by :func:`read_batch`, an unpickler that refuses every global
+  but numpy's array reconstructors, so a crafted file in a ``data.root`` cannot run code (torchvision's
+  own loader would unpickle it with ``pickle.load``);
 * shared: ``<root>/cifar10/cifar10_jpg_q75.tar.gz`` or ``<root>/cifar10_jpg_q75.tar.gz``
   (``train/<class>/*.jpg``, ``test/<class>/*.jpg``; class folders sorted = label order).
   The archive is read as one stream and its 60,000 JPEGs are decoded in batches by
@@ -17,18 +20,91 @@ from __future__ import annotations
 
 import hashlib
 import io
+import pickle
 import tarfile
 from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from fedsap_ray.data.digits import Split, resize_nchw, to_domain
+from fedsap_ray.data.digits import Split, _check_labels, resize_nchw, to_domain
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.status import atomic_save_npz, cache_home, default_root, first_present, unavailable
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 TARBALL = "cifar10_jpg_q75.tar.gz"
 _TV_FILES = ("data_batch_1", "data_batch_2", "data_batch_3", "data_batch_4", "data_batch_5", "test_batch", "batches.meta")
+
+
+def _numpy_globals() -> dict[tuple[str, str], object]:
+    """The only globals a CIFAR-10 batch needs: how numpy pickles an array (Python 2 ``cPickle`` protocol 2
+    in the original files: ``numpy.core.multiarray._reconstruct``, ``numpy.ndarray``, ``numpy.dtype``;
+    numpy 2 writes the reconstructor as ``numpy._core.multiarray._reconstruct``)."""
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        from numpy.core.multiarray import _reconstruct  # type: ignore[no-redef]
+    return {("numpy.core.multiarray", "_reconstruct"): _reconstruct,
+            ("numpy._core.multiarray", "_reconstruct"): _reconstruct,
+            ("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """Unpickles plain data and numpy arrays only: any other global (a function to call, a class to
+    build) is refused before it is looked up, so nothing in the file can run."""
+
+    allowed = _numpy_globals()
+
+    def find_class(self, module: str, name: str) -> object:
+        try:
+            return self.allowed[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}: a CIFAR-10 batch holds only "
+                                         "bytes, lists and numpy arrays") from None
+
+
+def read_batch(path: Path) -> dict:
+    """One ``cifar-10-batches-py`` file as a dict (``latin1`` strings, as torchvision reads them),
+    through :class:`_BatchUnpickler`; a file that is not such a dict raises ``pickle.UnpicklingError``
+    naming it."""
+    with open(path, "rb") as f:
+        try:
+            d = _BatchUnpickler(f, encoding="latin1").load()
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(f"{path}: {e}") from None
+    if not isinstance(d, dict):
+        raise pickle.UnpicklingError(f"{path}: not a CIFAR-10 batch (a {type(d).__name__}, not a dict)")
+    return d
+
+
+def read_batches(folder: Path) -> tuple[dict[str, Split], list[str]]:
+    """``{"train"/"test": (uint8 NCHW, int64)}`` and the class names from ``cifar-10-batches-py``."""
+    sp: dict[str, Split] = {}
+    for split, names in (("train", [f"data_batch_{i}" for i in range(1, 6)]), ("test", ["test_batch"])):
+        xs, ys = [], []
+        for name in names:
+            d = read_batch(folder / name)
+            data, labels = d.get("data"), d.get("labels")
+            if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072 \
+                    or not isinstance(labels, list) or len(labels) != len(data):
+                raise pickle.UnpicklingError(f"{folder / name}: not a CIFAR-10 batch (needs uint8 data [N, 3072] and "
+                                             "N labels)")
+            xs.append(data.reshape(-1, 3, 32, 32))
+            ys.append(np.asarray(labels, np.int64))
+        sp[split] = (np.ascontiguousarray(np.concatenate(xs)), np.concatenate(ys))
+    meta = read_batch(folder / "batches.meta")
+    classes = meta.get("label_names")
+    if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
+        raise pickle.UnpicklingError(f"{folder / 'batches.meta'}: no list of label_names")
+    return sp, classes
+
+
+def _download_batches(root: Path) -> None:
+    """torchvision's archive of the batches, checked against its md5 and extracted (nothing unpickled)."""
+    from torchvision.datasets import CIFAR10
+    from torchvision.datasets.utils import download_and_extract_archive
+
+    root.mkdir(parents=True, exist_ok=True)
+    download_and_extract_archive(CIFAR10.url, str(root), filename=CIFAR10.filename, md5=CIFAR10.tgz_md5)
 
 
 def _sha256(path: Path) -> str:
@@ -159,15 +235,9 @@ class Cifar10Source:
         tv = self._tv_paths(root)
         tar = self._tarball(root)
         if all(p.exists() for p in tv) or (tar is None and download):
-            import torchvision.datasets as tvd
-
-            if download:
-                root.mkdir(parents=True, exist_ok=True)
-            sp = {}
-            for split in ("train", "test"):
-                ds = tvd.CIFAR10(str(root), train=split == "train", download=download)
-                sp[split] = (np.ascontiguousarray(np.asarray(ds.data, np.uint8).transpose(0, 3, 1, 2)), np.asarray(ds.targets, np.int64))
-            classes = list(ds.classes)
+            if not all(p.exists() for p in tv):
+                _download_batches(root)
+            sp, classes = read_batches(root / "cifar-10-batches-py")
             notes = "CIFAR-10 (real), torchvision batches"
         elif tar is not None:
             sp, classes = cached_cifar_tarball(tar)
@@ -181,6 +251,8 @@ class Cifar10Source:
             )
         if len(classes) != 10:
             raise ValueError(f"cifar10: expected 10 classes, found {len(classes)}: {classes}")
+        for split in ("train", "test"):
+            _check_labels(self.name, "cifar10", sp[split], 10)
         return DomainSplits(
             dataset=self.name,
             domains=["cifar10"],

@@ -40,6 +40,7 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.partition import office_split
 from fedsap_ray.data.registry import DomainSplits, FileStatus, corrupt_file_errors, register_dataset, unreadable
 from fedsap_ray.data.status import atomic_save_npz, cache_home, default_root, shared_data_root, unavailable
+from fedsap_ray.errors import DatasetUnreadable
 
 IMAGE_SIZE = 32
 IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"})
@@ -277,10 +278,14 @@ def load_digit_domain(domain: str, layout: Layout | None, root: Path, download: 
     return _folder_domain(layout)
 
 
-def _check_labels(dataset: str, domain: str, split: Split, num_classes: int) -> None:
+def _check_labels(dataset: str, domain: str, split: Split, num_classes: int, layout: Layout | None = None) -> None:
+    """Labels outside 0..num_classes-1 mean a damaged file or another dataset: bad input (exit 2) naming
+    the file(s) read (``layout``), never a run that fails later on an index error."""
     y = split[1]
     if len(y) and (y.min() < 0 or y.max() >= num_classes):
-        raise ValueError(f"{dataset}: domain {domain!r} has labels outside 0..{num_classes - 1} (min {y.min()}, max {y.max()})")
+        where = f" in {', '.join(str(p) for p in layout.paths)}" if layout is not None else ""
+        raise DatasetUnreadable(f"{dataset}: domain {domain!r} has labels outside 0..{num_classes - 1} (min {y.min()}, "
+                                f"max {y.max()}){where}; the file is damaged or holds another dataset: fetch it again")
 
 
 # ----------------------------------------------------------------------------- sources
@@ -319,7 +324,7 @@ class DigitsSource:
         for d in self.domains:
             tr, te = load_digit_domain(d, plan[d], root, download)
             for s in (tr, te):
-                _check_labels(self.name, d, s, 10)
+                _check_labels(self.name, d, s, 10, plan[d])
             train[d], test[d] = to_domain(tr), to_domain(te)
             found = plan[d]
             kind = found.kind if found is not None else "torchvision download"

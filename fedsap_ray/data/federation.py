@@ -28,6 +28,7 @@ with distinct purpose constants; capacities use their own purpose inside
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from fedsap_ray.data.partition import (
     tv_distance,
 )
 from fedsap_ray.data.registry import DatasetSource, DomainSplits, get_source, unreadable
-from fedsap_ray.errors import ConfigError, DatasetUnavailable
+from fedsap_ray.errors import ConfigError, DatasetUnavailable, DatasetUnreadable
 from fedsap_ray.schema import DataConfig, ExperimentConfig
 
 _PURPOSE_PARTITION = 101
@@ -96,7 +97,17 @@ def load_splits(cfg: ExperimentConfig) -> DomainSplits:
     source = get_source(cfg.data.name)
     root = resolve_root(cfg.data, source)
     seed = int(cfg.seed) if getattr(source, "seed_dependent", False) else 0
-    return _load_cached(cfg.data.name, str(root), bool(cfg.data.download), seed)
+    try:
+        return _load_cached(cfg.data.name, str(root), bool(cfg.data.download), seed)
+    except DatasetUnavailable as e:
+        shared = os.environ.get("FEDSAP_SHARED_DATA")
+        if cfg.data.root is not None or not shared or isinstance(e, DatasetUnreadable):
+            raise
+        # the default root fell back to the cache because the shared folder lacks the files: say so, naming it
+        folder = Path(shared).expanduser()
+        state = "does not exist" if not folder.exists() else "is not a folder" if not folder.is_dir() else \
+            "is empty" if not any(folder.iterdir()) else f"lacks the {cfg.data.name} files"
+        raise type(e)(f"{e}; nor under FEDSAP_SHARED_DATA={shared}: that folder {state}") from e
 
 
 def clear_split_cache() -> None:

@@ -53,7 +53,7 @@ class MnistSource:
         plan = plan_domains(self.name, (DOMAIN,), root, download)
         tr, te = load_digit_domain(DOMAIN, plan[DOMAIN], root, download)
         for split in (tr, te):
-            _check_labels(self.name, DOMAIN, split, MNIST_CLASSES)
+            _check_labels(self.name, DOMAIN, split, MNIST_CLASSES, plan[DOMAIN])
         found = plan[DOMAIN]
         kind = found.kind if found is not None else "torchvision download"
         return DomainSplits(

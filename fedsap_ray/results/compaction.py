@@ -7,6 +7,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
+from fedsap_ray import checkpoint
 from fedsap_ray.results.reader import run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, list_table,
@@ -16,8 +17,7 @@ from fedsap_ray.results.writer import consolidate_run
 
 def _checkpointed(fs: pafs.FileSystem, base: str) -> set[str]:
     infos = fs.get_file_info(pafs.FileSelector(f"{base}/checkpoints", allow_not_found=True))
-    return {i.base_name[: -len(".pkl")] for i in infos
-            if i.type == pafs.FileType.File and i.base_name.endswith(".pkl") and not i.base_name.startswith(".")}
+    return checkpoint.run_ids_in([i.base_name for i in infos if i.type == pafs.FileType.File])
 
 
 def _unchanged(fs: pafs.FileSystem, info: pafs.FileInfo) -> bool:

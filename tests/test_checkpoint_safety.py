@@ -1,0 +1,258 @@
+"""Checkpoints cannot run code: the state is a JSON skeleton plus npz arrays read with allow_pickle=False
+(fedsap_ray.treecodec); a pickle where a checkpoint belongs is refused without being run; pickled
+checkpoints of older versions are never opened; every strategy's state round-trips exactly."""
+from __future__ import annotations
+
+import collections
+import enum
+import io
+import json
+import pickle
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from faultkit import TINY, cli, sets, tiny_run
+from fedsap_ray import algorithms, checkpoint, treecodec
+from fedsap_ray.config import build_config
+from fedsap_ray.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal values of exactly the same types, all the way down (NaN equals NaN, -0.0 is not 0.0)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return repr(a) == repr(b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(map(repr, a)) == list(map(repr, b)) and all(type(k) is type(j) and same(a[k], b[j])
+                                                                for k, j in zip(a, b))
+    if isinstance(a, (np.ndarray, np.generic)):
+        return a.dtype == b.dtype and np.shape(a) == np.shape(b) and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16
+                                                                         else a, b.view(torch.uint8)
+                                                                         if b.dtype == torch.bfloat16 else b)
+    return bool(a == b)
+
+
+def round_trip(tree: Any) -> Any:
+    buf = io.BytesIO()
+    treecodec.write(buf, tree)
+    buf.seek(0)
+    return treecodec.read(buf)[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The codec: exact round trips (Hypothesis), refusals naming the key
+# ---------------------------------------------------------------------------------------------
+DTYPES = st.sampled_from([np.float32, np.float64, np.float16, np.int8, np.int32, np.int64, np.uint8, np.uint32,
+                          np.bool_, np.complex64])
+arrays = DTYPES.flatmap(lambda dt: hnp.arrays(dt, hnp.array_shapes(min_dims=0, max_dims=3, max_side=4)))
+numpy_scalars = arrays.map(lambda a: a.reshape(-1)[0] if a.size else a.dtype.type(0))
+keys = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70), st.text(max_size=5),
+                 st.floats(allow_nan=False), st.tuples(st.integers(), st.text(max_size=3)))
+leaves = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**80, max_value=2**80),
+                   st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8), arrays, numpy_scalars)
+trees = st.recursive(leaves, lambda kids: st.one_of(
+    st.lists(kids, max_size=4), st.lists(kids, max_size=4).map(tuple),
+    st.dictionaries(keys, kids, max_size=4)), max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(trees)
+def test_any_state_tree_round_trips_with_its_exact_types(tree):
+    assert same(round_trip(tree), tree)
+
+
+def test_the_state_a_run_holds_round_trips_rng_states_tensors_and_aliases():
+    rng = np.random.default_rng(7)
+    rng.random(3)
+    arr = np.arange(5, dtype=np.float32)
+    tree = {"gen": rng.bit_generator.state, "mt": np.random.MT19937(3).state, "py": random.Random(4).getstate(),
+            "torch_rng": torch.get_rng_state(), "bf16": torch.arange(3, dtype=torch.bfloat16), 3: {7: (1, [2])},
+            "a": arr, "same_a": arr, "nested": [arr], "f64": np.float64(0.1), "i64": np.int64(-3), "nan": float("nan")}
+    back = round_trip(tree)
+    assert same(back, tree)
+    assert back["a"] is back["same_a"] is back["nested"][0]  # one object in, one object out (as pickle keeps it)
+    again = np.random.default_rng()
+    again.bit_generator.state = back["gen"]
+    assert again.random() == rng.random()  # the generator continues where it stopped
+    r = random.Random()
+    r.setstate(back["py"])
+    assert r.random() == random.Random(4).random()
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+@pytest.mark.parametrize("bad, where, kind", [
+    ({"x": {3: [{1, 2}]}}, "state['x'][3][0]", "builtins.set"),
+    ({"od": collections.OrderedDict(a=1)}, "state['od']", "collections.OrderedDict"),
+    ({"dd": collections.defaultdict(list)}, "state['dd']", "collections.defaultdict"),
+    ({"e": Colour.RED}, "state['e']", "Colour"),
+    ({"o": np.array([None, 1], dtype=object)}, "state['o']", "dtype object"),
+    ({"m": np.ma.masked_array([1, 2])}, "state['m']", "MaskedArray"),
+    ({"f": lambda: 0}, "state['f']", "function"),
+    ({frozenset([1]): 1}, "dict key frozenset", "frozenset"),
+])
+def test_a_value_the_format_does_not_store_is_refused_at_save_time_naming_its_key(tmp_path, bad, where, kind):
+    with pytest.raises(treecodec.TreeTypeError) as e:
+        treecodec.encode(bad)
+    assert where in str(e.value) and kind in str(e.value), str(e.value)
+    state = checkpoint.ServerState(round=1, params=np.zeros(3, np.float32), extra=bad)
+    with pytest.raises(treecodec.TreeTypeError):
+        checkpoint.save(tmp_path, "r", state, {})
+    assert not list((tmp_path / "checkpoints").iterdir())  # no checkpoint, no temporary file
+
+
+def test_a_checkpoint_of_another_run_or_format_version_is_unreadable(tmp_path):
+    state = checkpoint.ServerState(round=2, params=np.zeros(4, np.float32), extra={1: np.ones(2)})
+    checkpoint.save(tmp_path, "a", state, {"best": 0.5}, tables=["rounds"])
+    ck = checkpoint.load(tmp_path, "a")
+    assert ck["state"].round == 2 and ck["server"] == {"best": 0.5} and ck["tables"] == ["rounds"]
+    assert same(ck["state"].extra, state.extra)
+    (tmp_path / "checkpoints" / "b.npz").write_bytes(checkpoint.path_for(tmp_path, "a").read_bytes())
+    with pytest.raises(checkpoint.CheckpointUnreadable, match="not the checkpoint of run 'b'"):
+        checkpoint.load(tmp_path, "b")
+    buf = io.BytesIO()
+    np.savez(buf, **{treecodec.META: np.frombuffer(b'{"format": "fedsap_ray.tree", "version": 99, "tree": null}',
+                                                   dtype=np.uint8)})
+    checkpoint.path_for(tmp_path, "c").write_bytes(buf.getvalue())
+    with pytest.raises(checkpoint.CheckpointUnreadable, match="format version 99"):
+        checkpoint.load(tmp_path, "c")
+
+
+# ---------------------------------------------------------------------------------------------
+# Every strategy's state survives the format exactly
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", algorithms.names())
+def test_every_strategys_state_round_trips_exactly_through_its_checkpoint(tmp_path, algo):
+    from fedsap_ray.runtime import make_backend
+    from fedsap_ray.session import RunSession
+
+    cfg = build_config(preset="smoke", overrides=[*TINY, f"algorithm.name={algo}", "training.rounds=2"])
+    s = RunSession(cfg, tmp_path, "r", backend=make_backend(cfg))
+    s.start()
+    for t in (1, 2):
+        s.step(t)
+    s.backend.close()
+    ck = checkpoint.load(tmp_path, "r")
+    assert ck["state"].round == 2 and same(ck["state"].params, s.state.params)
+    assert same(ck["state"].extra, s.state.extra), algo
+    assert same(ck["server"], s.server.metrics_state())
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming never runs code from the results folder
+# ---------------------------------------------------------------------------------------------
+class _Payload:
+    """Unpickling this creates ``marker``: what a crafted checkpoint would do, harmlessly."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def _malicious(marker: Path) -> bytes:
+    payload = pickle.dumps({"state": _Payload(marker), "server": {}, "tables": []})
+    probe = marker.with_name("probe")
+    pickle.loads(pickle.dumps(_Payload(probe)))  # the payload works: unpickling it does create its file
+    assert probe.exists()
+    return payload
+
+
+def _malicious_npz(marker: Path) -> bytes:
+    """A well-formed checkpoint whose parameter array is an object array: a pickle inside the npz."""
+    skeleton = {"format": treecodec.FORMAT, "version": treecodec.VERSION, "kind": "checkpoint", "run_id": "k1",
+                "tree": {"d": [["state", {"d": [["round", 1], ["params", {"a": "a0"}], ["extra", {"d": []}]]}],
+                               ["server", {"d": []}], ["tables", {"l": []}]]}}
+
+    def npz(m: Path) -> bytes:
+        buf = io.BytesIO()
+        np.savez(buf, allow_pickle=True, **{treecodec.META: np.frombuffer(json.dumps(skeleton).encode(), np.uint8),
+                                            "a0": np.array([_Payload(m)], dtype=object)})
+        return buf.getvalue()
+
+    probe = marker.with_name("probe-npz")
+    with np.load(io.BytesIO(npz(probe)), allow_pickle=True) as z:
+        z["a0"]  # read with pickles allowed, the payload runs
+    assert probe.exists()
+    return npz(marker)
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "pickle-in-npz", "legacy"])
+def test_resume_refuses_a_malicious_pickle_without_running_it(tmp_path, capsys, where):
+    out = tmp_path / "o"
+    tiny_run(out, "k1", stop_after=1)
+    marker = tmp_path / "pwned"
+    target = checkpoint.legacy_path_for(out, "k1") if where == "legacy" else checkpoint.path_for(out, "k1")
+    checkpoint.path_for(out, "k1").unlink()
+    target.write_bytes(_malicious_npz(marker) if where == "pickle-in-npz" else _malicious(marker))
+    rc, lines = cli(capsys, "run", "--quiet", "--out", str(out), "--resume", "k1")
+    assert rc == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("fedsap-ray: error: invalid --resume='k1': ") and str(target) in lines[0], lines
+    if where == "legacy":
+        assert "pickled checkpoint of an older fedsap_ray" in lines[0] and "--overwrite" in lines[0], lines
+    else:
+        assert "unreadable" in lines[0], lines
+    assert not marker.exists()  # nothing in the file ran
+    with pytest.raises(checkpoint.CheckpointUnreadable):
+        checkpoint.load(out, "k1")
+    assert not marker.exists()
+    # the way out the message names: a fresh run under the same id
+    rc, lines = cli(capsys, "run", "--preset", "smoke", "--quiet", "--out", str(out), "--run-id", "k1", "--overwrite",
+                    *sets(TINY))
+    assert rc == 0, lines
+    assert not target.exists() and not marker.exists()
+
+
+@pytest.mark.parametrize("uri", [False, True])
+def test_a_sweep_resume_refuses_a_pickled_checkpoint_before_ray_starts(tmp_path, uri):
+    from fedsap_ray.storage import ResultsDestination
+    from sweeps.study import refuse_legacy_checkpoints
+
+    folder = tmp_path / "sweep"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "checkpoints" / "v-s0.pkl").write_bytes(_malicious(tmp_path / "pwned"))
+    dest = ResultsDestination(folder.as_uri() if uri else folder, staging_root=tmp_path / "staging")
+    refuse_legacy_checkpoints(dest, ["other-s0"])  # not one of ours: fine
+    with pytest.raises(ConfigError, match=r"invalid --resume: .*v-s0\.pkl is a pickled checkpoint"):
+        refuse_legacy_checkpoints(dest, ["v-s0"])
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_no_code_reads_results_files_with_pickle():
+    """No pickle.load/loads, torch.load without weights_only=True, np.load(allow_pickle=True),
+    Tuner.restore (unpickles tuner.pkl) or Trial.get_pickled_error (unpickles a trial's error.pkl) in
+    the package, the sweeps or the analysis code; the one Unpickler (CIFAR-10 batches) refuses every
+    global but numpy's array reconstructors."""
+    bad = re.compile(r"pickle\.loads?\(|cloudpickle\.loads?\(|torch\.load\((?![^)]*weights_only=True)|"
+                     r"allow_pickle=True|Tuner\.restore\(|get_pickled_error\(|joblib\.load|pd\.read_pickle|dill\.")
+    found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for folder in ("fedsap_ray", "sweeps", "analysis", "benchmarks")
+             for p in sorted((REPO / folder).rglob("*.py")) for i, line in enumerate(p.read_text().splitlines(), 1)
+             if bad.search(line)]
+    assert found == []
+    unpicklers = sorted(str(p.relative_to(REPO)) for folder in ("fedsap_ray", "sweeps", "analysis", "benchmarks")
+                        for p in (REPO / folder).rglob("*.py") if "pickle.Unpickler" in p.read_text())
+    assert unpicklers == ["fedsap_ray/data/cifar.py"]
+    from fedsap_ray.data.cifar import _BatchUnpickler
+
+    assert set(_BatchUnpickler.allowed) == {("numpy.core.multiarray", "_reconstruct"),
+                                            ("numpy._core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+                                            ("numpy", "dtype")}
