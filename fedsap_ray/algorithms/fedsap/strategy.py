@@ -411,7 +411,7 @@ class FedSAP(Strategy):
         capacities = [c.capacity for c in fed.clients]  # ARI vs the true domains: the recorder's (client_groups)
         return {"n_groups": int(len(members)), "ari_capacity": dga.agreement(groups, capacities)}
 
-    def _next_masks(self, state: ServerState, t: int) -> dict[str, int]:
+    def _next_masks(self, state: ServerState, t: int) -> dict[str, int | float | None]:
         """Lines 11-17 for round t+1; returns how the masks moved (``n_reactivated``, ``n_role_switches``)."""
         ex, o, space, fed = state.extra, self.opts, self.ctx.space, self.ctx.federation
         if ex["frozen"]:
