@@ -31,7 +31,7 @@ from fedsap_ray.config import ExperimentConfig
 REPO = Path(__file__).resolve().parents[1]
 FUZZ = dict(derandomize=True, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 # one refusal line: "<prog>: error: invalid <field or flag or file>=..." or argparse's "argument --flag: ..."
-REFUSAL = re.compile(r"^(?P<prog>[\w.\- ]+): error: (?:invalid (?P<name>(?:[^\s=:'\"]|'[^']*'|\"[^\"]*\")+|--set [^\s=:]+"
+REFUSAL = re.compile(r"^(?P<prog>[\w.\- ]+): error: (?:invalid (?P<name>(?:[^\s=:'\"]|'[^']*'|\"[^\"]*\")+|--set (?:'[^']*'|[^\s=:]+)"
                      r"|--config=\S+)[=:]|argument (?P<flag>--[\w-]+)|unrecognized arguments: )")
 
 SECTIONS = ("data", "capacity", "model", "training", "resources")
