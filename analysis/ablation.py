@@ -115,10 +115,7 @@ def mask_motion_table(res: Any) -> pd.DataFrame:
     per_round = rounds.drop_duplicates(["run_id", "round"]).sort_values(["run_id", "round"])
     last = per_round.groupby("run_id")["round"].transform("max")
     moves = per_round[per_round["round"] < last].groupby("run_id")[["n_reactivated", "n_role_switches"]].mean()
-    cov = sweep.primary_rounds(rounds)
-    cov = cov[cov["round"] == cov.groupby("run_id")["round"].transform("max")]
-    cov = cov.pivot_table(index="run_id", columns="domain", values="domain_coverage", aggfunc="first")
-    cov = cov[[d for d in dict.fromkeys(rounds["domain"]) if d in cov.columns and d != sweep.GLOBAL]]
+    cov = stability.final_coverage(rounds)
     out = runs[["run_id", "variant", "seed"]].set_index("run_id").join(moves).join(cov.add_prefix("coverage "))
     shares = stability.swap_shares(res)
     if len(shares):  # the share of each keep ratio's active channels that are new per round, after warm-up

@@ -35,13 +35,18 @@ def swap_shares(res: Any) -> pd.DataFrame:
     return c.groupby(["run_id", "capacity_max"], as_index=False)["swap_share"].mean()
 
 
+def final_coverage(rounds: pd.DataFrame) -> pd.DataFrame:
+    """Per run (rows) and test domain (columns, in the rounds table's order) of a ``rounds`` table:
+    ``domain_coverage`` at the run's last evaluated round of its primary eval mode."""
+    cov = sweep.primary_rounds(rounds)
+    cov = cov[cov["round"] == cov.groupby("run_id")["round"].transform("max")]
+    cov = cov.pivot_table(index="run_id", columns="domain", values="domain_coverage", aggfunc="first")
+    return cov[[d for d in dict.fromkeys(rounds["domain"]) if d in cov.columns and d != sweep.GLOBAL]]
+
+
 def min_coverage(res: Any) -> pd.Series:
     """Per run, the least over the test domains of ``domain_coverage`` at the last evaluated round."""
-    res = sweep.load_sweep(res)
-    rounds = sweep.primary_rounds(sweep.table(res, "rounds"))
-    rounds = rounds[(rounds["domain"] != sweep.GLOBAL) & rounds["domain_coverage"].notna()]
-    last = rounds[rounds["round"] == rounds.groupby("run_id")["round"].transform("max")]
-    return last.groupby("run_id")["domain_coverage"].min().rename("min_coverage")
+    return final_coverage(sweep.table(sweep.load_sweep(res), "rounds")).min(axis=1).rename("min_coverage")
 
 
 def per_run(res: Any) -> pd.DataFrame:
