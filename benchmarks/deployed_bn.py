@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     state = strat.init_state()
     try:
         for t in range(1, args.rounds + 1):
-            state = strat.aggregate(state, backend.train(strat.configure_round(state, t)), t)
+            plans = strat.configure_round(state, t)
+            state = strat.aggregate(state, plans, backend.train(plans), t).state
     finally:
         backend.close()
     models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]

@@ -25,7 +25,7 @@ from fedsap_ray import algorithms
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context
-from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE
+from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.runtime.local import LocalBackend
 
 
@@ -51,7 +51,7 @@ def main() -> None:
     try:
         for t in range(1, cfg.training.rounds + 1):
             plans = strat.configure_round(state, t)
-            cur = {cid: np.asarray(p.extra["states"]).copy() for cid, p in plans.items()}
+            cur = {cid: np.asarray(state.strategy_state.states[cid]).copy() for cid in plans}
             for cid, p in plans.items():
                 d = fed.clients[cid].domain
                 cover[d] |= p.mask & trainable
@@ -64,8 +64,8 @@ def main() -> None:
                                                 | ((prev[c] == PRIVATE) & (cur[c] == GLOBAL))).sum() for c in both))
             row["n_private"] = int(sum((s == PRIVATE).sum() for s in cur.values()))
             prev = cur
-            state = strat.aggregate(state, backend.train(plans), t)
-            info = state.extra.get("round_info") or {}
+            out = strat.aggregate(state, plans, backend.train(plans), t)
+            state, info = out.state, out.records.rounds
             row.update({k: float(v) for k, v in info.items() if isinstance(v, (int, float, np.integer, np.floating))})
             rows.append(row)
             print(row, f"{time.time() - t0:.0f}s", flush=True)
@@ -75,7 +75,7 @@ def main() -> None:
                coverage={d: float(cover[d].sum() / trainable.sum()) for d in fed.domains},
                channels_never_seen={d: int((~chan_cover[d]).sum()) for d in fed.domains},
                total_channels=int(ctx.space.total_channels),
-               layer_counts={int(k): [int(x) for x in v] for k, v in state.extra.get("layer_counts", {}).items()},
+               layer_counts={int(k): [int(x) for x in v] for k, v in state.strategy_state.layer_counts.items()},
                capacities={c.client_id: c.capacity for c in fed.clients},
                domains={c.client_id: c.domain for c in fed.clients}, wall_s=time.time() - t0)
     with open(args.out, "w") as f:

@@ -55,7 +55,7 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
     removed: a half-written checkpoint the size of the model would otherwise keep the disk full
     (:func:`fedsap_ray.atomic.atomic_write`, whose error names the file).
     """
-    tree = {"state": {"round": int(state.round), "params": state.params, "extra": state.extra},
+    tree = {"state": {"round": int(state.round), "params": state.params, "strategy": state.strategy_state},
             "server": server_metrics, "tables": list(tables or [])}
     with atomic_write(path_for(out, run_id)) as f:
         treecodec.write(f, tree, header={"kind": KIND, "run_id": run_id, "round": int(state.round)})
@@ -81,7 +81,7 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
         st = tree["state"]
         params = st["params"]
         if type(st["round"]) is not int or not isinstance(params, np.ndarray) or params.dtype != np.float32 \
-                or params.ndim != 1 or type(st["extra"]) is not dict:
+                or params.ndim != 1 or type(st["strategy"]) is not dict:
             raise treecodec.TreeFormatError("the state is not a round number, a 1-D float32 parameter vector "
                                             "and a dict of strategy state")
         if type(tree["server"]) is not dict or type(tree["tables"]) is not list:
@@ -89,7 +89,7 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
     except (treecodec.TreeFormatError, KeyError, TypeError) as e:
         raise CheckpointUnreadable(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); it is truncated, "
                                    "damaged or not a fedsap_ray checkpoint, so the run cannot continue from it") from e
-    return {"state": ServerState(round=st["round"], params=params, extra=st["extra"]),
+    return {"state": ServerState(round=st["round"], params=params, strategy_state=st["strategy"]),
             "server": tree["server"], "tables": tree["tables"]}
 
 

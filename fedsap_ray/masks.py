@@ -32,11 +32,6 @@ from torch import nn
 
 from fedsap_ray.models.space import ChannelSpace, ParamAxis, check_layer_values
 
-# Tri-state channel roles (papers/000 Eq. 3: s in {G, P, D}).
-GLOBAL: int = 0
-PRIVATE: int = 1
-DROPPED: int = 2
-
 ChannelMasks = Mapping[str, np.ndarray]
 
 
@@ -163,11 +158,6 @@ def nested_channel_masks(space: ChannelSpace, p: float) -> dict[str, np.ndarray]
     return out
 
 
-def active_channel_masks(states: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Tri-state -> bool: Global and Private channels are active, Dropped ones are not."""
-    return {k: np.asarray(v) != DROPPED for k, v in states.items()}
-
-
 def channel_mask_counts(channel_masks: ChannelMasks) -> dict[str, int]:
     """Active channels per layer: the widths of the physically sliced sub-model."""
     return {k: int(np.count_nonzero(v)) for k, v in channel_masks.items()}
@@ -194,7 +184,7 @@ def covering_channel_masks(space: ChannelSpace, layout: ParamLayout, mask: np.nd
 
 
 @lru_cache(maxsize=64)
-def _deps(space: ChannelSpace, layout: ParamLayout) -> tuple[tuple[tuple[str, ParamAxis, bool], ...], ...]:
+def coordinate_dependencies(space: ChannelSpace, layout: ParamLayout) -> tuple[tuple[tuple[str, ParamAxis, bool], ...], ...]:
     """Per layout tensor: (layer name, axis, is_output) for every channel axis it has. Validates shapes."""
     space.validate(dict(zip(layout.names, layout.shapes)))
     by_name: dict[str, list[tuple[str, ParamAxis, bool]]] = {n: [] for n in layout.names}
@@ -206,7 +196,7 @@ def _deps(space: ChannelSpace, layout: ParamLayout) -> tuple[tuple[tuple[str, Pa
     return tuple(tuple(by_name[n]) for n in layout.names)
 
 
-def _along(values: np.ndarray, ax: ParamAxis, ndim: int) -> np.ndarray:
+def along(values: np.ndarray, ax: ParamAxis, ndim: int) -> np.ndarray:
     """Per-channel values expanded along ``ax`` and shaped to broadcast against the tensor."""
     shape = [1] * ndim
     shape[ax.axis] = -1
@@ -217,59 +207,14 @@ def param_mask(space: ChannelSpace, layout: ParamLayout, channel_masks: ChannelM
     """bool [layout.size]: covered iff every channel the coordinate depends on is active (module docstring)."""
     check_layer_values(space, channel_masks, "param_mask")
     out = np.ones(layout.size, dtype=bool)
-    for deps, off, shape in zip(_deps(space, layout), layout.offsets, layout.shapes):
+    for deps, off, shape in zip(coordinate_dependencies(space, layout), layout.offsets, layout.shapes):
         if not deps:
             continue
         t = np.ones(shape, dtype=bool)
         for layer, ax, _ in deps:
-            t &= _along(np.asarray(channel_masks[layer], dtype=bool), ax, len(shape))
+            t &= along(np.asarray(channel_masks[layer], dtype=bool), ax, len(shape))
         out[off:off + t.size] = t.reshape(-1)
     return out
-
-
-def tristate_param_masks(space: ChannelSpace, layout: ParamLayout,
-                         states: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(global_mask, private_mask) over the flat layout; disjoint, union = active-channel param mask.
-
-    How we read papers/000 Eq. 8 at coordinate level: the parameters W_{l,c} of channel c
-    of layer l are the tensors whose OUTPUT axis is c (its filter across all inputs, its
-    bias, its BN parameters and statistics). So a coordinate is
-
-    - dropped (in neither mask) if any channel it depends on is Dropped;
-    - otherwise it takes the role of its output channel when it has one;
-    - else (e.g. classifier weight columns, whose output units are never channels) the
-      role of its input channel, Private if any input channel it reads is Private;
-    - else (tensors shared in full: classifier bias, embedding) Global.
-
-    Global coordinates are then aggregated over all clients holding them as Global, and
-    Private ones within the pseudo-domain group (Eq. 8).
-    """
-    check_layer_values(space, states, "tristate_param_masks")
-    for name, v in states.items():
-        v = np.asarray(v)
-        if not np.isin(v, (GLOBAL, PRIVATE, DROPPED)).all():
-            raise ValueError(f"tristate_param_masks: layer {name!r} has states outside {{0, 1, 2}}")
-    glob = np.ones(layout.size, dtype=bool)
-    priv = np.zeros(layout.size, dtype=bool)
-    for deps, off, shape in zip(_deps(space, layout), layout.offsets, layout.shapes):
-        if not deps:
-            continue
-        nd = len(shape)
-        active = np.ones(shape, dtype=bool)
-        for layer, ax, _ in deps:
-            active &= _along(np.asarray(states[layer]) != DROPPED, ax, nd)
-        outs = [(layer, ax) for layer, ax, is_out in deps if is_out]
-        if outs:
-            layer, ax = outs[0]  # ChannelSpace guarantees at most one output layer per tensor
-            is_priv = np.broadcast_to(_along(np.asarray(states[layer]) == PRIVATE, ax, nd), shape)
-        else:
-            is_priv = np.zeros(shape, dtype=bool)
-            for layer, ax, _ in deps:
-                is_priv = is_priv | _along(np.asarray(states[layer]) == PRIVATE, ax, nd)
-        p = active & is_priv
-        glob[off:off + p.size] = (active & ~p).reshape(-1)
-        priv[off:off + p.size] = p.reshape(-1)
-    return glob, priv
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ it trained, in the same order, so byte counts are those of the real payload.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -90,4 +91,35 @@ class ServerState:
 
     round: int
     params: np.ndarray  # float32 [n_params], the global model
-    extra: dict[str, Any] = field(default_factory=dict)  # strategy state (numpy arrays, scalars)
+    # what the strategy keeps between rounds besides the global model: its own state (a dict, or the dataclass its
+    # ``Strategy.State`` declares); only the strategy reads it, checkpoints store it (fedsap_ray.treecodec)
+    strategy_state: Any = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundRecords:
+    """What a strategy computed in one round for the results tables, returned by ``aggregate``.
+
+    Only core and declared columns (``Strategy.columns``); the recorder
+    (:mod:`fedsap_ray.results.recorder`) adds the round, the ground truth and the evaluation.
+    """
+
+    rounds: Mapping[str, Any] = field(default_factory=dict)  # this round's declared ``rounds`` columns
+    # per client that trained: its compute (params_trained, macs_per_sample, train_macs) and declared columns
+    clients: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    layers: Sequence[Mapping[str, Any]] = ()  # ``layers`` rows (without ``round``)
+    allocations: Sequence[Mapping[str, Any]] = ()  # ``allocations`` rows (without ``round`` and ``tv_distance``)
+    # the group label of every client when the strategy (re)formed client groups this round (the recorder
+    # scores them against the true domains: ``rounds.ari_domain``)
+    groups: np.ndarray | None = None
+    # the strategy's part of the progress line: a str.format template over the round's columns (its own and
+    # the recorder's ``ari_domain``), e.g. "  DGA {n_groups} groups (ARI domains {ari_domain:.2f})"
+    progress: str = ""
+
+
+@dataclass(frozen=True)
+class RoundOutput:
+    """``Strategy.aggregate``'s value: the new server state and the round's records (nothing else is pulled)."""
+
+    state: ServerState
+    records: RoundRecords

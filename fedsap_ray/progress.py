@@ -1,7 +1,7 @@
 """One progress line per round on stderr (log-friendly, works in notebooks and on clusters).
 
-The line ends with the strategy's own summary (``RoundSummary.progress``, from
-:meth:`fedsap_ray.algorithms.base.Strategy.progress_text`), so no algorithm is named here.
+The line ends with the strategy's own summary (``RoundSummary.progress``: the template its ``aggregate``
+returned in ``RoundRecords.progress``, filled with the round's columns), so no algorithm is named here.
 """
 from __future__ import annotations
 

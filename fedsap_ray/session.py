@@ -21,7 +21,7 @@ import torch
 
 import fedsap_ray
 from fedsap_ray import algorithms, checkpoint
-from fedsap_ray.algorithms.base import RunContext
+from fedsap_ray.context import RunContext
 from fedsap_ray.client import default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
@@ -135,13 +135,17 @@ class RunSession:
                              device=pick_device(cfg.resources.device))
         fed = self.ctx.federation
         self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes)
+        self.recorder = self.server.recorder
+        self.last_summary: RoundSummary | None = None
         self.state: ServerState | None = None
         self.prior_wall_s = 0.0
         self._resumed: ServerState | None = None
         if resume:
             ck = checkpoint.load(self.out, run_id)
-            self._resumed = ck["state"]
-            self.server.restore_metrics(ck["server"])
+            st = ck["state"]
+            self._resumed = ServerState(round=st.round, params=st.params,
+                                        strategy_state=self.strategy.state_from_tree(st.strategy_state))
+            self.recorder.restore_metrics(ck["server"])
             old = self.writer.restore(self._resumed.round)
             if old is not None:
                 if old["config_hash"] != cfg.config_hash():
@@ -162,13 +166,14 @@ class RunSession:
 
     def step(self, t: int) -> RoundSummary:
         assert self.state is not None, "RunSession.start() first"
-        state = self.server.round(self.state, t)
-        checkpoint.save(self.out, self.run_id, state, self.server.metrics_state(),
+        state, summary = self.server.round(self.state, t)
+        tree = ServerState(round=state.round, params=state.params,
+                           strategy_state=self.strategy.state_tree(state.strategy_state))
+        checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),
                         tables=self.writer.tables_written())
-        self.state = state  # only now is round t done: a resume can continue after it
+        self.state, self.last_summary = state, summary  # only now is round t done: a resume can continue after it
         self.writer.set_run(self._row("running"))
-        assert self.server.last_summary is not None, "Server.round sets it"
-        return self.server.last_summary
+        return summary
 
     def finish(self, status: str, error: str | None = None) -> RunOutcome:
         try:
@@ -178,17 +183,17 @@ class RunSession:
         finally:
             self.backend.close()
         return RunOutcome(run_id=self.run_id, out=self.out, status=status,
-                          final_global_accuracy=self.server.last_global, best_global_accuracy=self.server.best,
+                          final_global_accuracy=self.recorder.last_global, best_global_accuracy=self.recorder.best,
                           wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
                           worker_restarts=int(getattr(self.backend, "restarts", 0)))
 
     def metrics(self, workers: bool = False) -> SessionMetrics:
         """The run's progress so far; ``workers``: also where its client workers run (asks each one)."""
-        last = self.server.last_summary
+        last = self.last_summary
         info = getattr(self.backend, "worker_info", None) if workers else None
         return SessionMetrics(run_id=self.run_id, round=self._rounds_done(), rounds=self.cfg.training.rounds,
-                              global_accuracy=float(self.server.last_global),
-                              best_global_accuracy=float(self.server.best),
+                              global_accuracy=float(self.recorder.last_global),
+                              best_global_accuracy=float(self.recorder.best),
                               deployed_accuracy=None if last is None else last.deployed_accuracy,
                               worker_restarts=int(getattr(self.backend, "restarts", 0)),
                               workers=tuple(info()) if info is not None else ())
@@ -196,8 +201,8 @@ class RunSession:
     def _row(self, status: str, error: str | None = None) -> dict:
         return dict(self.base_row, status=status, error=error, finished_at=None if status == "running" else _now(),
                     rounds_done=self._rounds_done(), wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
-                    final_global_accuracy=_nan_none(self.server.last_global),
-                    best_global_accuracy=_nan_none(self.server.best))
+                    final_global_accuracy=_nan_none(self.recorder.last_global),
+                    best_global_accuracy=_nan_none(self.recorder.best))
 
     def _rounds_done(self) -> int:
         state = self.state if self.state is not None else self._resumed

@@ -73,21 +73,30 @@ def make_strategy(cfg, fed):
     return ctx, algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
 
 
-def run_rounds_with_plans(cfg, fed, rounds):
-    """Run the strategy in-process for ``rounds`` rounds; return (ctx, strategy, states, plans, results):
-    states[0] initial and states[t] after round t; plans[t - 1] and results[t - 1] are round t's plan dict and
-    the clients' results in the order the backend returned them (the order aggregate saw)."""
+def run_rounds_with_records(cfg, fed, rounds):
+    """Run the strategy in-process for ``rounds`` rounds; return (ctx, strategy, states, plans, results, records):
+    states[0] initial and states[t] after round t; plans[t - 1], results[t - 1] and records[t - 1] are round t's
+    plan dict, the clients' results in the order the backend returned them (the order aggregate saw) and the
+    RoundRecords aggregate returned."""
     ctx, strat = make_strategy(cfg, fed)
     backend = LocalBackend("cpu", num_workers=1)
     backend.start(ctx)
-    states, plans, outs = [strat.init_state()], [], []
+    states, plans, outs, records = [strat.init_state()], [], [], []
     try:
         for t in range(1, rounds + 1):
             plans.append(strat.configure_round(states[-1], t))
             outs.append(backend.train(plans[-1]))
-            states.append(strat.aggregate(states[-1], outs[-1], t))
+            out = strat.aggregate(states[-1], plans[-1], outs[-1], t)
+            states.append(out.state)
+            records.append(out.records)
     finally:
         backend.close()
+    return ctx, strat, states, plans, outs, records
+
+
+def run_rounds_with_plans(cfg, fed, rounds):
+    """:func:`run_rounds_with_records` without the records: (ctx, strategy, states, plans, results)."""
+    ctx, strat, states, plans, outs, _ = run_rounds_with_records(cfg, fed, rounds)
     return ctx, strat, states, plans, outs
 
 

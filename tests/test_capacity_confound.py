@@ -58,8 +58,8 @@ def test_coverage_guarantee_leaves_no_coordinate_frozen_and_its_absence_does(fed
     ctx, _, on = run_rounds(_cfg(*common), f, 4)
     _, _, off = run_rounds(_cfg(*common, "algorithm.coverage=false"), f, 4)
     # after the first adaptation step (end of round 1) the widest clients keep p_max = 1 only with the guarantee
-    assert on[1].extra["alloc"][:2].tolist() == [1.0, 1.0]
-    top = float(off[1].extra["alloc"].max())
+    assert on[1].strategy_state["alloc"][:2].tolist() == [1.0, 1.0]
+    top = float(off[1].strategy_state["alloc"].max())
     assert top < 0.5
     outside = _outside(ctx, top)
     for t in (2, 3, 4):  # without the guarantee nobody trains the outer slice any more
@@ -102,38 +102,38 @@ def test_h_hat_is_restricted_to_the_clients_own_mask(fed):
         d_i = np.zeros(ctx.layout.size)
         d_i[mask] = r.values.astype(np.float64) - state.params[mask]
         want = np.sum((d_i[sel] - dbar[sel]) ** 2) / (np.sum(dbar[sel] ** 2) + 1e-8)
-        assert new.extra["h_hat"][r.client_id] == pytest.approx(want, rel=1e-9)
+        assert new.strategy_state["h_hat"][r.client_id] == pytest.approx(want, rel=1e-9)
     # the half-width client's estimate ignores coordinates it did not train: change client 0's update
     # outside the half-width slice only, and client 1's H_hat stays bit-identical
     moved = res[0].values.copy()
     moved[~half] += 1.0
     again = strat.aggregate(state, [ClientResult(client_id=0, round=1, values=moved, n_samples=30, train_loss=1.0), res[1]], 1)
-    assert again.extra["h_hat"][1] == new.extra["h_hat"][1]
-    assert again.extra["h_hat"][0] != new.extra["h_hat"][0]
+    assert again.strategy_state["h_hat"][1] == new.strategy_state["h_hat"][1]
+    assert again.strategy_state["h_hat"][0] != new.strategy_state["h_hat"][0]
     # round 1 is no adaptation step under the defaults (warm-up 10): the EMA did not move
-    assert new.extra["h_tilde"].tolist() == [1.0] * 6 and not new.extra["adapted"]
+    assert new.strategy_state["h_tilde"].tolist() == [1.0] * 6 and not new.strategy_state["adapted"]
 
 
 def test_smoke_preset_hasfl_adapts_after_warmup_and_normalises(tmp_path, fed):
     cfg = _cfg("algorithm.name=hasfl")  # smoke: warm-up 2, T_adapt 1, T_norm 2, 4 rounds
     ctx, strat, states = run_rounds(cfg, fed, 4)
-    assert [s.extra["adapted"] for s in states[1:]] == [False, True, True, True]
-    assert states[1].extra["h_tilde"].tolist() == [1.0] * 6  # before warm-up ends: initial estimates
+    assert [s.strategy_state["adapted"] for s in states[1:]] == [False, True, True, True]
+    assert states[1].strategy_state["h_tilde"].tolist() == [1.0] * 6  # before warm-up ends: initial estimates
     for t in (2, 4):  # normalised: H~ divided by its mean
-        assert states[t].extra["h_tilde"].mean() == pytest.approx(1.0)
-    assert states[3].extra["h_tilde"].mean() != pytest.approx(1.0)
+        assert states[t].strategy_state["h_tilde"].mean() == pytest.approx(1.0)
+    assert states[3].strategy_state["h_tilde"].mean() != pytest.approx(1.0)
     p_max = strat.p_max()
-    np.testing.assert_allclose(states[2].extra["alloc"], allocation_rule(states[2].extra["h_tilde"], p_max, 0.4, 0.25, 1e-8, True))
-    assert not np.allclose(states[2].extra["alloc"], p_max)  # the rule really changed some widths
+    np.testing.assert_allclose(states[2].strategy_state["alloc"], allocation_rule(states[2].strategy_state["h_tilde"], p_max, 0.4, 0.25, 1e-8, True))
+    assert not np.allclose(states[2].strategy_state["alloc"], p_max)  # the rule really changed some widths
     run_experiment(cfg, tmp_path, run_id="s", federation=fed)
     res = results.load(tmp_path)
     alloc = res.allocations
     assert len(alloc) == 4 * 6 and alloc["adapted"].tolist() == [False] * 6 + [True] * 18
-    np.testing.assert_allclose(alloc[alloc["round"] == 4].sort_values("client_id")["h_tilde"], states[4].extra["h_tilde"])
+    np.testing.assert_allclose(alloc[alloc["round"] == 4].sort_values("client_id")["h_tilde"], states[4].strategy_state["h_tilde"])
     # the widths a client trained are the allocations in force (round 3 uses round 2's adaptation)
-    np.testing.assert_allclose(alloc[alloc["round"] == 3].sort_values("client_id")["p"], states[2].extra["alloc"])
+    np.testing.assert_allclose(alloc[alloc["round"] == 3].sort_values("client_id")["p"], states[2].strategy_state["alloc"])
     cl = res.clients[res.clients["round"] == 3].sort_values("client_id")
-    np.testing.assert_allclose(cl["capacity_used"], states[2].extra["alloc"][cl["client_id"]])
+    np.testing.assert_allclose(cl["capacity_used"], states[2].strategy_state["alloc"][cl["client_id"]])
     assert cl["h_hat"].notna().all() and cl["macs_per_sample"].gt(0).all()
 
 
@@ -155,15 +155,15 @@ def test_random_budget_matches_hasfl_budget_at_every_adaptation_step(fed):
     cfg = _cfg("algorithm.name=random_budget", "algorithm.p_min=0.1", "training.rounds=4")
     _, strat, states = run_rounds(cfg, fed, 4)
     p_max = strat.p_max()
-    steps = [s for s in states[1:] if s.extra["adapted"]]
+    steps = [s for s in states[1:] if s.strategy_state["adapted"]]
     assert len(steps) == 3
     for s in steps:
-        target = allocation_rule(s.extra["h_tilde"], p_max, 0.1, 0.25, 1e-8, True)
-        assert s.extra["alloc"].mean() == pytest.approx(target.mean(), abs=1e-12)
-        assert (s.extra["alloc"] <= p_max + 1e-12).all() and (s.extra["alloc"] > 0).all()
-        assert (s.extra["alloc"][p_max == p_max.max()] == p_max.max()).all()  # coverage as for HAS-FL
-        assert not np.allclose(s.extra["alloc"], target)  # ... but not HAS-FL's allocation
-    assert not np.allclose(steps[0].extra["alloc"], steps[1].extra["alloc"])  # redrawn at every step
+        target = allocation_rule(s.strategy_state["h_tilde"], p_max, 0.1, 0.25, 1e-8, True)
+        assert s.strategy_state["alloc"].mean() == pytest.approx(target.mean(), abs=1e-12)
+        assert (s.strategy_state["alloc"] <= p_max + 1e-12).all() and (s.strategy_state["alloc"] > 0).all()
+        assert (s.strategy_state["alloc"][p_max == p_max.max()] == p_max.max()).all()  # coverage as for HAS-FL
+        assert not np.allclose(s.strategy_state["alloc"], target)  # ... but not HAS-FL's allocation
+    assert not np.allclose(steps[0].strategy_state["alloc"], steps[1].strategy_state["alloc"])  # redrawn at every step
 
 
 # --- static rules ------------------------------------------------------------------------------

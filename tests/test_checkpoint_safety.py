@@ -124,7 +124,7 @@ def test_a_checkpoint_of_another_run_or_format_version_is_unreadable(tmp_path):
     checkpoint.save(tmp_path, "a", state, {"best": 0.5}, tables=["rounds"])
     ck = checkpoint.load(tmp_path, "a")
     assert ck["state"].round == 2 and ck["server"] == {"best": 0.5} and ck["tables"] == ["rounds"]
-    assert same(ck["state"].extra, state.extra)
+    assert same(ck["state"].strategy_state, state.strategy_state)
     (tmp_path / "checkpoints" / "b.npz").write_bytes(checkpoint.path_for(tmp_path, "a").read_bytes())
     with pytest.raises(checkpoint.CheckpointUnreadable, match="not the checkpoint of run 'b'"):
         checkpoint.load(tmp_path, "b")
@@ -152,8 +152,8 @@ def test_every_strategys_state_round_trips_exactly_through_its_checkpoint(tmp_pa
     s.backend.close()
     ck = checkpoint.load(tmp_path, "r")
     assert ck["state"].round == 2 and same(ck["state"].params, s.state.params)
-    assert same(ck["state"].extra, s.state.extra), algo
-    assert same(ck["server"], s.server.metrics_state())
+    assert same(ck["state"].strategy_state, s.state.strategy_state), algo
+    assert same(ck["server"], s.recorder.metrics_state())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
-from fedsap_ray.algorithms.base import RunContext
+from fedsap_ray.context import RunContext
 from fedsap_ray.algorithms.hooks import HOOKS_KEY
 from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.algorithms.dapperfl import (HOOK, MASK_KEY, DapperFL, dar_loss, first_epoch_samples, fusion_alpha,
@@ -269,9 +269,9 @@ def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruc
     client's last kept channels (what it deploys), exactly those it reported."""
     cfg = build_config(preset="smoke", overrides=TINY)
     ctx, _, states, (_, plans), (_, outs) = run_rounds_with_plans(cfg, fed, 2)
-    assert set(states[2].extra) == {"kept"}
+    assert set(states[2].strategy_state) == {"kept"}
     for r in outs:
-        np.testing.assert_array_equal(states[2].extra["kept"][r.client_id], r.stats["channel_mask"])
+        np.testing.assert_array_equal(states[2].strategy_state["kept"][r.client_id], r.stats["channel_mask"])
     keeps = [c.capacity for c in fed.clients]
     assert keeps == [1.0, 0.8, 0.6, 0.4]
     nested_differs = False

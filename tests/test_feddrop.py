@@ -96,14 +96,14 @@ def test_afd_score_map_keeps_improving_submodels_and_weights_the_next_draw(fed):
         return s.aggregate(state, [r], t), _flat(s.channel_masks(state, 3, t), space)
 
     s1, m1 = step(state, 1, 2.0)
-    assert not s1.extra["afd"]["reuse"][3] and 3 not in s1.extra["afd"]["score"]
+    assert not s1.strategy_state["afd"]["reuse"][3] and 3 not in s1.strategy_state["afd"]["score"]
     s2, m2 = step(s1, 2, 1.0)
     assert not np.array_equal(m1, m2)  # round 1 gave no improvement: a fresh draw
-    score = s2.extra["afd"]["score"][3]
+    score = s2.strategy_state["afd"]["score"][3]
     np.testing.assert_allclose(score, np.where(m2, 0.5, 0.0))  # (l_prev - l) / l_prev on the kept channels
     s3, m3 = step(s2, 3, 1.5)
     assert np.array_equal(m3, m2)  # improved: the same sub-model is kept
-    assert not s3.extra["afd"]["reuse"][3] and np.array_equal(s3.extra["afd"]["score"][3], score)
+    assert not s3.strategy_state["afd"]["reuse"][3] and np.array_equal(s3.strategy_state["afd"]["score"][3], score)
     m4 = _flat(s.channel_masks(s3, 3, 4), space)
     assert np.array_equal(m4, _flat(s._weighted_draw(score, 0.4, rng_for(s.cfg.seed, 4, 3, "feddrop")), space))
     for layer_start, layer in zip(np.cumsum([0] + [la.channels for la in space.layers]), space.layers):

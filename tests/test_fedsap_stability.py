@@ -12,7 +12,7 @@ from hypothesis import strategies as hst
 
 from fedsap_ray.algorithms.fedsap import budget, roles
 from fedsap_ray.config import build_config
-from fedsap_ray.masks import DROPPED
+from fedsap_ray.algorithms.fedsap.tristate import DROPPED
 from fedsap_ray.models import build_model
 from conftest import assert_options_rejected, federation_fixture, run_rounds_with_plans
 
@@ -179,7 +179,7 @@ def test_beta_zero_statistics_smoothing_reproduces_todays_selection(fed):
     _, _, smooth, _, _ = _states(fed, ["algorithm.beta_ema=0", "algorithm.smoothing=statistics"])
     for a, b in zip(today, smooth):
         for cid in range(6):
-            np.testing.assert_array_equal(a.extra["states"][cid], b.extra["states"][cid])
+            np.testing.assert_array_equal(a.strategy_state["states"][cid], b.strategy_state["states"][cid])
         np.testing.assert_array_equal(a.params, b.params)
 
 
@@ -188,10 +188,10 @@ def test_swap_budget_end_to_end_bounds_swaps_records_them_and_masks_still_move(f
                                              "algorithm.smoothing=statistics"], rounds=5)
     moved = 0
     for t in range(1, 5):
-        info = states[t].extra["round_info"]
+        info = states[t].strategy_state["round_info"]
         shares = []
         for cid in range(6):
-            before, after = states[t - 1].extra["states"][cid], states[t].extra["states"][cid]
+            before, after = states[t - 1].strategy_state["states"][cid], states[t].strategy_state["states"][cid]
             new = int(((before == DROPPED) & (after != DROPPED)).sum())
             assert new <= roles.swap_limit(0.1, int((after != DROPPED).sum()))
             shares.append(new / (after != DROPPED).sum())
@@ -212,14 +212,14 @@ def test_fixed_masks_stay_fixed_with_the_stable_options(fed):
                                   "algorithm.stability=hysteresis"])
     for s in states[2:]:
         for cid in range(6):
-            np.testing.assert_array_equal(s.extra["states"][cid], states[1].extra["states"][cid])
-        assert s.extra["round_info"]["swap_share"] == 0.0
+            np.testing.assert_array_equal(s.strategy_state["states"][cid], states[1].strategy_state["states"][cid])
+        assert s.strategy_state["round_info"]["swap_share"] == 0.0
 
 
 def test_pooled_ranking_gives_equal_clients_nested_masks(fed):
     """One shared ranking: two clients with the same layer counts hold the same channels."""
     _, _, states, _, _ = _states(fed, ["algorithm.ranking=pooled", "algorithm.adaptive_layer_budget=0"])
-    ex = states[-1].extra
+    ex = states[-1].strategy_state
     caps = {}
     for c in fed.clients:
         caps.setdefault(c.capacity, []).append(c.client_id)

@@ -72,7 +72,7 @@ def test_frozen_neurons_stay_bit_identical_under_momentum_and_weight_decay(tiny_
     personal[pc] += (0.05 * rng.standard_normal(int(pc.sum()))).astype(np.float32)
     state.params = state.params.copy()
     state.params[pc] += (0.05 * rng.standard_normal(int(pc.sum()))).astype(np.float32)  # a "global" != personal
-    state.extra["personal"][2] = personal
+    state.strategy_state["personal"][2] = personal
     plan = strat.configure_round(state, 1)[2]
     assert plan.momentum == 0.9 and plan.weight_decay == 0.01
     mask = plan.mask
@@ -90,7 +90,7 @@ def test_frozen_neurons_stay_bit_identical_under_momentum_and_weight_decay(tiny_
     assert (final[trained] != state.params[trained]).mean() > 0.9
     np.testing.assert_array_equal(res.values, final[mask])
     new = strat.aggregate(state, [res], 1)
-    assert new.extra["personal"][2].tobytes() == final.tobytes()
+    assert new.strategy_state["personal"][2].tobytes() == final.tobytes()
 
     monkeypatch.setattr(FrozenNeurons, "after_step", lambda self, model: None)
     scratch = copy.deepcopy(ctx.model)
@@ -113,11 +113,11 @@ def test_global_model_changes_only_where_some_client_trained(tiny_fed):
         for cid, p in plans.items():
             union |= p.mask
             if cid not in seen:  # never trained: frozen part of its start is w^0
-                np.testing.assert_array_equal(p.extra["frozen_values"], state.extra["init"][~p.mask])
+                np.testing.assert_array_equal(p.extra["frozen_values"], state.strategy_state["init"][~p.mask])
         assert not union.all()
         assert new.params[~union].tobytes() == state.params[~union].tobytes()
         assert (new.params[union & pc] != state.params[union & pc]).mean() > 0.9
-        assert set(new.extra["personal"]) == seen | set(plans)
+        assert set(new.strategy_state["personal"]) == seen | set(plans)
         seen |= set(plans)
     state = states[-1]
     # 'personal' evaluation: each domain's largest client's personal model, the global model if unseen
@@ -128,7 +128,7 @@ def test_global_model_changes_only_where_some_client_trained(tiny_fed):
         members = [c for c in tiny_fed.clients if c.domain == d]
         cid = min(members, key=lambda c: (-c.n_samples, c.client_id)).client_id
         assert strat.domain_representative(domains.members[d]) == cid
-        want = state.extra["personal"].get(cid, state.params)
+        want = state.strategy_state["personal"].get(cid, state.params)
         assert vec is want
 
 

@@ -140,32 +140,32 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
     ctx, strat, states, plan_sets, outs_sets = run_rounds_with_plans(cfg, tiny_fed, 1)
     state0, state1, plans, outs = states[0], states[1], plan_sets[0], outs_sets[0]
     d, c = ctx.model.feature_dim, tiny_fed.num_classes
-    assert state0.extra["rho"].shape == (d,) and state0.extra["r_mu"].shape == (c, d)
-    assert (state0.extra["rho"] == 0).all() and (state0.extra["r_mu"] == 0).all() and (state0.extra["r_rho"] == 1).all()
+    assert state0.strategy_state["rho"].shape == (d,) and state0.strategy_state["r_mu"].shape == (c, d)
+    assert (state0.strategy_state["rho"] == 0).all() and (state0.strategy_state["r_mu"] == 0).all() and (state0.strategy_state["r_rho"] == 1).all()
     seeds = set()
     for p in plans.values():
         assert p.extra[HOOKS_KEY] == (HOOK,) and p.extra["alpha_l2r"] == 0.01 and p.extra["alpha_cmi"] == 0.001
-        assert p.side_bytes_down == sum(state0.extra[k].nbytes for k in EXTRA_KEYS)
+        assert p.side_bytes_down == sum(state0.strategy_state[k].nbytes for k in EXTRA_KEYS)
         for k in EXTRA_KEYS:
-            np.testing.assert_array_equal(p.extra[k], state0.extra[k])
+            np.testing.assert_array_equal(p.extra[k], state0.strategy_state[k])
         seeds.add(p.extra["noise_seed"])
     assert len(seeds) == len(plans)  # every client draws its own noise
     n = np.array([r.n_samples for r in outs], dtype=np.float64)
     assert len(set(n)) > 1  # unequal client sizes: a plain mean would differ
     for k in EXTRA_KEYS:
         vals = np.stack([r.stats[k].astype(np.float64) for r in outs])
-        assert all(np.abs(v - state0.extra[k]).max() > 0 for v in vals)  # every client trained them
+        assert all(np.abs(v - state0.strategy_state[k]).max() > 0 for v in vals)  # every client trained them
         want = np.tensordot(n / n.sum(), vals, axes=1)
-        np.testing.assert_allclose(state1.extra[k], want, rtol=1e-6, atol=1e-7)
-        assert np.abs(state1.extra[k] - state0.extra[k]).max() > 0
+        np.testing.assert_allclose(state1.strategy_state[k], want, rtol=1e-6, atol=1e-7)
+        assert np.abs(state1.strategy_state[k] - state0.strategy_state[k]).max() > 0
         if np.abs(vals.mean(0) - want).max() > 1e-6:
-            assert not np.allclose(state1.extra[k], vals.mean(0), rtol=0, atol=1e-7)
+            assert not np.allclose(state1.strategy_state[k], vals.mean(0), rtol=0, atol=1e-7)
     want_params = sum(w * r.values.astype(np.float64) for w, r in zip(n, outs)) / n.sum()
     np.testing.assert_allclose(state1.params, want_params, rtol=1e-6, atol=1e-6)
     plans2 = strat.configure_round(state1, 2)  # the next round sends the averaged values
     for p in plans2.values():
         for k in EXTRA_KEYS:
-            np.testing.assert_array_equal(p.extra[k], state1.extra[k])
+            np.testing.assert_array_equal(p.extra[k], state1.strategy_state[k])
 
 
 def test_default_predicts_the_scale_per_input():
@@ -200,18 +200,18 @@ def test_default_keeps_the_reference_per_client_and_averages_the_scale_head(tiny
     ctx, strat, states, plan_sets, outs_sets = run_rounds_with_plans(cfg, tiny_fed, 2)
     s0, s1, outs1, plans1, plans2 = states[0], states[1], outs_sets[0], plan_sets[0], plan_sets[1]
     d = ctx.model.feature_dim
-    assert s0.extra["r_mu"] == {} and s0.extra["scale_w"].shape == (d, d) and not s0.extra["scale_w"].any()
+    assert s0.strategy_state["r_mu"] == {} and s0.strategy_state["scale_w"].shape == (d, d) and not s0.strategy_state["scale_w"].any()
     for p in plans1.values():
         assert (p.extra["r_mu"] == 0).all() and (p.extra["r_rho"] == 1).all()
-        assert p.side_bytes_down == s0.extra["scale_w"].nbytes + s0.extra["scale_b"].nbytes
+        assert p.side_bytes_down == s0.strategy_state["scale_w"].nbytes + s0.strategy_state["scale_b"].nbytes
     for r in outs1:
-        np.testing.assert_array_equal(s1.extra["r_mu"][r.client_id], r.stats["r_mu"])
+        np.testing.assert_array_equal(s1.strategy_state["r_mu"][r.client_id], r.stats["r_mu"])
         np.testing.assert_array_equal(plans2[r.client_id].extra["r_rho"], r.stats["r_rho"])
     a, b = outs1[0].stats["r_mu"], outs1[1].stats["r_mu"]
     assert np.abs(a - b).max() > 0  # per client, not one shared value
     n = np.array([r.n_samples for r in outs1], dtype=np.float64)
     want = np.tensordot(n / n.sum(), np.stack([r.stats["scale_w"].astype(np.float64) for r in outs1]), axes=1)
-    np.testing.assert_allclose(s1.extra["scale_w"], want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(s1.strategy_state["scale_w"], want, rtol=1e-6, atol=1e-7)
     # the option differs: an averaged reference is the same for every client of round 2
     _, _, st, ps, _ = run_rounds_with_plans(build_config(preset="smoke", overrides=TINY + ["algorithm.reference=averaged"]),
                                             tiny_fed, 2)

@@ -176,8 +176,8 @@ def test_round_two_plans_carry_the_prototypes(tiny_fed):
         assert int(r.stats["fpl_counts"].sum()) == min(n, 48)
     want = server_prototypes(r1, tiny_fed.num_classes)  # from the results in the order aggregate received them
     for k, v in want.items():
-        np.testing.assert_array_equal(s1.extra[k], v)
-    assert s1.extra["fpl_has_proto"].all() and len(s1.extra["fpl_cluster_labels"]) >= tiny_fed.num_classes
+        np.testing.assert_array_equal(s1.strategy_state[k], v)
+    assert s1.strategy_state["fpl_has_proto"].all() and len(s1.strategy_state["fpl_cluster_labels"]) >= tiny_fed.num_classes
     n_w = np.array([r.n_samples for r in r1], dtype=np.float64)
     fedavg = (np.stack([r.values for r in r1]).astype(np.float64) * n_w[:, None]).sum(0) / n_w.sum()
     np.testing.assert_allclose(s1.params, fedavg, rtol=1e-5, atol=1e-6)

@@ -122,14 +122,14 @@ def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
     the global model is the sample-weighted FedAvg of the round's results."""
     cfg = build_config(preset="smoke", overrides=TINY + ["training.participation=0.5", "training.rounds=3"])
     _, _, states, plans, outs = run_rounds_with_plans(cfg, tiny_fed, 3)
-    assert states[0].extra["prev"] == {}
+    assert states[0].strategy_state["prev"] == {}
     for p in plans[0].values():
         assert "prev" not in p.extra and p.side_bytes_down == 0 and p.extra[HOOKS_KEY] == (HOOK,)
         assert p.extra["mu"] == 5.0 and p.extra["tau"] == 0.5
     trained1 = {r.client_id: r.values for r in outs[0]}
-    assert set(states[1].extra["prev"]) == set(trained1)
+    assert set(states[1].strategy_state["prev"]) == set(trained1)
     for cid, v in trained1.items():
-        np.testing.assert_array_equal(states[1].extra["prev"][cid], v)
+        np.testing.assert_array_equal(states[1].strategy_state["prev"][cid], v)
     s1, s2 = set(plans[0]), set(plans[1])
     assert s1 & s2 and s2 - s1  # round 2 has a returning and a new client
     for cid, p in plans[1].items():
@@ -141,9 +141,9 @@ def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
             assert "prev" not in p.extra and p.side_bytes_down == 0
     trained2 = {r.client_id: r.values for r in outs[1]}
     for cid in s1 - s2:  # sat out round 2: its previous model is still the round-1 one
-        np.testing.assert_array_equal(states[2].extra["prev"][cid], trained1[cid])
+        np.testing.assert_array_equal(states[2].strategy_state["prev"][cid], trained1[cid])
     for cid in s2:
-        np.testing.assert_array_equal(states[2].extra["prev"][cid], trained2[cid])
+        np.testing.assert_array_equal(states[2].strategy_state["prev"][cid], trained2[cid])
     for t in (1, 2, 3):
         rs = outs[t - 1]
         n = np.array([r.n_samples for r in rs], dtype=np.float64)

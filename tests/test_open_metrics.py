@@ -18,7 +18,7 @@ import pytest
 from fedsap_ray import algorithms, docgen, results
 from fedsap_ray.algorithms import registry
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.algorithms.grouping import canonical_labels
+from fedsap_ray.grouping import canonical_labels
 from fedsap_ray.columns import Column
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment

@@ -112,7 +112,8 @@ def _final_params(cfg, fed):
     state0 = strat.init_state()
     state = state0
     for t in range(1, cfg.training.rounds + 1):
-        state = strat.aggregate(state, backend.train(strat.configure_round(state, t)), t)
+        plans = strat.configure_round(state, t)
+        state = strat.aggregate(state, plans, backend.train(plans), t).state
     return ctx, state0.params, state.params
 
 

@@ -39,7 +39,7 @@ def test_one_client_scaffold_is_local_sgd(tiny_fed):
     for s, a in zip(s_states[1:], a_states[1:]):
         np.testing.assert_array_equal(s.params, a.params)
     assert not np.array_equal(s_states[-1].params, s_states[0].params)
-    c, c_1 = s_states[-1].extra["c"], s_states[-1].extra["c_i"][0]
+    c, c_1 = s_states[-1].strategy_state["c"], s_states[-1].strategy_state["c_i"][0]
     assert np.abs(c).max() > 0 and np.array_equal(c, c_1)  # zero correction because c == c_i, not because c == 0
     assert not np.any(s_plans[-1][0].extra["control"])
 
@@ -85,7 +85,7 @@ def test_control_variates_match_hand_computation(tiny_fed):
             dc_sum += new - c_i_hand.get(r.client_id, 0.0)
             c_i_hand[r.client_id] = new
         c_hand = c_hand + len(ys) / n_clients * (dc_sum / len(ys))
-        got = states[t].extra
+        got = states[t].strategy_state
         np.testing.assert_allclose(got["c"], c_hand, rtol=1e-5, atol=1e-6)
         assert set(got["c_i"]) == set(c_i_hand)
         for cid, v in c_i_hand.items():

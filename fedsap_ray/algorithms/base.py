@@ -21,20 +21,18 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping
+import dataclasses
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import pyarrow as pa
 
 from fedsap_ray.columns import Column
-from fedsap_ray.data.base import EvalDomains, Federation, FederationView
-from fedsap_ray.masks import ParamLayout, trainable_mask
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.context import RunContext, StrategyContext
+from fedsap_ray.data.base import EvalDomains
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs, weight_uses
-from fedsap_ray.models.space import ChannelSpace, MaskableModel
-from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import rng_for, seed_for
 
 T = TypeVar("T")
@@ -48,65 +46,22 @@ CHANNEL_COUNT_COLUMNS: tuple[Column, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class OracleInputs:
-    """Ground truth handed to a strategy only when it declares a control that needs it
-    (:meth:`Strategy.needs_oracle`; FedSAP's ``dga=oracle``): such a run is a reference, not a method."""
-
-    client_domains: tuple[str, ...]  # the true domain of each client, by client id
-
-
-@dataclass
-class RunContext:
-    """What the server side of a run holds: the whole federation, ground truth included (backends,
-    evaluation and the results writer use it). Strategies get :meth:`strategy_context` instead."""
-
-    cfg: ExperimentConfig
-    federation: Federation
-    model: MaskableModel  # template: strategies read shapes, never train it
-    layout: ParamLayout
-    space: ChannelSpace
-
-    @cached_property
-    def trainable(self) -> np.ndarray:
-        """Coordinates that are nn.Parameters (not BN running statistics), computed once per run."""
-        return trainable_mask(self.layout, self.model)
-
-    def strategy_context(self, oracle: bool = False) -> StrategyContext:
-        """The view a strategy is built with: no true domains or TV distances; the domains as an explicit
-        :class:`OracleInputs` only when ``oracle`` (a ground-truth control)."""
-        fed = self.federation
-        truth = OracleInputs(tuple(c.domain for c in fed.clients)) if oracle else None
-        return StrategyContext(cfg=self.cfg, federation=fed.server_view(), model=self.model, layout=self.layout,
-                               space=self.space, trainable=self.trainable, oracle=truth)
-
-
-@dataclass
-class StrategyContext:
-    """What a strategy knows about the run: what a real server could know (:class:`FederationView`)."""
-
-    cfg: ExperimentConfig
-    federation: FederationView
-    model: MaskableModel  # template: strategies read shapes, never train it
-    layout: ParamLayout
-    space: ChannelSpace
-    trainable: np.ndarray  # coordinates that are nn.Parameters (not BN running statistics)
-    oracle: OracleInputs | None = None  # ground truth, only for a control that declares it (needs_oracle)
-
-
 class Strategy(ABC):
     """Base class: client sampling, learning-rate schedule and plan defaults."""
 
     name: ClassVar[str]
     summary: ClassVar[str] = ""  # one line for ``fedsap-ray algorithms``
     # The extra columns this class writes, by table ("rounds", "clients", "layers", "allocations"); a
-    # subclass declares only its own (declared_columns adds its bases'). The rows it returns from
-    # round_columns / client_columns / layer_rows / allocation_rows may hold only core and declared columns.
+    # subclass declares only its own (declared_columns adds its bases'). The RoundRecords it returns from
+    # aggregate may hold only core and declared columns.
     columns: ClassVar[Mapping[str, tuple[Column, ...]]] = {}
 
     @dataclass(frozen=True)
     class Options:
         pass
+
+    # the dataclass of ``ServerState.strategy_state`` (None: a dict); checkpoints store its fields (state_tree)
+    State: ClassVar[type | None] = None
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         self.ctx: StrategyContext = ctx.strategy_context(oracle=self.needs_oracle(options))
@@ -124,13 +79,17 @@ class Strategy(ABC):
         """The plans of round t (docs/architecture.md#one-round), keyed by client id."""
 
     @abstractmethod
-    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
-        """The server state after round t, from the clients' results."""
+    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                  t: int) -> RoundOutput:
+        """The server state after round t, from the clients' results, and the round's records
+        (:class:`~fedsap_ray.messages.RoundRecords`: every table's rows the strategy computed, the client groups
+        it formed, its part of the progress line). ``plans`` are the round's plans, as
+        :meth:`configure_round` returned them for ``state``."""
 
     @classmethod
     def needs_oracle(cls, options: Any) -> bool:
         """Whether a run with ``options`` is a control that uses ground truth (it then gets
-        ``ctx.oracle``, :class:`OracleInputs`); False for every method."""
+        ``ctx.oracle``, :class:`~fedsap_ray.context.OracleInputs`); False for every method."""
         return False
 
     @classmethod
@@ -169,32 +128,38 @@ class Strategy(ABC):
         """
         return state.params, None
 
-    def round_columns(self, state: ServerState) -> dict[str, Any]:
-        """This round's values of the declared ``rounds`` columns (e.g. FedSAP's DGA n_groups)."""
-        return {}
-
-    def progress_text(self, round_columns: dict[str, Any]) -> str:
-        """The strategy's part of the per-round progress line, from :meth:`round_columns` ("" by default;
-        start it with two spaces)."""
-        return ""
-
-    def client_groups(self, state: ServerState) -> np.ndarray | None:
-        """Group label of every client when the strategy (re)formed client groups this round, else None.
-        The recording side scores them against the true domains (``rounds.ari_domain``)."""
-        return None
-
-    def layer_rows(self, state: ServerState, plans: dict[int, ClientPlan]) -> list[dict[str, Any]]:
-        """Rows of the ``layers`` table (where each client's budget went); empty by default."""
-        return []
-
-    def allocation_rows(self, state: ServerState, t: int) -> list[dict[str, Any]]:
-        """Rows of the ``allocations`` table: every client's width (and estimates) in round t; empty by default."""
-        return []
-
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        """Declared per-client columns for the ``clients`` table (h_hat, pseudo_group, channel counts, ...)
-        and refinements of core ones (``macs_per_sample``)."""
+        """Declared per-client columns (h_hat, channel counts, ...) and refinements of core ones
+        (``macs_per_sample``), for :meth:`client_records`; ``state`` is the state after the round."""
         return {}
+
+    def client_records(self, state: ServerState, plans: Mapping[int, ClientPlan],
+                       results: list[ClientResult]) -> dict[int, dict[str, Any]]:
+        """``RoundRecords.clients``: per client that trained, what it spent (:meth:`params_trained`,
+        :meth:`mask_macs` of its plan, :meth:`train_macs`) and :meth:`client_columns` (which may refine
+        ``macs_per_sample``); ``state`` is the state after the round."""
+        out = {}
+        for r in results:
+            plan = plans[r.client_id]
+            out[r.client_id] = {"params_trained": self.params_trained(plan, r), "macs_per_sample": self.mask_macs(plan.mask),
+                                "train_macs": self.train_macs(plan, r), **self.client_columns(state, plan, r)}
+        return out
+
+    def output(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult]) -> RoundOutput:
+        """The :class:`RoundOutput` of a round whose only records are its clients' (:meth:`client_records`)."""
+        return RoundOutput(state, RoundRecords(clients=self.client_records(state, plans, results)))
+
+    # --- checkpoints: the strategy's own state as a tree the code-free format stores ----------
+    def state_tree(self, strategy_state: Any) -> dict[str, Any]:
+        """``strategy_state`` as a dict of storable values (:mod:`fedsap_ray.treecodec`): its fields when it
+        is the dataclass :attr:`State` declares, else the dict itself."""
+        if self.State is not None:
+            return {f.name: getattr(strategy_state, f.name) for f in dataclasses.fields(self.State)}
+        return strategy_state
+
+    def state_from_tree(self, tree: dict[str, Any]) -> Any:
+        """Inverse of :meth:`state_tree` (a checkpoint's strategy state back as :attr:`State`)."""
+        return self.State(**tree) if self.State is not None else tree
 
     # --- honest compute (issue 13): what the client really trained and ran ------------------
     def params_trained(self, plan: ClientPlan, result: ClientResult) -> int:

@@ -47,7 +47,7 @@ pruned weights refilled from the previous global model before the weighted avera
   pruned model in every epoch, and after the first epoch fuses it with W^{t-1} on the kept coordinates
   (w = alpha_t W^{t-1} + (1 - alpha_t) w_hat, pruned coordinates stay 0); the mask is not re-chosen.
 - Stateless clients: nothing a client trains is kept between rounds except the global model (DapperFL's
-  local model of round t is built from W^{t-1} in round t). ``ServerState.extra["kept"]`` only records
+  local model of round t is built from W^{t-1} in round t). ``ServerState.strategy_state["kept"]`` only records
   each client's last kept channels, for the ``deployed`` evaluation of the pruned model it runs.
 
 Defaults (reference code ``main.py``, used for its Digits and Office-Caltech runs, whose protocol
@@ -64,6 +64,7 @@ are the pruned model's.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,7 @@ from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
                               nested_count, param_mask)
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
 from fedsap_ray.models import model_macs
 from fedsap_ray.models.space import ChannelSpace, MaskableModel
 
@@ -313,7 +314,8 @@ class DapperFL(Strategy):
             )
         return plans
 
-    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                  t: int) -> RoundOutput:
         """Step 7: reconstruct every pruned model with W^{t-1}, then the sample-weighted mean (client-id order)."""
         if not results:
             raise ValueError(f"round {t}: DapperFL needs at least one client result")
@@ -327,18 +329,18 @@ class DapperFL(Strategy):
             acc += float(r.n_samples) * reconstruct(prev, full, pmask).astype(np.float64)
             wsum += float(r.n_samples)
         params = prev.copy() if wsum <= 0 else (acc / wsum).astype(np.float32)
-        extra = dict(state.extra)
+        extra = dict(state.strategy_state)
         # each client's last kept channels: the mask of the pruned model it deploys (deployed_model)
-        extra["kept"] = {**state.extra.get("kept", {}),
+        extra["kept"] = {**state.strategy_state.get("kept", {}),
                          **{r.client_id: np.asarray(r.stats[MASK_KEY], dtype=bool) for r in results}}
-        return ServerState(round=t, params=params, extra=extra)
+        return self.output(ServerState(round=t, params=params, strategy_state=extra), plans, results)
 
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The pruned model the device runs: the global model at the channels the client kept in its last
         round (its MFP choice, step 4); before it ever trained, the largest-l1 filters of the global model
         at its keep ratio (the same criterion, without a local model to fuse)."""
         space = self.ctx.space
-        kept = state.extra.get("kept", {}).get(client_id)
+        kept = state.strategy_state.get("kept", {}).get(client_id)
         if kept is not None:
             cmasks: ChannelMasks = unpack_channel_masks(space, kept)
         else:

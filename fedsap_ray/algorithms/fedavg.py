@@ -1,26 +1,58 @@
-"""FedAvg (McMahan et al. 2017), full-model or heterogeneous.
+"""FedAvg (McMahan et al. 2017) at the root of every method that averages what its clients trained.
 
 ``width=full``: every client trains the whole model (the papers' full-model baseline).
-``width=capacity``: every client trains the nested sub-model at its own capacity
-(leading ceil(kappa_i * C_l) channels of every layer, papers/003 Algorithm 2), and the
-server averages each coordinate over the clients that trained it (Algorithm 1 line 18),
-the HeteroFL rule (also registered as ``heterofl``).
+``width=capacity``: every client trains the nested sub-model at its own capacity (leading
+ceil(kappa_i * C_l) channels of every layer, papers/003 Algorithm 2), the HeteroFL rule (also
+registered as ``heterofl``).
+
+:class:`FedAvg` is also the base the other methods build on. The width a client trains is the
+composed rule :attr:`FedAvg.width` (:mod:`fedsap_ray.algorithms.widths`: full, capacity, capped,
+random tier, HAS-FL's allocation); a method with its own client objective (FedProx, MOON, FedSR,
+FPL) keeps the full rule, a nested-width method (HeteroFL, FjORD, Uniform, HAS-FL) holds its own,
+and methods of arbitrary channel subsets extend :class:`~fedsap_ray.algorithms.nested.SubModelStrategy`.
+
+Aggregation is papers/003 Algorithm 1 line 18: each coordinate is averaged over exactly the
+clients that trained it, weighted by sample counts; coordinates nobody trained keep their value
+(:func:`fedsap_ray.aggregation.masked_weighted_average`). With the full rule that is FedAvg's
+sample-weighted mean. Masks are pure functions of (state the round starts from, client, round),
+so the deployed model recomputes next round's instead of keeping it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from fedsap_ray.algorithms.nested import NestedWidth
+import numpy as np
+import pyarrow as pa
+
+from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
+from fedsap_ray.columns import Column
+from fedsap_ray.context import RunContext
 from fedsap_ray.errors import ConfigError
-from fedsap_ray.messages import ServerState
+from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
+from fedsap_ray.models import model_macs
 
 WIDTHS = ("full", "capacity")
+MASK_CACHE = 32  # sub-model masks kept per run (a HAS-FL run sees many distinct widths)
 
 
 @register("fedavg")
-class FedAvg(NestedWidth):
+class FedAvg(Strategy):
     summary = "full model on every client (width=capacity: nested sub-models at p_max)"
+    columns = {
+        "clients": CHANNEL_COUNT_COLUMNS,
+        "allocations": (
+            Column("p", pa.float64(), "width assigned to the client for this round (what it trains if sampled)"),
+            Column("adapted", pa.bool_(), "an adaptation step (new allocations) happened at the end of this round"),
+        ),
+    }
+    width: WidthRule = FULL  # the composed width rule (module docstring); a subclass holds its own
+
     @dataclass(frozen=True)
     class Options:
         width: str = "full"  # full: every client trains the whole model; capacity: the nested sub-model at its capacity
@@ -29,11 +61,122 @@ class FedAvg(NestedWidth):
             if self.width not in WIDTHS:
                 raise ConfigError(f"invalid algorithm.width={self.width!r}: allowed values are {', '.join(WIDTHS)}")
 
-    @property
-    def track_allocations(self) -> bool:  # type: ignore[override]
-        return self.opts.width != "full"
+    def __init__(self, ctx: RunContext, options: Any) -> None:
+        super().__init__(ctx, options)
+        if isinstance(options, FedAvg.Options) and options.width == "capacity":  # FedAvg's own option (and FedProx's)
+            self.width = CAPACITY
 
+    # --- which sub-model a client trains -----------------------------------------------
     def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        if self.opts.width == "full":
-            return 1.0
-        return float(self.ctx.federation.clients[client_id].capacity)
+        """p_i of client ``client_id`` in round t, by the composed rule (:attr:`width`)."""
+        return self.width(self, state, client_id, t)
+
+    def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
+        """The leading ceil(p_i C_l) channels of every layer (None at p_i >= 1)."""
+        p = self.width_for(state, client_id, t)
+        return None if p >= 1.0 else nested_channel_masks(self.ctx.space, p)
+
+    def sub_model(self, state: ServerState, client_id: int, t: int) -> tuple[np.ndarray | None, int, float]:
+        """(parameter mask or None for the full model, active channels, capacity_used) of the round-t
+        sub-model: the width-p nested sub-model from the LRU cache; capacity_used is p_i itself
+        (the ``clients`` table, docs/reference/results.md#clients)."""
+        p = self.width_for(state, client_id, t)
+        if p >= 1.0:
+            return None, self.ctx.space.total_channels, 1.0
+        mask, active = self.nested_mask(p)
+        return mask, active, min(float(p), 1.0)
+
+    def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
+        """Strategy-specific ClientPlan fields (its hooks and their payloads)."""
+        return {}
+
+    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        plans: dict[int, ClientPlan] = {}
+        for cid in self.sample_clients(t):
+            mask, _, used = self.sub_model(state, cid, t)
+            values = state.params if mask is None else state.params[mask]  # full: shared, never mutated
+            plans[cid] = ClientPlan(
+                values=values, mask=mask, capacity_used=float(used),
+                **self.plan_kwargs(t, cid), **self.extra_plan_fields(state, cid, t),
+            )
+        return plans
+
+    # --- aggregation -------------------------------------------------------------------------
+    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                  t: int) -> RoundOutput:
+        """Algorithm 1 lines 17-19 (:meth:`merge`) over the masks the clients trained under, then
+        :meth:`after_aggregate` (the method's own state: HAS-FL's adaptation step, MOON's previous models)."""
+        ordered = sorted(results, key=lambda r: r.client_id)
+        masks = {r.client_id: plans[r.client_id].mask for r in ordered}
+        params = self.merge(state, ordered, masks)
+        new = ServerState(round=t, params=params, strategy_state=self.after_aggregate(state, params, ordered, masks, t))
+        return RoundOutput(new, RoundRecords(clients=self.client_records(new, plans, ordered),
+                                             allocations=self.allocation_rows(new, t)))
+
+    def merge(self, state: ServerState, results: list[ClientResult], masks: dict[int, np.ndarray | None]) -> np.ndarray:
+        """Algorithm 1 line 18: each coordinate's sample-weighted mean over the clients that trained it."""
+        return masked_weighted_average(state.params, [(masks[r.client_id], r.values, float(r.n_samples)) for r in results])
+
+    def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
+                        masks: dict[int, np.ndarray | None], t: int) -> Any:
+        """The next state's ``strategy_state``; static rules keep none."""
+        return state.strategy_state
+
+    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The sub-model the client would receive in the next round (its width, its pruned filters,
+        its next random draw) from the global model ``state`` holds. Masks are pure in (state, client,
+        round), so this is exactly the next round's plan, whether or not the client is sampled then."""
+        return state.params, self.sub_model(state, client_id, state.round + 1)[0]
+
+    # --- records -------------------------------------------------------------------------------
+    def allocation_rows(self, state: ServerState, t: int) -> list[dict[str, Any]]:
+        """``allocations``: every client's width in round t (nested-width rules only), given the state after it."""
+        if not self.width.tracked:
+            return []
+        widths = self.width.round_widths(self, state, t)
+        adapted = self.width.adapted(self, t)
+        return [dict(client_id=c.client_id, capacity_max=float(c.capacity), p=float(min(widths[c.client_id], 1.0)),
+                     adapted=adapted, **self.estimate_columns(state, c.client_id))
+                for c in self.ctx.federation.clients]
+
+    def estimate_columns(self, state: ServerState, client_id: int) -> dict[str, Any]:
+        """The allocation's estimates of a client for ``clients`` and ``allocations`` (HAS-FL's h_hat,
+        h_tilde); none for static rules."""
+        return {}
+
+    def active_channels(self, plan: ClientPlan) -> int:
+        """Channels of the width-p sub-model (capacity_used is p itself here, :meth:`sub_model`)."""
+        p = plan.capacity_used
+        return self.ctx.space.total_channels if p >= 1.0 else self.nested_mask(p)[1]
+
+    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        """Channel counts (every trained channel is shared: Global; none is Private), the sub-model's
+        MACs and the allocation's estimates."""
+        active = self.active_channels(plan)
+        return {"n_global": active, "n_private": 0, "n_dropped": self.ctx.space.total_channels - active,
+                "macs_per_sample": self.macs(plan.capacity_used), **self.estimate_columns(state, plan.client_id)}
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
+        """One forward pass of the width-p sub-model per sample seen (:meth:`Strategy.train_macs`)."""
+        return int(result.samples_seen) * self.macs(plan.capacity_used)
+
+    # --- memoised sub-model geometry (pure in the per-layer channel counts) -------------
+    def coverage(self, cmasks: ChannelMasks) -> np.ndarray:
+        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.masks`)."""
+        return param_mask(self.ctx.space, self.ctx.layout, cmasks)
+
+    def macs(self, p: float) -> int:
+        """Multiply-accumulates per sample of the width-p sub-model (papers/003 Table 1)."""
+        return self.memo("nested_macs", self._counts(p), lambda: int(model_macs(
+            self.ctx.model, self.ctx.federation.input_shape, None if p >= 1.0 else nested_channel_masks(self.ctx.space, p))))
+
+    def nested_mask(self, p: float) -> tuple[np.ndarray, int]:
+        """(parameter mask, active channels) of the width-p nested sub-model (Algorithm 2); LRU-cached."""
+        def compute() -> tuple[np.ndarray, int]:
+            cmasks = nested_channel_masks(self.ctx.space, p)
+            return param_mask(self.ctx.space, self.ctx.layout, cmasks), int(sum(int(m.sum()) for m in cmasks.values()))
+
+        return self.memo("nested_mask", self._counts(p), compute, maxsize=MASK_CACHE)
+
+    def _counts(self, p: float) -> tuple[int, ...]:
+        return tuple(int(m.sum()) for m in nested_channel_masks(self.ctx.space, min(p, 1.0)).values())

@@ -37,7 +37,7 @@ kappa_i = 1 trains the full model.
   next sub-model is a weighted random draw without replacement, channel c of layer l
   drawn with weight 1 + score_c (our reading: AFD's weighted random selection must also
   reach unscored channels, and with every score 0 it is the uniform draw). The maps,
-  last losses and last masks live in ``ServerState.extra["afd"]``.
+  last losses and last masks live in ``ServerState.strategy_state["afd"]``.
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ class FedDrop(SubModelStrategy):
     def init_state(self) -> ServerState:
         state = super().init_state()
         if self.opts.selection == "afd":
-            state.extra = {"afd": {"score": {}, "loss": {}, "keep": {}, "reuse": {}}}
+            state.strategy_state = {"afd": {"score": {}, "loss": {}, "keep": {}, "reuse": {}}}
         return state
 
     def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
@@ -83,7 +83,7 @@ class FedDrop(SubModelStrategy):
         rng = rng_for(self.cfg.seed, t, client_id, "feddrop")
         if self.opts.selection == "random":
             return random_channel_masks(self.ctx.space, kappa, rng)
-        afd = state.extra["afd"]
+        afd = state.strategy_state["afd"]
         if afd["reuse"].get(client_id, False):
             return self._split(afd["keep"][client_id])
         score = afd["score"].get(client_id)
@@ -95,8 +95,8 @@ class FedDrop(SubModelStrategy):
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
         """AFD's score-map update from each participant's training loss (``selection=afd`` only)."""
         if self.opts.selection != "afd":
-            return state.extra
-        old = state.extra["afd"]
+            return state.strategy_state
+        old = state.strategy_state["afd"]
         new = {k: dict(v) for k, v in old.items()}
         for r in results:
             cm = self.channel_masks(state, r.client_id, t)
@@ -112,7 +112,7 @@ class FedDrop(SubModelStrategy):
             new["reuse"][r.client_id] = bool(improved)
             new["keep"][r.client_id] = kept
             new["loss"][r.client_id] = float(r.train_loss)
-        return {**state.extra, "afd": new}
+        return {**state.strategy_state, "afd": new}
 
     def _weighted_draw(self, score: np.ndarray, kappa: float, rng: np.random.Generator) -> ChannelMasks:
         """ceil(kappa C_l) channels of every layer without replacement, weights 1 + score."""

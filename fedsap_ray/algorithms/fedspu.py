@@ -38,7 +38,7 @@ sends), ``plan.extra["frozen_values"]`` the client's own frozen personal values 
 device in the real system, so not counted in bytes_down), the result the trained values at
 M_i^t (what the real client uploads). Because frozen coordinates come back unchanged the server
 rebuilds the client's new personal model exactly from its previous one and those values
-(``ServerState.extra["personal"]``, client id -> float32 vector; ``extra["init"]`` = w^0).
+(``ServerState.strategy_state["personal"]``, client id -> float32 vector; ``extra["init"]`` = w^0).
 
 Evaluation: ``global`` (the global model w^t) first, then ``personal``: for each domain, the
 personal model of that domain's client holding the most training samples (ties: lowest id),
@@ -58,6 +58,7 @@ frozen neurons still run forward (and backward passes through them to earlier la
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +74,7 @@ from fedsap_ray.algorithms.registry import register
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
 from fedsap_ray.seeding import rng_for
 
 HOOK = "fedspu"
@@ -141,12 +142,12 @@ class FedSPU(Strategy):
     # --- contract ---------------------------------------------------------------------------------
     def init_state(self) -> ServerState:
         state = super().init_state()
-        state.extra = {"init": state.params.copy(), "personal": {}}
+        state.strategy_state = {"init": state.params.copy(), "personal": {}}
         return state
 
     def personal_model(self, state: ServerState, client_id: int) -> np.ndarray:
         """w_i: the client's last trained model, w^0 before it first trains (the authors' initialisation)."""
-        return state.extra["personal"].get(client_id, state.extra["init"])
+        return state.strategy_state["personal"].get(client_id, state.strategy_state["init"])
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         total = self.ctx.space.total_channels
@@ -163,19 +164,20 @@ class FedSPU(Strategy):
             )
         return plans
 
-    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                  t: int) -> RoundOutput:
         """Average the trained coordinates into w^t; store every client's new personal model."""
         results = sorted(results, key=lambda r: r.client_id)
         masks = {r.client_id: self.trained_mask(t, r.client_id)[0] for r in results}
         params = masked_weighted_average(state.params, [(masks[r.client_id], r.values, float(r.n_samples))
                                                         for r in results])
-        personal = dict(state.extra["personal"])
+        personal = dict(state.strategy_state["personal"])
         for r in results:
             personal[r.client_id] = scatter(r.values, masks[r.client_id], state.params.size,
                                             fill=self.personal_model(state, r.client_id))
-        extra = dict(state.extra)
+        extra = dict(state.strategy_state)
         extra["personal"] = personal
-        return ServerState(round=t, params=params, extra=extra)
+        return self.output(ServerState(round=t, params=params, strategy_state=extra), plans, results)
 
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The client's personal model w_i, whole: FedSPU devices run the full network (frozen neurons
@@ -191,7 +193,7 @@ class FedSPU(Strategy):
         out = {}
         for d in domains.names:
             cid = self.domain_representative(domains.members[d])
-            out[d] = state.params if cid is None else state.extra["personal"].get(cid, state.params)
+            out[d] = state.params if cid is None else state.strategy_state["personal"].get(cid, state.params)
         return out
 
     def domain_representative(self, members: tuple[int, ...]) -> int | None:

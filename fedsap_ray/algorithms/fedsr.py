@@ -36,12 +36,12 @@ Scale and reference (``scale``, ``reference``; issue 13: the defaults are the of
 - ``reference=client`` (default): r_mu [C, d] and r_rho [C, d] (r_sigma = softplus(r_rho), as the
   official code) are each client's own parameters, never averaged: the official code keeps them
   outside the averaged network. Clients are stateless here, so the server holds them
-  (``ServerState.extra["r_mu"]``/``["r_rho"]``: client id -> array, initial values until a client first
+  (``ServerState.strategy_state["r_mu"]``/``["r_rho"]``: client id -> array, initial values until a client first
   trains) and sends them in ``plan.extra``; a real client keeps them on the device, so they are not
   counted in ``side_bytes_down``, while returning them in ``ClientResult.stats`` shows in ``bytes_up``
   (2 C d floats, a simulation artefact). ``reference=averaged`` (our earlier reading): one reference
   shared by every client, averaged with sample weights like the model and counted both ways.
-- The shared arrays (scale head or rho, and the averaged reference) live in ``ServerState.extra``,
+- The shared arrays (scale head or rho, and the averaged reference) live in ``ServerState.strategy_state``,
   travel in ``plan.extra`` (counted in ``side_bytes_down``) and come back trained in
   ``ClientResult.stats`` (counted in bytes_up). The official code's extra learnable scale C on
   (mu, sigma) inside the KL is left out (not in the paper).
@@ -79,8 +79,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.algorithms.base import RunContext
-from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
@@ -176,9 +176,8 @@ class FedSRObjective(ClientHook):
 
 
 @register("fedsr")
-class FedSR(NestedWidth):
+class FedSR(FedAvg):
     summary = "full model, probabilistic representation with L2R and CMI regularisers (Nguyen et al. 2022)"
-    track_allocations = False  # full model on every client: no width allocation to record
 
     @dataclass(frozen=True)
     class Options:
@@ -223,14 +222,14 @@ class FedSR(NestedWidth):
         if self.opts.reference == "averaged":
             extra.update(self.initial_reference())
         else:
-            extra.update(r_mu={}, r_rho={})  # client id -> its own reference (ServerState.extra: numpy arrays)
-        state.extra = extra
+            extra.update(r_mu={}, r_rho={})  # client id -> its own reference (ServerState.strategy_state: numpy arrays)
+        state.strategy_state = extra
         return state
 
     def client_reference(self, state: ServerState, client_id: int) -> dict[str, np.ndarray]:
         """The client's own r_mu, r_rho (reference=client): its last trained ones, the initial ones before."""
-        if client_id in state.extra["r_mu"]:
-            return {k: state.extra[k][client_id] for k in REF_KEYS}
+        if client_id in state.strategy_state["r_mu"]:
+            return {k: state.strategy_state[k][client_id] for k in REF_KEYS}
         return self.initial_reference()
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
@@ -238,17 +237,14 @@ class FedSR(NestedWidth):
         head = self.feature_dim ** 2 if self.opts.scale == "input" else 0
         return int(result.samples_seen) * (self.mask_macs(None) + head)
 
-    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        return 1.0
-
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         keys = self.shared_keys
-        extra: dict[str, Any] = {k: state.extra[k] for k in keys}  # shared with the state, never mutated
+        extra: dict[str, Any] = {k: state.strategy_state[k] for k in keys}  # shared with the state, never mutated
         if self.opts.reference == "client":  # the client's own: kept on the device, not counted in bytes_down
             extra.update(self.client_reference(state, client_id))
         extra.update({HOOKS_KEY: (HOOK,)}, alpha_l2r=float(self.opts.alpha_l2r), alpha_cmi=float(self.opts.alpha_cmi),
                      noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"))
-        return {"extra": extra, "side_bytes_down": int(sum(state.extra[k].nbytes for k in keys))}
+        return {"extra": extra, "side_bytes_down": int(sum(state.strategy_state[k].nbytes for k in keys))}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
@@ -256,12 +252,12 @@ class FedSR(NestedWidth):
         reference=client each participant's trained r_mu, r_rho are stored as its own."""
         total = float(sum(r.n_samples for r in results))
         if total <= 0:
-            return state.extra
-        extra = dict(state.extra)
+            return state.strategy_state
+        extra = dict(state.strategy_state)
         if self.opts.reference == "client":
             init = self.initial_reference()
             for key in REF_KEYS:
-                own = dict(state.extra[key])
+                own = dict(state.strategy_state[key])
                 for r in results:
                     v = r.stats.get(key)
                     if v is None or np.shape(v) != init[key].shape:
@@ -270,12 +266,12 @@ class FedSR(NestedWidth):
                     own[r.client_id] = np.array(v, dtype=np.float32, copy=True)
                 extra[key] = own
         for key in self.shared_keys:
-            acc = np.zeros(state.extra[key].shape, dtype=np.float64)
-            for r in results:  # client-id order (NestedWidth.aggregate sorts them)
+            acc = np.zeros(state.strategy_state[key].shape, dtype=np.float64)
+            for r in results:  # client-id order (FedAvg.aggregate sorts them)
                 v = r.stats.get(key)
-                if v is None or np.shape(v) != state.extra[key].shape:
+                if v is None or np.shape(v) != state.strategy_state[key].shape:
                     raise ValueError(f"client {r.client_id} in round {t}: stats[{key!r}] missing or of shape "
-                                     f"{None if v is None else np.shape(v)}, expected {state.extra[key].shape}")
+                                     f"{None if v is None else np.shape(v)}, expected {state.strategy_state[key].shape}")
                 acc += float(r.n_samples) * np.asarray(v, dtype=np.float64)
             extra[key] = (acc / total).astype(np.float32)
         return extra

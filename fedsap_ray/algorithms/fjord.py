@@ -10,20 +10,14 @@ modelled (docs/readings.md#other-choices).
 """
 from __future__ import annotations
 
-from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.messages import ServerState
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.algorithms.widths import RANDOM_TIER
 
 
 @register("fjord")
-class FjORD(NestedWidth):
+class FjORD(FedAvg):
     summary = "ordered dropout: each round a random tier at or below p_max (papers/003)"
-    def tiers(self) -> list[float]:
-        """The distinct device capacities of the federation (p_max values), ascending."""
-        return sorted({float(c.capacity) for c in self.ctx.federation.clients})
-
-    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        p_max = float(self.ctx.federation.clients[client_id].capacity)
-        options = [p for p in self.tiers() if p <= p_max]
-        return float(rng_for(self.cfg.seed, t, client_id, "fjord").choice(options))
+    Options = Strategy.Options  # no options (not FedAvg's width: the rule is fixed)
+    width = RANDOM_TIER

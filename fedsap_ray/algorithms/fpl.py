@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 from scipy.sparse.csgraph import connected_components
 
-from fedsap_ray.algorithms.grouping import canonical_labels
-from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.grouping import canonical_labels
+from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
@@ -252,9 +252,8 @@ class FPLObjective(ClientHook):
 # --------------------------------------------------------------------------------------------------
 
 @register("fpl")
-class FPL(NestedWidth):
+class FPL(FedAvg):
     summary = "full model, FedAvg + FINCH cluster-prototype contrastive and unbiased-prototype consistency losses"
-    track_allocations = False
 
     @dataclass(frozen=True)
     class Options:
@@ -263,9 +262,6 @@ class FPL(NestedWidth):
         def __post_init__(self) -> None:
             if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not self.tau > 0:
                 raise ConfigError(f"invalid algorithm.tau={self.tau!r}: must be a number > 0")
-
-    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        return 1.0
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         tr = self.cfg.training
@@ -276,15 +272,15 @@ class FPL(NestedWidth):
             "fpl_collect_from": last_epoch_start(n, tr.batch_size, tr.local_epochs, tr.max_steps_per_epoch),
         }
         side = 0
-        if all(k in state.extra for k in PROTO_KEYS):
+        if all(k in state.strategy_state for k in PROTO_KEYS):
             for k in PROTO_KEYS:
-                extra[k] = state.extra[k]  # shared read-only arrays
-                side += int(state.extra[k].nbytes)
+                extra[k] = state.strategy_state[k]  # shared read-only arrays
+                side += int(state.strategy_state[k].nbytes)
         return {"extra": extra, "side_bytes_down": side}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
         """Cluster and unbiased prototypes of this round's clients (they replace the previous round's)."""
-        extra = dict(state.extra)
+        extra = dict(state.strategy_state)
         extra.update(server_prototypes(results, int(self.ctx.federation.num_classes)))
         return extra

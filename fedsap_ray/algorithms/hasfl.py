@@ -22,13 +22,14 @@ steps feed the EMA, as in the algorithm. Defaults are section 4.1's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.fedavg import FedAvg
+from fedsap_ray.algorithms.widths import WidthRule
 from fedsap_ray.columns import Column
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
@@ -52,8 +53,32 @@ def h_hat(delta_i: np.ndarray, delta_bar: np.ndarray, eps: float) -> float:
     return float(np.dot(d_i, d_i) / (np.dot(delta_bar, delta_bar) + eps))
 
 
+@dataclass(frozen=True)
+class HasFLState:
+    """HAS-FL's server state besides the global model (Algorithm 1)."""
+
+    h_tilde: np.ndarray  # float64 [N]: the smoothed estimates H~_i (Eq. 5), 1 at the start (line 2)
+    h_hat: np.ndarray  # float64 [N]: each client's latest raw estimate H_hat_i (Eq. 4), NaN before its first
+    alloc: np.ndarray  # float64 [N]: p_i for the NEXT round (Eq. 6 at adaptation steps, else kept)
+    alloc_used: np.ndarray  # float64 [N]: the p_i the round that produced this state trained at
+
+
+class Allocated(WidthRule):
+    """HAS-FL's width: p_i as the last adaptation step allocated it (the state's ``alloc``)."""
+
+    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+        return float(state.strategy_state.alloc[client_id])
+
+    def round_widths(self, s: FedAvg, state: ServerState, t: int) -> np.ndarray:
+        """The widths round t trained at (the state after it allocates round t+1's)."""
+        return state.strategy_state.alloc_used
+
+    def adapted(self, s: FedAvg, t: int) -> bool:
+        return bool(s.is_adaptation_round(t))  # type: ignore[attr-defined]
+
+
 @register("hasfl")
-class HasFL(NestedWidth):
+class HasFL(FedAvg):
     summary = "heterogeneity-aware widths from update divergence, Eqs. 4-6, coverage guarantee"
     columns = {
         "clients": (Column("h_hat", pa.float64(), "HAS-FL raw heterogeneity estimate (Eq. 4)"),
@@ -88,27 +113,24 @@ class HasFL(NestedWidth):
     def p_max(self) -> np.ndarray:
         return np.array([float(c.capacity) for c in self.ctx.federation.clients])
 
+    State = HasFLState
+    width = Allocated()
+
     def init_state(self) -> ServerState:
         state = super().init_state()
         n = len(self.ctx.federation.clients)
-        state.extra = {"h_tilde": np.ones(n), "h_hat": np.full(n, np.nan), "alloc": self.p_max(),
-                       "alloc_used": self.p_max(), "adapted": False}
+        state.strategy_state = HasFLState(h_tilde=np.ones(n), h_hat=np.full(n, np.nan), alloc=self.p_max(),
+                                          alloc_used=self.p_max())
         return state
-
-    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        return float(state.extra["alloc"][client_id])
-
-    def round_widths(self, state: ServerState, t: int) -> np.ndarray:
-        return state.extra["alloc_used"]
 
     def is_adaptation_round(self, t: int) -> bool:
         return t >= self.opts.warmup and t % self.opts.t_adapt == 0
 
     # --- Algorithm 1 lines 20-30 -----------------------------------------------------
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
-                        masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
-        o = self.opts
-        h_tilde, latest = state.extra["h_tilde"].copy(), state.extra["h_hat"].copy()
+                        masks: dict[int, np.ndarray | None], t: int) -> HasFLState:
+        o, st = self.opts, state.strategy_state
+        h_tilde, latest = st.h_tilde.copy(), st.h_hat.copy()
         delta_bar = params.astype(np.float64) - state.params
         trainable = self.ctx.trainable
         for r in results:
@@ -123,9 +145,8 @@ class HasFL(NestedWidth):
             h_tilde[ids] = o.beta * h_tilde[ids] + (1 - o.beta) * latest[ids]
         if t % o.t_norm == 0:
             h_tilde = h_tilde / h_tilde.mean()
-        alloc = self.allocate(h_tilde, t) if adapted else state.extra["alloc"]
-        return {"h_tilde": h_tilde, "h_hat": latest, "alloc": alloc, "alloc_used": state.extra["alloc"],
-                "adapted": adapted, "participants": [r.client_id for r in results]}
+        alloc = self.allocate(h_tilde, t) if adapted else st.alloc
+        return replace(st, h_tilde=h_tilde, h_hat=latest, alloc=alloc, alloc_used=st.alloc)
 
     def allocate(self, h_tilde: np.ndarray, t: int) -> np.ndarray:
         """New allocations at an adaptation step (Eq. 6 + coverage guarantee)."""
@@ -133,8 +154,8 @@ class HasFL(NestedWidth):
         return allocation_rule(h_tilde, self.p_max(), o.p_min, o.gamma, o.eps, o.coverage)
 
     def estimate_columns(self, state: ServerState, client_id: int) -> dict[str, Any]:
-        raw = float(state.extra["h_hat"][client_id])
-        return {"h_hat": None if np.isnan(raw) else raw, "h_tilde": float(state.extra["h_tilde"][client_id])}
+        raw = float(state.strategy_state.h_hat[client_id])
+        return {"h_hat": None if np.isnan(raw) else raw, "h_tilde": float(state.strategy_state.h_tilde[client_id])}
 
 
 

@@ -7,13 +7,14 @@ papers/003's protocol and are not modelled.
 """
 from __future__ import annotations
 
-from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.messages import ServerState
+from fedsap_ray.algorithms.widths import CAPACITY
 
 
 @register("heterofl")
-class HeteroFL(NestedWidth):
+class HeteroFL(FedAvg):
     summary = "static nested sub-models at p_max, coordinate-wise aggregation"
-    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        return float(self.ctx.federation.clients[client_id].capacity)
+    Options = Strategy.Options  # no options (not FedAvg's width: the rule is fixed)
+    width = CAPACITY

@@ -23,7 +23,7 @@ model, with no gradients and in eval mode (BatchNorm uses running statistics), a
 official code (QinbinLi/MOON ``main.py``: ``global_model.eval()``, previous nets ``.eval()``).
 
 Previous model: clients are stateless here (any worker may run any client), so the server
-keeps every client's last trained model in ``ServerState.extra["prev"]`` (client id ->
+keeps every client's last trained model in ``ServerState.strategy_state["prev"]`` (client id ->
 float32 flat vector, only for clients that have trained) and sends it as
 ``plan.extra["prev"]``; it is not counted in ``bytes_down`` (a real MOON client keeps it
 locally: shipping it is the simulator's cost of stateless clients, not MOON's). "Previous" means
@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from fedsap_ray.aggregation import scatter
-from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
@@ -144,9 +144,8 @@ class MoonObjective(ClientHook):
 
 
 @register("moon")
-class Moon(NestedWidth):
+class Moon(FedAvg):
     summary = "full model, FedAvg + model-contrastive loss (global vs previous local representation)"
-    track_allocations = False  # full model on every client: no width allocation to record
 
     @dataclass(frozen=True)
     class Options:
@@ -168,15 +167,12 @@ class Moon(NestedWidth):
     def init_state(self) -> ServerState:
         """The seeded template as w^0 and no previous local models yet."""
         state = super().init_state()
-        state.extra = {"prev": {}}
+        state.strategy_state = {"prev": {}}
         return state
-
-    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        return 1.0
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         extra: dict[str, Any] = {HOOKS_KEY: (HOOK,), "mu": float(self.opts.mu), "tau": float(self.opts.tau)}
-        prev = state.extra["prev"].get(client_id)
+        prev = state.strategy_state["prev"].get(client_id)
         if prev is not None:
             extra["prev"] = prev  # shared with the state, never mutated
         # a real MOON client keeps its previous model on the device: shipping it is a simulation
@@ -186,11 +182,11 @@ class Moon(NestedWidth):
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
         """Store each participant's trained model as its next previous model w_i^{t-1} (MOON Algorithm 1)."""
-        prev = dict(state.extra["prev"])
+        prev = dict(state.strategy_state["prev"])
         for r in results:
             if r.values.size != params.size:
                 raise ValueError(f"client {r.client_id}: full update has {r.values.size} values, model has {params.size}")
             prev[r.client_id] = np.array(r.values, dtype=np.float32, copy=True)
-        extra = dict(state.extra)
+        extra = dict(state.strategy_state)
         extra["prev"] = prev
         return extra

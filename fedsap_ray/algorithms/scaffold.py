@@ -16,7 +16,7 @@ epochs x batches) and N the number of clients in the federation. The means are t
 paper's unweighted means over S (not FedAvg's sample-size weights).
 
 Clients are stateless here (any worker may run any client), so the server keeps every
-c_i in ``ServerState.extra["c_i"]`` (client id -> float32 [n_params], only for clients
+c_i in ``ServerState.strategy_state["c_i"]`` (client id -> float32 [n_params], only for clients
 that have participated) next to ``extra["c"]``; a plan carries the correction c - c_i as
 ``plan.extra["control"]`` and the client's ``scaffold`` hook (:class:`ControlCorrection`) adds it
 to every step's gradient after clipping (:mod:`fedsap_ray.algorithms.hooks`). Because the server knows x, eta and K_i it recomputes
@@ -38,6 +38,7 @@ the correction is added) and the per-round learning-rate decay come from the con
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,12 +47,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, RunContext, Strategy
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.context import RunContext
 from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.sliced import SlicedModel
 
@@ -116,7 +118,7 @@ class Scaffold(Strategy):
     def init_state(self) -> ServerState:
         """x from the seeded template, c = 0 and no client controls yet (c_i = 0 until seen)."""
         state = super().init_state()
-        state.extra = {"c": np.zeros(self.ctx.layout.size, dtype=np.float32), "c_i": {}}
+        state.strategy_state = {"c": np.zeros(self.ctx.layout.size, dtype=np.float32), "c_i": {}}
         return state
 
     def plan_kwargs(self, t: int, client_id: int) -> dict[str, Any]:
@@ -127,8 +129,8 @@ class Scaffold(Strategy):
 
     def control_for(self, state: ServerState, client_id: int) -> np.ndarray:
         """The correction c - c_i of Algorithm 1 line 10 (c_i = 0 for a client not seen yet)."""
-        c = state.extra["c"]
-        c_i = state.extra["c_i"].get(client_id)
+        c = state.strategy_state["c"]
+        c_i = state.strategy_state["c_i"].get(client_id)
         return c.copy() if c_i is None else (c - c_i).astype(np.float32)
 
     def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
@@ -146,18 +148,19 @@ class Scaffold(Strategy):
             )
         return plans
 
-    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
+    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                  t: int) -> RoundOutput:
         """Option II client controls and the server update of lines 16-17, in float64, client-id order."""
         if not results:
             raise ValueError(f"round {t}: SCAFFOLD needs at least one client result")
         results = sorted(results, key=lambda r: r.client_id)
         lr = self.lr_at(t)
         x = state.params.astype(np.float64)
-        c = state.extra["c"].astype(np.float64)
+        c = state.strategy_state["c"].astype(np.float64)
         pc = self.param_coords
         y_sum = np.zeros_like(x)
         dc_sum = np.zeros_like(x)
-        c_i = dict(state.extra["c_i"])
+        c_i = dict(state.strategy_state["c_i"])
         for r in results:
             if r.values.size != x.size:
                 raise ValueError(f"client {r.client_id}: full update has {r.values.size} values, model has {x.size}")
@@ -175,6 +178,6 @@ class Scaffold(Strategy):
         params = y_mean.copy()  # buffers: plain mean
         params[pc] = (1.0 - g) * x[pc] + g * y_mean[pc]
         c_new = c + dc_sum / self.n_clients  # |S|/N * mean over S = sum over S / N
-        extra = dict(state.extra)
+        extra = dict(state.strategy_state)
         extra.update(c=c_new.astype(np.float32), c_i=c_i)
-        return ServerState(round=t, params=params.astype(np.float32), extra=extra)
+        return self.output(ServerState(round=t, params=params.astype(np.float32), strategy_state=extra), plans, results)

@@ -7,15 +7,17 @@ on purpose as the paper's coverage-violating baseline.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from fedsap_ray.algorithms.nested import NestedWidth
+from fedsap_ray.algorithms.fedavg import FedAvg
+from fedsap_ray.algorithms.widths import Capped
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
-from fedsap_ray.messages import ServerState
+from fedsap_ray.context import RunContext
 
 
 @register("uniform")
-class Uniform(NestedWidth):
+class Uniform(FedAvg):
     summary = "p_i = min(0.5, p_max): every client capped at half width (no coverage)"
     @dataclass(frozen=True)
     class Options:
@@ -25,5 +27,6 @@ class Uniform(NestedWidth):
             if not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
                 raise ConfigError(f"invalid algorithm.p={self.p!r}: must be a number in (0, 1]")
 
-    def width_for(self, state: ServerState, client_id: int, t: int) -> float:
-        return min(float(self.opts.p), float(self.ctx.federation.clients[client_id].capacity))
+    def __init__(self, ctx: RunContext, options: Any) -> None:
+        super().__init__(ctx, options)
+        self.width = Capped(self.opts.p)

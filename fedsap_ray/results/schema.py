@@ -78,7 +78,7 @@ ROUNDS_COLUMNS: list[Column] = [
     Column("train_loss", pa.float64(), "sample-weighted mean local training loss"),
     Column("round_wall_s", pa.float64(), "wall time of the round incl. evaluation, seconds"),
     Column("ari_domain", pa.float64(),
-           "adjusted Rand index of the strategy's client groups (Strategy.client_groups) vs. the true domains, on "
+           "adjusted Rand index of the strategy's client groups (RoundRecords.groups) vs. the true domains, on "
            "the rounds it forms them (FedSAP: DGA rounds); recorded from ground truth, never by the strategy"),
     Column("frozen_params", pa.int64(),
      "trainable coordinates no client has covered since initialisation, after this round (papers/003 Prop. 3)"),

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fedsap_ray.algorithms.base import RunContext
+from fedsap_ray.context import RunContext
 from fedsap_ray.client import default_workers, on_device, pick_device, train_client
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.messages import ClientPlan, ClientResult

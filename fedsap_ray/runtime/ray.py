@@ -33,7 +33,7 @@ import ray
 import ray.util.scheduling_strategies
 import torch
 
-from fedsap_ray.algorithms.base import RunContext
+from fedsap_ray.context import RunContext
 from fedsap_ray.client import pick_device, train_client
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.errors import ClientError, ConfigError

@@ -1,14 +1,14 @@
 """FedSAP's client hooks: the channel statistics of Algorithm 1 line 6 and the DGA probe gradient.
 
-- ``channel_stats`` (:class:`ChannelStatsHook`): a :class:`fedsap_ray.stats.ChannelStats` watches the
+- ``channel_stats`` (:class:`ChannelStatsHook`): a :class:`fedsap_ray.algorithms.fedsap.stats.ChannelStats` watches the
   LAST local epoch (forward hooks on the model's activation modules; gradients read after masking,
   before clipping) and sends back the keys ``plan.extra["channel_stats"]`` names (of
-  :data:`fedsap_ray.stats.STAT_KEYS`); the DGA layer is ``plan.extra["dga_layer"]`` (default
+  :data:`fedsap_ray.algorithms.fedsap.stats.STAT_KEYS`); the DGA layer is ``plan.extra["dga_layer"]`` (default
   ``conv1``). It only reads, so the trained values are the same bit for bit. On a sliced sub-network it
   watches the sub-network and scatters its statistics to the full channel space / DGA tensors, 0 on
   inactive channels (what masked training gives there: zero activation, zero masked gradient).
 - ``dga_probe`` (:class:`DGAProbe`, ``dga_source=probe``): before training, the gradient of the probe
-  model ``plan.extra["probe"]`` (:func:`fedsap_ray.stats.probe_gradient`), sent back as
+  model ``plan.extra["probe"]`` (:func:`fedsap_ray.algorithms.fedsap.stats.probe_gradient`), sent back as
   ``dga_gradient``; the client loads the plan's values afterwards, so training is unaffected. It always
   runs on the full-size scratch model (``before_training``), so it supports sliced training as is.
 
@@ -25,7 +25,7 @@ from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.sliced import SlicedModel, scatter_channel_values, scatter_tensor_values
-from fedsap_ray.stats import ChannelStats, dga_param_names, probe_gradient
+from fedsap_ray.algorithms.fedsap.stats import ChannelStats, dga_param_names, probe_gradient
 
 CHANNEL_STATS = "channel_stats"
 DGA_PROBE = "dga_probe"

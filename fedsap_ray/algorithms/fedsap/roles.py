@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE
+from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.models.space import ChannelSpace
 
 _EPS = 1e-12

@@ -1,18 +1,18 @@
 """FedSAP (papers/000, Algorithm 1): adaptive layer budgets, tri-state masks, DGA, SGP,
 type-matched aggregation, client-specific models.
 
-Round t, for the participating clients (Algorithm 1):
-- configure (line 3): client i gets the Eq. 9 model W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P}
-  at its active coordinates, its tri-state mask, and the Eq. 7 regulariser weight gamma;
-  it uploads channel activation / gradient statistics (line 6), plus the ``dga_layer``
-  gradient on DGA rounds.
-- aggregate (line 18, Eq. 8): coordinates a client trained as Global are averaged over
-  the clients holding them as Global, Private ones only within the client's
-  pseudo-group, sample-weighted; Dropped coordinates keep their value bit-for-bit.
-  The masks used are the ones the clients trained under this round.
-- then the server prepares round t+1 (lines 8-17): DGA regrouping on DGA rounds
-  (Eq. 4), utilities (Eq. 5), layer budgets (Eq. 2), top-k active channels, EMA
-  dispersion (Eq. 6) and roles with the g_target floor (Eq. 3).
+Round t, for the participating clients (Algorithm 1), one job per module of this package:
+- configure (line 3, here): client i gets the Eq. 9 model W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P}
+  (:func:`state.client_view`) at its active coordinates, its tri-state mask, and the Eq. 7
+  regulariser weight gamma; it uploads channel activation / gradient statistics (line 6,
+  :mod:`stats`, :mod:`hooks`), plus the ``dga_layer`` gradient on DGA rounds.
+- aggregate (line 18, Eq. 8: :mod:`aggregation`): Global coordinates over the clients holding them
+  as Global, Private ones within the client's pseudo-group; Dropped ones keep their value.
+- then the server prepares round t+1 (lines 8-17, :mod:`schedule`): DGA regrouping on DGA rounds
+  (Eq. 4, :mod:`dga`), utilities (Eq. 5), layer budgets (Eq. 2, :mod:`budget`), top-k active channels,
+  EMA dispersion (Eq. 6) and roles with the g_target floor (Eq. 3, :mod:`roles`).
+- records: ``aggregate`` returns the round's rows (:class:`~fedsap_ray.messages.RoundRecords`): the
+  groups DGA formed, how the masks moved, each client's pseudo-group and channels by role.
 
 Masks in motion (readings of lines 11-16 that keep the partition able to change):
 - Line 14 ranks *all* channels of a layer. A client measures nothing on a channel it
@@ -24,14 +24,9 @@ Masks in motion (readings of lines 11-16 that keep the partition able to change)
 - Line 11's layer score normalises each client's signals over its whole network, not per
   layer, so that a layer whose channels matter more receives more budget
   (:func:`roles.layer_utility` says why).
-- Role changes take the freshest copy. W_G and every group's Private vector carry, per
-  coordinate, the round they were last aggregated. A client's Eq. 9 model takes its
-  role's copy unless the other copy it can see (W_G, or its group's Private vector) was
-  trained more recently: a channel turning Private starts from W_G when the group has
-  not trained its Private copy since W_G last moved, and one turning Global starts from
-  the group's Private copy when W_G is the older one (ties: the role's copy). Without
-  this a channel turning Private loaded a copy last refreshed at the previous regrouping
-  and one turning Global the W_G value from whenever it was last Global.
+- Role changes take the freshest copy (:mod:`state`): a channel turning Private starts from W_G
+  when the group has not trained its Private copy since W_G last moved, and one turning Global
+  starts from the group's Private copy when W_G is the older one (ties: the role's copy).
 - The dispersion EMA starts at its first observation (:func:`roles.ema`).
 - ``dga_source=probe`` (an addition; the default ``train`` is the paper's gradient after
   local training): on DGA rounds every client computes, before training, the gradient
@@ -45,12 +40,6 @@ Masks in motion (readings of lines 11-16 that keep the partition able to change)
 Readings beyond the paper text (documented, configurable where it matters):
 - Warm-up rounds (``warmup``): every active channel Global; the first round's active
   channels are those with the largest filter L1 norms (no statistics yet).
-- DGA rounds: t >= warmup and (t - warmup) % regroup_every == 0 (the first grouping
-  closes the warm-up, then every R_d rounds). Each client's latest DGA gradient is kept,
-  so partial participation still groups every client.
-- On regrouping, each new group's Private parameters start as the sample-weighted mean
-  of its members' current client models (Eq. 9), so no member's private knowledge is
-  discarded by a relabelling.
 - ``masks=fixed`` (the paper's reference configuration) freezes the tri-state masks
   computed at the end of warm-up.
 - Evaluation (``eval_mode``): ``group`` evaluates each domain with W_G plus the Private
@@ -72,106 +61,37 @@ by the one federation estimate.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, RunContext, Strategy
-from fedsap_ray.algorithms.fedsap import budget, dga, roles
-from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
+from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.fedsap import aggregation, budget, roles, schedule
 from fedsap_ray.algorithms.fedsap.hooks import CHANNEL_STATS, DGA_PROBE
+from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
+from fedsap_ray.algorithms.fedsap.state import FedSAPState, client_view, private_is_fresher
+from fedsap_ray.algorithms.fedsap.stats import dga_param_names
+from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
 from fedsap_ray.algorithms.hooks import HOOKS_KEY
-from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.algorithms.pruning import filter_l1_scores
+from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.columns import Column
+from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.errors import ConfigError
-from fedsap_ray.masks import DROPPED, GLOBAL, PRIVATE, param_mask, tristate_param_masks
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.masks import param_mask
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.seeding import rng_for, seed_for
-from fedsap_ray.stats import dga_param_names
 
-MASK_MODES = ("dynamic", "fixed")
-SMOOTHING = ("dispersion", "statistics")
-STABILITY = ("none", "hysteresis", "swap_budget")
-RANKINGS = ("client", "pooled")
-DGA_LAYERS = ("conv1", "layer1", "layer2", "layer3")
-DGA_SOURCES = ("train", "probe")
-
-
-@dataclass(frozen=True)
-class FedSAPOptions(Strategy.Options):
-    """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
-
-    adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's keep ratio in every layer
-    temperature: float = 1.0  # softmax temperature over the layer utilities (Eq. 2)
-    lambda_a: float = 0.5  # weight of the activation magnitude in a channel's utility (Eq. 5)
-    lambda_g: float = 0.5  # weight of the gradient magnitude in a channel's utility (Eq. 5)
-    g_target: float = 0.9  # least share of Global channels among a layer's active ones (Eq. 3)
-    tau_var: float = 0.05  # dispersion threshold: an active channel above it is Private (Eq. 6)
-    beta_ema: float = 0.5  # EMA coefficient of the dispersion (Eq. 6)
-    gamma: float = 0.01  # weight of the representation regulariser gamma * ||f_enc(x)||^2 (Eq. 7)
-    masks: str = "dynamic"  # dynamic: new masks every round; fixed: the masks of the end of warm-up, kept
-    sgp: bool = True  # false: every active channel Global (a single aggregation path, no Private channels)
-    # pseudo-groups: gradient (Eq. 4), none (one per client), oracle (true domains), random (matched sizes)
-    dga: str = "gradient"
-    dga_layer: str = "conv1"  # whose gradient DGA compares (papers/000 Table 2)
-    dga_method: str = "components"  # components: connected components of the thresholded similarity; agglomerative
-    tau_sim: float = 0.5  # cosine-similarity threshold of DGA (Eq. 4)
-    warmup: int = 10  # rounds in which every active channel is Global; the first DGA closes the warm-up
-    regroup_every: int = 5  # R_d, rounds between DGA regroupings
-    dga_source: str = "train"  # train: the paper's gradient after local training; probe: see the module docstring
-    probe_samples: int = 256  # samples per client in the probe gradient (dga_source=probe)
-    # Stable masks (docs/readings.md#stable-masks). smoothing: what beta_ema smooths (dispersion: Eq. 6's d~
-    # only; statistics: also each client's utilities and the layer utilities, Appendix C's "channel statistics")
-    # Defaults from docs/studies/mask-stability.md (pooled-budget): the narrow clients' swaps 41% -> 9% a round,
-    # worst client 59 -> 78, deployed 87 -> 92; the full-width best 86.5 -> 83.0 (within seed noise)
-    smoothing: str = "statistics"
-    stability: str = "swap_budget"  # none: top-n_l by score; hysteresis: a held channel leaves only for a margin
-    margin: float = 0.1  # hysteresis: how much a candidate's utility must beat a held channel's to replace it
-    swap_budget: float = 0.1  # swap_budget: most of a client's active channels that may change in one round
-    ranking: str = "pooled"  # pooled: one shared ranking (the federation estimate); client: own utilities where held
-
-    def __post_init__(self) -> None:
-        def bad(field: str, allowed: str) -> None:
-            raise ConfigError(f"invalid algorithm.{field}={getattr(self, field)!r}: {allowed}")
-
-        if self.adaptive_layer_budget not in (0, 1):
-            bad("adaptive_layer_budget", "allowed values are 0, 1")
-        for f in ("g_target", "beta_ema"):
-            if not 0 <= getattr(self, f) <= 1:
-                bad(f, "must be in [0, 1]")
-        if self.beta_ema == 1:
-            bad("beta_ema", "must be in [0, 1)")
-        for f in ("temperature",):
-            if getattr(self, f) <= 0:
-                bad(f, "must be > 0")
-        for f in ("lambda_a", "lambda_g", "tau_var", "gamma", "margin"):
-            if getattr(self, f) < 0:
-                bad(f, "must be >= 0")
-        if not -1 <= self.tau_sim <= 1:
-            bad("tau_sim", "must be in [-1, 1] (a cosine similarity)")
-        for f, choices in (("masks", MASK_MODES), ("dga", DGA_MODES), ("dga_layer", DGA_LAYERS),
-                           ("dga_method", DGA_METHODS), ("dga_source", DGA_SOURCES), ("smoothing", SMOOTHING),
-                           ("stability", STABILITY), ("ranking", RANKINGS)):
-            if getattr(self, f) not in choices:
-                bad(f, "allowed values are " + ", ".join(choices))
-        if self.warmup < 0:
-            bad("warmup", "must be an integer >= 0")
-        if self.regroup_every < 1:
-            bad("regroup_every", "must be an integer >= 1")
-        if not 0 < self.swap_budget <= 1:
-            bad("swap_budget", "must be in (0, 1] (a share of the client's active channels)")
-        if self.probe_samples < 2:
-            bad("probe_samples", "must be an integer >= 2")
+__all__ = ["FedSAP", "FedSAPOptions", "FedSAPState"]
 
 
 class FedSAP(Strategy):
     Options = FedSAPOptions
+    State = FedSAPState
     eval_modes = ("group", "global_only")
     columns = {
         "rounds": (
@@ -197,6 +117,7 @@ class FedSAP(Strategy):
                    Column("n_dropped", pa.int64(), "Dropped channels")),
     }
 
+
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)
         if self.opts.dga != "none":
@@ -212,13 +133,11 @@ class FedSAP(Strategy):
         server lacks): only such a run gets ``ctx.oracle``."""
         return getattr(options, "dga", None) == "oracle"
 
-    # --- schedule -------------------------------------------------------------------
     def in_warmup(self, t: int) -> bool:
-        return t <= self.opts.warmup
+        return schedule.in_warmup(self.opts, t)
 
     def is_dga_round(self, t: int) -> bool:
-        o = self.opts
-        return o.dga != "none" and t >= max(o.warmup, 1) and (t - max(o.warmup, 1)) % o.regroup_every == 0
+        return schedule.is_dga_round(self.opts, t)
 
     # --- contract ---------------------------------------------------------------------
     def init_state(self) -> ServerState:
@@ -232,50 +151,33 @@ class FedSAP(Strategy):
             counts = budget.layer_channel_counts(c.capacity, channels, adaptive=False)
             active = roles.select_active(init_scores, counts, space)
             states[c.client_id] = np.where(active, GLOBAL, DROPPED).astype(np.int8)
-        state.extra = {
-            "groups": np.zeros(n, dtype=np.int64) if self.opts.dga != "none" else np.arange(n),
-            "private": {},  # group id -> full float32 vector (only its Private coordinates matter)
-            "states": states,  # client -> int8 [channels], the masks of the next round
-            "utility": {},  # client -> latest Eq. 5 utility
-            "activation": {},  # client -> latest mean |activation| per channel
-            "gradient": {},  # client -> latest channel gradient norm
-            "measured_on": {},  # client -> channels it held active when it measured the above
-            "estimate": None,  # federation utility estimate of every channel (NaN: never measured)
-            "stamp_g": np.zeros(state.params.size, dtype=np.int32),  # round W_G last moved, per coordinate
-            "stamp_p": {},  # group id -> the same for its Private vector
-            "dga_grads": {},  # client -> latest DGA gradient
-            "d_tilde": None,
-            "frozen": False,
-            "round_info": {},
-            "layer_counts": {},  # client -> active channels per layer (for the layers table)
-            "layer_u": None,  # the layer utilities U_l, EMA-smoothed under smoothing=statistics
-        }
-        if self.opts.dga == "none":
-            state.extra["private"] = {int(k): state.params.copy() for k in range(n)}
-            state.extra["stamp_p"] = {int(k): np.zeros(state.params.size, dtype=np.int32) for k in range(n)}
+        alone = self.opts.dga == "none"  # one group per client, each with its own Private vector from the start
+        state.strategy_state = FedSAPState(
+            groups=np.arange(n) if alone else np.zeros(n, dtype=np.int64),
+            private={int(k): state.params.copy() for k in range(n)} if alone else {},
+            states=states, utility={}, activation={}, gradient={}, measured_on={}, estimate=None,
+            stamp_g=np.zeros(state.params.size, dtype=np.int32),
+            stamp_p={int(k): np.zeros(state.params.size, dtype=np.int32) for k in range(n)} if alone else {},
+            dga_grads={}, d_tilde=None, frozen=False, layer_counts={}, layer_u=None)
         return state
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        ex = state.extra
+        st: FedSAPState = state.strategy_state
         plans = {}
         dga_round = self.is_dga_round(t)
         probe = dga_round and self.opts.dga_source == "probe"
         stats = ("channel_activation", "channel_gradient") + (("dga_gradient",) if dga_round and not probe else ())
         clients = self.sample_clients(t)
-        probe_mask = self._probe_mask(ex, clients) if probe else None
+        probe_mask = self._probe_mask(st, clients) if probe else None
         probe_values = None if probe_mask is None else state.params[probe_mask]
         for cid in clients:
-            st = ex["states"][cid]
-            group = int(ex["groups"][cid])
-            gmask, pmask = self._masks(st)
+            states = st.states[cid]
+            gmask, pmask = self._masks(states)
             active = gmask | pmask
             model, _, take_private = self._client_view(state, cid)
             extra: dict[str, Any] = {HOOKS_KEY: (REP_NORM, CHANNEL_STATS) + ((DGA_PROBE,) if probe_mask is not None else ()),
                                      "rep_gamma": float(self.opts.gamma), CHANNEL_STATS: stats,
-                                     "dga_layer": self.opts.dga_layer, "states": st}
-            extra["pseudo_group"] = group  # for the clients table (client_columns); the client ignores it
-            last = ex["measured_on"].get(cid)
-            extra["n_new_channels"] = None if last is None else int(((st != DROPPED) & ~last).sum())
+                                     "dga_layer": self.opts.dga_layer}
             side_down = 0
             if probe_mask is not None:
                 extra["probe"] = {"mask": probe_mask, "values": probe_values,
@@ -285,19 +187,19 @@ class FedSAP(Strategy):
                 missing = probe_mask & ~(active & ~take_private)
                 side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
-                values=model[active], mask=active, capacity_used=float((st != DROPPED).mean()),
+                values=model[active], mask=active, capacity_used=float((states != DROPPED).mean()),
                 extra=extra, side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )
         return plans
 
-    def _probe_mask(self, ex: dict, clients: list[int]) -> np.ndarray:
+    def _probe_mask(self, st: FedSAPState, clients: list[int]) -> np.ndarray:
         """Parameter mask of the probe's common sub-model: the channels every client of the round holds.
         A layer nobody shares keeps its one best channel by the federation estimate (else the first),
         so the probe's forward pass never goes through an empty layer."""
         space = self.ctx.space
-        common = np.logical_and.reduce([ex["states"][c] != DROPPED for c in clients])
-        est = ex["estimate"]
+        common = np.logical_and.reduce([st.states[c] != DROPPED for c in clients])
+        est = st.estimate
         off = roles.layer_offsets(space)
         for i in range(len(space.layers)):
             seg = slice(off[i], off[i + 1])
@@ -308,170 +210,36 @@ class FedSAP(Strategy):
 
     def client_model(self, state: ServerState, cid: int) -> np.ndarray:
         """Eq. 9: W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P} (full-size; uncovered coordinates from W_G),
-        each active coordinate from the fresher of its two copies (module docstring)."""
+        each active coordinate from the fresher of its two copies (:mod:`fedsap_ray.algorithms.fedsap.state`)."""
         return self._client_view(state, cid)[0]
 
     def deployed_model(self, state: ServerState, cid: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Eq. 9's W_i at the client's active channels (M_G | M_P of its next-round states): the model
         it would train and run next."""
-        gmask, pmask = self._masks(state.extra["states"][cid])
+        gmask, pmask = self._masks(state.strategy_state.states[cid])
         return self.client_model(state, cid), gmask | pmask
 
     def _client_view(self, state: ServerState, cid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(Eq. 9 model, round each coordinate's value was last aggregated, where it comes from the
-        group's Private vector)."""
-        ex = state.extra
-        gmask, pmask = self._masks(ex["states"][cid])
-        k = int(ex["groups"][cid])
-        private = ex["private"].get(k)
-        stamp_g = ex["stamp_g"]
-        if private is None:
-            return state.params, stamp_g, np.zeros(stamp_g.size, dtype=bool)
-        stamp_p = ex["stamp_p"][k]
-        take = _private_is_fresher(pmask, gmask, stamp_p, stamp_g)
-        if not take.any():
-            return state.params, stamp_g, take
-        return np.where(take, private, state.params), np.where(take, stamp_p, stamp_g), take
+        return client_view(state, cid, self._masks)
 
-    def aggregate(self, state: ServerState, results: list[ClientResult], t: int) -> ServerState:
-        ex = dict(state.extra)
+    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                  t: int) -> RoundOutput:
+        """Eq. 8 (line 18), the statistics of line 6, then lines 8-17 for round t+1; the round's records."""
         results = sorted(results, key=lambda r: r.client_id)
-        size = self.ctx.layout.size
-        glob_contrib: list[tuple[np.ndarray, np.ndarray, float]] = []
-        priv_contrib: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
-        for r in results:
-            gmask, pmask = self._masks(ex["states"][r.client_id])
-            full = scatter(r.values, gmask | pmask, size)
-            w = float(r.n_samples)
-            glob_contrib.append((gmask, full[gmask], w))
-            if pmask.any():
-                priv_contrib.setdefault(int(ex["groups"][r.client_id]), []).append((pmask, full[pmask], w))
-        params = masked_weighted_average(state.params, glob_contrib)  # Eq. 8, Global branch
-        stamp_g = ex["stamp_g"].copy()
-        stamp_g[np.logical_or.reduce([m for m, _, _ in glob_contrib])] = t
-        private, stamp_p = dict(ex["private"]), dict(ex["stamp_p"])
-        for k, contrib in priv_contrib.items():  # Eq. 8, Private branch, within group k
-            private[k] = masked_weighted_average(private.get(k, state.params), contrib)
-            stamp_p[k] = stamp_p.get(k, np.zeros_like(stamp_g)).copy()
-            stamp_p[k][np.logical_or.reduce([m for m, _, _ in contrib])] = t
-        new = ServerState(round=t, params=params, extra=ex)
-        ex["private"], ex["stamp_g"], ex["stamp_p"] = private, stamp_g, stamp_p
-        self._update_statistics(ex, results)
+        old: FedSAPState = state.strategy_state
+        params, st = aggregation.type_matched(state.params, old, results, self._masks, t)
+        aggregation.update_statistics(st, results, self.ctx.space, self.opts)
+        new = ServerState(round=t, params=params, strategy_state=st)
         info: dict[str, Any] = {}
-        if self.is_dga_round(t):
-            info = self._regroup(new, t)
-        info.update(self._next_masks(new, t))
-        ex["round_info"] = info
-        return new
-
-    # --- lines 8-17 ---------------------------------------------------------------------
-    def _update_statistics(self, ex: dict, results: list[ClientResult]) -> None:
-        space = self.ctx.space
-        util, act, grads = dict(ex["utility"]), dict(ex["activation"]), dict(ex["dga_grads"])
-        chan_grad, measured = dict(ex["gradient"]), dict(ex["measured_on"])
-        beta = self.opts.beta_ema if self.opts.smoothing == "statistics" else 0.0
-        for r in results:
-            a, g = r.stats["channel_activation"], r.stats["channel_gradient"]
-            act[r.client_id] = a.astype(np.float64)
-            chan_grad[r.client_id] = g.astype(np.float64)
-            held = ex["states"][r.client_id] != DROPPED  # the mask it trained under
-            u = roles.utility(a, g, space, self.opts.lambda_a, self.opts.lambda_g)
-            util[r.client_id] = roles.smooth_utility(util.get(r.client_id), measured.get(r.client_id), u, held,
-                                                     ex["estimate"], beta)
-            measured[r.client_id] = held
-            if "dga_gradient" in r.stats:
-                grads[r.client_id] = r.stats["dga_gradient"]
-        ex["utility"], ex["activation"], ex["dga_grads"] = util, act, grads
-        ex["gradient"], ex["measured_on"] = chan_grad, measured
-
-    def _regroup(self, state: ServerState, t: int) -> dict[str, Any]:
-        """DGA (Eq. 4): new pseudo-groups; new groups' Private sets from their members' models."""
-        ex, fed, o = state.extra, self.ctx.federation, self.opts
-        ids = sorted(ex["dga_grads"])
-        old_groups = ex["groups"].copy()
-        groups = old_groups.copy()
-        if ids:
-            grads = np.stack([ex["dga_grads"][i] for i in ids]).astype(np.float64)
-            # random: the group sizes of the gradient grouping (a matched control); oracle: the true domains,
-            # handed to this control explicitly (ctx.oracle, needs_oracle), never to the method itself
-            oracle = self.ctx.oracle
-            new = dga.assign_groups(o.dga, grads=grads, tau_sim=o.tau_sim, method=o.dga_method,
-                                    domains=[oracle.client_domains[i] for i in ids] if oracle is not None else None,
-                                    rng=rng_for(self.cfg.seed, t, -1, "dga-random") if o.dga == "random" else None)
-            groups[np.array(ids)] = new
-            groups = dga.canonical_labels(groups)
-        members = {int(k): [c.client_id for c in fed.clients if groups[c.client_id] == k] for k in np.unique(groups)}
-        private, stamp_p = {}, {}
-        for k, mem in members.items():
-            views = [self._client_view(state, i) for i in mem]
-            models = [(None, v[0], float(fed.clients[i].n_samples)) for v, i in zip(views, mem)]
-            private[k] = masked_weighted_average(state.params, models)
-            stamp_p[k] = np.maximum.reduce([v[1] for v in views])  # the freshest value that went into it
-        ex["private"], ex["stamp_p"], ex["groups"] = private, stamp_p, groups
-        capacities = [c.capacity for c in fed.clients]  # ARI vs the true domains: the recorder's (client_groups)
-        return {"n_groups": int(len(members)), "ari_capacity": dga.agreement(groups, capacities)}
-
-    def _next_masks(self, state: ServerState, t: int) -> dict[str, int | float | None]:
-        """Lines 11-17 for round t+1; returns how the masks moved (``n_reactivated``, ``n_role_switches``)."""
-        ex, o, space, fed = state.extra, self.opts, self.ctx.space, self.ctx.federation
-        if ex["frozen"]:
-            return {"n_reactivated": 0, "n_role_switches": 0, "swap_share": 0.0, "swap_share_narrow": 0.0}
-        channels = np.array([layer.channels for layer in space.layers])
-        seen = sorted(ex["utility"])
-        if not seen:
-            return {}
-        actives = [ex["measured_on"][i] for i in seen]
-        weights = np.array([fed.clients[i].n_samples for i in seen], dtype=np.float64)
-        warm = self.in_warmup(t + 1)  # masks for round t+1
-        if not warm:
-            d = roles.dispersion([ex["activation"][i] for i in seen], actives, ex["groups"][np.array(seen)])
-            ex["d_tilde"] = roles.ema(ex["d_tilde"], d, o.beta_ema)
-        ex["estimate"] = roles.federation_utility(ex["estimate"], [ex["utility"][i] for i in seen], actives, weights)
-        layer_u = roles.layer_utility([ex["activation"][i] for i in seen], [ex["gradient"][i] for i in seen],
-                                      actives, weights, space, self._entries_per_channel, o.lambda_a, o.lambda_g)
-        if o.smoothing == "statistics":  # Appendix C: the layer scores are channel statistics too
-            layer_u = ex["layer_u"] = roles.ema(ex["layer_u"], layer_u, o.beta_ema)
-        states, counts_by_client = dict(ex["states"]), dict(ex["layer_counts"])
-        reactivated = switches = 0
-        shares: dict[float, list[float]] = {}
-        for c in fed.clients:
-            if c.client_id not in ex["utility"]:
-                continue  # no statistics yet: keep its initial mask
-            counts = budget.layer_channel_counts(c.capacity, channels, layer_u, temperature=o.temperature,
-                                                 adaptive=bool(o.adaptive_layer_budget))
-            old = states[c.client_id]
-            active = self._select(ex, c.client_id, old != DROPPED, counts)
-            if warm:
-                st = np.where(active, GLOBAL, DROPPED).astype(np.int8)
-            else:
-                st = roles.assign_roles(active, ex["d_tilde"], space, tau_var=o.tau_var, g_target=o.g_target,
-                                        sgp=o.sgp)
-            reactivated += int(((old == DROPPED) & (st != DROPPED)).sum())
-            shares.setdefault(c.capacity, []).append(float((active & (old == DROPPED)).sum() / max(active.sum(), 1)))
-            switches += int((((old == GLOBAL) & (st == PRIVATE)) | ((old == PRIVATE) & (st == GLOBAL))).sum())
-            states[c.client_id] = st
-            counts_by_client[c.client_id] = counts
-        ex["states"], ex["layer_counts"] = states, counts_by_client
-        if o.masks == "fixed" and not warm:
-            ex["frozen"] = True
-        every = [x for v in shares.values() for x in v]
-        return {"n_reactivated": reactivated, "n_role_switches": switches,
-                "swap_share": float(np.mean(every)) if every else None,
-                "swap_share_narrow": float(np.mean(shares[min(shares)])) if shares else None}
-
-    def _select(self, ex: dict, cid: int, held: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Line 14 under the ``ranking`` and ``stability`` options (docs/readings.md#stable-masks)."""
-        o, space = self.opts, self.ctx.space
-        # pooled: every client ranks by the one federation estimate (FedMP's shared ranking), its own
-        # measurements entering only through that estimate
-        on = ex["measured_on"][cid] if o.ranking == "client" else np.zeros_like(held)
-        scores = roles.selection_scores(ex["utility"][cid], on, ex["estimate"], space)
-        if o.stability == "none":
-            return roles.select_active(scores, counts, space)
-        if o.stability == "hysteresis":
-            return roles.stable_select(scores, held, counts, space, margin=o.margin)
-        return roles.stable_select(scores, held, counts, space,
-                                   max_swaps=roles.swap_limit(o.swap_budget, int(np.sum(counts))))
+        dga_round = self.is_dga_round(t)
+        if dga_round:
+            rng = rng_for(self.cfg.seed, t, -1, "dga-random") if self.opts.dga == "random" else None
+            info = schedule.regroup(st, params, lambda i: self._client_view(new, i)[:2], self.ctx, self.opts, rng)
+        info.update(schedule.next_masks(st, t, self.ctx, self.opts, self._entries_per_channel))
+        records = RoundRecords(rounds=info, clients=self._client_rows(new, old, plans, results),
+                               layers=self._layer_rows(old, plans), groups=st.groups if dga_round else None,
+                               progress=_progress(info))
+        return RoundOutput(new, records)
 
     @cached_property
     def _entries_per_channel(self) -> np.ndarray:
@@ -489,59 +257,45 @@ class FedSAP(Strategy):
     def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]:
         """``group``: each test domain gets the model of the group most of its clients are in (which
         clients those are is evaluation-only ground truth, ``domains``); ``global_only``: W_G."""
-        fed, ex = self.ctx.federation, state.extra
-        groups = ex["groups"]
+        fed, st = self.ctx.federation, state.strategy_state
+        groups = st.groups
         group_models: dict[int, np.ndarray] = {}
         out: dict[str, np.ndarray] = {}
         for d in domains.names:
             ids = list(domains.members[d])
             k = int(np.bincount(groups[ids]).argmax()) if ids else 0
             if k not in group_models:
-                private = ex["private"].get(k)
+                private = st.private.get(k)
                 model = state.params
                 if private is not None:
                     pm = np.zeros(self.ctx.layout.size, dtype=bool)
                     for c in fed.clients:
                         if groups[c.client_id] == k:
-                            pm |= self._masks(ex["states"][c.client_id])[1]
-                    take = _private_is_fresher(pm, None, ex["stamp_p"][k], ex["stamp_g"])
+                            pm |= self._masks(st.states[c.client_id])[1]
+                    take = private_is_fresher(pm, None, st.stamp_p[k], st.stamp_g)
                     if take.any():
                         model = np.where(take, private, state.params)
                 group_models[k] = model
             out[d] = group_models[k]
         return {"group": out, "global_only": {d: state.params for d in domains.names}}
 
-    def round_columns(self, state: ServerState) -> dict[str, Any]:
-        return dict(state.extra.get("round_info") or {})
+    def _client_rows(self, new: ServerState, old: FedSAPState, plans: Mapping[int, ClientPlan],
+                     results: list[ClientResult]) -> dict[int, dict[str, Any]]:
+        """What each client spent, the pseudo-group it trained in and its channels by role (the masks it
+        trained under: ``old``, the state the round started from)."""
+        rows = self.client_records(new, plans, results)
+        for cid, row in rows.items():
+            states, last = old.states[cid], old.measured_on.get(cid)
+            row.update(pseudo_group=int(old.groups[cid]), **roles.role_counts(states),
+                       n_new_channels=None if last is None else int(((states != DROPPED) & ~last).sum()))
+        return rows
 
-    def client_groups(self, state: ServerState) -> np.ndarray | None:
-        """The pseudo-groups, on the rounds DGA formed them (the recorder's ``ari_domain``)."""
-        return state.extra["groups"] if (state.extra.get("round_info") or {}).get("n_groups") is not None else None
-
-    def progress_text(self, round_columns: dict[str, Any]) -> str:
-        """DGA's groups (with the recorder's ARI vs the true domains) and how the masks moved."""
-        c = round_columns
-        dga_text = motion = ""
-        if c.get("n_groups") is not None:
-            dga_text = (f"  DGA {c['n_groups']} groups (ARI domains {c['ari_domain']:.2f}, "
-                        f"capacities {c['ari_capacity']:.2f})")
-        if c.get("n_reactivated") is not None:
-            motion = f"  masks +{c['n_reactivated']} back, {c['n_role_switches']} G<->P"
-        if c.get("swap_share") is not None:
-            motion += f", swap {c['swap_share']:.0%} (narrowest {c['swap_share_narrow']:.0%})"
-        return dga_text + motion
-
-    def client_columns(self, state: ServerState, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
-        """The pseudo-group the client trained in and its channels by role (from the plan's tri-state masks)."""
-        return {"pseudo_group": plan.extra["pseudo_group"], "n_new_channels": plan.extra["n_new_channels"],
-                **roles.role_counts(plan.extra["states"])}
-
-    def layer_rows(self, state: ServerState, plans: dict[int, ClientPlan]) -> list[dict[str, Any]]:
+    def _layer_rows(self, old: FedSAPState, plans: Mapping[int, ClientPlan]) -> list[dict[str, Any]]:
         """Where each client's budget went this round: one row per (client, layer)."""
         rows = []
         space = self.ctx.space
-        for cid, plan in plans.items():
-            st = roles.split(plan.extra["states"], space)
+        for cid in plans:
+            st = roles.split(old.states[cid], space)
             for layer in space.layers:
                 s = st[layer.name]
                 rows.append(dict(client_id=cid, layer=layer.name, channels=layer.channels,
@@ -550,10 +304,14 @@ class FedSAP(Strategy):
         return rows
 
 
-def _private_is_fresher(pmask: np.ndarray, gmask: np.ndarray | None, stamp_p: np.ndarray,
-                        stamp_g: np.ndarray) -> np.ndarray:
-    """Where a model takes the group's Private copy rather than W_G (module docstring, role changes):
-    on Private coordinates unless W_G was trained more recently, on Global ones only when the Private
-    copy was (ties: the role's copy)."""
-    take = pmask & (stamp_p >= stamp_g)
-    return take if gmask is None else take | (gmask & (stamp_p > stamp_g))
+def _progress(info: Mapping[str, Any]) -> str:
+    """The progress line's template: DGA's groups (with the recorder's ARI vs the true domains) and how the
+    masks moved (``RoundRecords.progress``)."""
+    text = ""
+    if info.get("n_groups") is not None:
+        text = "  DGA {n_groups} groups (ARI domains {ari_domain:.2f}, capacities {ari_capacity:.2f})"
+    if info.get("n_reactivated") is not None:
+        text += "  masks +{n_reactivated} back, {n_role_switches} G<->P"
+    if info.get("swap_share") is not None:
+        text += ", swap {swap_share:.0%} (narrowest {swap_share_narrow:.0%})"
+    return text

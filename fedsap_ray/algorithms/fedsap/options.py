@@ -1,0 +1,82 @@
+"""FedSAP's options (papers/000 Appendix B Table 3 and our readings, docs/readings.md#fedsap-papers000)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
+from fedsap_ray.errors import ConfigError
+
+MASK_MODES = ("dynamic", "fixed")
+SMOOTHING = ("dispersion", "statistics")
+STABILITY = ("none", "hysteresis", "swap_budget")
+RANKINGS = ("client", "pooled")
+DGA_LAYERS = ("conv1", "layer1", "layer2", "layer3")
+DGA_SOURCES = ("train", "probe")
+
+
+@dataclass(frozen=True)
+class FedSAPOptions(Strategy.Options):
+    """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
+
+    adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's keep ratio in every layer
+    temperature: float = 1.0  # softmax temperature over the layer utilities (Eq. 2)
+    lambda_a: float = 0.5  # weight of the activation magnitude in a channel's utility (Eq. 5)
+    lambda_g: float = 0.5  # weight of the gradient magnitude in a channel's utility (Eq. 5)
+    g_target: float = 0.9  # least share of Global channels among a layer's active ones (Eq. 3)
+    tau_var: float = 0.05  # dispersion threshold: an active channel above it is Private (Eq. 6)
+    beta_ema: float = 0.5  # EMA coefficient of the dispersion (Eq. 6)
+    gamma: float = 0.01  # weight of the representation regulariser gamma * ||f_enc(x)||^2 (Eq. 7)
+    masks: str = "dynamic"  # dynamic: new masks every round; fixed: the masks of the end of warm-up, kept
+    sgp: bool = True  # false: every active channel Global (a single aggregation path, no Private channels)
+    # pseudo-groups: gradient (Eq. 4), none (one per client), oracle (true domains), random (matched sizes)
+    dga: str = "gradient"
+    dga_layer: str = "conv1"  # whose gradient DGA compares (papers/000 Table 2)
+    dga_method: str = "components"  # components: connected components of the thresholded similarity; agglomerative
+    tau_sim: float = 0.5  # cosine-similarity threshold of DGA (Eq. 4)
+    warmup: int = 10  # rounds in which every active channel is Global; the first DGA closes the warm-up
+    regroup_every: int = 5  # R_d, rounds between DGA regroupings
+    dga_source: str = "train"  # train: the paper's gradient after local training; probe: see the module docstring
+    probe_samples: int = 256  # samples per client in the probe gradient (dga_source=probe)
+    # Stable masks (docs/readings.md#stable-masks). smoothing: what beta_ema smooths (dispersion: Eq. 6's d~
+    # only; statistics: also each client's utilities and the layer utilities, Appendix C's "channel statistics")
+    # Defaults from docs/studies/mask-stability.md (pooled-budget): the narrow clients' swaps 41% -> 9% a round,
+    # worst client 59 -> 78, deployed 87 -> 92; the full-width best 86.5 -> 83.0 (within seed noise)
+    smoothing: str = "statistics"
+    stability: str = "swap_budget"  # none: top-n_l by score; hysteresis: a held channel leaves only for a margin
+    margin: float = 0.1  # hysteresis: how much a candidate's utility must beat a held channel's to replace it
+    swap_budget: float = 0.1  # swap_budget: most of a client's active channels that may change in one round
+    ranking: str = "pooled"  # pooled: one shared ranking (the federation estimate); client: own utilities where held
+
+    def __post_init__(self) -> None:
+        def bad(field: str, allowed: str) -> None:
+            raise ConfigError(f"invalid algorithm.{field}={getattr(self, field)!r}: {allowed}")
+
+        if self.adaptive_layer_budget not in (0, 1):
+            bad("adaptive_layer_budget", "allowed values are 0, 1")
+        for f in ("g_target", "beta_ema"):
+            if not 0 <= getattr(self, f) <= 1:
+                bad(f, "must be in [0, 1]")
+        if self.beta_ema == 1:
+            bad("beta_ema", "must be in [0, 1)")
+        for f in ("temperature",):
+            if getattr(self, f) <= 0:
+                bad(f, "must be > 0")
+        for f in ("lambda_a", "lambda_g", "tau_var", "gamma", "margin"):
+            if getattr(self, f) < 0:
+                bad(f, "must be >= 0")
+        if not -1 <= self.tau_sim <= 1:
+            bad("tau_sim", "must be in [-1, 1] (a cosine similarity)")
+        for f, choices in (("masks", MASK_MODES), ("dga", DGA_MODES), ("dga_layer", DGA_LAYERS),
+                           ("dga_method", DGA_METHODS), ("dga_source", DGA_SOURCES), ("smoothing", SMOOTHING),
+                           ("stability", STABILITY), ("ranking", RANKINGS)):
+            if getattr(self, f) not in choices:
+                bad(f, "allowed values are " + ", ".join(choices))
+        if self.warmup < 0:
+            bad("warmup", "must be an integer >= 0")
+        if self.regroup_every < 1:
+            bad("regroup_every", "must be an integer >= 1")
+        if not 0 < self.swap_budget <= 1:
+            bad("swap_budget", "must be in (0, 1] (a share of the client's active channels)")
+        if self.probe_samples < 2:
+            bad("probe_samples", "must be an integer >= 2")

@@ -1,0 +1,78 @@
+"""Width rules: the share p_i of every layer's channels client i trains in round t (papers/003 Algorithm 2).
+
+A :class:`~fedsap_ray.algorithms.fedavg.FedAvg` strategy composes one rule (``width``), so the
+nested-width methods differ only in the rule they hold and no method stubs another's: full-model
+methods (FedAvg, FedProx, MOON, FedSR, FPL) hold :data:`FULL`, HeteroFL :data:`CAPACITY`, Uniform
+:class:`Capped`, FjORD :data:`RANDOM_TIER`, HAS-FL its allocation (``algorithms/hasfl.py``). A rule
+must be a pure function of (state the round starts from, client, round), so aggregation and the
+deployed model can recompute it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from fedsap_ray.messages import ServerState
+from fedsap_ray.seeding import rng_for
+
+if TYPE_CHECKING:
+    from fedsap_ray.algorithms.fedavg import FedAvg
+
+
+class WidthRule:
+    """p_i per (strategy, state, client, round); the full model by default."""
+
+    # whether the ``allocations`` table records every client's width each round (nested widths do;
+    # a full model allocates nothing)
+    tracked: ClassVar[bool] = True
+
+    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+        return 1.0
+
+    def round_widths(self, s: FedAvg, state: ServerState, t: int) -> np.ndarray:
+        """Every client's round-t width for the ``allocations`` table, given the state AFTER round t
+        (a rule whose widths live in the state overrides it)."""
+        return np.array([self(s, state, cid, t) for cid in range(len(s.ctx.federation.clients))])
+
+    def adapted(self, s: FedAvg, t: int) -> bool:
+        """Whether the allocations changed at the end of round t (``allocations.adapted``; static rules: never)."""
+        return False
+
+
+class Full(WidthRule):
+    """p_i = 1: every client trains the whole model."""
+
+    tracked = False
+
+
+class Capacity(WidthRule):
+    """p_i = p_max of client i: the nested sub-model at its device capacity (HeteroFL)."""
+
+    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+        return float(s.ctx.federation.clients[client_id].capacity)
+
+
+class Capped(WidthRule):
+    """p_i = min(p, p_max): every client capped at one width (papers/003 Uniform baseline)."""
+
+    def __init__(self, p: float) -> None:
+        self.p = float(p)
+
+    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+        return min(self.p, float(s.ctx.federation.clients[client_id].capacity))
+
+
+class RandomTier(WidthRule):
+    """p_i drawn each round uniformly from the federation's capacity tiers at or below p_max (FjORD,
+    papers/003 section 4.2), seeded by (run seed, round, client)."""
+
+    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+        tiers = sorted({float(c.capacity) for c in s.ctx.federation.clients})
+        p_max = float(s.ctx.federation.clients[client_id].capacity)
+        return float(rng_for(s.cfg.seed, t, client_id, "fjord").choice([p for p in tiers if p <= p_max]))
+
+
+FULL = Full()
+CAPACITY = Capacity()
+RANDOM_TIER = RandomTier()
