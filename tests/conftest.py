@@ -73,6 +73,15 @@ def make_strategy(cfg, fed):
     return ctx, algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
 
 
+def aggregate(strat, state, results, t):
+    """``strat.aggregate`` on hand-made ``results``, with the plans ``configure_round(state, t)`` gives their
+    clients (the RoundOutput)."""
+    plans = strat.configure_round(state, t)
+    missing = {r.client_id for r in results} - set(plans)
+    assert not missing, f"clients {sorted(missing)} are not sampled in round {t}"
+    return strat.aggregate(state, {r.client_id: plans[r.client_id] for r in results}, results, t)
+
+
 def run_rounds_with_records(cfg, fed, rounds):
     """Run the strategy in-process for ``rounds`` rounds; return (ctx, strategy, states, plans, results, records):
     states[0] initial and states[t] after round t; plans[t - 1], results[t - 1] and records[t - 1] are round t's

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import run_rounds
+from conftest import aggregate, run_rounds
 from fedsap_ray import results
 from fedsap_ray.algorithms.hasfl import allocation_rule
 from fedsap_ray.algorithms.random_budget import match_budget
@@ -58,8 +58,8 @@ def test_coverage_guarantee_leaves_no_coordinate_frozen_and_its_absence_does(fed
     ctx, _, on = run_rounds(_cfg(*common), f, 4)
     _, _, off = run_rounds(_cfg(*common, "algorithm.coverage=false"), f, 4)
     # after the first adaptation step (end of round 1) the widest clients keep p_max = 1 only with the guarantee
-    assert on[1].strategy_state["alloc"][:2].tolist() == [1.0, 1.0]
-    top = float(off[1].strategy_state["alloc"].max())
+    assert on[1].strategy_state.alloc[:2].tolist() == [1.0, 1.0]
+    top = float(off[1].strategy_state.alloc.max())
     assert top < 0.5
     outside = _outside(ctx, top)
     for t in (2, 3, 4):  # without the guarantee nobody trains the outer slice any more
@@ -94,7 +94,7 @@ def test_h_hat_is_restricted_to_the_clients_own_mask(fed):
         start = state.params if mask is None else state.params[mask]
         res.append(ClientResult(client_id=cid, round=1, values=(start + rng.normal(0, 0.1, start.size)).astype(np.float32),
                                 n_samples=n, train_loss=1.0))
-    new = strat.aggregate(state, res, 1)
+    new = aggregate(strat, state, res, 1).state
     trainable = trainable_mask(ctx.layout, ctx.model)
     dbar = new.params.astype(np.float64) - state.params
     for r, mask in zip(res, (np.ones_like(half), half)):
@@ -102,38 +102,40 @@ def test_h_hat_is_restricted_to_the_clients_own_mask(fed):
         d_i = np.zeros(ctx.layout.size)
         d_i[mask] = r.values.astype(np.float64) - state.params[mask]
         want = np.sum((d_i[sel] - dbar[sel]) ** 2) / (np.sum(dbar[sel] ** 2) + 1e-8)
-        assert new.strategy_state["h_hat"][r.client_id] == pytest.approx(want, rel=1e-9)
+        assert new.strategy_state.h_hat[r.client_id] == pytest.approx(want, rel=1e-9)
     # the half-width client's estimate ignores coordinates it did not train: change client 0's update
     # outside the half-width slice only, and client 1's H_hat stays bit-identical
     moved = res[0].values.copy()
     moved[~half] += 1.0
-    again = strat.aggregate(state, [ClientResult(client_id=0, round=1, values=moved, n_samples=30, train_loss=1.0), res[1]], 1)
-    assert again.strategy_state["h_hat"][1] == new.strategy_state["h_hat"][1]
-    assert again.strategy_state["h_hat"][0] != new.strategy_state["h_hat"][0]
+    again = aggregate(strat, state, [ClientResult(client_id=0, round=1, values=moved, n_samples=30, train_loss=1.0), res[1]],
+                      1).state
+    assert again.strategy_state.h_hat[1] == new.strategy_state.h_hat[1]
+    assert again.strategy_state.h_hat[0] != new.strategy_state.h_hat[0]
     # round 1 is no adaptation step under the defaults (warm-up 10): the EMA did not move
-    assert new.strategy_state["h_tilde"].tolist() == [1.0] * 6 and not new.strategy_state["adapted"]
+    assert new.strategy_state.h_tilde.tolist() == [1.0] * 6 and not strat.width.adapted(strat, 1)
 
 
 def test_smoke_preset_hasfl_adapts_after_warmup_and_normalises(tmp_path, fed):
     cfg = _cfg("algorithm.name=hasfl")  # smoke: warm-up 2, T_adapt 1, T_norm 2, 4 rounds
     ctx, strat, states = run_rounds(cfg, fed, 4)
-    assert [s.strategy_state["adapted"] for s in states[1:]] == [False, True, True, True]
-    assert states[1].strategy_state["h_tilde"].tolist() == [1.0] * 6  # before warm-up ends: initial estimates
+    assert [strat.width.adapted(strat, t) for t in range(1, 5)] == [False, True, True, True]
+    assert states[1].strategy_state.h_tilde.tolist() == [1.0] * 6  # before warm-up ends: initial estimates
     for t in (2, 4):  # normalised: H~ divided by its mean
-        assert states[t].strategy_state["h_tilde"].mean() == pytest.approx(1.0)
-    assert states[3].strategy_state["h_tilde"].mean() != pytest.approx(1.0)
+        assert states[t].strategy_state.h_tilde.mean() == pytest.approx(1.0)
+    assert states[3].strategy_state.h_tilde.mean() != pytest.approx(1.0)
     p_max = strat.p_max()
-    np.testing.assert_allclose(states[2].strategy_state["alloc"], allocation_rule(states[2].strategy_state["h_tilde"], p_max, 0.4, 0.25, 1e-8, True))
-    assert not np.allclose(states[2].strategy_state["alloc"], p_max)  # the rule really changed some widths
+    st2 = states[2].strategy_state
+    np.testing.assert_allclose(st2.alloc, allocation_rule(st2.h_tilde, p_max, 0.4, 0.25, 1e-8, True))
+    assert not np.allclose(states[2].strategy_state.alloc, p_max)  # the rule really changed some widths
     run_experiment(cfg, tmp_path, run_id="s", federation=fed)
     res = results.load(tmp_path)
     alloc = res.allocations
     assert len(alloc) == 4 * 6 and alloc["adapted"].tolist() == [False] * 6 + [True] * 18
-    np.testing.assert_allclose(alloc[alloc["round"] == 4].sort_values("client_id")["h_tilde"], states[4].strategy_state["h_tilde"])
+    np.testing.assert_allclose(alloc[alloc["round"] == 4].sort_values("client_id")["h_tilde"], states[4].strategy_state.h_tilde)
     # the widths a client trained are the allocations in force (round 3 uses round 2's adaptation)
-    np.testing.assert_allclose(alloc[alloc["round"] == 3].sort_values("client_id")["p"], states[2].strategy_state["alloc"])
+    np.testing.assert_allclose(alloc[alloc["round"] == 3].sort_values("client_id")["p"], states[2].strategy_state.alloc)
     cl = res.clients[res.clients["round"] == 3].sort_values("client_id")
-    np.testing.assert_allclose(cl["capacity_used"], states[2].strategy_state["alloc"][cl["client_id"]])
+    np.testing.assert_allclose(cl["capacity_used"], states[2].strategy_state.alloc[cl["client_id"]])
     assert cl["h_hat"].notna().all() and cl["macs_per_sample"].gt(0).all()
 
 
@@ -155,15 +157,15 @@ def test_random_budget_matches_hasfl_budget_at_every_adaptation_step(fed):
     cfg = _cfg("algorithm.name=random_budget", "algorithm.p_min=0.1", "training.rounds=4")
     _, strat, states = run_rounds(cfg, fed, 4)
     p_max = strat.p_max()
-    steps = [s for s in states[1:] if s.strategy_state["adapted"]]
+    steps = [s for t, s in enumerate(states[1:], 1) if strat.width.adapted(strat, t)]
     assert len(steps) == 3
     for s in steps:
-        target = allocation_rule(s.strategy_state["h_tilde"], p_max, 0.1, 0.25, 1e-8, True)
-        assert s.strategy_state["alloc"].mean() == pytest.approx(target.mean(), abs=1e-12)
-        assert (s.strategy_state["alloc"] <= p_max + 1e-12).all() and (s.strategy_state["alloc"] > 0).all()
-        assert (s.strategy_state["alloc"][p_max == p_max.max()] == p_max.max()).all()  # coverage as for HAS-FL
-        assert not np.allclose(s.strategy_state["alloc"], target)  # ... but not HAS-FL's allocation
-    assert not np.allclose(steps[0].strategy_state["alloc"], steps[1].strategy_state["alloc"])  # redrawn at every step
+        target = allocation_rule(s.strategy_state.h_tilde, p_max, 0.1, 0.25, 1e-8, True)
+        assert s.strategy_state.alloc.mean() == pytest.approx(target.mean(), abs=1e-12)
+        assert (s.strategy_state.alloc <= p_max + 1e-12).all() and (s.strategy_state.alloc > 0).all()
+        assert (s.strategy_state.alloc[p_max == p_max.max()] == p_max.max()).all()  # coverage as for HAS-FL
+        assert not np.allclose(s.strategy_state.alloc, target)  # ... but not HAS-FL's allocation
+    assert not np.allclose(steps[0].strategy_state.alloc, steps[1].strategy_state.alloc)  # redrawn at every step
 
 
 # --- static rules ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+from conftest import (aggregate, assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.config import build_config
@@ -93,7 +93,7 @@ def test_afd_score_map_keeps_improving_submodels_and_weights_the_next_draw(fed):
     def step(state, t, loss):
         mask = s.client_mask(state, 3, t)
         r = ClientResult(client_id=3, round=t, values=state.params[mask].copy(), n_samples=10, train_loss=loss)
-        return s.aggregate(state, [r], t), _flat(s.channel_masks(state, 3, t), space)
+        return aggregate(s, state, [r], t).state, _flat(s.channel_masks(state, 3, t), space)
 
     s1, m1 = step(state, 1, 2.0)
     assert not s1.strategy_state["afd"]["reuse"][3] and 3 not in s1.strategy_state["afd"]["score"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+from conftest import (aggregate, assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.pruning import l1_channel_masks
@@ -82,14 +82,14 @@ def test_r2sp_recovers_pruned_models_with_the_residual_before_averaging(fed):
         x[mask] = vals
         full.append((n, x, mask))
     want = sum(n * x for n, x, _ in full) / 40.0
-    got = s.aggregate(state, res, 1).params
+    got = aggregate(s, state, res, 1).state.params
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     only_big = full[0][2] & ~full[1][2]  # trained by client 1 only: 3/4 of its value, 1/4 the old one
     assert only_big.sum() > 0
     np.testing.assert_allclose(got[only_big], 0.75 * full[0][1][only_big] + 0.25 * state.params[only_big], rtol=1e-6)
     _, coord = make_strategy(_cfg("algorithm.aggregation=coordinate"), fed)
     want_c = masked_weighted_average(state.params, [(m, r.values, float(r.n_samples)) for r, (_, _, m) in zip(res, full)])
-    np.testing.assert_array_equal(coord.aggregate(state, res, 1).params, want_c)
+    np.testing.assert_array_equal(aggregate(coord, state, res, 1).state.params, want_c)
     assert not np.allclose(want_c[only_big], got[only_big])
 
 

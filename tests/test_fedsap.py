@@ -14,7 +14,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.messages import ClientResult
-from conftest import make_strategy, run_rounds
+from conftest import aggregate, make_strategy, run_rounds
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=3"]
@@ -100,9 +100,10 @@ def test_type_matched_aggregation_hand_built(fed):
     for cid in range(3):
         st = rng.choice([GLOBAL, PRIVATE, DROPPED], size=n, p=[0.5, 0.3, 0.2]).astype(np.int8)
         sts[cid] = st
-    state.strategy_state["states"] = {**state.strategy_state["states"], **sts}
-    state.strategy_state["groups"] = np.array([0, 0, 1, 1, 1, 1])
-    state.strategy_state["private"] = {0: state.params + 1.0, 1: state.params + 2.0}
+    state.strategy_state.states = {**state.strategy_state.states, **sts}
+    state.strategy_state.groups = np.array([0, 0, 1, 1, 1, 1])
+    state.strategy_state.private = {0: state.params + 1.0, 1: state.params + 2.0}
+    state.strategy_state.stamp_p = {k: np.zeros(state.params.size, np.int32) for k in (0, 1)}  # never aggregated
     weights = {0: 10, 1: 30, 2: 20}
     res, full = [], {}
     for cid in range(3):
@@ -111,8 +112,8 @@ def test_type_matched_aggregation_hand_built(fed):
         res.append(ClientResult(client_id=cid, round=5, values=full[cid][g | p], n_samples=weights[cid], train_loss=0.0,
                                 stats={"channel_activation": np.ones(n, np.float32), "channel_gradient": np.ones(n, np.float32)}))
     old = state.params.copy()
-    old_priv = {k: v.copy() for k, v in state.strategy_state["private"].items()}
-    new = strat.aggregate(state, res, 5)
+    old_priv = {k: v.copy() for k, v in state.strategy_state.private.items()}
+    new = aggregate(strat, state, res, 5).state
     G = {c: strat._masks(sts[c])[0] for c in range(3)}
     P = {c: strat._masks(sts[c])[1] for c in range(3)}
     # Global: sample-weighted mean over exactly the clients holding the coordinate as Global
@@ -126,8 +127,8 @@ def test_type_matched_aggregation_hand_built(fed):
         ws = sum(weights[c] * P[c] for c in members)
         ac = sum(weights[c] * P[c] * full[c].astype(np.float64) for c in members)
         cov = ws > 0
-        np.testing.assert_allclose(new.strategy_state["private"][k][cov], (ac[cov] / ws[cov]).astype(np.float32), rtol=1e-6)
-        assert new.strategy_state["private"][k][~cov].tobytes() == old_priv[k][~cov].tobytes()
+        np.testing.assert_allclose(new.strategy_state.private[k][cov], (ac[cov] / ws[cov]).astype(np.float32), rtol=1e-6)
+        assert new.strategy_state.private[k][~cov].tobytes() == old_priv[k][~cov].tobytes()
 
 
 def test_all_global_single_group_equals_fedavg(fed):
@@ -140,7 +141,7 @@ def test_all_global_single_group_equals_fedavg(fed):
     _, _, s1 = _loop(sap, f, 3)
     _, _, s2 = _loop(avg, f, 3)
     np.testing.assert_array_equal(s1[-1].params, s2[-1].params)
-    assert (s1[-1].strategy_state["groups"] == 0).all()
+    assert (s1[-1].strategy_state.groups == 0).all()
 
 
 def test_without_sgp_the_grouping_changes_no_number_with_sgp_it_does(fed):
@@ -156,10 +157,10 @@ def test_without_sgp_the_grouping_changes_no_number_with_sgp_it_does(fed):
 
     no_sgp = final("algorithm.sgp=false")
     np.testing.assert_array_equal(no_sgp.params, final("algorithm.sgp=false", "algorithm.dga=none").params)
-    assert not any((st == PRIVATE).any() for st in no_sgp.extra["states"].values())
+    assert not any((st == PRIVATE).any() for st in no_sgp.strategy_state.states.values())
     grouped, alone = final("algorithm.dga=oracle"), final("algorithm.dga=none")  # domains vs. one group per client
-    assert any((st == PRIVATE).any() for st in grouped.strategy_state["states"].values())
-    assert len(set(grouped.strategy_state["groups"])) < len(alone.strategy_state["groups"])  # DGA merged some clients
+    assert any((st == PRIVATE).any() for st in grouped.strategy_state.states.values())
+    assert len(set(grouped.strategy_state.groups)) < len(alone.strategy_state.groups)  # DGA merged some clients
     assert not np.array_equal(grouped.params, alone.params)
 
 
@@ -167,13 +168,13 @@ def test_fixed_masks_do_not_change_after_warmup(fed):
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap_fixed", "algorithm.warmup=1",
                                                          "training.rounds=4"])
     _, _, states = _loop(cfg, fed, 4)
-    after = [s.strategy_state["states"] for s in states[1:]]  # masks for rounds 2..5
+    after = [s.strategy_state.states for s in states[1:]]  # masks for rounds 2..5
     for later in after[1:]:
         for cid in later:
             np.testing.assert_array_equal(later[cid], after[0][cid])
     dyn = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "training.rounds=4"])
     _, _, dstates = _loop(dyn, fed, 4)
-    changed = any(not np.array_equal(dstates[2].strategy_state["states"][c], dstates[4].strategy_state["states"][c]) for c in range(6))
+    changed = any(not np.array_equal(dstates[2].strategy_state.states[c], dstates[4].strategy_state.states[c]) for c in range(6))
     assert changed  # dynamic masks do move
 
 

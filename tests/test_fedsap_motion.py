@@ -20,7 +20,7 @@ from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.masks import nested_channel_masks, param_mask
 from fedsap_ray.messages import ClientResult
 from fedsap_ray.models import build_model
-from conftest import federation_fixture, make_strategy, run_rounds_with_plans
+from conftest import aggregate, federation_fixture, make_strategy, run_rounds_with_records
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=3"]
@@ -94,7 +94,7 @@ def test_server_brings_back_a_channel_the_federation_finds_useful(fed):
     state = strat.init_state()
     space, n = ctx.space, ctx.space.total_channels
     small = min(range(6), key=lambda c: fed.clients[c].capacity)
-    st_small = state.strategy_state["states"][small]
+    st_small = state.strategy_state.states[small]
     off = roles.layer_offsets(space)
     seg = slice(off[-2], off[-1])  # a wide layer
     dropped = np.flatnonzero(st_small[seg] == DROPPED)
@@ -102,7 +102,7 @@ def test_server_brings_back_a_channel_the_federation_finds_useful(fed):
     c = off[-2] + int(dropped[-1])
     res = []
     for cid in range(6):
-        st = state.strategy_state["states"][cid]
+        st = state.strategy_state.states[cid]
         g, p = strat._masks(st)
         a = np.where(st != DROPPED, 0.1, 0.0)
         if cid == small:
@@ -111,9 +111,9 @@ def test_server_brings_back_a_channel_the_federation_finds_useful(fed):
             a[c] = 5.0  # everyone who holds c finds it the best channel of its layer
         res.append(ClientResult(client_id=cid, round=1, values=state.params[g | p], n_samples=10, train_loss=0.0,
                                 stats=_stats(n, a)))
-    new = strat.aggregate(state, res, 1)
-    assert new.strategy_state["states"][small][c] == GLOBAL  # back, in warm-up as Global
-    assert new.strategy_state["round_info"]["n_reactivated"] >= 1
+    out = aggregate(strat, state, res, 1)
+    assert out.state.strategy_state.states[small][c] == GLOBAL  # back, in warm-up as Global
+    assert out.records.rounds["n_reactivated"] >= 1
 
 
 # --- role changes take the fresher copy ---------------------------------------------------------------------
@@ -125,11 +125,11 @@ def test_role_change_takes_the_fresher_copy(fed):
     cid = 0
     st = np.full(n, GLOBAL, np.int8)
     st[: n // 2] = PRIVATE
-    state.strategy_state["states"] = {**state.strategy_state["states"], cid: st}
-    state.strategy_state["groups"] = np.zeros(6, dtype=np.int64)
+    state.strategy_state.states = {**state.strategy_state.states, cid: st}
+    state.strategy_state.groups = np.zeros(6, dtype=np.int64)
     g, p = strat._masks(st)
     priv = state.params + 1.0
-    state.strategy_state["private"] = {0: priv}
+    state.strategy_state.private = {0: priv}
     sg = np.full(state.params.size, 5, np.int32)
     sp = np.full(state.params.size, 5, np.int32)
     # Private coordinates: half with an older Private copy (W_G moved since), half with a newer one
@@ -140,7 +140,7 @@ def test_role_change_takes_the_fresher_copy(fed):
     gidx = np.flatnonzero(g)
     fresh_g, tied_g = gidx[: gidx.size // 2], gidx[gidx.size // 2:]
     sp[fresh_g] = 8
-    state.strategy_state["stamp_g"], state.strategy_state["stamp_p"] = sg, {0: sp}
+    state.strategy_state.stamp_g, state.strategy_state.stamp_p = sg, {0: sp}
     model = strat.client_model(state, cid)
     np.testing.assert_array_equal(model[old_p], state.params[old_p])  # stale Private copy: W_G's value
     np.testing.assert_array_equal(model[new_p], priv[new_p])  # the group trained it since: its copy
@@ -157,27 +157,27 @@ def test_stamps_follow_aggregation_and_a_new_private_channel_starts_from_w_g(fed
     ctx, strat = make_strategy(cfg, fed)
     state = strat.init_state()
     n = ctx.space.total_channels
-    state.strategy_state["groups"] = np.zeros(6, dtype=np.int64)
+    state.strategy_state.groups = np.zeros(6, dtype=np.int64)
     st_priv = np.full(n, PRIVATE, np.int8)
     st_glob = np.full(n, GLOBAL, np.int8)
     rng = np.random.default_rng(0)
 
     def round_(state, t, st):
-        state.strategy_state["states"] = {c: st.copy() for c in range(6)}
+        state.strategy_state.states = {c: st.copy() for c in range(6)}
         g, p = strat._masks(st)
         res = [ClientResult(client_id=c, round=t, values=rng.normal(size=int((g | p).sum())).astype(np.float32),
                             n_samples=10, train_loss=0.0, stats=_stats(n)) for c in range(6)]
-        new = strat.aggregate(state, res, t)
+        new = aggregate(strat, state, res, t).state
         return new, g, p
 
     s1, _, p1 = round_(state, 1, st_priv)  # round 1: everything Private
-    assert (s1.strategy_state["stamp_p"][0][p1] == 1).all() and (s1.strategy_state["stamp_g"][p1] == 0).all()
+    assert (s1.strategy_state.stamp_p[0][p1] == 1).all() and (s1.strategy_state.stamp_g[p1] == 0).all()
     s2, g2, _ = round_(s1, 2, st_glob)  # round 2: everything Global
-    assert (s2.strategy_state["stamp_g"][g2] == 2).all() and (s2.strategy_state["stamp_p"][0][g2] == 1).all()
-    s2.strategy_state["states"] = {c: st_priv.copy() for c in range(6)}  # round 3's masks: Private again
+    assert (s2.strategy_state.stamp_g[g2] == 2).all() and (s2.strategy_state.stamp_p[0][g2] == 1).all()
+    s2.strategy_state.states = {c: st_priv.copy() for c in range(6)}  # round 3's masks: Private again
     model = strat.client_model(s2, 0)
     np.testing.assert_array_equal(model[p1], s2.params[p1])  # W_G's fresh value, not the round-1 copy
-    assert not np.array_equal(s2.strategy_state["private"][0][p1], s2.params[p1])
+    assert not np.array_equal(s2.strategy_state.private[0][p1], s2.params[p1])
 
 
 def test_dispersion_ema_starts_at_the_first_observation():
@@ -235,29 +235,29 @@ def test_layer_utility_ignores_dropped_channels_and_weights_clients(space):
 # --- the end-to-end motion and the records ---------------------------------------------------------------
 def test_dropped_channels_come_back_and_the_records_count_it(fed):
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "training.rounds=4"])
-    _, strat, states, plans, _ = run_rounds_with_plans(cfg, fed, 4)
+    _, strat, states, plans, _, records = run_rounds_with_records(cfg, fed, 4)
     back = 0
     for t in range(1, 4):  # masks of round t vs round t+1
         for cid in range(6):
-            before, after = states[t - 1].strategy_state["states"][cid], states[t].strategy_state["states"][cid]
+            before, after = states[t - 1].strategy_state.states[cid], states[t].strategy_state.states[cid]
             back += int(((before == DROPPED) & (after != DROPPED)).sum())
-        recorded = states[t].strategy_state["round_info"]["n_reactivated"]
-        mine = sum(int(((states[t - 1].strategy_state["states"][c] == DROPPED) & (states[t].strategy_state["states"][c] != DROPPED)).sum())
+        recorded = records[t - 1].rounds["n_reactivated"]
+        mine = sum(int(((states[t - 1].strategy_state.states[c] == DROPPED) & (states[t].strategy_state.states[c] != DROPPED)).sum())
                    for c in range(6))
         assert recorded == mine
     assert back > 0
     # the federation estimate covers every channel once a full-capacity client has reported
-    assert np.isfinite(states[1].strategy_state["estimate"]).all()
+    assert np.isfinite(states[1].strategy_state.estimate).all()
 
 
 def test_fixed_masks_stay_fixed_with_the_estimate(fed):
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap_fixed", "algorithm.warmup=1",
                                                          "training.rounds=4"])
-    _, _, states, _, _ = run_rounds_with_plans(cfg, fed, 4)
-    for s in states[2:]:
+    _, _, states, _, _, records = run_rounds_with_records(cfg, fed, 4)
+    for s, rec in zip(states[2:], records[1:]):
         for cid in range(6):
-            np.testing.assert_array_equal(s.strategy_state["states"][cid], states[1].strategy_state["states"][cid])
-        assert s.strategy_state["round_info"]["n_reactivated"] == 0
+            np.testing.assert_array_equal(s.strategy_state.states[cid], states[1].strategy_state.states[cid])
+        assert rec.rounds["n_reactivated"] == 0
 
 
 def test_domain_coverage_in_rounds_equals_the_union_of_the_domains_sub_models(tmp_path, fed):
@@ -318,12 +318,12 @@ def test_probe_dga_recovers_strongly_separated_domains_under_mixed_capacities(se
             c.pruning_ratio = 1.0 - c.capacity
     by_domain = {d: {c.capacity for c in federation.clients if c.domain == d} for d in federation.domains}
     assert all(len(caps) >= 2 for caps in by_domain.values())  # capacities really are mixed within domains
-    _, strat, states, plans, _ = run_rounds_with_plans(cfg, federation, 3)
+    _, strat, states, plans, _, records = run_rounds_with_records(cfg, federation, 3)
     truth = np.array([federation.domains.index(c.domain) for c in federation.clients])
     for t in (1, 2, 3):
-        groups = strat.client_groups(states[t])  # formed this round; the recorder scores them (ari_domain)
+        groups = records[t - 1].groups  # formed this round; the recorder scores them (ari_domain)
         exact = selection == "today" or t < 3
-        assert agreement(groups, truth) >= (1.0 if exact else 0.8), (t, states[t].strategy_state["groups"], truth)
+        assert agreement(groups, truth) >= (1.0 if exact else 0.8), (t, states[t].strategy_state.groups, truth)
     # the probe is the same sub-model for every client: one mask and the same values in every plan
     probes = [p.extra["probe"] for p in plans[0].values()]
     assert all(np.array_equal(q["mask"], probes[0]["mask"]) and np.array_equal(q["values"], probes[0]["values"])

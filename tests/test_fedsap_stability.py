@@ -14,7 +14,7 @@ from fedsap_ray.algorithms.fedsap import budget, roles
 from fedsap_ray.config import build_config
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED
 from fedsap_ray.models import build_model
-from conftest import assert_options_rejected, federation_fixture, run_rounds_with_plans
+from conftest import assert_options_rejected, federation_fixture, run_rounds_with_records
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=3"]
@@ -171,54 +171,54 @@ def test_dropped_channels_still_come_back_under_the_stable_rules(space, rule):
 def _states(fed, overrides, rounds=4):
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", f"training.rounds={rounds}",
                                                          *overrides])
-    return run_rounds_with_plans(cfg, fed, rounds)
+    return run_rounds_with_records(cfg, fed, rounds)
 
 
 def test_beta_zero_statistics_smoothing_reproduces_todays_selection(fed):
-    _, _, today, _, _ = _states(fed, ["algorithm.beta_ema=0", "algorithm.smoothing=dispersion"])
-    _, _, smooth, _, _ = _states(fed, ["algorithm.beta_ema=0", "algorithm.smoothing=statistics"])
+    _, _, today, _, _, _ = _states(fed, ["algorithm.beta_ema=0", "algorithm.smoothing=dispersion"])
+    _, _, smooth, _, _, _ = _states(fed, ["algorithm.beta_ema=0", "algorithm.smoothing=statistics"])
     for a, b in zip(today, smooth):
         for cid in range(6):
-            np.testing.assert_array_equal(a.strategy_state["states"][cid], b.strategy_state["states"][cid])
+            np.testing.assert_array_equal(a.strategy_state.states[cid], b.strategy_state.states[cid])
         np.testing.assert_array_equal(a.params, b.params)
 
 
 def test_swap_budget_end_to_end_bounds_swaps_records_them_and_masks_still_move(fed):
-    _, strat, states, plans, outs = _states(fed, ["algorithm.stability=swap_budget", "algorithm.swap_budget=0.1",
+    _, strat, states, plans, outs, records = _states(fed, ["algorithm.stability=swap_budget", "algorithm.swap_budget=0.1",
                                              "algorithm.smoothing=statistics"], rounds=5)
     moved = 0
     for t in range(1, 5):
-        info = states[t].strategy_state["round_info"]
+        info = records[t - 1].rounds
         shares = []
         for cid in range(6):
-            before, after = states[t - 1].strategy_state["states"][cid], states[t].strategy_state["states"][cid]
+            before, after = states[t - 1].strategy_state.states[cid], states[t].strategy_state.states[cid]
             new = int(((before == DROPPED) & (after != DROPPED)).sum())
             assert new <= roles.swap_limit(0.1, int((after != DROPPED).sum()))
             shares.append(new / (after != DROPPED).sum())
             moved += new
         assert info["swap_share"] == pytest.approx(np.mean(shares))
-        # the clients column: the plan's active channels not active in the mask the client last trained under
-        for cid, plan in plans[t].items():
-            trained = plans[t - 1][cid].extra["states"] != DROPPED
-            assert plan.extra["n_new_channels"] == int(((plan.extra["states"] != DROPPED) & ~trained).sum())
-            cols = strat.client_columns(states[t + 1] if t + 1 < len(states) else states[t], plan, outs[t][0])
-            assert cols["n_new_channels"] == plan.extra["n_new_channels"]
+        # the clients column of round t+1: its active channels not active in the mask the client last trained
+        # under (every client trains every round here: round t's)
+        assert set(records[t].clients) == set(plans[t]) == set(range(6))
+        for cid, row in records[t].clients.items():
+            trained, now = states[t - 1].strategy_state.states[cid] != DROPPED, states[t].strategy_state.states[cid] != DROPPED
+            assert row["n_new_channels"] == int((now & ~trained).sum())
     assert moved > 0  # masks still move under the budget
-    assert all(p.extra["n_new_channels"] is None for p in plans[0].values())  # first round: nothing trained before
+    assert all(r["n_new_channels"] is None for r in records[0].clients.values())  # first round: nothing trained before
 
 
 def test_fixed_masks_stay_fixed_with_the_stable_options(fed):
-    _, _, states, _, _ = _states(fed, ["algorithm.masks=fixed", "algorithm.warmup=1", "algorithm.smoothing=statistics",
-                                  "algorithm.stability=hysteresis"])
-    for s in states[2:]:
+    _, _, states, _, _, records = _states(fed, ["algorithm.masks=fixed", "algorithm.warmup=1",
+                                                 "algorithm.smoothing=statistics", "algorithm.stability=hysteresis"])
+    for s, rec in zip(states[2:], records[1:]):
         for cid in range(6):
-            np.testing.assert_array_equal(s.strategy_state["states"][cid], states[1].strategy_state["states"][cid])
-        assert s.strategy_state["round_info"]["swap_share"] == 0.0
+            np.testing.assert_array_equal(s.strategy_state.states[cid], states[1].strategy_state.states[cid])
+        assert rec.rounds["swap_share"] == 0.0
 
 
 def test_pooled_ranking_gives_equal_clients_nested_masks(fed):
     """One shared ranking: two clients with the same layer counts hold the same channels."""
-    _, _, states, _, _ = _states(fed, ["algorithm.ranking=pooled", "algorithm.adaptive_layer_budget=0"])
+    _, _, states, _, _, _ = _states(fed, ["algorithm.ranking=pooled", "algorithm.adaptive_layer_budget=0"])
     ex = states[-1].strategy_state
     caps = {}
     for c in fed.clients:
@@ -227,7 +227,7 @@ def test_pooled_ranking_gives_equal_clients_nested_masks(fed):
     assert same
     for ids in same:
         for other in ids[1:]:
-            np.testing.assert_array_equal(ex["states"][ids[0]] != DROPPED, ex["states"][other] != DROPPED)
+            np.testing.assert_array_equal(ex.states[ids[0]] != DROPPED, ex.states[other] != DROPPED)
 
 
 def test_bad_stability_options_are_refused():

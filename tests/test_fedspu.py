@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from conftest import (assert_same_tables, federation_fixture, global_rows, make_strategy, run_rounds_with_plans,
+from conftest import (aggregate, assert_same_tables, federation_fixture, global_rows, make_strategy, run_rounds_with_plans,
                       run_twice, tiny_overrides)
 from fedsap_ray.algorithms.fedspu import FrozenNeurons
 from fedsap_ray.client import train_client
@@ -89,7 +89,7 @@ def test_frozen_neurons_stay_bit_identical_under_momentum_and_weight_decay(tiny_
     trained = mask & pc
     assert (final[trained] != state.params[trained]).mean() > 0.9
     np.testing.assert_array_equal(res.values, final[mask])
-    new = strat.aggregate(state, [res], 1)
+    new = aggregate(strat, state, [res], 1).state
     assert new.strategy_state["personal"][2].tobytes() == final.tobytes()
 
     monkeypatch.setattr(FrozenNeurons, "after_step", lambda self, model: None)

@@ -141,7 +141,8 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
     state0, state1, plans, outs = states[0], states[1], plan_sets[0], outs_sets[0]
     d, c = ctx.model.feature_dim, tiny_fed.num_classes
     assert state0.strategy_state["rho"].shape == (d,) and state0.strategy_state["r_mu"].shape == (c, d)
-    assert (state0.strategy_state["rho"] == 0).all() and (state0.strategy_state["r_mu"] == 0).all() and (state0.strategy_state["r_rho"] == 1).all()
+    s0 = state0.strategy_state
+    assert (s0["rho"] == 0).all() and (s0["r_mu"] == 0).all() and (s0["r_rho"] == 1).all()
     seeds = set()
     for p in plans.values():
         assert p.extra[HOOKS_KEY] == (HOOK,) and p.extra["alpha_l2r"] == 0.01 and p.extra["alpha_cmi"] == 0.001

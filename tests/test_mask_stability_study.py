@@ -79,8 +79,8 @@ def test_report_rows_and_mask_motion_columns(study):
 
 
 def test_progress_line_shows_the_swapped_share():
-    from fedsap_ray.algorithms.fedsap import FedSAP
+    from fedsap_ray.algorithms.fedsap.strategy import progress_template
 
-    text = FedSAP.progress_text(None, {"n_reactivated": 3, "n_role_switches": 1, "swap_share": 0.21,
-                                       "swap_share_narrow": 0.39})
+    c = {"n_reactivated": 3, "n_role_switches": 1, "swap_share": 0.21, "swap_share_narrow": 0.39}
+    text = progress_template(c).format_map(c)
     assert "swap 21% (narrowest 39%)" in text

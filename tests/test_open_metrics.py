@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -18,12 +19,14 @@ import pytest
 from fedsap_ray import algorithms, docgen, results
 from fedsap_ray.algorithms import registry
 from fedsap_ray.algorithms.fedavg import FedAvg
+from fedsap_ray.algorithms.fedsap.strategy import progress_template
 from fedsap_ray.grouping import canonical_labels
 from fedsap_ray.columns import Column
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
+from fedsap_ray.messages import RoundRecords
 from fedsap_ray.progress import ProgressPrinter
-from conftest import federation_fixture, make_strategy, run_rounds, tiny_overrides
+from conftest import federation_fixture, make_strategy, run_rounds_with_records, tiny_overrides
 
 FED_OVERRIDES = tiny_overrides("fedavg", "data.num_clients=8")
 fed = federation_fixture(FED_OVERRIDES)
@@ -51,12 +54,12 @@ def test_the_oracle_control_gets_the_true_domains_explicitly_and_recovers_them(f
     over = tiny_overrides("fedsap", "data.num_clients=8", "algorithm.dga=oracle", "algorithm.warmup=1",
                           "algorithm.regroup_every=1")
     cfg = build_config(preset="smoke", overrides=over)
-    _, strat, states = run_rounds(cfg, fed, 2)
+    _, strat, states, _, _, records = run_rounds_with_records(cfg, fed, 2)
     truth = [c.domain for c in fed.clients]
     assert strat.ctx.oracle is not None and list(strat.ctx.oracle.client_domains) == truth
     assert not hasattr(strat.ctx.federation, "domains")  # the general view still has none
     for t in (1, 2):
-        np.testing.assert_array_equal(strat.client_groups(states[t]), canonical_labels(truth))
+        np.testing.assert_array_equal(records[t - 1].groups, canonical_labels(truth))
     gradient = build_config(preset="smoke", overrides=[*over[:-3], "algorithm.dga=gradient"])
     assert make_strategy(gradient, fed)[1].ctx.oracle is None
 
@@ -81,19 +84,17 @@ class ToyMetric(FedAvg):
     columns = {"rounds": (Column("toy_round", pa.int64(), "ten times the round"),),
                "clients": (Column("toy_client", pa.float64(), "client id + 0.5"),)}
 
-    def round_columns(self, state) -> dict[str, Any]:
-        return {"toy_round": 10 * state.round}
+    def records(self, state, plans, results, t) -> RoundRecords:
+        out = super().records(state, plans, results, t)
+        return replace(out, rounds={**out.rounds, "toy_round": 10 * state.round}, progress="  toy {toy_round}")
 
     def client_columns(self, state, plan, result) -> dict[str, Any]:
         return {**super().client_columns(state, plan, result), "toy_client": plan.client_id + 0.5}
 
-    def progress_text(self, round_columns: dict[str, Any]) -> str:
-        return f"  toy {round_columns['toy_round']}"
-
 
 class Undeclared(FedAvg):
-    def round_columns(self, state) -> dict[str, Any]:
-        return {"not_declared": 1}
+    def records(self, state, plans, results, t) -> RoundRecords:
+        return replace(super().records(state, plans, results, t), rounds={"not_declared": 1})
 
 
 class Retyped(FedAvg):
@@ -175,9 +176,12 @@ def test_every_algorithm_column_is_declared_by_a_strategy_and_named_in_the_refer
 
 def test_fedsap_writes_its_own_part_of_the_progress_line(fed):
     cfg = build_config(preset="smoke", overrides=tiny_overrides("fedsap", "data.num_clients=8"))
-    strat = make_strategy(cfg, fed)[1]
+    _, _, _, _, _, records = run_rounds_with_records(cfg, fed, 1)
+    assert "  masks +{n_reactivated} back" in records[0].progress  # a template the recorder fills
+
+    def text(c):
+        return progress_template(c).format_map(c)
     dga_round = {"n_groups": 2, "ari_domain": 1.0, "ari_capacity": -0.25, "n_reactivated": 3, "n_role_switches": 4}
-    assert strat.progress_text(dga_round) == ("  DGA 2 groups (ARI domains 1.00, capacities -0.25)"
-                                              "  masks +3 back, 4 G<->P")
-    assert strat.progress_text({"n_reactivated": 0, "n_role_switches": 0}) == "  masks +0 back, 0 G<->P"
-    assert strat.progress_text({}) == ""
+    assert text(dga_round) == "  DGA 2 groups (ARI domains 1.00, capacities -0.25)  masks +3 back, 4 G<->P"
+    assert text({"n_reactivated": 0, "n_role_switches": 0}) == "  masks +0 back, 0 G<->P"
+    assert text({}) == ""

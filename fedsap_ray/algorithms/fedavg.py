@@ -110,8 +110,7 @@ class FedAvg(Strategy):
         masks = {r.client_id: plans[r.client_id].mask for r in ordered}
         params = self.merge(state, ordered, masks)
         new = ServerState(round=t, params=params, strategy_state=self.after_aggregate(state, params, ordered, masks, t))
-        return RoundOutput(new, RoundRecords(clients=self.client_records(new, plans, ordered),
-                                             allocations=self.allocation_rows(new, t)))
+        return RoundOutput(new, self.records(new, plans, ordered, t))
 
     def merge(self, state: ServerState, results: list[ClientResult], masks: dict[int, np.ndarray | None]) -> np.ndarray:
         """Algorithm 1 line 18: each coordinate's sample-weighted mean over the clients that trained it."""
@@ -122,13 +121,24 @@ class FedAvg(Strategy):
         """The next state's ``strategy_state``; static rules keep none."""
         return state.strategy_state
 
+    def client_mask(self, state: ServerState, client_id: int, t: int) -> np.ndarray | None:
+        """The client's round-t parameter mask (None: full model) from the pure rule: what its plan carries."""
+        return self.sub_model(state, client_id, t)[0]
+
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The sub-model the client would receive in the next round (its width, its pruned filters,
         its next random draw) from the global model ``state`` holds. Masks are pure in (state, client,
         round), so this is exactly the next round's plan, whether or not the client is sampled then."""
-        return state.params, self.sub_model(state, client_id, state.round + 1)[0]
+        return state.params, self.client_mask(state, client_id, state.round + 1)
 
     # --- records -------------------------------------------------------------------------------
+    def records(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                t: int) -> RoundRecords:
+        """What :meth:`aggregate` returns besides the state (``state``: the state after round t): the clients'
+        rows and the allocations. A method with metrics of its own extends it (``dataclasses.replace`` of
+        ``super().records(...)`` with its declared columns and progress template)."""
+        return RoundRecords(clients=self.client_records(state, plans, results), allocations=self.allocation_rows(state, t))
+
     def allocation_rows(self, state: ServerState, t: int) -> list[dict[str, Any]]:
         """``allocations``: every client's width in round t (nested-width rules only), given the state after it."""
         if not self.width.tracked:

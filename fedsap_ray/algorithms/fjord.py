@@ -10,7 +10,8 @@ modelled (docs/readings.md#other-choices).
 """
 from __future__ import annotations
 
-from fedsap_ray.algorithms.base import Strategy
+from dataclasses import dataclass
+
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import RANDOM_TIER
@@ -19,5 +20,8 @@ from fedsap_ray.algorithms.widths import RANDOM_TIER
 @register("fjord")
 class FjORD(FedAvg):
     summary = "ordered dropout: each round a random tier at or below p_max (papers/003)"
-    Options = Strategy.Options  # no options (not FedAvg's width: the rule is fixed)
+    @dataclass(frozen=True)
+    class Options:
+        """No options (not FedAvg's ``width``: the rule is fixed)."""
+
     width = RANDOM_TIER

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.widths import WidthRule
 from fedsap_ray.columns import Column
@@ -66,14 +67,14 @@ class HasFLState:
 class Allocated(WidthRule):
     """HAS-FL's width: p_i as the last adaptation step allocated it (the state's ``alloc``)."""
 
-    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+    def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
         return float(state.strategy_state.alloc[client_id])
 
-    def round_widths(self, s: FedAvg, state: ServerState, t: int) -> np.ndarray:
+    def round_widths(self, s: Strategy, state: ServerState, t: int) -> np.ndarray:
         """The widths round t trained at (the state after it allocates round t+1's)."""
         return state.strategy_state.alloc_used
 
-    def adapted(self, s: FedAvg, t: int) -> bool:
+    def adapted(self, s: Strategy, t: int) -> bool:
         return bool(s.is_adaptation_round(t))  # type: ignore[attr-defined]
 
 

@@ -7,7 +7,8 @@ papers/003's protocol and are not modelled.
 """
 from __future__ import annotations
 
-from fedsap_ray.algorithms.base import Strategy
+from dataclasses import dataclass
+
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY
@@ -16,5 +17,8 @@ from fedsap_ray.algorithms.widths import CAPACITY
 @register("heterofl")
 class HeteroFL(FedAvg):
     summary = "static nested sub-models at p_max, coordinate-wise aggregation"
-    Options = Strategy.Options  # no options (not FedAvg's width: the rule is fixed)
+    @dataclass(frozen=True)
+    class Options:
+        """No options (not FedAvg's ``width``: the rule is fixed)."""
+
     width = CAPACITY

@@ -9,15 +9,13 @@ deployed model can recompute it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
+from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.messages import ServerState
 from fedsap_ray.seeding import rng_for
-
-if TYPE_CHECKING:
-    from fedsap_ray.algorithms.fedavg import FedAvg
 
 
 class WidthRule:
@@ -27,15 +25,15 @@ class WidthRule:
     # a full model allocates nothing)
     tracked: ClassVar[bool] = True
 
-    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+    def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
         return 1.0
 
-    def round_widths(self, s: FedAvg, state: ServerState, t: int) -> np.ndarray:
+    def round_widths(self, s: Strategy, state: ServerState, t: int) -> np.ndarray:
         """Every client's round-t width for the ``allocations`` table, given the state AFTER round t
         (a rule whose widths live in the state overrides it)."""
         return np.array([self(s, state, cid, t) for cid in range(len(s.ctx.federation.clients))])
 
-    def adapted(self, s: FedAvg, t: int) -> bool:
+    def adapted(self, s: Strategy, t: int) -> bool:
         """Whether the allocations changed at the end of round t (``allocations.adapted``; static rules: never)."""
         return False
 
@@ -49,7 +47,7 @@ class Full(WidthRule):
 class Capacity(WidthRule):
     """p_i = p_max of client i: the nested sub-model at its device capacity (HeteroFL)."""
 
-    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+    def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
         return float(s.ctx.federation.clients[client_id].capacity)
 
 
@@ -59,7 +57,7 @@ class Capped(WidthRule):
     def __init__(self, p: float) -> None:
         self.p = float(p)
 
-    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+    def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
         return min(self.p, float(s.ctx.federation.clients[client_id].capacity))
 
 
@@ -67,7 +65,7 @@ class RandomTier(WidthRule):
     """p_i drawn each round uniformly from the federation's capacity tiers at or below p_max (FjORD,
     papers/003 section 4.2), seeded by (run seed, round, client)."""
 
-    def __call__(self, s: FedAvg, state: ServerState, client_id: int, t: int) -> float:
+    def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
         tiers = sorted({float(c.capacity) for c in s.ctx.federation.clients})
         p_max = float(s.ctx.federation.clients[client_id].capacity)
         return float(rng_for(s.cfg.seed, t, client_id, "fjord").choice([p for p in tiers if p <= p_max]))

@@ -212,7 +212,7 @@ class Recorder:
         rows = []
         primary = next(iter(by_mode), None)
         for mode, per_domain in by_mode.items():
-            s = summarise(per_domain)
+            s = summarise(dict(per_domain))
             best = self._update_best(mode, s["global_accuracy"])
             if mode == primary:
                 self.primary_mode, self.last_global = mode, s["global_accuracy"]
@@ -226,7 +226,7 @@ class Recorder:
                              domain_coverage=1.0 - frozen / n_trainable, **g, **common))
         deployed_global: dict[str, Any] = {}
         if deployed:
-            rows.extend(self._deployed_rows(deployed, common, coverage, 1.0 - frozen / n_trainable))
+            rows.extend(self._deployed_rows(dict(deployed), common, coverage, 1.0 - frozen / n_trainable))
             deployed_global = rows[-1]
         if not by_mode:
             rows.append(dict(domain=GLOBAL_DOMAIN, eval_mode=None, evaluated=False,

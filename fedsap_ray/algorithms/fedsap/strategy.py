@@ -238,7 +238,7 @@ class FedSAP(Strategy):
         info.update(schedule.next_masks(st, t, self.ctx, self.opts, self._entries_per_channel))
         records = RoundRecords(rounds=info, clients=self._client_rows(new, old, plans, results),
                                layers=self._layer_rows(old, plans), groups=st.groups if dga_round else None,
-                               progress=_progress(info))
+                               progress=progress_template(info))
         return RoundOutput(new, records)
 
     @cached_property
@@ -304,7 +304,7 @@ class FedSAP(Strategy):
         return rows
 
 
-def _progress(info: Mapping[str, Any]) -> str:
+def progress_template(info: Mapping[str, Any]) -> str:
     """The progress line's template: DGA's groups (with the recorder's ARI vs the true domains) and how the
     masks moved (``RoundRecords.progress``)."""
     text = ""
