@@ -79,6 +79,8 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
             raise treecodec.TreeFormatError(f"a {header.get('kind')!r} file of run {header.get('run_id')!r}, "
                                             f"not the checkpoint of run {run_id!r}")
         st = tree["state"]
+        if "strategy" not in st and "extra" in st:  # written before the strategy's state was renamed
+            st["strategy"] = st.pop("extra")
         params = st["params"]
         if type(st["round"]) is not int or not isinstance(params, np.ndarray) or params.dtype != np.float32 \
                 or params.ndim != 1 or type(st["strategy"]) is not dict:

@@ -25,7 +25,7 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.client import default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.errors import CheckpointUnreadable, ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
@@ -143,8 +143,13 @@ class RunSession:
         if resume:
             ck = checkpoint.load(self.out, run_id)
             st = ck["state"]
-            self._resumed = ServerState(round=st.round, params=st.params,
-                                        strategy_state=self.strategy.state_from_tree(st.strategy_state))
+            try:
+                own = self.strategy.state_from_tree(st.strategy_state)
+            except TypeError as e:  # a State whose fields changed since the checkpoint was written
+                raise CheckpointUnreadable(f"checkpoint of run {run_id} in {self.out} holds {cfg.algorithm.name} state "
+                                           f"this version cannot read ({e}): start the run again with --run-id "
+                                           f"{run_id} --overwrite") from e
+            self._resumed = ServerState(round=st.round, params=st.params, strategy_state=own)
             self.recorder.restore_metrics(ck["server"])
             old = self.writer.restore(self._resumed.round)
             if old is not None:

@@ -113,14 +113,14 @@ def test_a_value_the_format_does_not_store_is_refused_at_save_time_naming_its_ke
     with pytest.raises(treecodec.TreeTypeError) as e:
         treecodec.encode(bad)
     assert where in str(e.value) and kind in str(e.value), str(e.value)
-    state = checkpoint.ServerState(round=1, params=np.zeros(3, np.float32), extra=bad)
+    state = checkpoint.ServerState(round=1, params=np.zeros(3, np.float32), strategy_state=bad)
     with pytest.raises(treecodec.TreeTypeError):
         checkpoint.save(tmp_path, "r", state, {})
     assert not list((tmp_path / "checkpoints").iterdir())  # no checkpoint, no temporary file
 
 
 def test_a_checkpoint_of_another_run_or_format_version_is_unreadable(tmp_path):
-    state = checkpoint.ServerState(round=2, params=np.zeros(4, np.float32), extra={1: np.ones(2)})
+    state = checkpoint.ServerState(round=2, params=np.zeros(4, np.float32), strategy_state={1: np.ones(2)})
     checkpoint.save(tmp_path, "a", state, {"best": 0.5}, tables=["rounds"])
     ck = checkpoint.load(tmp_path, "a")
     assert ck["state"].round == 2 and ck["server"] == {"best": 0.5} and ck["tables"] == ["rounds"]
@@ -152,7 +152,11 @@ def test_every_strategys_state_round_trips_exactly_through_its_checkpoint(tmp_pa
     s.backend.close()
     ck = checkpoint.load(tmp_path, "r")
     assert ck["state"].round == 2 and same(ck["state"].params, s.state.params)
-    assert same(ck["state"].strategy_state, s.state.strategy_state), algo
+    # a typed state (FedSAP's, HAS-FL's) is stored by its fields and comes back as its own dataclass
+    assert same(ck["state"].strategy_state, s.strategy.state_tree(s.state.strategy_state)), algo
+    back = s.strategy.state_from_tree(ck["state"].strategy_state)
+    assert type(back) is type(s.state.strategy_state), algo
+    assert same(s.strategy.state_tree(back), s.strategy.state_tree(s.state.strategy_state)), algo
     assert same(ck["server"], s.recorder.metrics_state())
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (aggregate, assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
+from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.context import RunContext
@@ -252,7 +252,7 @@ def test_reconstruction_fills_pruned_coordinates_with_the_previous_global_model(
                         stats={MASK_KEY: pack_channel_masks(ctx.space, b)}),
            ClientResult(client_id=0, round=1, values=np.full(n_a, 1.0, np.float32), n_samples=1, train_loss=0.0,
                         stats={MASK_KEY: pack_channel_masks(ctx.space, a)})]
-    new = aggregate(strat, ServerState(round=0, params=prev), res, 1).state.params
+    new = strat.merge(ServerState(round=0, params=prev), res, 1)
     np.testing.assert_array_equal(layout.slice("fc1.weight", new), [[7.75, 7.75], [5.5, 5.5]])
     np.testing.assert_array_equal(layout.slice("fc1.bias", new), [7.75, 5.5])
     np.testing.assert_array_equal(layout.slice("fc2.weight", new), [[7.75, 5.5], [10, 10]])

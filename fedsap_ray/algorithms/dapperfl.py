@@ -316,6 +316,15 @@ class DapperFL(Strategy):
 
     def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                   t: int) -> RoundOutput:
+        """Step 7 (:meth:`merge`); each client's kept channels are stored for its deployed model."""
+        params = self.merge(state, results, t)
+        extra = dict(state.strategy_state)
+        # each client's last kept channels: the mask of the pruned model it deploys (deployed_model)
+        extra["kept"] = {**state.strategy_state.get("kept", {}),
+                         **{r.client_id: np.asarray(r.stats[MASK_KEY], dtype=bool) for r in results}}
+        return self.output(ServerState(round=t, params=params, strategy_state=extra), plans, results)
+
+    def merge(self, state: ServerState, results: list[ClientResult], t: int) -> np.ndarray:
         """Step 7: reconstruct every pruned model with W^{t-1}, then the sample-weighted mean (client-id order)."""
         if not results:
             raise ValueError(f"round {t}: DapperFL needs at least one client result")
@@ -328,12 +337,7 @@ class DapperFL(Strategy):
             full[pmask] = r.values
             acc += float(r.n_samples) * reconstruct(prev, full, pmask).astype(np.float64)
             wsum += float(r.n_samples)
-        params = prev.copy() if wsum <= 0 else (acc / wsum).astype(np.float32)
-        extra = dict(state.strategy_state)
-        # each client's last kept channels: the mask of the pruned model it deploys (deployed_model)
-        extra["kept"] = {**state.strategy_state.get("kept", {}),
-                         **{r.client_id: np.asarray(r.stats[MASK_KEY], dtype=bool) for r in results}}
-        return self.output(ServerState(round=t, params=params, strategy_state=extra), plans, results)
+        return prev.copy() if wsum <= 0 else (acc / wsum).astype(np.float32)
 
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The pruned model the device runs: the global model at the channels the client kept in its last
