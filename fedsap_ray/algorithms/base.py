@@ -8,13 +8,18 @@ What a strategy may know is what a real server could know: it keeps a :class:`St
 whose federation is a :class:`~fedsap_ray.data.base.FederationView` (client ids, sample counts,
 capacities; no true domain, no label distribution). Ground truth reaches only evaluation (the
 :class:`~fedsap_ray.data.base.EvalDomains` argument of :meth:`Strategy.eval_models`), the recording
-side (:class:`fedsap_ray.server.Server`: ``true_domain``, ``tv_distance``, ``ari_domain``), and a
+side (:class:`fedsap_ray.results.recorder.Recorder`: ``true_domain``, ``tv_distance``, ``ari_domain``), and a
 control that declares it needs it (:meth:`Strategy.needs_oracle`: FedSAP's ``dga=oracle``).
 
 A strategy's own metrics are declared, not hard-coded in the core: :attr:`Strategy.columns` lists
 the extra columns (name, Arrow type, one-line doc) it writes to each per-round table, and
 :mod:`fedsap_ray.results.schema` builds every table's schema from the core columns plus the
 union of the registered strategies' declarations.
+
+A round's data flows one way: :meth:`Strategy.aggregate` returns a
+:class:`~fedsap_ray.messages.RoundOutput` (the new state and every row the strategy computed), and
+after it the server asks only for the models to evaluate (:meth:`Strategy.eval_sets`,
+:meth:`Strategy.deployed_model`).
 """
 from __future__ import annotations
 

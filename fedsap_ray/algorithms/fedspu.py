@@ -38,7 +38,7 @@ sends), ``plan.extra["frozen_values"]`` the client's own frozen personal values 
 device in the real system, so not counted in bytes_down), the result the trained values at
 M_i^t (what the real client uploads). Because frozen coordinates come back unchanged the server
 rebuilds the client's new personal model exactly from its previous one and those values
-(``ServerState.strategy_state["personal"]``, client id -> float32 vector; ``extra["init"]`` = w^0).
+(``ServerState.strategy_state["personal"]``, client id -> float32 vector; ``["init"]`` = w^0).
 
 Evaluation: ``global`` (the global model w^t) first, then ``personal``: for each domain, the
 personal model of that domain's client holding the most training samples (ties: lowest id),
