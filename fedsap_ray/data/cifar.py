@@ -205,7 +205,7 @@ def cached_cifar_tarball(tar_path: Path, cache_dir: Path | None = None) -> tuple
     return splits, classes
 
 
-@register_dataset("cifar10")
+@register_dataset("cifar10", single_domain=True)
 class Cifar10Source:
     """CIFAR-10 from torchvision's batches or from the shared JPEG archive."""
 

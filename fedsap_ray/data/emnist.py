@@ -38,7 +38,7 @@ def pad_upright_rgb(x: np.ndarray) -> np.ndarray:
     return out
 
 
-@register_dataset("emnist")
+@register_dataset("emnist", single_domain=True)
 class EmnistSource:
     """EMNIST ByClass via torchvision."""
 
