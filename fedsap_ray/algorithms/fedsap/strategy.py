@@ -83,9 +83,9 @@ from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, RunContext, Strategy
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
-from fedsap_ray.algorithms.fedsap.hooks import CHANNEL_STATS, DGA_PROBE
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
-from fedsap_ray.algorithms.representation import HOOK as REP_NORM
+from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook, DGAProbe
+from fedsap_ray.algorithms.hooks import call
+from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.pruning import filter_l1_scores
 from fedsap_ray.columns import Column
 from fedsap_ray.data.base import EvalDomains
@@ -270,23 +270,23 @@ class FedSAP(Strategy):
             gmask, pmask = self._masks(st)
             active = gmask | pmask
             model, _, take_private = self._client_view(state, cid)
-            extra: dict[str, Any] = {HOOKS_KEY: (REP_NORM, CHANNEL_STATS) + ((DGA_PROBE,) if probe_mask is not None else ()),
-                                     "rep_gamma": float(self.opts.gamma), CHANNEL_STATS: stats,
-                                     "dga_layer": self.opts.dga_layer, "states": st}
-            extra["pseudo_group"] = group  # for the clients table (client_columns); the client ignores it
+            hooks = [call(RepresentationNorm, gamma=float(self.opts.gamma)),
+                     call(ChannelStatsHook, keys=stats, dga_layer=self.opts.dga_layer)]
+            # for the server's own tables (client_columns, layer_rows); no client reads them
+            extra: dict[str, Any] = {"states": st, "pseudo_group": group}
             last = ex["measured_on"].get(cid)
             extra["n_new_channels"] = None if last is None else int(((st != DROPPED) & ~last).sum())
             side_down = 0
             if probe_mask is not None:
-                extra["probe"] = {"mask": probe_mask, "values": probe_values,
-                                  "samples": int(self.opts.probe_samples),
-                                  "seed": seed_for(self.cfg.seed, 0, cid, "dga-probe")}  # fixed per client
+                hooks.append(call(DGAProbe, mask=probe_mask, values=probe_values, samples=int(self.opts.probe_samples),
+                                  seed=seed_for(self.cfg.seed, 0, cid, "dga-probe"),  # fixed per client
+                                  dga_layer=self.opts.dga_layer))
                 # the client already holds W_G's value where it trains a coordinate from W_G
                 missing = probe_mask & ~(active & ~take_private)
                 side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
                 values=model[active], mask=active, capacity_used=float((st != DROPPED).mean()),
-                extra=extra, side_bytes_down=side_down,
+                hooks=tuple(hooks), extra=extra, side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )
         return plans
