@@ -171,3 +171,42 @@ def test_unknown_hooks_and_failures_are_client_errors_and_close_always_runs(test
     bad = dataclasses.replace(_plan(layout, model), hooks="test_recorder")  # a string, not a tuple of HookCall
     with pytest.raises(ClientError, match="tuple of HookCall"):
         train_client(bad, copy.deepcopy(model), layout, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalePayload:
+    factor: float
+
+
+class ScaledLoss(ClientHook):
+    """Reads its own typed payload: the loss times ``factor``."""
+
+    Payload = ScalePayload
+
+    def add_terms(self, model: MaskableModel, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.payload.factor
+
+
+def test_a_hook_receives_its_own_typed_payload_built_one_way():
+    import pickle
+
+    from fedsap_ray.algorithms.hooks import call
+    from fedsap_ray.algorithms.fedprox import ProximalPayload, ProximalTerm
+
+    register_hook("test_scaled")(ScaledLoss)
+    try:
+        model, layout, data = tiny_mlp()
+        base = _plan(layout, model)
+        plan = dataclasses.replace(base, hooks=(call(ScaledLoss, factor=0.0),))
+        assert plan.hooks == (HookCall("test_scaled", ScalePayload(0.0)),) and plan.payload(ScaledLoss).factor == 0.0
+        assert train_client(plan, copy.deepcopy(model), layout, data).train_loss == 0.0
+        wrong = dataclasses.replace(base, hooks=(HookCall("test_scaled", NoPayload()),))
+        with pytest.raises(ClientError, match="payload of client hook 'test_scaled' must be a ScalePayload"):
+            train_client(wrong, copy.deepcopy(model), layout, data)
+        with pytest.raises(TypeError):
+            call(ScaledLoss, factr=1.0)  # a payload's fields are checked when the plan is built
+    finally:
+        unregister_hook("test_scaled")
+    # the payloads of the package's hooks are module-level: plans pickle to Ray workers
+    prox = dataclasses.replace(base, hooks=(call(ProximalTerm, mu=0.1),))
+    assert pickle.loads(pickle.dumps(prox)).payload("fedprox") == ProximalPayload(mu=0.1)
