@@ -277,3 +277,8 @@ def apply_algorithm_defaults(merged: dict[str, Any]) -> dict[str, Any]:
 def from_dict(d: Mapping[str, Any]) -> ExperimentConfig:
     """The validated config tree (the algorithm's typed options included: ``cfg.algorithm.opts``)."""
     return construct(ExperimentConfig, d, "")
+
+
+def _construct(cls: type, d: Any, prefix: str) -> Any:
+    """A config node (any section) from a plain mapping (the schema's :func:`construct`; kept for callers)."""
+    return construct(cls, d, prefix)
