@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       f"training.rounds={args.rounds}", f"seed={args.seed}"])
     fed = build_federation(cfg)
     ctx = build_context(cfg, fed)
-    strat: Strategy = algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name,
-                                                                                        cfg.algorithm.options))
+    strat: Strategy = algorithms.get(cfg.algorithm.name)(ctx, cfg.algorithm.opts)
     backend = LocalBackend("cpu", num_workers=1)
     backend.start(ctx)
     state = strat.init_state()

@@ -40,7 +40,7 @@ def main() -> None:
     cfg = build_config(preset=args.preset, overrides=[f"seed={args.seed}", *args.overrides])
     fed = build_federation(cfg)
     ctx = build_context(cfg, fed)
-    strat = algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+    strat = algorithms.get(cfg.algorithm.name)(ctx, cfg.algorithm.opts)
     backend = LocalBackend("cpu", num_workers=2)
     backend.start(ctx)
     state, trainable = strat.init_state(), ctx.trainable

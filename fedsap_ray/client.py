@@ -32,7 +32,7 @@ Local update: mini-batch SGD with momentum and weight decay (papers/000 Appendix
 optional gradient-norm clipping (papers/003 section 4.1). This loop names no algorithm:
 whatever a method adds (FedProx's proximal term, FedSAP's Eq. 7 and channel statistics,
 SCAFFOLD's control variates, MOON, FedSR, FPL, FedSPU, DapperFL) is a client hook its
-strategy lists in ``plan.extra["hooks"]`` (:mod:`fedsap_ray.algorithms.hooks`), called
+strategy lists in ``plan.hooks`` (:mod:`fedsap_ray.algorithms.hooks`), called
 in that order at each point of the loop:
 
 1. the hooks are built from the plan (``__init__``), then ``before_training`` runs on the

@@ -8,8 +8,9 @@ the CLI can print one line and exit with code 2.
 
 Presets (``smoke``, ``laptop``, ``paper``, ...) are plain nested dicts applied on top of the
 defaults; algorithm-specific options (e.g. FedProx ``mu``) live in ``algorithm.options`` and are
-checked here against the strategy's own options dataclass (the strategies import the schema, so
-the schema cannot import them). docs/reference/config.md is generated from both modules.
+turned into the strategy's own options dataclass, once, when the schema builds ``AlgorithmConfig``
+(it finds the strategy through :mod:`fedsap_ray.registry`, which imports no strategy).
+docs/reference/config.md is generated from both modules.
 """
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ from collections.abc import Mapping
 import yaml
 
 from fedsap_ray.errors import ConfigError
-from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DATASETS, DEVICES, INT64_MAX, MODELS, PARTITIONS,
-                               SEED_ALLOWED, SEED_MAX, SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig,
-                               ExperimentConfig, ModelConfig, ResourcesConfig, TrainingConfig, _fail, construct)
-from fedsap_ray.schema import Checks
+from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DEVICES, INT64_MAX, PARTITIONS, SEED_ALLOWED, SEED_MAX,
+                               SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig, ExperimentConfig, ModelConfig,
+                               ResourcesConfig, TrainingConfig, _fail, construct)
 
 __all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.schema
-    "BACKENDS", "CAPACITY_SCHEMES", "DATASETS", "DEVICES", "INT64_MAX", "MODELS", "PARTITIONS", "SEED_ALLOWED",
+    "BACKENDS", "CAPACITY_SCHEMES", "DEVICES", "INT64_MAX", "PARTITIONS", "SEED_ALLOWED",
     "SEED_MAX", "SUBMODELS", "AlgorithmConfig", "CapacityConfig", "ConfigError", "DataConfig", "ExperimentConfig", "ModelConfig",
     "ResourcesConfig", "TrainingConfig", "PRESETS", "PRESET_NOTES", "DEFAULT_PRESET", "build_config", "from_dict",
     "load_file", "parse_override", "deep_merge", "apply_algorithm_defaults",
@@ -275,19 +275,10 @@ def apply_algorithm_defaults(merged: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_dict(d: Mapping[str, Any]) -> ExperimentConfig:
-    return _construct(ExperimentConfig, d, "")
-
-
-def _check_algorithm(algo: AlgorithmConfig) -> None:
-    """The options against the strategy's own Options dataclass (and the name against the registry)."""
-    from fedsap_ray.algorithms import registry  # late: loading the strategies loads torch
-
-    registry.validate(algo.name, dict(algo.options))
-
-
-_CHECKS: Checks = {AlgorithmConfig: _check_algorithm}
+    """The validated config tree (the algorithm's typed options included: ``cfg.algorithm.opts``)."""
+    return construct(ExperimentConfig, d, "")
 
 
 def _construct(cls: type, d: Any, prefix: str) -> Any:
-    """A config node (any section) from a plain mapping, with the algorithm's options checked."""
-    return construct(cls, d, prefix, _CHECKS)
+    """A config node (any section) from a plain mapping (the schema's :func:`construct`; kept for callers)."""
+    return construct(cls, d, prefix)

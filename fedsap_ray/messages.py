@@ -14,6 +14,15 @@ from typing import Any
 import numpy as np
 
 
+@dataclass(frozen=True)
+class HookCall:
+    """One client hook of a plan: its registered name and its typed payload (an instance of the hook's
+    ``Payload`` frozen dataclass). Built by :func:`fedsap_ray.algorithms.hooks.call`."""
+
+    name: str
+    payload: Any
+
+
 @dataclass
 class ClientPlan:
     client_id: int
@@ -30,9 +39,9 @@ class ClientPlan:
     seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
     submodel: str = "sliced"  # sliced | masked: how the client trains its sub-model (training.submodel)
     capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
-    # strategy-specific payload, pure data: extra["hooks"] names the client hooks that customise local
-    # training, in order, and the other keys are what they read (fedsap_ray.algorithms.hooks)
-    extra: dict[str, Any] = field(default_factory=dict)
+    # the client hooks that customise local training, in calling order, each with its typed payload
+    # (fedsap_ray.algorithms.hooks); pure data, so any worker can run any client
+    hooks: tuple[HookCall, ...] = ()
     # bytes of protocol state the real algorithm would also send each way (e.g. SCAFFOLD's control
     # variates c - c_i down and Delta c_i up), counted in bytes_down / the clients' bytes_up
     side_bytes_down: int = 0
@@ -53,6 +62,14 @@ class ClientPlan:
                              f"'sliced' or 'masked', got {self.submodel!r}")
         if self.local_epochs < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError(f"ClientPlan(client {self.client_id}, round {self.round}): bad optimiser settings")
+
+    def payload(self, hook: Any) -> Any:
+        """The payload of the plan's hook ``hook`` (a registered name, or a hook class); KeyError if absent."""
+        name = hook if isinstance(hook, str) else hook.name
+        for c in self.hooks:
+            if c.name == name:
+                return c.payload
+        raise KeyError(f"ClientPlan(client {self.client_id}, round {self.round}) has no client hook {name!r}")
 
     @property
     def bytes_down(self) -> int:

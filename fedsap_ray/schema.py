@@ -2,10 +2,12 @@
 builds it (and every strategy's options) from plain mappings.
 
 This is the bottom of the config layer: data, models, algorithms and backends import their config
-types from here. Assembling a config (presets, YAML, ``--set`` overrides, checking the algorithm's
-options against its strategy) is :mod:`fedsap_ray.config`, which sits above the strategies; every
-name here is also importable from there. Every error is a :class:`~fedsap_ray.errors.ConfigError`
-whose message names the field, the offending value and what is allowed.
+types from here. Assembling a config (presets, YAML, ``--set`` overrides) is
+:mod:`fedsap_ray.config`; every name here is also importable from there. Names that are registered
+(``data.name``, ``model.name``, ``algorithm.name``) are checked against their registry
+(:mod:`fedsap_ray.registry`, which imports nothing heavy and loads the registering package on first
+use), and ``algorithm.options`` becomes the strategy's typed ``Options`` here, once. Every error is a
+:class:`~fedsap_ray.errors.ConfigError` whose message names the field, the offending value and what is allowed.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Mapping
 
+from fedsap_ray import registry
 from fedsap_ray.errors import ConfigError
 
 
@@ -50,10 +53,8 @@ def _check_choice(name: str, v: Any, choices: typing.Iterable[str]) -> None:
 SEED_MAX = 2**32 - 1  # the seed range every numpy/torch seeding API accepts
 SEED_ALLOWED = f"must be an integer in [0, {SEED_MAX}] (0 <= seed < 2**32)"
 
-DATASETS = ("embedded_digits", "digits", "digits_offline", "office_caltech", "cifar10", "emnist", "mnist", "shakespeare")
 PARTITIONS = ("domain", "dirichlet", "natural", "iid")
 CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
-MODELS = ("resnet10", "resnet18", "cnn_small", "cnn_cifar", "cnn_emnist", "mlp", "char_lstm")
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
 SUBMODELS = ("sliced", "masked")
@@ -88,7 +89,7 @@ class DataConfig:
     max_train_per_domain: int | None = None  # cap on the training pool per domain before partitioning
 
     def __post_init__(self) -> None:
-        _check_choice("data.name", self.name, DATASETS)
+        registry.DATASETS.get(self.name)  # a registered dataset (fedsap_ray.registry)
         _check_choice("data.partition", self.partition, PARTITIONS)
         if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
             _fail("data.num_clients", self.num_clients, "must be an integer >= 1")
@@ -158,7 +159,7 @@ class ModelConfig:
     width_mult: float = 1.0  # scales every layer's channel count (tests and laptops use < 1)
 
     def __post_init__(self) -> None:
-        _check_choice("model.name", self.name, MODELS)
+        registry.MODELS.get(self.name)  # a registered model (fedsap_ray.registry)
         _check_pos("model.width_mult", self.width_mult)
         if self.width_mult > 4:
             _fail("model.width_mult", self.width_mult, "must be in (0, 4]")
@@ -219,14 +220,41 @@ class TrainingConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
-    """Strategy name plus its own options (validated by the strategy's options dataclass)."""
+    """Strategy name plus its own options (validated by the strategy's options dataclass).
 
-    # The options are checked when fedsap_ray.config builds the tree (config._check_algorithm):
-    # the strategies import this module, so it cannot import them.
+    Building the node checks the name against the strategy registry and turns ``options`` into the
+    strategy's typed ``Options`` once (:func:`parse_options`); that object is :attr:`opts`, what the
+    strategy is built with. It is not a field: the config's JSON and hash are those of ``options``."""
 
     name: str = "fedsap"  # registry name (docs/reference/algorithms.md)
     # the algorithm's own options; set as --set algorithm.<option>=VALUE
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            _fail("algorithm.name", self.name, "must be a string")
+        if not isinstance(self.options, Mapping):
+            _fail("algorithm.options", self.options, "must be a mapping")
+        object.__setattr__(self, "_opts", parse_options(self.name, self.options))
+
+    @property
+    def opts(self) -> Any:
+        """The strategy's typed ``Options``, built when this config was validated."""
+        return self.__dict__["_opts"]
+
+
+def parse_options(name: str, options: Mapping[str, Any]) -> Any:
+    """The strategy ``name``'s ``Options`` dataclass from plain options, naming any bad key or value
+    (an unknown name is ``invalid algorithm.name=...``, from the strategy registry)."""
+    opt_cls = registry.STRATEGIES.get(name).Options
+    fields = {f.name: f for f in dataclasses.fields(opt_cls)}
+    for k in options:
+        if k not in fields:
+            allowed = ", ".join(fields) or "(none)"
+            raise ConfigError(f"invalid algorithm.{k}={options[k]!r}: unknown option for algorithm {name!r}; "
+                              f"allowed options are {allowed}")
+    hints = typing.get_type_hints(opt_cls)
+    return opt_cls(**{k: coerce(hints[k], v, f"algorithm.{k}") for k, v in options.items()})
 
 
 @dataclass(frozen=True)
@@ -288,7 +316,8 @@ class ExperimentConfig:
         kr = self.capacity.keep_ratios
         if kr is not None and len(kr) != self.data.num_clients:
             _fail("capacity.keep_ratios", list(kr), f"needs exactly data.num_clients={self.data.num_clients} entries, got {len(kr)}")
-        if self.data.partition == "domain" and self.data.name in ("mnist", "cifar10", "emnist", "shakespeare"):
+        source = registry.DATASETS.get(self.data.name)  # what the dataset declares where it is registered
+        if self.data.partition == "domain" and source.single_domain:
             _fail("data.partition", self.data.partition, f"data.name={self.data.name} has one domain: use dirichlet, natural or iid")
         sampled = int(round(self.training.participation * self.data.num_clients))
         if sampled < 1:
@@ -296,8 +325,10 @@ class ExperimentConfig:
                   f"with data.num_clients={self.data.num_clients} it samples round({self.training.participation} * "
                   f"{self.data.num_clients}) = 0 clients a round; must be > {0.5 / self.data.num_clients:g} "
                   "(at least one client a round)")
-        if self.data.partition == "natural" and self.data.name != "shakespeare":
-            _fail("data.partition", self.data.partition, "natural partitions exist only for data.name=shakespeare")
+        if self.data.partition == "natural" and not source.natural_partition:
+            natural = [n for n in registry.DATASETS.names() if registry.DATASETS.get(n).natural_partition]
+            _fail("data.partition", self.data.partition,
+                  "natural partitions exist only for " + ", ".join(f"data.name={n}" for n in natural))
 
     # --- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -128,8 +128,7 @@ class RunSession:
         self.t0 = time.perf_counter()
         self.writer = RunWriter(self.out, run_id)
         self.ctx = build_context(cfg, federation)
-        self.strategy = algorithms.get(cfg.algorithm.name)(
-            self.ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+        self.strategy = algorithms.get(cfg.algorithm.name)(self.ctx, cfg.algorithm.opts)  # options typed once, by the config
         self.backend = backend
         self.server = Server(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
                              device=pick_device(cfg.resources.device))

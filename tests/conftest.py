@@ -70,7 +70,7 @@ def federation_fixture(overrides, name: str = "fed", preset: str = "smoke"):
 def make_strategy(cfg, fed):
     """(RunContext, Strategy) for ``cfg`` on a prebuilt federation, without a backend."""
     ctx = build_context(cfg, fed)
-    return ctx, algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+    return ctx, algorithms.get(cfg.algorithm.name)(ctx, cfg.algorithm.opts)
 
 
 def aggregate(strat, state, results, t):

@@ -16,11 +16,11 @@ import fedsap_ray.client as client_mod
 from conftest import tiny_mlp
 from fedsap_ray import algorithms
 from fedsap_ray.aggregation import scatter
-from fedsap_ray.algorithms.hooks import _HOOKS, HOOKS_KEY, ClientHook, register_hook, unregister_hook
+from fedsap_ray.algorithms.hooks import _HOOKS, ClientHook, NoPayload, register_hook, unregister_hook
 from fedsap_ray.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 
 CLIP = 0.05
@@ -135,7 +135,8 @@ def test_hooks() -> Iterator[None]:
 
 def _plan(layout: ParamLayout, model: torch.nn.Module, *hooks: str) -> ClientPlan:
     return ClientPlan(client_id=1, round=4, values=layout.flatten(model), mask=None, local_epochs=2, batch_size=6,
-                      lr=0.1, momentum=0.0, weight_decay=0.0, grad_clip=CLIP, seed=7, extra={HOOKS_KEY: hooks})
+                      lr=0.1, momentum=0.0, weight_decay=0.0, grad_clip=CLIP, seed=7,
+                      hooks=tuple(HookCall(n, NoPayload()) for n in hooks))
 
 
 def test_a_registered_hook_runs_through_the_real_loop_in_order(test_hooks):
@@ -167,6 +168,45 @@ def test_unknown_hooks_and_failures_are_client_errors_and_close_always_runs(test
     with pytest.raises(ClientError, match="boom in after_step"):
         train_client(_plan(layout, model, "test_recorder", "test_boom"), copy.deepcopy(model), layout, data)
     assert Recorder.log[-1] == "close"
-    bad = dataclasses.replace(_plan(layout, model), extra={HOOKS_KEY: "test_recorder"})  # a string, not a tuple
-    with pytest.raises(ClientError, match="tuple of hook names"):
+    bad = dataclasses.replace(_plan(layout, model), hooks="test_recorder")  # a string, not a tuple of HookCall
+    with pytest.raises(ClientError, match="tuple of HookCall"):
         train_client(bad, copy.deepcopy(model), layout, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalePayload:
+    factor: float
+
+
+class ScaledLoss(ClientHook):
+    """Reads its own typed payload: the loss times ``factor``."""
+
+    Payload = ScalePayload
+
+    def add_terms(self, model: MaskableModel, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.payload.factor
+
+
+def test_a_hook_receives_its_own_typed_payload_built_one_way():
+    import pickle
+
+    from fedsap_ray.algorithms.hooks import call
+    from fedsap_ray.algorithms.fedprox import ProximalPayload, ProximalTerm
+
+    register_hook("test_scaled")(ScaledLoss)
+    try:
+        model, layout, data = tiny_mlp()
+        base = _plan(layout, model)
+        plan = dataclasses.replace(base, hooks=(call(ScaledLoss, factor=0.0),))
+        assert plan.hooks == (HookCall("test_scaled", ScalePayload(0.0)),) and plan.payload(ScaledLoss).factor == 0.0
+        assert train_client(plan, copy.deepcopy(model), layout, data).train_loss == 0.0
+        wrong = dataclasses.replace(base, hooks=(HookCall("test_scaled", NoPayload()),))
+        with pytest.raises(ClientError, match="payload of client hook 'test_scaled' must be a ScalePayload"):
+            train_client(wrong, copy.deepcopy(model), layout, data)
+        with pytest.raises(TypeError):
+            call(ScaledLoss, factr=1.0)  # a payload's fields are checked when the plan is built
+    finally:
+        unregister_hook("test_scaled")
+    # the payloads of the package's hooks are module-level: plans pickle to Ray workers
+    prox = dataclasses.replace(base, hooks=(call(ProximalTerm, mu=0.1),))
+    assert pickle.loads(pickle.dumps(prox)).payload("fedprox") == ProximalPayload(mu=0.1)

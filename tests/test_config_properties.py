@@ -100,7 +100,8 @@ def check(preset: str, file_data: dict | None, overrides: list[str]) -> Experime
     d = cfg.to_dict()
     assert all(math.isfinite(f) for f in floats_in(d)), d
     assert all(math.isfinite(f) for f in floats_in(dict(cfg.algorithm.options))), cfg.algorithm.options
-    algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)  # what the run will build
+    # what the run will build: the typed options built once, by the validation, equal a fresh parse
+    assert cfg.algorithm.opts == algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options)
     return cfg
 
 

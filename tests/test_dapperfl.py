@@ -12,9 +12,10 @@ from conftest import (assert_finite_global_accuracy, assert_options_rejected, as
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.context import RunContext
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.representation import HOOK as REP_NORM
-from fedsap_ray.algorithms.dapperfl import (HOOK, MASK_KEY, DapperFL, dar_loss, first_epoch_samples, fusion_alpha,
+from fedsap_ray.algorithms.representation import RepresentationNorm
+from fedsap_ray.algorithms.dapperfl import (HOOK, MASK_KEY, DapperFL, ModelFusionPruning, dar_loss, first_epoch_samples, fusion_alpha,
                                             fusion_prune, pack_channel_masks, unpack_channel_masks)
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.client import train_client
@@ -51,7 +52,7 @@ def test_fusion_alpha_follows_its_schedule_with_the_floor(fed):
     assert strat.alpha_at(1) == 0.0  # round 1: no fusion with the random initialisation
     for t in range(2, 11):
         assert strat.alpha_at(t) == pytest.approx(floored[t - 1], rel=1e-12)
-        assert all(p.extra["alpha"] == strat.alpha_at(t) for p in strat.configure_round(state, t).values())
+        assert all(p.payload(HOOK).alpha == strat.alpha_at(t) for p in strat.configure_round(state, t).values())
 
 
 # --- Model Fusion Pruning on a hand-built model -------------------------------------------------
@@ -113,16 +114,18 @@ def _client_setup() -> tuple[torch.nn.Module, ParamLayout, DomainData]:
                                                            torch.randint(0, 3, (12,), generator=g))
 
 
-def _plan(values: np.ndarray, epochs: int, gamma: float = 0.01, **extra) -> ClientPlan:
-    """The shared rep_norm hook alone (Eq. 7, squared by default), or before MFP's when ``extra`` is :func:`_mfp`'s."""
-    extra = {HOOKS_KEY: (REP_NORM,), "rep_gamma": gamma, **extra}
+def _plan(values: np.ndarray, epochs: int, gamma: float = 0.01, form: str = "squared",
+          mfp: dict | None = None) -> ClientPlan:
+    """The shared rep_norm hook alone (Eq. 7, squared by default), or before MFP's when given :func:`_mfp`'s."""
+    hooks = (call(RepresentationNorm, gamma=gamma, form=form),)
+    if mfp is not None:
+        hooks += (call(ModelFusionPruning, **mfp),)
     return ClientPlan(client_id=0, round=3, values=values, mask=None, local_epochs=epochs, batch_size=6, lr=0.1,
-                      momentum=0.9, weight_decay=1e-3, seed=7, extra=extra)
+                      momentum=0.9, weight_decay=1e-3, seed=7, hooks=hooks)
 
 
 def _mfp(alpha: float = 0.6, keep: float = 0.5, steps: int = 2, dar_form: str = "norm", **more) -> dict:
-    return {HOOKS_KEY: (REP_NORM, HOOK), "rep_form": dar_form, "alpha": alpha, "keep_ratio": keep,
-            "prune_after_steps": steps, **more}
+    return {"form": dar_form, "mfp": {"alpha": alpha, "keep_ratio": keep, "prune_after_steps": steps, **more}}
 
 
 def test_client_fuses_the_one_epoch_model_with_the_global_one_and_prunes_the_fusion():
@@ -279,9 +282,9 @@ def test_rounds_send_the_global_model_prune_to_kappa_and_aggregate_by_reconstruc
     for r in outs:
         p = plans[r.client_id]
         assert p.mask is None and p.values is states[1].params
-        assert p.extra["alpha"] == pytest.approx(0.72) and p.extra["keep_ratio"] == keeps[r.client_id]
-        assert p.extra["rep_gamma"] == 0.01 and p.extra[HOOKS_KEY] == (REP_NORM, HOOK)
-        assert r.steps == 2 * p.extra["prune_after_steps"]
+        assert p.payload(HOOK).alpha == pytest.approx(0.72) and p.payload(HOOK).keep_ratio == keeps[r.client_id]
+        assert p.payload(REP_NORM).gamma == 0.01 and [c.name for c in p.hooks] == [REP_NORM, HOOK]
+        assert r.steps == 2 * p.payload(HOOK).prune_after_steps
         cm = unpack_channel_masks(ctx.space, r.stats[MASK_KEY])
         for layer in ctx.space.layers:
             assert cm[layer.name].sum() == nested_count(keeps[r.client_id], layer.channels)

@@ -10,6 +10,7 @@ import torch
 
 from fedsap_ray import results
 from fedsap_ray.algorithms.fedsap import budget, roles
+from fedsap_ray.algorithms.fedsap.hooks import DGA_PROBE
 from fedsap_ray.grouping import agreement
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
@@ -325,33 +326,30 @@ def test_probe_dga_recovers_strongly_separated_domains_under_mixed_capacities(se
         exact = selection == "today" or t < 3
         assert agreement(groups, truth) >= (1.0 if exact else 0.8), (t, states[t].strategy_state.groups, truth)
     # the probe is the same sub-model for every client: one mask and the same values in every plan
-    probes = [p.extra["probe"] for p in plans[0].values()]
-    assert all(np.array_equal(q["mask"], probes[0]["mask"]) and np.array_equal(q["values"], probes[0]["values"])
+    probes = [p.payload(DGA_PROBE) for p in plans[0].values()]
+    assert all(np.array_equal(q.mask, probes[0].mask) and np.array_equal(q.values, probes[0].values)
                for q in probes)
     # what the probe costs a client: the values it does not already hold from W_G, plus the packed mask
     for p in plans[0].values():
-        m = p.extra["probe"]["mask"]
+        m = p.payload(DGA_PROBE).mask
         assert p.side_bytes_down == 4 * int((m & ~p.mask).sum()) + (m.size + 7) // 8
 
 
 def test_probe_does_not_change_training(fed):
     """The probe only reads: the same plan without the probe trains to the same values bit for bit."""
-    from fedsap_ray.algorithms.fedsap.hooks import DGA_PROBE
-    from fedsap_ray.algorithms.hooks import HOOKS_KEY
     from fedsap_ray.runtime.local import LocalBackend
 
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "algorithm.dga_source=probe"])
     ctx, strat = make_strategy(cfg, fed)
     state = strat.init_state()
     plans = strat.configure_round(state, 1)
-    assert strat.is_dga_round(1) and all("probe" in p.extra for p in plans.values())
+    assert strat.is_dga_round(1) and all(DGA_PROBE in [c.name for c in p.hooks] for p in plans.values())
     backend = LocalBackend("cpu", num_workers=1)
     backend.start(ctx)
     try:
         with_probe = {r.client_id: r for r in backend.train(plans)}
         for p in plans.values():
-            p.extra.pop("probe")
-            p.extra[HOOKS_KEY] = tuple(h for h in p.extra[HOOKS_KEY] if h != DGA_PROBE)
+            p.hooks = tuple(c for c in p.hooks if c.name != DGA_PROBE)
         without = {r.client_id: r for r in backend.train(plans)}
     finally:
         backend.close()

@@ -113,7 +113,7 @@ def test_global_model_changes_only_where_some_client_trained(tiny_fed):
         for cid, p in plans.items():
             union |= p.mask
             if cid not in seen:  # never trained: frozen part of its start is w^0
-                np.testing.assert_array_equal(p.extra["frozen_values"], state.strategy_state["init"][~p.mask])
+                np.testing.assert_array_equal(p.payload("fedspu").frozen_values, state.strategy_state["init"][~p.mask])
         assert not union.all()
         assert new.params[~union].tobytes() == state.params[~union].tobytes()
         assert (new.params[union & pc] != state.params[union & pc]).mean() > 0.9

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, run_rounds_with_plans, tiny_mlp, tiny_overrides, two_runs_fixture)
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.fedsr import EXTRA_KEYS, HOOK, FedSRObjective, gaussian_kl, l2r_term
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
@@ -57,14 +57,16 @@ def _extras(model, rng: np.random.Generator | None = None, rho: float | None = N
     out = {"rho": np.full(d, rho, np.float32) if rho is not None else rng.normal(-1.0, 0.5, d).astype(np.float32),
            "r_mu": rng.normal(0.0, 0.5, (c, d)).astype(np.float32),
            "r_rho": rng.normal(0.5, 0.3, (c, d)).astype(np.float32),
-           HOOKS_KEY: (HOOK,), "alpha_l2r": 0.01, "alpha_cmi": 0.001, "noise_seed": 1234}
+           "alpha_l2r": 0.01, "alpha_cmi": 0.001, "noise_seed": 1234}
     out.update(kw)
     return out
 
 
-def _plan(layout: ParamLayout, model, **extra) -> ClientPlan:
+def _plan(layout: ParamLayout, model, **payload) -> ClientPlan:
+    """A plan with the fedsr hook when a payload is given (:func:`_extras`), else a plain one."""
     return ClientPlan(client_id=0, round=1, values=layout.flatten(model), mask=None, local_epochs=2, batch_size=6,
-                      lr=0.1, momentum=0.9, weight_decay=1e-3, seed=7, extra=extra)
+                      lr=0.1, momentum=0.9, weight_decay=1e-3, seed=7,
+                      hooks=(call(FedSRObjective, **payload),) if payload else ())
 
 
 def test_objective_terms_match_hand_computation_on_a_model():
@@ -145,11 +147,12 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
     assert (s0["rho"] == 0).all() and (s0["r_mu"] == 0).all() and (s0["r_rho"] == 1).all()
     seeds = set()
     for p in plans.values():
-        assert p.extra[HOOKS_KEY] == (HOOK,) and p.extra["alpha_l2r"] == 0.01 and p.extra["alpha_cmi"] == 0.001
+        assert [c.name for c in p.hooks] == [HOOK] and p.payload(HOOK).alpha_l2r == 0.01
+        assert p.payload(HOOK).alpha_cmi == 0.001
         assert p.side_bytes_down == sum(state0.strategy_state[k].nbytes for k in EXTRA_KEYS)
         for k in EXTRA_KEYS:
-            np.testing.assert_array_equal(p.extra[k], state0.strategy_state[k])
-        seeds.add(p.extra["noise_seed"])
+            np.testing.assert_array_equal(getattr(p.payload(HOOK), k), state0.strategy_state[k])
+        seeds.add(p.payload(HOOK).noise_seed)
     assert len(seeds) == len(plans)  # every client draws its own noise
     n = np.array([r.n_samples for r in outs], dtype=np.float64)
     assert len(set(n)) > 1  # unequal client sizes: a plain mean would differ
@@ -166,7 +169,7 @@ def test_reference_parameters_change_and_are_sample_weighted_averages(tiny_fed):
     plans2 = strat.configure_round(state1, 2)  # the next round sends the averaged values
     for p in plans2.values():
         for k in EXTRA_KEYS:
-            np.testing.assert_array_equal(p.extra[k], state1.strategy_state[k])
+            np.testing.assert_array_equal(getattr(p.payload(HOOK), k), state1.strategy_state[k])
 
 
 def test_default_predicts_the_scale_per_input():
@@ -203,11 +206,11 @@ def test_default_keeps_the_reference_per_client_and_averages_the_scale_head(tiny
     d = ctx.model.feature_dim
     assert s0.strategy_state["r_mu"] == {} and s0.strategy_state["scale_w"].shape == (d, d) and not s0.strategy_state["scale_w"].any()
     for p in plans1.values():
-        assert (p.extra["r_mu"] == 0).all() and (p.extra["r_rho"] == 1).all()
+        assert (p.payload(HOOK).r_mu == 0).all() and (p.payload(HOOK).r_rho == 1).all()
         assert p.side_bytes_down == s0.strategy_state["scale_w"].nbytes + s0.strategy_state["scale_b"].nbytes
     for r in outs1:
         np.testing.assert_array_equal(s1.strategy_state["r_mu"][r.client_id], r.stats["r_mu"])
-        np.testing.assert_array_equal(plans2[r.client_id].extra["r_rho"], r.stats["r_rho"])
+        np.testing.assert_array_equal(plans2[r.client_id].payload(HOOK).r_rho, r.stats["r_rho"])
     a, b = outs1[0].stats["r_mu"], outs1[1].stats["r_mu"]
     assert np.abs(a - b).max() > 0  # per client, not one shared value
     n = np.array([r.n_samples for r in outs1], dtype=np.float64)
@@ -216,7 +219,7 @@ def test_default_keeps_the_reference_per_client_and_averages_the_scale_head(tiny
     # the option differs: an averaged reference is the same for every client of round 2
     _, _, st, ps, _ = run_rounds_with_plans(build_config(preset="smoke", overrides=TINY + ["algorithm.reference=averaged"]),
                                             tiny_fed, 2)
-    refs = [p.extra["r_mu"] for p in ps[1].values()]
+    refs = [p.payload(HOOK).r_mu for p in ps[1].values()]
     assert all(np.array_equal(refs[0], r) for r in refs) and not np.array_equal(refs[0], a)
     # train_macs: one forward pass plus the d x d scale head per sample
     r = outs1[0]

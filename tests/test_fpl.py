@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, federation_fixture,
                       run_rounds_with_plans, run_twice, tiny_overrides)
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.fpl import (HOOK, FPLObjective, class_prototypes, cpcl_loss, finch, first_neighbour_partition,
                                        fpl_regulariser, last_epoch_start, server_prototypes, upcr_loss)
 from fedsap_ray.config import build_config
@@ -95,8 +95,8 @@ def _mlp_objective(extra: dict, collect_from: int = 0):
     model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
     layout = ParamLayout.from_model(model)
     plan = ClientPlan(client_id=0, round=2, values=layout.flatten(model), mask=None, local_epochs=1, batch_size=4,
-                      lr=0.1, extra={HOOKS_KEY: (HOOK,), "fpl_tau": 0.02, "fpl_num_classes": 3,
-                                     "fpl_collect_from": collect_from, **extra})
+                      lr=0.1, hooks=(call(FPLObjective, tau=0.02, num_classes=3, collect_from=collect_from,
+                                          **{k.removeprefix("fpl_"): v for k, v in extra.items()}),))
     return model, FPLObjective(plan, model, layout, torch.device("cpu"))
 
 
@@ -169,10 +169,10 @@ def test_round_two_plans_carry_the_prototypes(tiny_fed):
     round 2's plans carry exactly those arrays (counted in bytes_down) and the model is FedAvg's."""
     cfg = build_config(preset="smoke", overrides=TINY)
     _, _, (_, s1, _), (p1, p2), (r1, r2) = run_rounds_with_plans(cfg, tiny_fed, 2)
-    assert all(p.side_bytes_down == 0 and "fpl_cluster_protos" not in p.extra for p in p1.values())
+    assert all(p.side_bytes_down == 0 and p.payload(HOOK).cluster_protos is None for p in p1.values())
     for r in r1:  # last local epoch: min(batches, 3) batches of 16 (client 1 has 29 samples: 16 + 13)
         n = tiny_fed.clients[r.client_id].n_samples
-        assert p1[r.client_id].extra["fpl_collect_from"] == last_epoch_start(n, 16, 2, 3) == r.steps // 2
+        assert p1[r.client_id].payload(HOOK).collect_from == last_epoch_start(n, 16, 2, 3) == r.steps // 2
         assert int(r.stats["fpl_counts"].sum()) == min(n, 48)
     want = server_prototypes(r1, tiny_fed.num_classes)  # from the results in the order aggregate received them
     for k, v in want.items():
@@ -183,9 +183,9 @@ def test_round_two_plans_carry_the_prototypes(tiny_fed):
     np.testing.assert_allclose(s1.params, fedavg, rtol=1e-5, atol=1e-6)
     for p in p2.values():
         for k, v in want.items():
-            np.testing.assert_array_equal(p.extra[k], v)
+            np.testing.assert_array_equal(getattr(p.payload(HOOK), k.removeprefix("fpl_")), v)
         assert p.side_bytes_down == sum(v.nbytes for v in want.values()) > 0
-        assert p.extra[HOOKS_KEY] == (HOOK,) and p.extra["fpl_tau"] == 0.02
+        assert [c.name for c in p.hooks] == [HOOK] and p.payload(HOOK).tau == 0.02
     assert all(np.isfinite(r.train_loss) for r in r2)
 
 

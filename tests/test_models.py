@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedsap_ray import config
+from fedsap_ray import config, registry
 from fedsap_ray.masks import ParamLayout, nested_channel_masks, param_mask, params_in_mask
 from fedsap_ray.models import MODEL_REGISTRY, build_model, example_input, model_macs, weight_uses
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, ParamAxis
@@ -33,8 +33,9 @@ def small(name: str, width: float = 0.25) -> nn.Module:
 
 
 def test_registry_has_every_config_model_and_rejects_unknown() -> None:
-    assert set(config.MODELS) <= set(MODEL_REGISTRY)
-    assert set(SPECS) == set(MODEL_REGISTRY)
+    assert set(registry.MODELS.names()) == set(MODEL_REGISTRY) == set(SPECS)  # the config asks the same registry
+    with pytest.raises(config.ConfigError, match=r"invalid model\.name='vgg99': allowed values are resnet10, resnet18, cnn_small"):
+        config.ModelConfig(name="vgg99")
     with pytest.raises(ValueError, match="resnet10.*resnet18|valid models are"):
         build_model("vgg99", num_classes=10, input_shape=(3, 32, 32))
 

@@ -11,7 +11,7 @@ import torch
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, global_rows, run_rounds_with_plans, tiny_mlp, tiny_overrides,
                       two_runs_fixture)
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.moon import HOOK, MoonObjective, model_contrastive_loss
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
@@ -49,9 +49,11 @@ def test_contrastive_loss_equals_closed_form():
     assert row0 < math.log(2)  # closer to the global than to the previous representation: below log 2
 
 
-def _plan(layout: ParamLayout, values: np.ndarray, **extra) -> ClientPlan:
+def _plan(layout: ParamLayout, values: np.ndarray, **payload) -> ClientPlan:
+    """A plan with the moon hook when a payload is given, else a plain one."""
     return ClientPlan(client_id=0, round=2, values=values, mask=None, local_epochs=2, batch_size=6, lr=0.1,
-                      momentum=0.9, weight_decay=1e-3, seed=7, extra=extra)
+                      momentum=0.9, weight_decay=1e-3, seed=7,
+                      hooks=(call(MoonObjective, **payload),) if payload else ())
 
 
 def test_previous_equal_to_global_gives_log_2_and_no_gradient():
@@ -59,7 +61,7 @@ def test_previous_equal_to_global_gives_log_2_and_no_gradient():
     model, layout, data = tiny_mlp()
     g = layout.flatten(model)
     for extra in ({}, {"prev": g.copy()}):  # no previous model yet / a previous model equal to the global one
-        obj = MoonObjective(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5, **extra), model, layout,
+        obj = MoonObjective(_plan(layout, g, mu=5.0, tau=0.5, **extra), model, layout,
                             torch.device("cpu"))
         scratch = copy.deepcopy(model)
         scratch.train()
@@ -77,7 +79,7 @@ def test_previous_model_is_used_with_its_own_values():
     rng = np.random.default_rng(1)
     prev = (g + 0.3 * rng.standard_normal(g.size)).astype(np.float32)
     current = (g + 0.3 * rng.standard_normal(g.size)).astype(np.float32)
-    obj = MoonObjective(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5, prev=prev), model, layout,
+    obj = MoonObjective(_plan(layout, g, mu=5.0, tau=0.5, prev=prev), model, layout,
                         torch.device("cpu"))
     np.testing.assert_array_equal(layout.flatten(obj.glob), g)
     np.testing.assert_array_equal(layout.flatten(obj.prev), prev)
@@ -106,10 +108,10 @@ def test_first_participation_trains_like_fedavg_and_a_previous_model_changes_tra
     model, layout, data = tiny_mlp()
     g = layout.flatten(model)
     plain = train_client(_plan(layout, g), copy.deepcopy(model), layout, data)
-    first = train_client(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5), copy.deepcopy(model), layout, data)
+    first = train_client(_plan(layout, g, mu=5.0, tau=0.5), copy.deepcopy(model), layout, data)
     np.testing.assert_allclose(first.values, plain.values, rtol=0, atol=1e-6)
     prev = (g + 0.3 * np.random.default_rng(1).standard_normal(g.size)).astype(np.float32)
-    later = train_client(_plan(layout, g, **{HOOKS_KEY: (HOOK,)}, mu=5.0, tau=0.5, prev=prev), copy.deepcopy(model),
+    later = train_client(_plan(layout, g, mu=5.0, tau=0.5, prev=prev), copy.deepcopy(model),
                          layout, data)
     assert np.abs(later.values - plain.values).max() > 1e-4
     assert first.stats == {} and later.stats == {}  # nothing but the model comes back
@@ -124,8 +126,8 @@ def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
     _, _, states, plans, outs = run_rounds_with_plans(cfg, tiny_fed, 3)
     assert states[0].strategy_state["prev"] == {}
     for p in plans[0].values():
-        assert "prev" not in p.extra and p.side_bytes_down == 0 and p.extra[HOOKS_KEY] == (HOOK,)
-        assert p.extra["mu"] == 5.0 and p.extra["tau"] == 0.5
+        assert p.payload(HOOK).prev is None and p.side_bytes_down == 0 and [c.name for c in p.hooks] == [HOOK]
+        assert p.payload(HOOK).mu == 5.0 and p.payload(HOOK).tau == 0.5
     trained1 = {r.client_id: r.values for r in outs[0]}
     assert set(states[1].strategy_state["prev"]) == set(trained1)
     for cid, v in trained1.items():
@@ -134,11 +136,11 @@ def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
     assert s1 & s2 and s2 - s1  # round 2 has a returning and a new client
     for cid, p in plans[1].items():
         if cid in s1:
-            np.testing.assert_array_equal(p.extra["prev"], trained1[cid])
-            assert not np.array_equal(p.extra["prev"], p.values)
+            np.testing.assert_array_equal(p.payload(HOOK).prev, trained1[cid])
+            assert not np.array_equal(p.payload(HOOK).prev, p.values)
             assert p.side_bytes_down == 0 and p.bytes_down == p.values.nbytes
         else:
-            assert "prev" not in p.extra and p.side_bytes_down == 0
+            assert p.payload(HOOK).prev is None and p.side_bytes_down == 0
     trained2 = {r.client_id: r.values for r in outs[1]}
     for cid in s1 - s2:  # sat out round 2: its previous model is still the round-1 one
         np.testing.assert_array_equal(states[2].strategy_state["prev"][cid], trained1[cid])

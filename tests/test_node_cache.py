@@ -162,6 +162,7 @@ class FakeText:
     integer in ``<root>/lines.txt`` and the seed; counts its loads."""
 
     name = "shakespeare"
+    single_domain = natural_partition = True  # what register_dataset declares for the real one
     description = "fake"
     how_to_obtain = "made by the test"
     seed_dependent = False

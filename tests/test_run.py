@@ -106,7 +106,7 @@ def _final_params(cfg, fed):
     from fedsap_ray.runtime.local import LocalBackend
 
     ctx = build_context(cfg, fed)
-    strat = algorithms.get(cfg.algorithm.name)(ctx, algorithms.parse_options(cfg.algorithm.name, cfg.algorithm.options))
+    strat = algorithms.get(cfg.algorithm.name)(ctx, cfg.algorithm.opts)
     backend = LocalBackend("cpu")
     backend.start(ctx)
     state0 = strat.init_state()

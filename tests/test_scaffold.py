@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, federation_fixture,
                       run_rounds_with_plans, tiny_mlp, tiny_overrides)
 from fedsap_ray import results
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.scaffold import HOOK as SCAFFOLD_HOOK
+from fedsap_ray.algorithms.scaffold import ControlCorrection
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
@@ -41,7 +42,7 @@ def test_one_client_scaffold_is_local_sgd(tiny_fed):
     assert not np.array_equal(s_states[-1].params, s_states[0].params)
     c, c_1 = s_states[-1].strategy_state["c"], s_states[-1].strategy_state["c_i"][0]
     assert np.abs(c).max() > 0 and np.array_equal(c, c_1)  # zero correction because c == c_i, not because c == 0
-    assert not np.any(s_plans[-1][0].extra["control"])
+    assert not np.any(s_plans[-1][0].payload(SCAFFOLD_HOOK).control)
 
 
 def _expected_steps(n: int, batch: int, epochs: int, cap: int) -> int:
@@ -61,7 +62,7 @@ def test_control_variates_match_hand_computation(tiny_fed):
     assert (~pc).any()  # the model has BN running statistics: they must get no control variate
     s1, s2 = set(plans[0]), set(plans[1])
     assert len(s1) == 2 and s1 & s2 and s2 - s1
-    assert all(not np.any(p.extra["control"]) for p in plans[0].values())  # c = c_i = 0 at the start
+    assert all(not np.any(p.payload(SCAFFOLD_HOOK).control) for p in plans[0].values())  # c = c_i = 0 at the start
 
     c_hand = np.zeros(pc.size)
     c_i_hand: dict[int, np.ndarray] = {}
@@ -70,8 +71,9 @@ def test_control_variates_match_hand_computation(tiny_fed):
         if t == 2:  # the plan's correction is c - c_i with c_i = 0 for a client never seen
             for cid, plan in plans[1].items():
                 want = c_hand - c_i_hand.get(cid, 0.0)
-                np.testing.assert_allclose(plan.extra["control"], want, rtol=1e-6, atol=1e-7)
-            assert not np.array_equal(plans[1][min(s2 & s1)].extra["control"], plans[1][min(s2 - s1)].extra["control"])
+                np.testing.assert_allclose(plan.payload(SCAFFOLD_HOOK).control, want, rtol=1e-6, atol=1e-7)
+            back, new = plans[1][min(s2 & s1)], plans[1][min(s2 - s1)]
+            assert not np.array_equal(back.payload(SCAFFOLD_HOOK).control, new.payload(SCAFFOLD_HOOK).control)
         dc_sum, ys = np.zeros_like(x), []
         for r in outs[t - 1]:
             plan = plans[t - 1][r.client_id]
@@ -99,7 +101,7 @@ def test_control_variates_match_hand_computation(tiny_fed):
 def _mlp_plan(layout: ParamLayout, model: torch.nn.Module, **extra) -> ClientPlan:
     return ClientPlan(client_id=0, round=1, values=layout.flatten(model), mask=None, local_epochs=1, batch_size=6,
                       lr=0.1, momentum=0.0, weight_decay=1e-2, grad_clip=0.05, seed=7,
-                      extra={HOOKS_KEY: (SCAFFOLD_HOOK,), **extra} if "control" in extra else extra)
+                      hooks=(call(ControlCorrection, **extra),) if "control" in extra else ())
 
 
 def test_client_adds_correction_after_clipping():

@@ -13,12 +13,17 @@ import torch
 
 from conftest import federation_fixture, make_strategy, run_rounds_with_plans, tiny_overrides
 from fedsap_ray import algorithms
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook, supports_sliced, unregister_hook
+from fedsap_ray.algorithms.fedprox import ProximalTerm
+from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook
+from fedsap_ray.algorithms.hooks import (ClientHook, NoPayload, call, register_hook, supports_sliced,
+                                         unregister_hook)
+from fedsap_ray.algorithms.representation import RepresentationNorm
+from fedsap_ray.algorithms.scaffold import ControlCorrection
 from fedsap_ray.client import train_client
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout, covering_channel_masks, param_mask, params_in_mask, trainable_mask
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.models import build_model, model_macs
 from fedsap_ray.sliced import sliced_model
@@ -218,9 +223,9 @@ def test_sliced_client_matches_masked_with_every_term(name, single_thread):
     dga = "conv1" if name.startswith(("cnn", "resnet")) else ("fc1" if name == "mlp" else "lstm0")
     plan = ClientPlan(client_id=0, round=1, values=full[mask], mask=mask, local_epochs=2, batch_size=8, lr=0.05,
                       momentum=0.9, weight_decay=5e-4, grad_clip=1.0, seed=3,
-                      extra={HOOKS_KEY: ("rep_norm", "fedprox", "scaffold", "channel_stats"), "rep_gamma": 0.01,
-                             "prox_mu": 0.1, "channel_stats": STATS, "dga_layer": dga,
-                             "control": (0.01 * rng.standard_normal(layout.size)).astype(np.float32)})
+                      hooks=(call(RepresentationNorm, gamma=0.01), call(ProximalTerm, mu=0.1),
+                             call(ControlCorrection, control=(0.01 * rng.standard_normal(layout.size)).astype(np.float32)),
+                             call(ChannelStatsHook, keys=tuple(STATS), dga_layer=dga)))
     assert supports_sliced(plan) and sliced_model(model, layout, mask) is not None
     a = train_client(dataclasses.replace(plan, submodel="masked"), copy.deepcopy(model), layout, data)
     b = train_client(plan, copy.deepcopy(model), layout, data)
@@ -299,7 +304,8 @@ def test_supports_sliced_decides_which_model_the_hooks_get(probe_hooks):
 
     def plan(*hooks: str, submodel: str = "sliced") -> ClientPlan:
         return ClientPlan(client_id=0, round=1, values=layout.flatten(model)[mask], mask=mask, local_epochs=1,
-                          batch_size=8, lr=0.1, seed=1, submodel=submodel, extra={HOOKS_KEY: hooks})
+                          batch_size=8, lr=0.1, seed=1, submodel=submodel,
+                          hooks=tuple(HookCall(h, NoPayload()) for h in hooks))
 
     train_client(plan("test_sliced_ok"), copy.deepcopy(model), layout, data)
     (name, n, sliced), = FullOnly.seen

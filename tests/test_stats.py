@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fedsap_ray.algorithms.fedsap.hooks as fedsap_hooks
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
@@ -52,11 +52,11 @@ def make_plan(model: nn.Module, layout: ParamLayout, mask: np.ndarray | None = N
         flat = np.where(mask, flat, 0).astype(np.float32)  # what the server sends: zeros outside the mask
     values = flat if mask is None else flat[mask]
     stats = kw.pop("stats", ())
-    extra = dict(kw.pop("extra", {}))
-    if stats:  # FedSAP's channel_stats client hook (fedsap_ray.algorithms.fedsap.hooks)
-        extra.update({HOOKS_KEY: (fedsap_hooks.CHANNEL_STATS,), fedsap_hooks.CHANNEL_STATS: stats})
+    dga_layer = kw.pop("dga_layer", "conv1")
+    # FedSAP's channel_stats client hook (fedsap_ray.algorithms.fedsap.hooks)
+    hooks = (call(fedsap_hooks.ChannelStatsHook, keys=tuple(stats), dga_layer=dga_layer),) if stats else ()
     args = dict(client_id=3, round=7, values=np.ascontiguousarray(values), mask=mask, local_epochs=1,
-                batch_size=4, lr=0.05, momentum=0.9, weight_decay=1e-3, seed=11, extra=extra)
+                batch_size=4, lr=0.05, momentum=0.9, weight_decay=1e-3, seed=11, hooks=hooks)
     args.update(kw)
     return ClientPlan(**args)
 
@@ -221,7 +221,7 @@ def test_resnet10_all_layers_positive_when_active_zero_when_dropped_and_dga_laye
     assert (grad[active] > 0).all() and (grad[~active] == 0).all()
     assert res.stats["dga_gradient"].shape == (model.conv1.weight.numel(),)  # the stem conv has no bias
 
-    plan = make_plan(model, layout, stats=("dga_gradient",), extra={"dga_layer": "layer1"})
+    plan = make_plan(model, layout, stats=("dga_gradient",), dga_layer="layer1")
     res = train_client(plan, make("resnet10", seed=5), layout, make_data("resnet10", 8))
     n = sum(p.numel() for k, p in model.named_parameters() if k.startswith("layer1."))
     assert set(res.stats) == {"dga_gradient"} and res.stats["dga_gradient"].shape == (n,)
@@ -234,7 +234,7 @@ def test_char_lstm_statistics_gate_blocks_and_masks() -> None:
     layout = ParamLayout.from_model(model)
     space = model.channel_space()
     data = make_data("char_lstm", 6)
-    plan = make_plan(model, layout, stats=ALL, batch_size=6, extra={"dga_layer": "lstm0"}, momentum=0.0)
+    plan = make_plan(model, layout, stats=ALL, batch_size=6, dga_layer="lstm0", momentum=0.0)
     res = train_client(plan, make("char_lstm", seed=5), layout, data)
     grads, batches, _ = manual_run(plan, make("char_lstm", seed=6), layout, data)
     np.testing.assert_allclose(res.stats["channel_gradient"], direct_channel_gradient(space, grads), rtol=1e-5)
@@ -249,7 +249,7 @@ def test_char_lstm_statistics_gate_blocks_and_masks() -> None:
     np.testing.assert_allclose(res.stats["channel_activation"], want, rtol=1e-5, atol=1e-7)
 
     cm = nested_channel_masks(space, 0.5)
-    plan = make_plan(model, layout, mask=param_mask(space, layout, cm), stats=ALL, extra={"dga_layer": "lstm0"})
+    plan = make_plan(model, layout, mask=param_mask(space, layout, cm), stats=ALL, dga_layer="lstm0")
     res = train_client(plan, make("char_lstm", seed=5), layout, data)
     active = np.concatenate([cm[lay.name] for lay in space.layers])
     for key in ("channel_activation", "channel_gradient"):
@@ -260,7 +260,7 @@ def test_char_lstm_statistics_gate_blocks_and_masks() -> None:
 def test_other_models_activation_modules_match_channel_counts(name: str) -> None:
     model = make(name)
     layout = ParamLayout.from_model(model)
-    plan = make_plan(model, layout, stats=ALL, extra={"dga_layer": "conv1" if name == "cnn_cifar" else "fc1"})
+    plan = make_plan(model, layout, stats=ALL, dga_layer="conv1" if name == "cnn_cifar" else "fc1")
     res = train_client(plan, make(name, seed=5), layout, make_data(name, 8))
     total = model.channel_space().total_channels
     assert res.stats["channel_activation"].shape == res.stats["channel_gradient"].shape == (total,)
@@ -310,7 +310,7 @@ def test_unknown_statistic_raises_client_error_naming_client_and_round() -> None
 def test_bad_dga_layer_fails_and_hooks_are_removed_on_error() -> None:
     model = make("cnn_small")
     layout = ParamLayout.from_model(model)
-    plan = make_plan(model, layout, stats=ALL, extra={"dga_layer": "layer9"})
+    plan = make_plan(model, layout, stats=ALL, dga_layer="layer9")
     with pytest.raises(ClientError, match="layer9"):
         train_client(plan, make("cnn_small", seed=5), layout, make_data("cnn_small", 4))
     # a failure mid-epoch leaves no hooks behind on the reused scratch model

@@ -1,9 +1,12 @@
-"""The worked example of docs/architecture.md: a method with its own local loss and its own metric is
-one module plus one registry line. The test loads the module from the page itself (so the page cannot
-drift from what works), registers it, and checks that everything the page promises happens."""
+"""The worked examples of docs/architecture.md: a method with its own local loss and its own metric, and a
+dataset with its own model, are each one module plus one registry line. The tests load the modules from
+the page itself (so the page cannot drift from what works), register them, and check that everything the
+page promises happens."""
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import math
 import re
 import sys
 
@@ -12,8 +15,9 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, federation_fixture, tiny_overrides
-from fedsap_ray import docgen, results
+from fedsap_ray import docgen, registry as registries, results
 from fedsap_ray.algorithms import hooks, parse_options, registry
+from fedsap_ray.data import federation
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.experiment import run_experiment
 
@@ -22,11 +26,16 @@ FED = tiny_overrides("fedavg", "data.num_clients=4", "training.rounds=2")
 fed = federation_fixture(FED)
 
 
-def example_source() -> str:
-    """The python block that follows the ``<!-- worked-example: ... -->`` marker."""
-    m = re.search(r"<!-- worked-example: (\S+) -->\n```python\n(.*?)\n```", PAGE.read_text(), flags=re.S)
-    assert m, "docs/architecture.md has no worked-example block"
-    return m.group(2) + "\n"
+def page_blocks(kind: str) -> dict[str, str]:
+    """Module path -> the python block that follows each ``<!-- kind: path -->`` marker of the page."""
+    return dict(re.findall(rf"<!-- {kind}: (\S+) -->\n```python\n(.*?)\n```", PAGE.read_text(), flags=re.S))
+
+
+def example_source(path: str = "fedsap_ray/algorithms/fedavg_ls.py") -> str:
+    """The python block that follows the ``<!-- worked-example: path -->`` marker."""
+    blocks = page_blocks("worked-example")
+    assert path in blocks, f"docs/architecture.md has no worked-example block for {path}"
+    return blocks[path] + "\n"
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +82,64 @@ def test_the_worked_example_runs_with_its_own_loss_and_its_own_column(tmp_path, 
 def test_the_worked_example_refuses_a_bad_option_naming_it(example):
     with pytest.raises(ConfigError, match=r"algorithm\.smoothing=1\.5"):
         parse_options("fedavg_ls", {"smoothing": 1.5})
+
+
+# --- a dataset with its own model -------------------------------------------------------------------------
+DATA_MODULE, MODEL_MODULE = "fedsap_ray/data/blobs.py", "fedsap_ray/models/blob_net.py"
+BLOBS = ["data.name=blobs", "model.name=blob_net", "data.partition=iid", "data.num_clients=4", "training.rounds=2",
+         "training.local_epochs=1", "training.batch_size=16"]
+
+
+@pytest.fixture(scope="module")
+def dataset_and_model(tmp_path_factory):
+    """Each module of the page put where its path says (a folder added to the package's ``__path__``), and each
+    registration line of the page run as written: that line alone registers exactly the one new name."""
+    lines = page_blocks("registration-line")
+    added = []
+    try:
+        for path, table in ((DATA_MODULE, registries.DATASETS), (MODEL_MODULE, registries.MODELS)):
+            package_path, module = path.removesuffix(".py").rsplit("/", 1)
+            package = importlib.import_module(package_path.replace("/", "."))
+            folder = tmp_path_factory.mktemp(module)
+            (folder / f"{module}.py").write_text(example_source(path))
+            package.__path__.append(str(folder))
+            added.append((package, str(folder), module))
+            line = lines[path].strip()
+            assert line == f"from {package.__name__} import {module}  # noqa: F401", line  # one import line
+            before = set(table.names())
+            exec(compile(line, "docs/architecture.md", "exec"), {})
+            assert len(set(table.names()) - before) == 1
+        yield
+    finally:
+        registries.DATASETS.unregister("blobs")
+        registries.MODELS.unregister("blob_net")
+        for package, folder, module in added:
+            package.__path__.remove(folder)
+            sys.modules.pop(f"{package.__name__}.{module}", None)
+            if hasattr(package, module):
+                delattr(package, module)
+        federation.clear_split_cache()
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "heterofl"])
+def test_the_dataset_and_its_model_run_with_every_kind_of_strategy(tmp_path, dataset_and_model, algorithm):
+    cfg = build_config(preset="smoke", overrides=[*BLOBS, f"algorithm.name={algorithm}"])
+    run_experiment(cfg, tmp_path, run_id="r")
+    res = results.load(tmp_path)
+    assert res.runs.loc[0, "status"] == "finished" and res.runs.loc[0, "dataset"] == "blobs"
+    assert res.runs.loc[0, "model"] == "blob_net"
+    assert all(math.isfinite(a) for a in res.rounds["accuracy"])
+    if algorithm == "heterofl":  # a sub-model method: clients below full capacity train part of the hidden layer
+        assert (res.clients["capacity_used"] < 1).any()
+
+
+def test_the_config_reads_what_the_dataset_declares(dataset_and_model):
+    with pytest.raises(ConfigError, match=r"invalid data\.partition='domain': data\.name=blobs has one domain"):
+        build_config(preset="smoke", overrides=[*BLOBS, "data.partition=domain"])
+    with pytest.raises(ConfigError, match=r"invalid data\.name='nope': allowed values are .*\bblobs\b"):
+        build_config(preset="smoke", overrides=["data.name=nope"])
+    with pytest.raises(ConfigError, match=r"invalid model\.name='nope': allowed values are .*\bblob_net\b"):
+        build_config(preset="smoke", overrides=["model.name=nope"])
+    from fedsap_ray.data.registry import dataset_names, get_source
+
+    assert "blobs" in dataset_names() and get_source("blobs").files(get_source("blobs").default_root()) == []

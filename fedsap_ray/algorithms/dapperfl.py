@@ -66,16 +66,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
+from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.algorithms.representation import HOOK as REP_NORM
+from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
@@ -178,26 +178,36 @@ def dar_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma: floa
 
 # --- client side ---------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class FusionPruningPayload:
+    alpha: float  # alpha_t, 0 = no fusion
+    keep_ratio: float  # kappa_i
+    prune_after_steps: int  # the optimizer steps of the first local epoch (first_epoch_steps)
+    full_first_epoch: bool = True  # False: the capacity-respecting reading (module docstring)
+
+
 @register_hook(HOOK)
 class ModelFusionPruning(ClientHook):
     """Steps 2-5 on the client: full-model epoch, fusion with the received W^{t-1}, l1 pruning, masked rest
     (the DAR loss of step 6 is the ``rep_norm`` hook the plan lists before this one).
 
-    ``plan.extra``: ``alpha`` (alpha_t, 0 = no fusion), ``keep_ratio`` (kappa_i), ``prune_after_steps`` (the
-    optimizer steps of the first local epoch) and ``full_first_epoch`` (False: the capacity-respecting
-    reading, module docstring); ``plan.values`` is W^{t-1}.
+    The payload (:class:`FusionPruningPayload`): ``alpha`` (alpha_t, 0 = no fusion), ``keep_ratio`` (kappa_i),
+    ``prune_after_steps`` (the optimizer steps of the first local epoch) and ``full_first_epoch`` (False: the
+    capacity-respecting reading, module docstring); ``plan.values`` is W^{t-1}.
     """
+
+    Payload: ClassVar[type] = FusionPruningPayload
+    payload: FusionPruningPayload
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         if plan.mask is not None:
             raise ValueError("a DapperFL plan carries the full global model (mask None): the client prunes it")
-        self.alpha = float(plan.extra["alpha"])
-        self.keep_ratio = float(plan.extra["keep_ratio"])
-        self.prune_at = int(plan.extra["prune_after_steps"])
-        if self.prune_at < 1:
+        self.alpha, self.keep_ratio = self.payload.alpha, self.payload.keep_ratio
+        self.prune_at = int(self.payload.prune_after_steps)
+        if self.prune_at < 1:  # the server's count of first-epoch steps, not an option
             raise ValueError(f"prune_after_steps must be >= 1, got {self.prune_at}")
-        self.full_first = bool(plan.extra.get("full_first_epoch", True))
+        self.full_first = self.payload.full_first_epoch
         self.space = model.channel_space()
         self.steps = 0
         self.cmasks: ChannelMasks | None = None
@@ -306,10 +316,10 @@ class DapperFL(Strategy):
             n = self.ctx.federation.clients[cid].n_samples
             plans[cid] = ClientPlan(
                 values=state.params, mask=None, capacity_used=active / total,  # values shared, never mutated
-                extra={HOOKS_KEY: (REP_NORM, HOOK), "rep_gamma": float(self.opts.gamma), "rep_form": self.opts.dar_form,
-                       "alpha": float(alpha), "keep_ratio": keep,
-                       "prune_after_steps": first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
-                       "full_first_epoch": bool(self.opts.full_first_epoch)},
+                hooks=(call(RepresentationNorm, gamma=float(self.opts.gamma), form=self.opts.dar_form),
+                       call(ModelFusionPruning, alpha=float(alpha), keep_ratio=keep,
+                            prune_after_steps=first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
+                            full_first_epoch=bool(self.opts.full_first_epoch))),
                 **self.plan_kwargs(t, cid),
             )
         return plans
@@ -368,22 +378,22 @@ class DapperFL(Strategy):
         pruned model's channels are shared (Global), the pruned-away ones Dropped."""
         total = self.ctx.space.total_channels
         active = int(round(plan.capacity_used * total))  # capacity_used = active / total (configure_round)
-        return {"macs_per_sample": self.pruned_macs(float(plan.extra["keep_ratio"])), "n_global": active,
+        return {"macs_per_sample": self.pruned_macs(float(plan.payload(HOOK).keep_ratio)), "n_global": active,
                 "n_private": 0, "n_dropped": total - active}
 
     def params_trained(self, plan: ClientPlan, result: ClientResult) -> int:
         """Reference behaviour: every trainable coordinate (epoch 1 updates the full model); with
         ``full_first_epoch=false`` only the pruned model's."""
-        if plan.extra.get("full_first_epoch", True):
+        if plan.payload(HOOK).full_first_epoch:
             return int(self.ctx.trainable.sum())
         return int((self.upload_mask_of(result, plan.round) & self.ctx.trainable).sum())
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """first-epoch samples x full MACs + the other samples x pruned MACs (all samples x pruned MACs with
         ``full_first_epoch=false``); one forward pass per sample (:meth:`Strategy.train_macs`)."""
-        pruned = self.pruned_macs(float(plan.extra["keep_ratio"]))
+        pruned = self.pruned_macs(float(plan.payload(HOOK).keep_ratio))
         seen = int(result.samples_seen)
-        if not plan.extra.get("full_first_epoch", True):
+        if not plan.payload(HOOK).full_first_epoch:
             return seen * pruned
         first = min(first_epoch_samples(result.n_samples, plan.batch_size, plan.max_steps_per_epoch), seen)
         return first * self.mask_macs(None) + (seen - first) * pruned

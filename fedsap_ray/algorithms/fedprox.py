@@ -3,18 +3,18 @@ in every client's local objective; aggregation is FedAvg's.
 
 Client side: the ``fedprox`` hook (:class:`ProximalTerm`) adds the term to every batch loss after
 the base loss, over every trained parameter (coordinates outside the plan's mask stay at their
-start value 0 and add nothing); w^t is the model as received. ``mu`` travels as
-``plan.extra["prox_mu"]``; with mu = 0 nothing is added (exactly FedAvg).
+start value 0 and add nothing); w^t is the model as received. ``mu`` travels as the hook's payload
+(:class:`ProximalPayload`, the validated option itself); with mu = 0 nothing is added (exactly FedAvg).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
+from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
@@ -25,21 +25,26 @@ from fedsap_ray.sliced import SlicedModel
 HOOK = "fedprox"
 
 
+@dataclass(frozen=True)
+class ProximalPayload:
+    mu: float  # the weight of the proximal term (algorithm.mu, validated >= 0 by the options)
+
+
 @register_hook(HOOK)
 class ProximalTerm(ClientHook):
-    """loss + (mu/2) sum_p ||p - p^t||^2 (Li et al. 2020, Eq. 2); ``plan.extra["prox_mu"]`` is mu.
+    """loss + (mu/2) sum_p ||p - p^t||^2 (Li et al. 2020, Eq. 2); mu is the payload's ``mu``.
 
     Works on a sliced sub-network as is: the anchor is the trained model's own parameters at ``start``
     (the masked model's other coordinates are 0 in both w and w^t and add nothing)."""
 
     supports_sliced = True
+    Payload: ClassVar[type] = ProximalPayload
+    payload: ProximalPayload
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
                  sliced: SlicedModel | None = None) -> None:
         super().__init__(plan, model, layout, device, sliced)
-        self.mu = float(plan.extra["prox_mu"])
-        if not self.mu >= 0:
-            raise ValueError(f"plan.extra['prox_mu'] must be >= 0, got {self.mu}")
+        self.mu = self.payload.mu
         self.anchor: list[torch.Tensor] | None = None
 
     def start(self, model: MaskableModel) -> None:
@@ -66,4 +71,4 @@ class FedProx(FedAvg):
                 raise ConfigError(f"invalid algorithm.mu={self.mu!r}: must be a number >= 0")
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
-        return {"extra": {HOOKS_KEY: (HOOK,), "prox_mu": float(self.opts.mu)}}
+        return {"hooks": (call(ProximalTerm, mu=float(self.opts.mu)),)}

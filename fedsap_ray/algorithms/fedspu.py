@@ -34,7 +34,7 @@ gradient (the authors' code trains with plain SGD, where a gradient mask suffice
 running statistics of frozen channels are restored too (they belong to the frozen neuron).
 
 Messages: the plan's ``values``/``mask`` are the global values at M_i^t (what the real server
-sends), ``plan.extra["frozen_values"]`` the client's own frozen personal values (stored on the
+sends), the ``fedspu`` hook's payload ``frozen_values`` the client's own frozen personal values (stored on the
 device in the real system, so not counted in bytes_down), the result the trained values at
 M_i^t (what the real client uploads). Because frozen coordinates come back unchanged the server
 rebuilds the client's new personal model exactly from its previous one and those values
@@ -59,16 +59,17 @@ frozen neurons still run forward (and backward passes through them to earlier la
 from __future__ import annotations
 
 from collections.abc import Mapping
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
+from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.data.base import EvalDomains
@@ -80,16 +81,25 @@ from fedsap_ray.seeding import rng_for
 HOOK = "fedspu"
 
 
+@dataclass(frozen=True)
+class FrozenPayload:
+    # the client's own values at the coordinates outside plan.mask (float32; empty when it trains everything)
+    frozen_values: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+
+
 @register_hook(HOOK)
 class FrozenNeurons(ClientHook):
     """Cross-entropy; writes the frozen personal values into the model and restores them after every step."""
 
+    Payload: ClassVar[type] = FrozenPayload
+    payload: FrozenPayload
+
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
-        frozen = np.asarray(plan.extra.get("frozen_values", np.zeros(0, dtype=np.float32)))
+        frozen = np.asarray(self.payload.frozen_values)
         free = np.zeros(layout.size, dtype=bool) if plan.mask is None else ~plan.mask
-        if frozen.dtype != np.float32 or frozen.shape != (int(free.sum()),):
-            raise ValueError(f"plan.extra['frozen_values'] must be float32 of shape ({int(free.sum())},) "
+        if frozen.dtype != np.float32 or frozen.shape != (int(free.sum()),):  # wire check: an array that arrived
+            raise ValueError(f"the fedspu payload's frozen_values must be float32 of shape ({int(free.sum())},) "
                              f"(the coordinates outside plan.mask), got {frozen.dtype} {frozen.shape}")
         state = model.state_dict(keep_vars=True)
         self.slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -160,7 +170,7 @@ class FedSPU(Strategy):
                 values, frozen = state.params[mask], self.personal_model(state, cid)[~mask]
             plans[cid] = ClientPlan(
                 values=values, mask=mask, capacity_used=active / total,
-                extra={HOOKS_KEY: (HOOK,), "frozen_values": frozen}, **self.plan_kwargs(t, cid),
+                hooks=(call(FrozenNeurons, frozen_values=frozen),), **self.plan_kwargs(t, cid),
             )
         return plans
 

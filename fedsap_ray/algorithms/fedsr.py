@@ -37,12 +37,12 @@ Scale and reference (``scale``, ``reference``; issue 13: the defaults are the of
   official code) are each client's own parameters, never averaged: the official code keeps them
   outside the averaged network. Clients are stateless here, so the server holds them
   (``ServerState.strategy_state["r_mu"]``/``["r_rho"]``: client id -> array, initial values until a client first
-  trains) and sends them in ``plan.extra``; a real client keeps them on the device, so they are not
+  trains) and sends them in the hook's payload; a real client keeps them on the device, so they are not
   counted in ``side_bytes_down``, while returning them in ``ClientResult.stats`` shows in ``bytes_up``
   (2 C d floats, a simulation artefact). ``reference=averaged`` (our earlier reading): one reference
   shared by every client, averaged with sample weights like the model and counted both ways.
 - The shared arrays (scale head or rho, and the averaged reference) live in ``ServerState.strategy_state``,
-  travel in ``plan.extra`` (counted in ``side_bytes_down``) and come back trained in
+  travel in the hook's payload (counted in ``side_bytes_down``) and come back trained in
   ``ClientResult.stats`` (counted in bytes_up). The official code's extra learnable scale C on
   (mu, sigma) inside the KL is left out (not in the paper).
 Other readings, to fit our fixed model layout:
@@ -72,7 +72,7 @@ lists only lr 0.01 and batch 64 for FedSR) gives other values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ from torch import nn
 
 from fedsap_ray.context import RunContext
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
+from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
@@ -97,7 +97,7 @@ SCALES = ("input", "shared")
 REFERENCES = ("client", "averaged")
 SCALE_KEYS = {"input": ("scale_w", "scale_b"), "shared": ("rho",)}  # the scale's arrays per option
 REF_KEYS = ("r_mu", "r_rho")
-HOOK = "fedsr"  # the client hook (plan.extra["hooks"])
+HOOK = "fedsr"  # the client hook (plan.hooks)
 
 
 def l2r_term(z: torch.Tensor) -> torch.Tensor:
@@ -114,26 +114,41 @@ def gaussian_kl(mu: torch.Tensor, sigma: torch.Tensor, r_mu: torch.Tensor, r_sig
     return kl.sum(dim=1).mean()
 
 
+@dataclass(frozen=True)
+class FedSRPayload:
+    alpha_l2r: float  # algorithm.alpha_l2r
+    alpha_cmi: float  # algorithm.alpha_cmi
+    noise_seed: int  # seeds the reparameterisation noise (run seed, round, client)
+    r_mu: np.ndarray  # the reference r(z|y): means [C, d] and
+    r_rho: np.ndarray  # pre-softplus scales [C, d], float32
+    scale_w: np.ndarray | None = None  # scale=input: the scale head's weight [d, d] and
+    scale_b: np.ndarray | None = None  # bias [d]
+    rho: np.ndarray | None = None  # scale=shared: the shared pre-softplus scale [d]
+
+
 @register_hook(HOOK)
 class FedSRObjective(ClientHook):
     """CE on a sampled z + alpha_L2R ||z||^2 + alpha_CMI KL(p(z|x) || r(z|y)); the scale (head or rho), r_mu and
-    r_rho trained alongside. The scale is per input when ``plan.extra`` holds ``scale_w``/``scale_b``, else rho."""
+    r_rho trained alongside. The scale is per input when the payload holds ``scale_w``/``scale_b``, else rho."""
+
+    Payload: ClassVar[type] = FedSRPayload
+    payload: FedSRPayload
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         d = int(model.feature_dim)
         c = int(getattr(model, model.classifier).out_features)
         shapes = {"rho": (d,), "scale_w": (d, d), "scale_b": (d,), "r_mu": (c, d), "r_rho": (c, d)}
-        self.scale = "input" if "scale_w" in plan.extra else "shared"
+        self.scale = "input" if self.payload.scale_w is not None else "shared"
         self.extra_params: dict[str, nn.Parameter] = {}
         for key in (*SCALE_KEYS[self.scale], *REF_KEYS):
-            arr = np.asarray(plan.extra[key])
-            if arr.dtype != np.float32 or arr.shape != shapes[key]:
-                raise ValueError(f"plan.extra[{key!r}] must be float32 of shape {shapes[key]}, got {arr.dtype} {arr.shape}")
+            arr = np.asarray(getattr(self.payload, key))
+            if arr.dtype != np.float32 or arr.shape != shapes[key]:  # wire check: arrays that arrived
+                raise ValueError(f"the fedsr payload's {key} must be float32 of shape {shapes[key]}, "
+                                 f"got {arr.dtype} {arr.shape}")
             self.extra_params[key] = nn.Parameter(torch.from_numpy(arr.copy()).to(device))
-        self.alpha_l2r = float(plan.extra["alpha_l2r"])
-        self.alpha_cmi = float(plan.extra["alpha_cmi"])
-        self.gen = torch.Generator().manual_seed(int(plan.extra["noise_seed"]))  # CPU draws: same on any device
+        self.alpha_l2r, self.alpha_cmi = self.payload.alpha_l2r, self.payload.alpha_cmi
+        self.gen = torch.Generator().manual_seed(int(self.payload.noise_seed))  # CPU draws: same on any device
         self.opt = torch.optim.SGD(list(self.extra_params.values()), lr=plan.lr, momentum=plan.momentum,
                                    weight_decay=plan.weight_decay)
 
@@ -239,12 +254,12 @@ class FedSR(FedAvg):
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         keys = self.shared_keys
-        extra: dict[str, Any] = {k: state.strategy_state[k] for k in keys}  # shared with the state, never mutated
+        arrays: dict[str, Any] = {k: state.strategy_state[k] for k in keys}  # shared with the state, never mutated
         if self.opts.reference == "client":  # the client's own: kept on the device, not counted in bytes_down
-            extra.update(self.client_reference(state, client_id))
-        extra.update({HOOKS_KEY: (HOOK,)}, alpha_l2r=float(self.opts.alpha_l2r), alpha_cmi=float(self.opts.alpha_cmi),
-                     noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"))
-        return {"extra": extra, "side_bytes_down": int(sum(state.strategy_state[k].nbytes for k in keys))}
+            arrays.update(self.client_reference(state, client_id))
+        hook = call(FedSRObjective, **arrays, alpha_l2r=float(self.opts.alpha_l2r),
+                    alpha_cmi=float(self.opts.alpha_cmi), noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"))
+        return {"hooks": (hook,), "side_bytes_down": int(sum(state.strategy_state[k].nbytes for k in keys))}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:

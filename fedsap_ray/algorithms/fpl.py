@@ -29,7 +29,7 @@ One round:
   "unbiased prototype" is the unweighted mean of its cluster prototypes (the reference code's
   ``proto_aggregation`` and the ``mean_f`` it builds in ``_train_net``).
   A class only one client holds gets that prototype as its single cluster. The next round's
-  plans carry them (``plan.extra``; counted in ``side_bytes_down``).
+  plans carry them (the ``fpl`` hook's payload; counted in ``side_bytes_down``).
 
 Equation numbers (Eqs. 7-8: the similarity and InfoNCE term, Eq. 10: the MSE term) follow
 FPL as annotated in public re-implementations of its code; the paper text itself was not
@@ -49,7 +49,7 @@ Hyperparameters:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import scipy.sparse as sp
@@ -59,7 +59,7 @@ from scipy.sparse.csgraph import connected_components
 
 from fedsap_ray.grouping import canonical_labels
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
+from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
@@ -209,25 +209,40 @@ def last_epoch_start(n: int, batch_size: int, local_epochs: int, max_steps_per_e
     return (local_epochs - 1) * per
 
 
+@dataclass(frozen=True)
+class FPLPayload:
+    tau: float  # InfoNCE temperature (algorithm.tau)
+    num_classes: int
+    collect_from: int  # the loss call (step) at which the last local epoch begins (last_epoch_start)
+    # last round's server prototypes (server_prototypes; None before the first aggregation)
+    cluster_protos: np.ndarray | None = None
+    cluster_labels: np.ndarray | None = None
+    unbiased: np.ndarray | None = None
+    has_proto: np.ndarray | None = None
+
+
 @register_hook(HOOK)
 class FPLObjective(ClientHook):
     """CE (+ L_CPCL + L_UPCR once prototypes exist); sums last-epoch representations per class."""
 
+    Payload: ClassVar[type] = FPLPayload
+    payload: FPLPayload
+
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
-        ex = plan.extra
-        self.tau = float(ex["fpl_tau"])
-        self.num_classes = int(ex["fpl_num_classes"])
-        self.collect_from = int(ex["fpl_collect_from"])
+        ex = self.payload
+        self.tau = ex.tau
+        self.num_classes = int(ex.num_classes)
+        self.collect_from = int(ex.collect_from)
         self.calls = 0
         self.sums = torch.zeros(self.num_classes, int(model.feature_dim), dtype=torch.float64, device=device)
         self.counts = torch.zeros(self.num_classes, dtype=torch.float64, device=device)
         self.protos = None
-        if "fpl_cluster_protos" in ex and len(ex["fpl_cluster_labels"]) > 0:
-            self.protos = torch.from_numpy(np.asarray(ex["fpl_cluster_protos"], dtype=np.float32)).to(device)
-            self.proto_labels = torch.from_numpy(np.asarray(ex["fpl_cluster_labels"], dtype=np.int64)).to(device)
-            self.unbiased = torch.from_numpy(np.asarray(ex["fpl_unbiased"], dtype=np.float32)).to(device)
-            self.has_proto = torch.from_numpy(np.asarray(ex["fpl_has_proto"], dtype=bool)).to(device)
+        if ex.cluster_protos is not None and ex.cluster_labels is not None and len(ex.cluster_labels) > 0:
+            self.protos = torch.from_numpy(np.asarray(ex.cluster_protos, dtype=np.float32)).to(device)
+            self.proto_labels = torch.from_numpy(np.asarray(ex.cluster_labels, dtype=np.int64)).to(device)
+            self.unbiased = torch.from_numpy(np.asarray(ex.unbiased, dtype=np.float32)).to(device)
+            self.has_proto = torch.from_numpy(np.asarray(ex.has_proto, dtype=bool)).to(device)
 
     def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         z = model.forward_features(x)
@@ -266,17 +281,15 @@ class FPL(FedAvg):
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         tr = self.cfg.training
         n = self.ctx.federation.clients[client_id].n_samples
-        extra: dict[str, Any] = {
-            HOOKS_KEY: (HOOK,), "fpl_tau": float(self.opts.tau),
-            "fpl_num_classes": int(self.ctx.federation.num_classes),
-            "fpl_collect_from": last_epoch_start(n, tr.batch_size, tr.local_epochs, tr.max_steps_per_epoch),
-        }
+        protos: dict[str, Any] = {}
         side = 0
         if all(k in state.strategy_state for k in PROTO_KEYS):
             for k in PROTO_KEYS:
-                extra[k] = state.strategy_state[k]  # shared read-only arrays
+                protos[k.removeprefix("fpl_")] = state.strategy_state[k]  # shared read-only arrays
                 side += int(state.strategy_state[k].nbytes)
-        return {"extra": extra, "side_bytes_down": side}
+        hook = call(FPLObjective, tau=float(self.opts.tau), num_classes=int(self.ctx.federation.num_classes),
+                    collect_from=last_epoch_start(n, tr.batch_size, tr.local_epochs, tr.max_steps_per_epoch), **protos)
+        return {"hooks": (hook,), "side_bytes_down": side}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:

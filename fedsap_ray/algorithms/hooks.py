@@ -4,15 +4,19 @@ The client loop (:mod:`fedsap_ray.client`) is mini-batch SGD on the plan's sub-m
 Everything a method adds to local training (FedProx's proximal term, FedSAP's Eq. 7 and
 channel statistics, SCAFFOLD's correction, MOON's contrastive term, DapperFL's pruning, ...)
 is a :class:`ClientHook` subclass registered under a name in that method's module
-(:func:`register_hook`). A strategy lists the names in ``plan.extra["hooks"]`` (a tuple,
-run in that order) and puts what they read in ``plan.extra`` under the keys each hook
-documents: pure data, so any worker can run any client. Whatever a hook sends back goes into
-``ClientResult.stats`` (counted in bytes_up).
+(:func:`register_hook`, the one generic registry :data:`fedsap_ray.registry.HOOKS`). Each hook
+declares what it reads as a frozen dataclass, its ``Payload`` (module-level, so it pickles to Ray
+workers). A strategy puts the hooks of a plan in ``plan.hooks``, a tuple of :class:`HookCall`
+(hook name, payload instance) run in that order, each built one way: ``call(HookClass, field=...)``.
+The hook receives its own typed payload as ``self.payload``: pure data, so any worker can run any
+client. The payload's values were validated where they came from (the strategy's typed options);
+a hook checks only the type and shape of arrays that arrive over the wire (wire checks). Whatever
+a hook sends back goes into ``ClientResult.stats`` (counted in bytes_up).
 
 Hook points, in the order the client calls them (every hook of the plan at each point):
 
 ====================  ===================================================================
-``__init__``          before the plan's values are loaded: read and check the payload; the
+``__init__``          before the plan's values are loaded: read the payload (``self.payload``); the
                       model's structure may be read, its values must not (they are stale)
 ``before_training``   the scratch model and the client's data, before the plan's values are
                       loaded into it (FedSAP's probe gradient); anything written to it is overwritten
@@ -40,7 +44,7 @@ the plan declares ``supports_sliced = True``; otherwise the plan trains masked, 
 A hook that supports it is built with ``sliced`` (None when the plan trains masked or has no mask) and
 
 - its ``model`` and ``layout`` arguments, ``self.layout``, ``before_training``'s model and
-  ``plan.values``/``plan.mask``/``plan.extra`` stay in the FULL-size coordinates (the plan's);
+  ``plan.values``/``plan.mask``/``self.payload`` stay in the FULL-size coordinates (the plan's);
 - every later hook point (``start`` ... ``result``) receives the model being trained: the
   sub-network ``sliced.model`` with layout ``sliced.layout`` (:attr:`ClientHook.train_layout`);
 - ``sliced.gather`` maps a full flat vector to the sub-network's coordinates (SCAFFOLD's control),
@@ -53,35 +57,45 @@ frozen full-size copy or choose its own upload mask (MOON, FedSR, FPL, FedSPU, D
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 import torch
 
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
+from fedsap_ray.registry import HOOKS
 from fedsap_ray.sliced import SlicedModel
 
-HOOKS_KEY = "hooks"  # plan.extra[HOOKS_KEY]: the names of the plan's client hooks, in calling order
+_HOOKS: dict[str, type[ClientHook]] = HOOKS.entries  # the table itself (tests register and unregister)
 
-_HOOKS: dict[str, type[ClientHook]] = {}
+
+@dataclass(frozen=True)
+class NoPayload:
+    """The payload of a hook that reads nothing but the plan's own fields."""
 
 
 class ClientHook:
     """Does nothing at every hook point; subclasses override the points they need (module docstring)."""
 
+    name: ClassVar[str]  # set by @register_hook
+    # what the hook reads, a frozen dataclass defined at module level (plans cross to Ray workers)
+    Payload: ClassVar[type] = NoPayload
     # whether the hook works on a sliced sub-network (module docstring, "Sliced sub-models"); a plan
     # with any hook that does not trains masked
     supports_sliced: ClassVar[bool] = False
+    payload: Any
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
                  sliced: SlicedModel | None = None) -> None:
         if sliced is not None and not self.supports_sliced:
             raise TypeError(f"client hook {type(self).__name__} does not support sliced sub-models")
         self.plan, self.layout, self.device, self.sliced = plan, layout, device, sliced
+        self.payload = payload_of(plan, type(self))
 
     @property
     def train_layout(self) -> ParamLayout:
@@ -127,29 +141,48 @@ class ClientHook:
         """Training ended, normally or not: release what was attached to the model."""
 
 
-def register_hook(name: str) -> Callable[[type[ClientHook]], type[ClientHook]]:
-    """Class decorator: make ``name`` usable in ``plan.extra["hooks"]``."""
-    def deco(cls: type[ClientHook]) -> type[ClientHook]:
-        if name in _HOOKS:
-            raise ValueError(f"client hook {name!r} registered twice")
-        _HOOKS[name] = cls
-        return cls
-    return deco
+H = TypeVar("H", bound=type[ClientHook])
+
+
+def register_hook(name: str) -> Callable[[H], H]:
+    """Class decorator: register a :class:`ClientHook` under ``name`` (its ``name``) for ``plan.hooks``."""
+    return HOOKS.register(name)
 
 
 def unregister_hook(name: str) -> None:
     """Forget ``name`` (for tests that register a hook of their own)."""
-    _HOOKS.pop(name, None)
+    HOOKS.unregister(name)
+
+
+def call(hook: type[ClientHook], /, **fields: Any) -> HookCall:
+    """The plan entry that runs ``hook`` with its payload ``hook.Payload(**fields)`` (the one way to build one)."""
+    return HookCall(hook.name, hook.Payload(**fields))
+
+
+def payload_of(plan: ClientPlan, hook: type[ClientHook]) -> Any:
+    """The payload the plan sends ``hook``, checked to be of its ``Payload`` type; a plan built without the
+    hook (a test constructing one directly) gives the default payload when there is one."""
+    for c in plan.hooks:
+        if c.name == getattr(hook, "name", None):
+            if not isinstance(c.payload, hook.Payload):
+                raise TypeError(f"plan.hooks: the payload of client hook {c.name!r} must be a "
+                                f"{hook.Payload.__qualname__}, got {type(c.payload).__qualname__}")
+            return c.payload
+    try:
+        return hook.Payload()
+    except TypeError:
+        raise ValueError(f"plan.hooks has no payload for client hook {getattr(hook, 'name', hook.__name__)!r}") from None
 
 
 def hook_names(plan: ClientPlan) -> tuple[str, ...]:
-    """The plan's hook names (``plan.extra["hooks"]``), checked to be a sequence of distinct strings."""
-    names: Any = plan.extra.get(HOOKS_KEY, ())
-    if isinstance(names, str) or not isinstance(names, Sequence) or not all(isinstance(n, str) for n in names):
-        raise TypeError(f"plan.extra[{HOOKS_KEY!r}] must be a tuple of hook names, got {names!r}")
+    """The plan's hook names, in calling order, checked to be distinct :class:`HookCall`s."""
+    calls: Any = plan.hooks
+    if not isinstance(calls, tuple) or not all(isinstance(c, HookCall) for c in calls):
+        raise TypeError(f"plan.hooks must be a tuple of HookCall (hooks.call(HookClass, ...)), got {calls!r}")
+    names = tuple(c.name for c in calls)
     if len(set(names)) != len(names):
-        raise ValueError(f"plan.extra[{HOOKS_KEY!r}] names a hook twice: {list(names)}")
-    return tuple(names)
+        raise ValueError(f"plan.hooks names a hook twice: {list(names)}")
+    return names
 
 
 def defines_loss(hook: ClientHook | type[ClientHook]) -> bool:
@@ -162,7 +195,7 @@ def hook_classes(plan: ClientPlan) -> list[type[ClientHook]]:
     """The classes of the plan's hooks, in order; raises on an unknown name. Strategies register theirs on import."""
     names = hook_names(plan)
     if names:
-        import fedsap_ray.algorithms  # noqa: F401  (registers every strategy's hooks, also on Ray workers)
+        HOOKS.load()  # imports fedsap_ray.algorithms: registers every strategy's hooks, also on Ray workers
     unknown = [n for n in names if n not in _HOOKS]
     if unknown:
         raise ValueError(f"unknown client hook(s) {unknown}; registered: {sorted(_HOOKS)}")

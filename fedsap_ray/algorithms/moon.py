@@ -25,7 +25,7 @@ official code (QinbinLi/MOON ``main.py``: ``global_model.eval()``, previous nets
 Previous model: clients are stateless here (any worker may run any client), so the server
 keeps every client's last trained model in ``ServerState.strategy_state["prev"]`` (client id ->
 float32 flat vector, only for clients that have trained) and sends it as
-``plan.extra["prev"]``; it is not counted in ``bytes_down`` (a real MOON client keeps it
+the ``moon`` hook's payload ``prev``; it is not counted in ``bytes_down`` (a real MOON client keeps it
 locally: shipping it is the simulator's cost of stateless clients, not MOON's). "Previous" means
 the model of the client's last participation, as in the official code, whose model pool
 holds each party's net as it was after its last local training.
@@ -67,7 +67,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -75,7 +75,7 @@ import torch.nn.functional as F
 
 from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
+from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
@@ -104,23 +104,32 @@ def _frozen_copy(model: MaskableModel, layout: ParamLayout, values: np.ndarray) 
     return frozen
 
 
+@dataclass(frozen=True)
+class MoonPayload:
+    mu: float  # weight of l_con (algorithm.mu)
+    tau: float  # temperature (algorithm.tau)
+    prev: np.ndarray | None = None  # the client's previous local model (float32, full layout); None: first time
+
+
 @register_hook(HOOK)
 class MoonObjective(ClientHook):
     """CE + mu * l_con (MOON Eq. 3) with frozen global and previous models built from the plan."""
 
+    Payload: ClassVar[type] = MoonPayload
+    payload: MoonPayload
+
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
-        self.mu = float(plan.extra["mu"])
-        self.tau = float(plan.extra["tau"])
+        self.mu, self.tau = self.payload.mu, self.payload.tau
         start = scatter(plan.values, plan.mask, layout.size)
         self.glob = _frozen_copy(model, layout, start).to(device)
-        prev = plan.extra.get("prev")
+        prev = self.payload.prev
         if prev is None:  # first participation: the global model is the previous one (module docstring)
             self.prev = None
         else:
             prev = np.asarray(prev)
-            if prev.dtype != np.float32 or prev.shape != (layout.size,):
-                raise ValueError(f"plan.extra['prev'] must be float32 of shape ({layout.size},), "
+            if prev.dtype != np.float32 or prev.shape != (layout.size,):  # wire check: an array that arrived
+                raise ValueError(f"the moon payload's prev must be float32 of shape ({layout.size},), "
                                  f"got {prev.dtype} {prev.shape}")
             self.prev = _frozen_copy(model, layout, prev).to(device)
 
@@ -161,7 +170,7 @@ class Moon(FedAvg):
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """samples_seen x (full forward + k frozen encoder forwards), k = 2, or 1 with no previous model
         (module docstring, "Compute")."""
-        k = 1 if plan.extra.get("prev") is None else 2
+        k = 1 if plan.payload(HOOK).prev is None else 2
         return int(result.samples_seen) * (self.mask_macs(None) + k * self.encoder_macs())
 
     def init_state(self) -> ServerState:
@@ -171,13 +180,10 @@ class Moon(FedAvg):
         return state
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
-        extra: dict[str, Any] = {HOOKS_KEY: (HOOK,), "mu": float(self.opts.mu), "tau": float(self.opts.tau)}
-        prev = state.strategy_state["prev"].get(client_id)
-        if prev is not None:
-            extra["prev"] = prev  # shared with the state, never mutated
+        prev = state.strategy_state["prev"].get(client_id)  # shared with the state, never mutated
         # a real MOON client keeps its previous model on the device: shipping it is a simulation
         # artefact (clients are stateless here), so it is not counted in bytes_down
-        return {"extra": extra}
+        return {"hooks": (call(MoonObjective, mu=float(self.opts.mu), tau=float(self.opts.tau), prev=prev),)}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:

@@ -4,9 +4,12 @@ FedSAP's Eq. 7 (papers/000) adds (gamma/|B|) sum_x ||f_enc(x)||_2^2 to the cross
 (``form="squared"``); DapperFL's DAR (jyzgh/DapperFL ``models/dapperfl.py``, ``--reg_coeff``)
 adds gamma * mean_x ||z||_2, the unsquared norm (``form="norm"``). The ``rep_norm`` client
 hook (:class:`RepresentationNorm`) makes it the base loss of local training; its payload is
-``plan.extra["rep_gamma"]`` (gamma) and ``plan.extra["rep_form"]`` (default ``squared``).
+:class:`RepNormPayload`: ``gamma`` and ``form`` (default ``squared``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -34,22 +37,27 @@ def rep_norm_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma:
     return F.cross_entropy(getattr(model, model.classifier)(z), y) + gamma * reg
 
 
+@dataclass(frozen=True)
+class RepNormPayload:
+    gamma: float  # the regulariser's weight (FedSAP's / DapperFL's gamma option)
+    form: str = "squared"  # one of REP_FORMS (validated by the options that chose it)
+
+
 @register_hook(HOOK)
 class RepresentationNorm(ClientHook):
-    """The base loss :func:`rep_norm_loss` with ``plan.extra["rep_gamma"]`` and ``["rep_form"]``.
+    """The base loss :func:`rep_norm_loss` with the payload's ``gamma`` and ``form``.
 
     Works on a sliced sub-network as is: a dropped channel's feature is exactly 0 in the masked model, so
     ||z|| over the sub-network's features is the same norm."""
 
     supports_sliced = True
+    Payload: ClassVar[type] = RepNormPayload
+    payload: RepNormPayload
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
                  sliced: SlicedModel | None = None) -> None:
         super().__init__(plan, model, layout, device, sliced)
-        self.gamma = float(plan.extra["rep_gamma"])
-        self.form = str(plan.extra.get("rep_form", "squared"))
-        if self.form not in REP_FORMS:
-            raise ValueError(f"plan.extra['rep_form'] must be one of {REP_FORMS}, got {self.form!r}")
+        self.gamma, self.form = self.payload.gamma, self.payload.form
 
     def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return rep_norm_loss(model, x, y, self.gamma, self.form)

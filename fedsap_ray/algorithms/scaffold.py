@@ -18,7 +18,7 @@ paper's unweighted means over S (not FedAvg's sample-size weights).
 Clients are stateless here (any worker may run any client), so the server keeps every
 c_i in ``ServerState.strategy_state["c_i"]`` (client id -> float32 [n_params], only for clients
 that have participated) next to ``extra["c"]``; a plan carries the correction c - c_i as
-``plan.extra["control"]`` and the client's ``scaffold`` hook (:class:`ControlCorrection`) adds it
+the ``scaffold`` hook's payload (``control``) and the client's ``scaffold`` hook (:class:`ControlCorrection`) adds it
 to every step's gradient after clipping (:mod:`fedsap_ray.algorithms.hooks`). Because the server knows x, eta and K_i it recomputes
 c_i+ from y_i itself, so nothing but the trained model comes back.
 
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from torch import nn
 
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.context import RunContext
-from fedsap_ray.algorithms.hooks import HOOKS_KEY, ClientHook, register_hook
+from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.masks import ParamLayout
@@ -60,9 +60,14 @@ from fedsap_ray.sliced import SlicedModel
 HOOK = "scaffold"
 
 
+@dataclass(frozen=True)
+class ControlPayload:
+    control: np.ndarray  # c - c_i, float32, one value per coordinate of the flat layout
+
+
 @register_hook(HOOK)
 class ControlCorrection(ClientHook):
-    """y <- y - lr (g_i(y) + c - c_i) (Algorithm 1 line 10): adds ``plan.extra["control"]`` (c - c_i, float32,
+    """y <- y - lr (g_i(y) + c - c_i) (Algorithm 1 line 10): adds the payload's ``control`` (c - c_i, float32,
     one value per coordinate of the flat :class:`ParamLayout` vector) to every step's gradient AFTER the raw
     stochastic gradient was clipped (so clipping never rescales the control variate); the optimizer then adds
     weight decay inside its step. Only nn.Parameters get a correction (BatchNorm running statistics are not
@@ -72,13 +77,15 @@ class ControlCorrection(ClientHook):
     """
 
     supports_sliced = True
+    Payload: ClassVar[type] = ControlPayload
+    payload: ControlPayload
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,
                  sliced: SlicedModel | None = None) -> None:
         super().__init__(plan, model, layout, device, sliced)
-        control = np.asarray(plan.extra["control"])
-        if control.dtype != np.float32 or control.shape != (layout.size,):
-            raise ValueError(f"plan.extra['control'] must be float32 of shape ({layout.size},), "
+        control = np.asarray(self.payload.control)
+        if control.dtype != np.float32 or control.shape != (layout.size,):  # wire check: an array that arrived
+            raise ValueError(f"the scaffold payload's control must be float32 of shape ({layout.size},), "
                              f"got {control.dtype} {control.shape}")
         if sliced is not None:
             self.control = sliced.gather(control)
@@ -143,7 +150,7 @@ class Scaffold(Strategy):
             control = self.control_for(state, cid)  # sent down; the client would send Delta c_i back up
             plans[cid] = ClientPlan(
                 values=state.params, mask=None, capacity_used=1.0,  # shared, never mutated
-                extra={HOOKS_KEY: (HOOK,), "control": control}, side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
+                hooks=(call(ControlCorrection, control=control),), side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
                 **self.plan_kwargs(t, cid),
             )
         return plans

@@ -26,9 +26,10 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from fedsap_ray.data.digits import Split, _check_labels, resize_nchw, to_domain
+from fedsap_ray.data.digits import Split, _check_labels, resize_nchw
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
-from fedsap_ray.data.status import atomic_save_npz, cache_home, default_root, first_present, unavailable
+from fedsap_ray.data.source import FileSource, one_domain
+from fedsap_ray.data.status import atomic_save_npz, cache_home, first_present
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 TARBALL = "cifar10_jpg_q75.tar.gz"
@@ -205,16 +206,12 @@ def cached_cifar_tarball(tar_path: Path, cache_dir: Path | None = None) -> tuple
     return splits, classes
 
 
-@register_dataset("cifar10")
-class Cifar10Source:
+@register_dataset("cifar10", single_domain=True)
+class Cifar10Source(FileSource):
     """CIFAR-10 from torchvision's batches or from the shared JPEG archive."""
 
-    name: str
     description = "CIFAR-10: 1 domain, 10 classes, 3x32x32 (50,000 train / 10,000 test)"
     how_to_obtain = "--set data.download=true (torchvision), or the JPEG archive <root>/cifar10/cifar10_jpg_q75.tar.gz"
-
-    def default_root(self) -> Path:
-        return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
     def _tv_paths(self, root: Path) -> list[Path]:
         return [root / "cifar-10-batches-py" / f for f in _TV_FILES]
@@ -243,24 +240,11 @@ class Cifar10Source:
             sp, classes = cached_cifar_tarball(tar)
             notes = f"CIFAR-10 (real) decoded from JPEG quality-75 copies ({tar}); pixels differ slightly from the original batches"
         else:
-            missing = next(p for p in tv if not p.exists())
-            raise unavailable(
-                self.name,
-                [("CIFAR-10 batches", missing,
-                  f"nor {root / 'cifar10' / TARBALL}; use --set data.download=true to download with torchvision")],
-            )
+            raise self.missing("CIFAR-10 batches", tv,
+                               f"nor {root / 'cifar10' / TARBALL}; use --set data.download=true to download with torchvision")
         if len(classes) != 10:
             raise ValueError(f"cifar10: expected 10 classes, found {len(classes)}: {classes}")
         for split in ("train", "test"):
             _check_labels(self.name, "cifar10", sp[split], 10)
-        return DomainSplits(
-            dataset=self.name,
-            domains=["cifar10"],
-            train={"cifar10": to_domain(sp["train"])},
-            test={"cifar10": to_domain(sp["test"])},
-            num_classes=10,
-            input_kind="image",
-            input_shape=(3, 32, 32),
-            notes=notes,
-            domain_notes={"cifar10": f"{len(sp['train'][1])} train / {len(sp['test'][1])} test; classes {', '.join(classes)}"},
-        )
+        return one_domain(self.name, "cifar10", sp["train"], sp["test"], num_classes=10, notes=notes,
+                          domain_note=f"{len(sp['train'][1])} train / {len(sp['test'][1])} test; classes {', '.join(classes)}")

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedsap_ray.data.digits import to_domain
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
-from fedsap_ray.data.status import default_root, unavailable
+from fedsap_ray.data.source import FileSource, one_domain
 
 EMNIST_SPLIT = "byclass"
 EMNIST_CLASSES = 62
@@ -38,16 +37,12 @@ def pad_upright_rgb(x: np.ndarray) -> np.ndarray:
     return out
 
 
-@register_dataset("emnist")
-class EmnistSource:
+@register_dataset("emnist", single_domain=True)
+class EmnistSource(FileSource):
     """EMNIST ByClass via torchvision."""
 
-    name: str
     description = "EMNIST ByClass: 1 domain, 62 classes, 28x28 padded to 3x32x32 (native 1x28x28 for cnn_emnist)"
     how_to_obtain = "--set data.download=true (torchvision EMNIST, ~535 MB zip)"
-
-    def default_root(self) -> Path:
-        return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
     def files(self, root: Path) -> list[FileStatus]:
         return [FileStatus(f"EMNIST {p.name}", p, p.exists()) for p in emnist_paths(Path(root).expanduser())]
@@ -58,9 +53,8 @@ class EmnistSource:
 
         root = Path(root).expanduser()
         paths = emnist_paths(root)
-        if not download and not all(p.exists() for p in paths):
-            first = next(p for p in paths if not p.exists())
-            raise unavailable(self.name, [("EMNIST ByClass", first, "use --set data.download=true to download it with torchvision")])
+        if not download:
+            self.require("EMNIST ByClass", paths, "use --set data.download=true to download it with torchvision")
         if download:
             root.mkdir(parents=True, exist_ok=True)
         sp = {}
@@ -70,14 +64,6 @@ class EmnistSource:
             if len(y) and (y.min() < 0 or y.max() >= EMNIST_CLASSES):
                 raise ValueError(f"emnist: labels outside 0..{EMNIST_CLASSES - 1} in {split} (min {y.min()}, max {y.max()})")
             sp[split] = (pad_upright_rgb(ds.data.numpy()), y)
-        return DomainSplits(
-            dataset=self.name,
-            domains=["emnist"],
-            train={"emnist": to_domain(sp["train"])},
-            test={"emnist": to_domain(sp["test"])},
-            num_classes=EMNIST_CLASSES,
-            input_kind="image",
-            input_shape=(3, 32, 32),
-            notes="EMNIST ByClass (real), upright, zero-padded 28->32, grey repeated to 3 channels",
-            domain_notes={"emnist": f"{len(sp['train'][1])} train / {len(sp['test'][1])} test, 62 classes (0-9, A-Z, a-z)"},
-        )
+        return one_domain(self.name, "emnist", sp["train"], sp["test"], num_classes=EMNIST_CLASSES,
+                          notes="EMNIST ByClass (real), upright, zero-padded 28->32, grey repeated to 3 channels",
+                          domain_note=f"{len(sp['train'][1])} train / {len(sp['test'][1])} test, 62 classes (0-9, A-Z, a-z)")

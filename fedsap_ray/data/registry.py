@@ -1,13 +1,15 @@
 """Dataset registry: each source loads per-domain train/test splits and reports its files.
 
 Adding a dataset means one module with a ``@register_dataset("name")`` class and one
-import line in ``fedsap_ray/data/__init__.py``.
+import line in ``fedsap_ray/data/__init__.py``. The table is :data:`fedsap_ray.registry.DATASETS`
+(the one generic registry), which the config schema asks for ``data.name``; what the config must
+know about a dataset is declared in the decorator (``single_domain``, ``natural_partition``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +17,7 @@ import numpy as np
 from fedsap_ray.data.base import DomainData, InputKind
 from fedsap_ray.errors import DatasetUnavailable as DatasetUnavailable  # re-exported: it used to live here
 from fedsap_ray.errors import DatasetUnreadable
+from fedsap_ray.registry import DATASETS
 
 
 def corrupt_file_errors() -> tuple[type[BaseException], ...]:
@@ -63,6 +66,8 @@ class DatasetSource(Protocol):
     name: str
     description: str
     how_to_obtain: str
+    single_domain: ClassVar[bool]  # one domain: data.partition=domain is refused
+    natural_partition: ClassVar[bool]  # has natural client splits (data.partition=natural)
 
     def default_root(self) -> Path: ...
 
@@ -71,24 +76,25 @@ class DatasetSource(Protocol):
     def load(self, root: Path, *, download: bool, seed: int) -> DomainSplits: ...
 
 
-_SOURCES: dict[str, Callable[[], DatasetSource]] = {}
+_SOURCES: dict[str, Callable[[], DatasetSource]] = DATASETS.entries  # the table itself (tests patch it)
 
 
-def register_dataset(name: str):
-    def deco(cls):
-        if name in _SOURCES:
-            raise ValueError(f"dataset {name!r} registered twice")
-        cls.name = name
-        _SOURCES[name] = cls
-        return cls
+def register_dataset(name: str, *, single_domain: bool = False, natural_partition: bool = False) -> Callable[[Any], Any]:
+    """Class decorator: register a dataset source under ``name``; ``single_domain`` (the split has one domain,
+    so ``data.partition=domain`` is refused) and ``natural_partition`` (it has natural client splits,
+    ``data.partition=natural``) are what the config checks read (:class:`fedsap_ray.schema.ExperimentConfig`)."""
+    def deco(cls: Any) -> Any:
+        cls.single_domain, cls.natural_partition = single_domain, natural_partition
+        return DATASETS.register(name)(cls)
     return deco
 
 
 def get_source(name: str) -> DatasetSource:
+    DATASETS.load()
     if name not in _SOURCES:
         raise KeyError(f"unknown dataset {name!r}; valid: {', '.join(sorted(_SOURCES))}")
     return _SOURCES[name]()
 
 
 def dataset_names() -> list[str]:
-    return sorted(_SOURCES)
+    return DATASETS.names()

@@ -1,5 +1,8 @@
 """Maskable models, registered by name (docs/architecture.md#layout).
 
+Importing this package registers every model module it imports (``@register_model("name")``,
+:data:`fedsap_ray.registry.MODELS`); a new model is one module plus one import line here.
+
 Every model exposes ``channel_space() -> ChannelSpace``, ``channel_counts()``,
 ``forward_features(x)`` (encoder output), ``classifier`` (name of the never-sliced
 output layer), ``feature_dim`` and ``input_dtype``. :func:`model_macs` counts
@@ -7,6 +10,7 @@ multiply-accumulates per sample at any channel mask (papers/003 Table 1).
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,43 +19,33 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedsap_ray.models import cnn, lstm, resnet  # noqa: F401  (registers every model: one import line per module)
 from fedsap_ray.models.cnn import CNN6, MLP, CNNSmall
 from fedsap_ray.models.lstm import CharLSTM
 from fedsap_ray.models.resnet import ResNet, resnet10, resnet18
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, check_layer_values
+from fedsap_ray.registry import MODELS, register_model
 
 ModelFactory = Callable[..., MaskableModel]
-
-
-def _no_vocab(factory: ModelFactory) -> ModelFactory:
-    def build(*, num_classes: int, input_shape: tuple[int, ...], width_mult: float, vocab_size: int | None,
-              channels: Mapping[str, int] | None) -> MaskableModel:
-        return factory(num_classes=num_classes, input_shape=input_shape, width_mult=width_mult, channels=channels)
-    return build
-
-
-MODEL_REGISTRY: dict[str, ModelFactory] = {
-    "resnet10": _no_vocab(resnet10),
-    "resnet18": _no_vocab(resnet18),
-    "cnn_small": _no_vocab(CNNSmall),
-    "cnn_cifar": _no_vocab(CNN6),
-    "cnn_emnist": _no_vocab(CNN6),
-    "mlp": _no_vocab(MLP),
-    "char_lstm": CharLSTM,
-}
+# name -> factory, each registered with @register_model("name") where it is defined (fedsap_ray.registry)
+MODEL_REGISTRY: dict[str, ModelFactory] = MODELS.entries
 
 
 def build_model(name: str, *, num_classes: int, input_shape: tuple[int, ...], width_mult: float = 1.0,
                 vocab_size: int | None = None, channels: Mapping[str, int] | None = None) -> MaskableModel:
-    """Build a registered model. ``channels`` overrides per-layer widths (physically sliced sub-models)."""
+    """Build a registered model. ``channels`` overrides per-layer widths (physically sliced sub-models).
+    A factory is called with ``num_classes``, ``input_shape``, ``width_mult`` and ``channels``, and with
+    ``vocab_size`` when it takes one (text models)."""
     if name not in MODEL_REGISTRY:
         raise ValueError(f"unknown model {name!r}; valid models are {', '.join(sorted(MODEL_REGISTRY))}")
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
     if not width_mult > 0:
         raise ValueError(f"width_mult must be > 0, got {width_mult!r}")
-    model = MODEL_REGISTRY[name](num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
-                                 vocab_size=vocab_size, channels=channels)
+    factory = MODEL_REGISTRY[name]
+    text = {"vocab_size": vocab_size} if "vocab_size" in inspect.signature(factory).parameters else {}
+    model = factory(num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
+                    channels=channels, **text)
     # how to build it again at other widths (the client's sliced sub-models, fedsap_ray.sliced)
     model.build_spec = (name, dict(num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
                                    vocab_size=vocab_size))
@@ -144,5 +138,5 @@ def model_macs(model: MaskableModel, input_shape: tuple[int, ...],
     return total
 
 
-__all__ = ["MODEL_REGISTRY", "build_model", "example_input", "model_macs", "weight_uses", "ChannelSpace", "ChannelLayer",
-           "ParamAxis", "ResNet", "CNNSmall", "CNN6", "MLP", "CharLSTM"]
+__all__ = ["MODEL_REGISTRY", "register_model", "build_model", "example_input", "model_macs", "weight_uses", "ChannelSpace", "ChannelLayer",
+           "ParamAxis", "ResNet", "resnet10", "resnet18", "CNNSmall", "CNN6", "MLP", "CharLSTM"]

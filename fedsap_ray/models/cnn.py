@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsap_ray.models.resnet import scaled
+from fedsap_ray.registry import register_model
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, bn_out, conv_out, weight_in
 
 
@@ -42,6 +43,7 @@ def _image_shape(input_shape: tuple[int, ...], who: str) -> tuple[int, int, int]
     return int(input_shape[0]), int(input_shape[1]), int(input_shape[2])
 
 
+@register_model("cnn_small")
 class CNNSmall(MaskableModel):
     """conv3x3(3->32)-ReLU-pool2, conv3x3(32->64)-ReLU-pool2, linear(64*H/4*W/4 -> classes); no BN."""
 
@@ -80,6 +82,8 @@ class CNNSmall(MaskableModel):
         ))
 
 
+@register_model("cnn_emnist")  # (decorators apply bottom-up: cnn_cifar is registered first)
+@register_model("cnn_cifar")
 class CNN6(MaskableModel):
     """The papers/003 CIFAR-10 / EMNIST CNN (see the module docstring for how Table 1 fixes it)."""
 
@@ -132,6 +136,7 @@ class CNN6(MaskableModel):
         return ChannelSpace(tuple(layers))
 
 
+@register_model("mlp")
 class MLP(MaskableModel):
     """Feature-vector classifier 800 -> 512 -> 256 -> classes with ReLU; both hidden layers maskable."""
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fedsap_ray.models.resnet import scaled
+from fedsap_ray.registry import register_model
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, weight_in
 
 GATES = 4  # i, f, g, o blocks of PyTorch's LSTM weights
@@ -34,6 +35,7 @@ def _gate_rows(module: str) -> tuple[ParamAxis, ...]:
                  for t in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))
 
 
+@register_model("char_lstm")
 class CharLSTM(MaskableModel):
     """Embedding -> LSTM -> LSTM -> linear(vocab) on the last step; input int64 [B, T]."""
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedsap_ray.registry import register_model
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, bn_out, conv_out, weight_in
 
 BASE_WIDTHS = (64, 128, 256, 512)
@@ -151,12 +152,14 @@ class ResNet(MaskableModel):
         return ChannelSpace(tuple(layers))
 
 
+@register_model("resnet10")
 def resnet10(*, num_classes: int, input_shape: tuple[int, ...] = (3, 32, 32), width_mult: float = 1.0,
              channels: Mapping[str, int] | None = None) -> ResNet:
     return ResNet((1, 1, 1, 1), num_classes=num_classes, input_shape=input_shape, width_mult=width_mult,
                   channels=channels)
 
 
+@register_model("resnet18")
 def resnet18(*, num_classes: int, input_shape: tuple[int, ...] = (3, 32, 32), width_mult: float = 1.0,
              channels: Mapping[str, int] | None = None) -> ResNet:
     return ResNet((2, 2, 2, 2), num_classes=num_classes, input_shape=input_shape, width_mult=width_mult,

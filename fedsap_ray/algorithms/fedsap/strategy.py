@@ -70,14 +70,14 @@ import pyarrow as pa
 
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.fedsap import aggregation, budget, roles, schedule
-from fedsap_ray.algorithms.fedsap.hooks import CHANNEL_STATS, DGA_PROBE
+from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook, DGAProbe
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
 from fedsap_ray.algorithms.fedsap.state import FedSAPState, client_view, private_is_fresher
 from fedsap_ray.algorithms.fedsap.stats import dga_param_names
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
-from fedsap_ray.algorithms.hooks import HOOKS_KEY
+from fedsap_ray.algorithms.hooks import call
+from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.pruning import filter_l1_scores
-from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
@@ -175,20 +175,19 @@ class FedSAP(Strategy):
             gmask, pmask = self._masks(states)
             active = gmask | pmask
             model, _, take_private = self._client_view(state, cid)
-            extra: dict[str, Any] = {HOOKS_KEY: (REP_NORM, CHANNEL_STATS) + ((DGA_PROBE,) if probe_mask is not None else ()),
-                                     "rep_gamma": float(self.opts.gamma), CHANNEL_STATS: stats,
-                                     "dga_layer": self.opts.dga_layer}
+            hooks = [call(RepresentationNorm, gamma=float(self.opts.gamma)),
+                     call(ChannelStatsHook, keys=stats, dga_layer=self.opts.dga_layer)]
             side_down = 0
             if probe_mask is not None:
-                extra["probe"] = {"mask": probe_mask, "values": probe_values,
-                                  "samples": int(self.opts.probe_samples),
-                                  "seed": seed_for(self.cfg.seed, 0, cid, "dga-probe")}  # fixed per client
+                hooks.append(call(DGAProbe, mask=probe_mask, values=probe_values, samples=int(self.opts.probe_samples),
+                                  seed=seed_for(self.cfg.seed, 0, cid, "dga-probe"),  # fixed per client
+                                  dga_layer=self.opts.dga_layer))
                 # the client already holds W_G's value where it trains a coordinate from W_G
                 missing = probe_mask & ~(active & ~take_private)
                 side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
                 values=model[active], mask=active, capacity_used=float((states != DROPPED).mean()),
-                extra=extra, side_bytes_down=side_down,
+                hooks=tuple(hooks), side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )
         return plans
