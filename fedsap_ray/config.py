@@ -39,7 +39,6 @@ __all__ = [  # the schema's names stay importable from here, where they were def
 # ---------------------------------------------------------------------------------
 # Presets: nested dicts applied over the defaults.
 # ---------------------------------------------------------------------------------
-HASFL_SMOKE = {"warmup": 2, "t_adapt": 1, "t_norm": 2}
 PRESETS: dict[str, dict[str, Any]] = {
     # seconds: a tiny federation on the embedded dataset, every code path exercised
     "smoke": {
@@ -47,11 +46,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "max_test_per_domain": 200},
         "model": {"name": "resnet10", "width_mult": 0.125},
         "training": {"rounds": 4, "local_epochs": 1, "batch_size": 32, "lr": 0.05},
-        # FedSAP: warm-up shorter than the run, a DGA regrouping every round, dynamic masks
-        "algorithm_defaults": {"fedsap": {"warmup": 1, "regroup_every": 1},
-                               "fedsap_fixed": {"warmup": 1, "regroup_every": 1},
-                               # HAS-FL: adaptation steps after warm-up (rounds 2-4), normalisations at 2 and 4
-                               "hasfl": HASFL_SMOKE, "random_budget": HASFL_SMOKE},
     },
     # minutes on 2 CPU cores: the embedded four-domain benchmark, Digits protocol
     "laptop": {
@@ -59,8 +53,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "max_test_per_domain": 500},
         "model": {"name": "resnet10", "width_mult": 0.25},
         "training": {"rounds": 25, "local_epochs": 2, "batch_size": 32, "lr": 0.05},
-        "algorithm_defaults": {"fedsap": {"warmup": 5, "regroup_every": 5},
-                               "fedsap_fixed": {"warmup": 5, "regroup_every": 5}},
     },
     # the published Digits protocol (papers/000 Appendix C, Table 4); other datasets via --set
     "paper": {
@@ -252,14 +244,19 @@ def build_config(
     return from_dict(apply_algorithm_defaults(merged))
 
 
-def apply_algorithm_defaults(merged: dict[str, Any]) -> dict[str, Any]:
-    """A preset's per-algorithm option defaults (``algorithm_defaults``) go beneath the user's options.
+def preset_option_defaults(preset: Any) -> dict[str, dict[str, Any]]:
+    """Per algorithm, the option defaults it declares for ``preset`` (``Strategy.preset_options``: a method
+    scales its own schedules, e.g. a warm-up, to a preset's round budget; the config names no method)."""
+    from fedsap_ray.registry import STRATEGIES  # late: finding the strategies loads them (and torch)
 
-    Presets scale schedules (e.g. FedSAP's warm-up) to their round budget without
-    making their options invalid for other algorithms.
-    """
+    return {name: dict(STRATEGIES.get(name).preset_options.get(preset, {})) for name in STRATEGIES.names()}
+
+
+def apply_algorithm_defaults(merged: dict[str, Any]) -> dict[str, Any]:
+    """The chosen algorithm's option defaults for the preset (:func:`preset_option_defaults`) go beneath the
+    user's options, so they never make the options invalid for another algorithm."""
     merged = dict(merged)
-    defaults = merged.pop("algorithm_defaults", None) or {}
+    defaults = preset_option_defaults(merged.get("preset"))
     raw = merged.get("algorithm") or {}
     if isinstance(raw, str):  # --set algorithm=fedprox: the user meant the method's name
         _fail("algorithm", raw, f"must be a mapping; the method is chosen with algorithm.name={raw}")

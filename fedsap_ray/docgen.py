@@ -232,8 +232,8 @@ def config_page() -> str:
         raise ValueError(f"presets without a line in config.PRESET_NOTES: {missing}")
     rows = []
     for preset, d in config.PRESETS.items():
-        fields = _flatten({k: v for k, v in d.items() if k != "algorithm_defaults"})
-        algo = d.get("algorithm_defaults", {})
+        fields = _flatten(dict(d))
+        algo = {a: o for a, o in config.preset_option_defaults(preset).items() if o}
         per_algo = "; ".join(f"{a}: " + ", ".join(f"{k}={fmt_value(v)}" for k, v in opts.items())
                              for a, opts in algo.items())
         rows.append([code(preset), cell(config.PRESET_NOTES[preset]),
@@ -284,7 +284,7 @@ def algorithms_page() -> str:
             continue
         hints = typing.get_type_hints(cls.Options)
         comments = field_comments(cls.Options)
-        preset_defaults = {p: d.get("algorithm_defaults", {}).get(name, {}) for p, d in PRESETS.items()}
+        preset_defaults = {p: dict(cls.preset_options.get(p, {})) for p in PRESETS}
         rows = []
         for f in fields:
             msgs = probe_messages(f"algorithm.{f.name}", hints[f.name],

@@ -137,3 +137,44 @@ def test_the_reader_sees_deferred_imports_and_package_inits(tmp_path: Path) -> N
     assert find_cycle(graph) == ["toy.low", "toy.sub", "toy.low"]
     (pkg / "sub" / "__init__.py").write_text("")
     assert find_cycle(import_graph(pkg, "toy")) is None
+
+
+# FedSAP's own vocabulary: its tri-state roles and their masks, its pseudo-groups, its DGA and statistics
+FEDSAP_NAMES = {"GLOBAL", "PRIVATE", "DROPPED", "tristate_param_masks", "active_channel_masks", "pseudo_group",
+                "FedSAPState", "FedSAPOptions", "ChannelStats", "probe_gradient", "dga_param_names"}
+FEDSAP_PACKAGE = f"{PACKAGE}.algorithms.fedsap"
+
+
+def _fedsap_mentions(tree: ast.AST) -> list[tuple[str, int]]:
+    """(name, line) of every identifier or string constant of FEDSAP_NAMES in code (docstrings and comments,
+    which may cite the paper, are not code)."""
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = []
+    for node in ast.walk(tree):
+        name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and id(node) not in docstrings else None)
+        if name in FEDSAP_NAMES:
+            out.append((name, node.lineno))
+    return out
+
+
+def test_fedsap_lives_in_its_own_package() -> None:
+    """No module outside algorithms/fedsap/ uses a FedSAP concept or imports from it, except the one
+    registration import in algorithms/__init__.py; and the check itself sees the concepts where they are."""
+    offenders, seen_inside = [], 0
+    for module, (path, is_pkg) in module_files().items():
+        tree = ast.parse(path.read_text())
+        inside = module == FEDSAP_PACKAGE or module.startswith(FEDSAP_PACKAGE + ".")
+        if inside:
+            seen_inside += len(_fedsap_mentions(tree))
+            continue
+        offenders += [f"{path.relative_to(ROOT.parent)}:{line} {name}" for name, line in _fedsap_mentions(tree)]
+        for target, line in _imports(module, is_pkg, tree):
+            if (target == FEDSAP_PACKAGE or target.startswith(FEDSAP_PACKAGE + ".")) and \
+                    module != f"{PACKAGE}.algorithms":
+                offenders.append(f"{path.relative_to(ROOT.parent)}:{line} imports {target}")
+    assert seen_inside > 20, "the vocabulary no longer matches FedSAP's own code: update FEDSAP_NAMES"
+    assert not offenders, "FedSAP concepts outside algorithms/fedsap/:\n" + "\n".join(offenders)

@@ -67,6 +67,9 @@ class Strategy(ABC):
 
     # the dataclass of ``ServerState.strategy_state`` (None: a dict); checkpoints store its fields (state_tree)
     State: ClassVar[type | None] = None
+    # option defaults per config preset, beneath the user's options: a method scales its own schedules (a
+    # warm-up, an adaptation interval) to a preset's round budget (fedsap_ray.config.apply_algorithm_defaults)
+    preset_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         self.ctx: StrategyContext = ctx.strategy_context(oracle=self.needs_oracle(options))

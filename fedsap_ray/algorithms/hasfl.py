@@ -116,6 +116,8 @@ class HasFL(FedAvg):
 
     State = HasFLState
     width = Allocated()
+    # smoke: adaptation steps after warm-up (rounds 2-4), normalisations at rounds 2 and 4
+    preset_options = {"smoke": {"warmup": 2, "t_adapt": 1, "t_norm": 2}}
 
     def init_state(self) -> ServerState:
         state = super().init_state()

@@ -92,6 +92,9 @@ __all__ = ["FedSAP", "FedSAPOptions", "FedSAPState"]
 class FedSAP(Strategy):
     Options = FedSAPOptions
     State = FedSAPState
+    # smoke: a warm-up shorter than the run and a DGA regrouping every round, so every mechanism runs;
+    # laptop: warm-up 5 and regrouping every 5 of its 25 rounds
+    preset_options = {"smoke": {"warmup": 1, "regroup_every": 1}, "laptop": {"warmup": 5, "regroup_every": 5}}
     eval_modes = ("group", "global_only")
     columns = {
         "rounds": (
