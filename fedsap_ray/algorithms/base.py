@@ -195,7 +195,7 @@ class Strategy(ABC):
 
         Sum over weight tensors of (covered entries) x (applications per sample): exactly
         :func:`fedsap_ray.models.model_macs` of the channel masks the coverage came from
-        (tests/test_feddrop.py), and it also counts sub-models a channel mask alone cannot
+        (tests/algorithms/test_feddrop.py), and it also counts sub-models a channel mask alone cannot
         describe (NeFL's skipped residual branches). ``None``: the full model (memoised).
         """
         if mask is None:

@@ -47,7 +47,7 @@ identity (a :class:`~fedsap_ray.models.resnet.BasicBlock` whose ``shortcut`` is 
 found from the module structure): its residual branch (conv1, bn1, conv2, bn2) is left
 out of the mask, so on the client those weights and the BN scale and bias are 0, the
 branch outputs exactly 0 (train and eval mode), and the block computes relu(x) = x on its
-input, which is always post-ReLU here: an exact identity (tests/test_nefl.py). ResNet18
+input, which is always post-ReLU here: an exact identity (tests/algorithms/test_nefl.py). ResNet18
 has 5 such blocks (layer1.0, layer1.1, layer2.1, layer3.1, layer4.1), ResNet10 only
 layer1.0. Blocks with a projection shortcut are never skipped: without its branch such a
 block still computes relu(shortcut(x)), not an identity (NeFL's depthwise ResNet18

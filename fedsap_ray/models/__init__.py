@@ -116,7 +116,7 @@ def model_macs(model: MaskableModel, input_shape: tuple[int, ...],
     (covered weight entries) x (applications per sample, :func:`weight_uses`).
 
     Biases, BN, pooling and activations are not counted: the convention of papers/003
-    Table 1, whose CNN and LSTM rows this reproduces (tests/test_models.py). Coverage is
+    Table 1, whose CNN and LSTM rows this reproduces (tests/models/test_models.py). Coverage is
     an outer product of per-axis channel masks (masks.param_mask), so a tensor's covered
     count is the product over its axes of the active entries; no flat mask is built.
     """

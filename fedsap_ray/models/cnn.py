@@ -2,7 +2,7 @@
 
 papers/003 names its image models only "CIFAR-10 CNN" and "EMNIST CNN"; its Table 1
 (parameters, MACs per sample and upload at widths 0.25/0.5/0.75/1) pins them down. The
-network below reproduces every entry of that table (tests/test_models.py checks it):
+network below reproduces every entry of that table (tests/models/test_models.py checks it):
 
     [conv3x3(c_in->64)-BN-ReLU, conv3x3(64->64)-BN-ReLU, maxpool2] x widths 64/128/256,
     flatten (256 x 4 x 4 = 4096), linear 4096->512, ReLU, linear 512->classes

@@ -9,7 +9,7 @@ import pytest
 
 from fedsap_ray import docgen
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 MARKDOWN = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
 SOURCE_DIRS = ("fedsap_ray", "analysis", "sweeps", "benchmarks", "tests", "docs", ".ci")

@@ -36,7 +36,7 @@ import ray.autoscaler
 from ray.autoscaler._private.commands import _bootstrap_config
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 AWS_FILE = REPO / "ray_cluster.yaml"
 LOCAL_FILE = REPO / "ray_cluster_local.yaml"
 SCHEMA_FILE = Path(ray.autoscaler.__file__).parent / "ray-schema.json"

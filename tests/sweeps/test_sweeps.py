@@ -129,7 +129,7 @@ def test_main_comparison_runs_every_registered_algorithm():
 
 
 # ----------------------------------------------------------------------------------------------
-# Smoke runs (one per script, shared with tests/test_notebooks.py through the session fixture)
+# Smoke runs (one per script, shared with tests/analysis/test_notebooks.py through the session fixture)
 # ----------------------------------------------------------------------------------------------
 def _check_complete(out: Path, expected_ids: set[str], rounds: int) -> results.Results:
     res = results.load(out)

@@ -30,7 +30,7 @@ import pytest
 
 from conftest import SHARED_DATA
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs" / "guides").glob("*.md")),
          *sorted((REPO / "docs" / "studies").glob("*.md"))]
 CHECKED_LANGUAGES = {"bash", "sh", "shell", "python"}

@@ -23,7 +23,7 @@ def _benchmark_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("load_results_bench",
-                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "load_results.py")
+                                                  Path(__file__).resolve().parents[2] / "benchmarks" / "load_results.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -457,7 +457,7 @@ def test_submodel_speed_benchmark_runs_its_write_case_tiny(capsys):
     import json
 
     spec = importlib.util.spec_from_file_location("submodel_speed_bench",
-                                                  Path(__file__).resolve().parents[1] / "benchmarks" / "submodel_speed.py")
+                                                  Path(__file__).resolve().parents[2] / "benchmarks" / "submodel_speed.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--cases", "writes", "--write-rounds", "3", "--write-window", "2", "--write-clients", "2"]) == 0

@@ -19,7 +19,7 @@ from fedsap_ray.data import build_federation, federation, node_cache, registry
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.data.registry import DomainSplits, FileStatus
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAS_PROC_MAPS = Path("/proc/self/maps").exists()
 
 

@@ -16,14 +16,14 @@ nbclient = pytest.importorskip("nbclient", reason="install the test extra: pip i
 
 from fedsap_ray import results  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "analysis" / "notebooks"
 STUDIES = ["sensitivity", "ablation", "main_comparison", "capacity_confound"]
 
 
 @pytest.fixture(scope="module")
 def folders(smoke_study) -> dict[str, Path]:
-    """Each study's folder as its script's ``--smoke-test`` writes it (shared with tests/test_sweeps.py)."""
+    """Each study's folder as its script's ``--smoke-test`` writes it (shared with tests/sweeps/test_sweeps.py)."""
     return {study: smoke_study(study) for study in STUDIES}
 
 
