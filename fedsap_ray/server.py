@@ -13,19 +13,41 @@ ground truth enters the results, is :class:`fedsap_ray.results.recorder.Recorder
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Protocol
+
+import numpy as np
 
 from torch import nn
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
+from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_domains
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
 from fedsap_ray.results.recorder import DEPLOYED, Recorder, RoundEvaluation, RoundSummary
 from fedsap_ray.results.writer import RunWriter
 from fedsap_ray.seeding import rng_for
 
-__all__ = ["DEPLOYED", "Backend", "RoundSummary", "Server", "deployed_sample"]
+__all__ = ["DEPLOYED", "Backend", "RoundStrategy", "RoundSummary", "Server", "deployed_sample"]
+
+
+class RoundStrategy(Protocol):
+    """What the round loop asks of a strategy (``fedsap_ray.algorithms.base.Strategy`` is one): the plans, the
+    aggregation that returns everything it computed, and the models to evaluate. Named here so the server
+    needs nothing from the strategies' package."""
+
+    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]: ...
+
+    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                  t: int) -> RoundOutput: ...
+
+    def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]: ...
+
+    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+    @classmethod
+    def declared_columns(cls, table: str) -> list[Column]: ...
 
 
 class Backend(Protocol):
@@ -41,7 +63,7 @@ class Backend(Protocol):
 class Server:
     """One round at a time: strategy + backend + evaluation; the recorder writes the rows."""
 
-    def __init__(self, ctx: RunContext, strategy: Strategy, backend: Backend, writer: RunWriter,
+    def __init__(self, ctx: RunContext, strategy: RoundStrategy, backend: Backend, writer: RunWriter,
                  eval_models: list[nn.Module], device) -> None:
         self.ctx, self.strategy, self.backend = ctx, strategy, backend
         self.eval_scratch, self.device = eval_models, device
