@@ -201,16 +201,14 @@ def ray_running(needed: bool) -> Iterator[None]:
     if not needed:
         yield
         return
-    import ray  # only here, and only to start and stop it; the runs reach Ray through run_experiment
+    from fedsap_ray.runtime import ray as runtime_ray  # Ray is reached only through the runtime package
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    try:
+    if hasattr(runtime_ray, "local_ray"):
+        with runtime_ray.local_ray(log_to_driver=False):
+            yield
+    else:  # a checkout older than local_ray (recording a baseline): connect, and the process's exit stops Ray
+        runtime_ray.connect(log_to_driver=False)
         yield
-    finally:
-        if started:
-            ray.shutdown()
 
 
 # ---------------------------------------------------------------- comparing

@@ -8,6 +8,7 @@ A source subclasses :class:`FileSource`, lists its files in ``files(root)`` and 
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from fedsap_ray.data.status import default_root, unavailable
 from fedsap_ray.errors import DatasetUnavailable
 
 
-class FileSource:
+class FileSource(ABC):
     """A registered dataset read from files under a root folder."""
 
     name: str  # set by @register_dataset
@@ -26,8 +27,9 @@ class FileSource:
     def default_root(self) -> Path:
         return default_root(self.name, self.files)  # one rule for every loader (data/status.py)
 
+    @abstractmethod
     def files(self, root: Path) -> list[FileStatus]:
-        raise NotImplementedError
+        """The dataset's files under ``root``, each present or not (``fedsap-ray data``)."""
 
     def missing(self, what: str, paths: Sequence[Path], how: str) -> DatasetUnavailable:
         """The error naming the first of ``paths`` that does not exist (``what`` it is, ``how`` to get it)."""

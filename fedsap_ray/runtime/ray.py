@@ -24,7 +24,8 @@ import math
 import os
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,19 @@ def connect(address: str | None = None, *, dashboard: bool = False, log_to_drive
     ray.init(include_dashboard=dashboard, _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
              log_to_driver=log_to_driver, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
     reaper.start()
+
+
+@contextmanager
+def local_ray(**connect_kwargs: Any) -> Iterator[None]:
+    """Ray for the block: :func:`connect` (``connect_kwargs``) when none is running, and a shutdown after the
+    block when this started it (a tool running many Ray runs in one process: the golden-number check)."""
+    started = not ray.is_initialized()
+    connect(**connect_kwargs)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def pool_size(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, float] | None = None) -> int:
