@@ -67,10 +67,10 @@ class Server:
                  eval_models: list[nn.Module], device) -> None:
         self.ctx, self.strategy, self.backend = ctx, strategy, backend
         self.eval_scratch, self.device = eval_models, device
+        self.deployed_clients, sampled = deployed_sample(ctx)
         self.recorder = Recorder(ctx, {t: strategy.declared_columns(t) for t in ("rounds", "clients", "layers",
                                                                              "allocations")},
-                                 writer, type(strategy).__name__)
-        self.deployed_clients, self.deployed_sampled = deployed_sample(ctx)
+                                 writer, type(strategy).__name__, deployed_sampled=sampled)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
@@ -96,7 +96,7 @@ class Server:
         deployed_now = _due(t, cfg.training.deployed_every, cfg.training.rounds)
         deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
                     else {})
-        ev = RoundEvaluation(by_mode=by_mode, deployed=deployed, deployed_sampled=self.deployed_sampled)
+        ev = RoundEvaluation(by_mode=by_mode, deployed=deployed)
         return new_state, self.recorder.record(t, plans, results, out.records, ev, time.perf_counter() - t0)
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:

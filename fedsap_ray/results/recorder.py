@@ -57,15 +57,15 @@ class RoundEvaluation:
 
     by_mode: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
     deployed: Mapping[int, tuple[float, float]] = field(default_factory=dict)
-    deployed_sampled: bool = False  # whether the deployed clients are a sample (training.eval_clients)
 
 
 class Recorder:
     """Rows of every table for one run; one method per table."""
 
     def __init__(self, ctx: RunContext, declared: Mapping[str, list[Column]], writer: RunWriter,
-                 strategy_name: str) -> None:
+                 strategy_name: str, deployed_sampled: bool) -> None:
         self.ctx, self.writer, self.strategy_name = ctx, writer, strategy_name
+        self.deployed_sampled = deployed_sampled  # whether the deployed clients are a sample (training.eval_clients)
         self.best_by_mode: dict[str, float] = {}  # best-so-far global accuracy per eval mode
         self.primary_mode: str | None = None  # the first eval mode: drives global/best accuracy
         self.last_global = float("nan")
@@ -111,7 +111,6 @@ class Recorder:
                ev: RoundEvaluation, wall: float) -> RoundSummary:
         """Write this round's rows of every table, flush, and summarise the round for the progress line."""
         by_mode, deployed = ev.by_mode, ev.deployed
-        self.deployed_sampled = ev.deployed_sampled
         cost = self._round_cost(plans, results)
         columns = self._round_columns(records)
         rows, deployed_global = self._rounds_rows(t, cost, columns, by_mode, deployed, wall)
