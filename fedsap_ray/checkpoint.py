@@ -61,6 +61,12 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
         treecodec.write(f, tree, header={"kind": KIND, "run_id": run_id, "round": int(state.round)})
 
 
+#: Keys the strategy state of a checkpoint from before the typed round flow (issue 26) held that were
+#: outputs of the round it was written after, not state: FedSAP's ``round_info`` and HAS-FL's ``adapted``.
+#: The next round never read them, so dropping them resumes such a run exactly.
+LEGACY_ROUND_KEYS = ("round_info", "adapted")
+
+
 def load(out: Path, run_id: str) -> dict[str, Any]:
     """The checkpoint's dict (``state``: a :class:`ServerState`, ``server``, ``tables``).
 
@@ -81,6 +87,9 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
         st = tree["state"]
         if "strategy" not in st and "extra" in st:  # written before the strategy's state was renamed
             st["strategy"] = st.pop("extra")
+            if type(st["strategy"]) is dict:  # per-round outputs that now travel in the round's records
+                for key in LEGACY_ROUND_KEYS:
+                    st["strategy"].pop(key, None)
         params = st["params"]
         if type(st["round"]) is not int or not isinstance(params, np.ndarray) or params.dtype != np.float32 \
                 or params.ndim != 1 or type(st["strategy"]) is not dict:

@@ -260,3 +260,30 @@ def test_no_code_reads_results_files_with_pickle():
     assert set(_BatchUnpickler.allowed) == {("numpy.core.multiarray", "_reconstruct"),
                                             ("numpy._core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
                                             ("numpy", "dtype")}
+
+
+@pytest.mark.parametrize("algo", ["fedsap", "hasfl"])
+def test_a_checkpoint_from_before_the_typed_round_flow_resumes_exactly(tmp_path, algo):
+    """Pre-issue-26 checkpoints kept the strategy state under ``extra``, with the last round's outputs
+    (FedSAP's ``round_info``, HAS-FL's ``adapted``) in it: such a checkpoint resumes to the same tables."""
+    import pyarrow.parquet as pq
+
+    tiny_run(tmp_path / "whole", "k1", f"algorithm.name={algo}")
+    cut = tmp_path / "cut"
+    tiny_run(cut, "k1", f"algorithm.name={algo}", stop_after=2)
+    path = checkpoint.path_for(cut, "k1")
+    header, tree = treecodec.read(path)
+    state = tree["state"]
+    old = dict(state.pop("strategy"))
+    old["round_info"] = {"n_global": 3, "swap": 0.25}
+    old["adapted"] = True
+    state["extra"] = old
+    with open(path, "wb") as f:
+        treecodec.write(f, tree, header={k: header[k] for k in ("kind", "run_id", "round")})
+    assert "extra" in treecodec.read(path)[1]["state"]
+    tiny_run(cut, "k1", f"algorithm.name={algo}", resume=True)
+    for table in ("rounds", "clients"):
+        a = pq.read_table(tmp_path / "whole" / table / "k1.parquet").to_pandas()
+        b = pq.read_table(cut / table / "k1.parquet").to_pandas()
+        time_cols = [c for c in a.columns if c.endswith("_s") or "time" in c]
+        assert a.drop(columns=time_cols).equals(b.drop(columns=time_cols)), table
