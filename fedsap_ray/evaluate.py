@@ -3,10 +3,19 @@ docs/reference/results.md#rounds), for the server's models and for the model eac
 
 The ``deployed`` eval mode judges what a device would actually run: client i's own model at
 its own mask (:meth:`fedsap_ray.algorithms.base.Strategy.deployed_model`), on its own domain's
-test split. A masked full-size model with the uncovered coordinates zeroed computes exactly
-the physically sliced sub-model's outputs (a dropped channel's weights, BN scale and shift are
-zero, so its activation is zero; tests/test_deployed_eval.py checks it against the sliced model).
-Clients that would run identical parameters on one domain are evaluated once.
+test split. It is run as the device would run it, at the device's cost (issue 27): when a channel
+set describes the mask, as the dense sliced sub-network (:func:`fedsap_ray.sliced.sliced_model`, the
+same one the client trains; ``training.submodel=sliced``, the default), else, and with
+``training.submodel=masked``, as the masked full-size model with the uncovered coordinates zeroed,
+which computes the sliced sub-model's outputs to float rounding (a dropped channel's weights, BN
+scale and shift are zero, so its activation is zero; tests/test_deployed_eval.py checks both against
+a sub-model it builds by hand). At the laptop preset's mean keep ratio of 0.6 the sliced network
+costs about half the masked one's multiply-accumulates.
+
+Nothing is evaluated twice: clients that would run identical parameters on one domain are evaluated
+once (with their own BN statistics only when the model has BatchNorm: without it the client's data
+cannot change the model), and so are the server's eval modes that evaluate the same parameters on
+a domain (FedSAP's ``group`` and ``global_only`` during warm-up; :func:`evaluate_modes`).
 
 BatchNorm (``training.deployed_bn``, docs/readings.md#deployed-evaluation): by default (``client``) a
 deployed model's BN running statistics are recomputed on the client's own training data with its own
@@ -28,7 +37,7 @@ import queue
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -37,6 +46,7 @@ from torch import nn
 
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.sliced import sliced_model
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -78,6 +88,16 @@ def evaluate_by_class(model: nn.Module, layout: ParamLayout, params: np.ndarray,
         out[:, 1].index_add_(0, yc, hit)
         out[:, 2].index_add_(0, yc, loss)
     return out.numpy()
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    """Whether ``model`` holds a BatchNorm layer (whose running statistics a client's data can change)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def digest(vec: np.ndarray) -> bytes:
+    """A 128-bit fingerprint of a parameter vector's bytes (identical vectors are evaluated once)."""
+    return hashlib.blake2b(np.ascontiguousarray(vec).view(np.uint8).data, digest_size=16).digest()
 
 
 @torch.no_grad()
@@ -122,35 +142,45 @@ def masked(params: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
 def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: list[DeployedModel],
                       test: dict[str, DomainData], device: torch.device, num_classes: int,
                       label_weights: dict[int, np.ndarray] | None = None,
-                      bn_data: dict[int, DomainData] | None = None) -> dict[int, tuple[float, float]]:
+                      bn_data: dict[int, DomainData] | None = None,
+                      sliced: bool = True) -> dict[int, tuple[float, float]]:
     """(accuracy, loss) per client of its deployed model on its domain's test split.
 
     ``label_weights`` (one domain only, module docstring): client id -> its training label counts;
     the client's figures are then the class-wise figures weighted by its label distribution.
     ``bn_data``: client id -> its training data, on which the deployed model's BN statistics are
-    recomputed first (``training.deployed_bn=client``); the uncovered coordinates are zeroed again
-    afterwards, so the result is the sliced sub-model's with its own statistics.
-    Identical (domain, parameters[, client]) jobs are evaluated once; jobs run concurrently on the
-    scratch modules, so the numbers do not depend on how many there are.
+    recomputed first (``training.deployed_bn=client``); in the masked full-size model the uncovered
+    coordinates are zeroed again afterwards, so the result is the sliced sub-model's with its own
+    statistics. ``sliced``: run a mask that a channel set describes as the dense sub-network (module
+    docstring; False: always the masked full-size model, the reference).
+    Identical (domain, parameters[, client when BN statistics are recomputed]) jobs are evaluated once;
+    jobs run concurrently on the scratch modules, so the numbers do not depend on how many there are.
     """
+    own_bn = bn_data is not None and bool(scratch) and has_batchnorm(scratch[0])
     jobs: dict[tuple, DeployedModel] = {}
     key_of: dict[int, tuple] = {}
     for m in models:
         vec = masked(m.params, m.mask)
-        key: tuple = (m.domain, hashlib.blake2b(np.ascontiguousarray(vec).view(np.uint8).data, digest_size=16).digest())
-        if bn_data is not None:
+        key: tuple = (m.domain, digest(vec))
+        if own_bn:
             key += (m.client_id,)  # statistics of the client's own data: one job per client
         jobs.setdefault(key, DeployedModel(m.client_id, m.domain, vec, m.mask))
         key_of[m.client_id] = key
+
     def one(mod: nn.Module, key: tuple) -> np.ndarray:
         job = jobs[key]
-        vec = job.params
-        if bn_data is not None:
-            mod.to(device)
-            layout.load_into(mod, vec)
-            if calibrate_bn_(mod, bn_data[job.client_id], device):
-                vec = masked(layout.flatten(mod), job.mask)
-        return evaluate_by_class(mod, layout, vec, test[job.domain], device, num_classes)
+        sub = sliced_model(mod, layout, job.mask) if sliced and job.mask is not None else None  # type: ignore[arg-type]
+        net, net_layout, vec = (mod, layout, job.params) if sub is None else (sub.model, sub.layout,
+                                                                               sub.gather(job.params))
+        if own_bn:
+            assert bn_data is not None
+            net.to(device)
+            net_layout.load_into(net, vec)
+            if calibrate_bn_(net, bn_data[job.client_id], device):
+                vec = net_layout.flatten(net)
+                if sub is None:
+                    vec = masked(vec, job.mask)
+        return evaluate_by_class(net, net_layout, vec, test[job.domain], device, num_classes)
 
     tables = on_scratch(scratch, list(jobs), one)
     out: dict[int, tuple[float, float]] = {}
@@ -167,10 +197,18 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
     return out
 
 
-def evaluate_domains(scratch: list[nn.Module], layout: ParamLayout, models: dict[str, np.ndarray],
-                     test: dict[str, DomainData], device: torch.device) -> dict[str, tuple[float, float]]:
-    """Evaluate every domain, one domain per scratch module concurrently (threads; same numbers as serial)."""
-    return on_scratch(scratch, list(test), lambda m, d: evaluate(m, layout, models[d], test[d], device))
+def evaluate_modes(scratch: list[nn.Module], layout: ParamLayout, sets: Mapping[str, Mapping[str, np.ndarray]],
+                   test: dict[str, DomainData], device: torch.device) -> dict[str, dict[str, tuple[float, float]]]:
+    """(accuracy, loss) per eval mode and test domain of the server's models (``Strategy.eval_sets``).
+
+    Every distinct (domain, parameters) pair is evaluated once, whichever modes share it, one pair per
+    scratch module concurrently (threads): a pair's figures depend on the pair only, so they equal a
+    serial loop's over modes and domains.
+    """
+    key_of = {(mode, d): (d, digest(models[d])) for mode, models in sets.items() for d in test}
+    params = {key: sets[mode][d] for (mode, d), key in key_of.items()}
+    figures = on_scratch(scratch, list(params), lambda m, key: evaluate(m, layout, params[key], test[key[0]], device))
+    return {mode: {d: figures[key_of[(mode, d)]] for d in test} for mode in sets}
 
 
 def on_scratch(scratch: list[nn.Module], keys: list[K], fn: Callable[[nn.Module, K], V]) -> dict[K, V]:

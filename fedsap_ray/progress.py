@@ -31,4 +31,11 @@ class ProgressPrinter:
         else:
             acc = "not evaluated"
         print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
-              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{s.progress}", file=self.stream, flush=True)
+              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{_phases(s)}{s.progress}",
+              file=self.stream, flush=True)
+
+
+def _phases(s: RoundSummary) -> str:
+    """`` (train 4.1 eval 1.2 server 0.1)``: where the round's seconds went (rounds.train_s, eval_s, server_s)."""
+    t = s.times
+    return f" (train {t.train_s:.1f} eval {t.eval_s:.1f} server {t.server_s:.1f})" if t.total > 0 else ""

@@ -3,7 +3,7 @@
     plans          = strategy.configure_round(state, t)
     results        = backend.train(plans)                      # any order, any worker
     state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: what it computed
-    evaluation     = evaluate(strategy.eval_sets(state, eval_domains)) (+ deployed models)
+    evaluation     = evaluate_modes(strategy.eval_sets(state, eval_domains)) (+ deployed models)
     summary        = recorder.record(t, plans, results, records, evaluation)  # every table's rows
 
 Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.messages.RoundOutput`
@@ -23,9 +23,9 @@ from torch import nn
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_domains
+from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
-from fedsap_ray.results.recorder import DEPLOYED, Recorder, RoundEvaluation, RoundSummary
+from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
 from fedsap_ray.results.writer import RunWriter
 from fedsap_ray.seeding import rng_for
 
@@ -74,30 +74,42 @@ class Server:
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
-        """Round ``t`` from ``state``: the new state and the round's summary (its rows are written)."""
-        t0 = time.perf_counter()
+        """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).
+
+        The round's wall time is split into its phases (``rounds.train_s``, ``eval_s``, ``server_s``;
+        :class:`~fedsap_ray.results.recorder.PhaseTimes`): the backend's ``train`` call, the evaluation,
+        and the strategy's plans and aggregation."""
+        clock = time.perf_counter
+        t0 = clock()
         plans = self.strategy.configure_round(state, t)
         if not plans:
             raise RuntimeError(f"round {t}: the strategy selected no clients")
         self.recorder.cover(plans)
+        t_plans = clock()
         results = sorted(self.backend.train(plans), key=lambda r: r.client_id)
+        t_trained = clock()
         missing = set(plans) - {r.client_id for r in results}
         if missing:
             raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
         out = self.strategy.aggregate(state, plans, results, t)
         new_state = out.state
+        t_aggregated = clock()
         cfg = self.ctx.cfg
         evaluated = _due(t, cfg.training.eval_every, cfg.training.rounds)
         by_mode: dict[str, dict[str, tuple[float, float]]] = {}
         if evaluated:
-            for mode, models in self.strategy.eval_sets(new_state, self.eval_domains).items():
-                by_mode[mode] = evaluate_domains(self.eval_scratch, self.ctx.layout, models,
-                                                 self.ctx.federation.test, self.device)
+            by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout,
+                                     self.strategy.eval_sets(new_state, self.eval_domains),
+                                     self.ctx.federation.test, self.device)
         deployed_now = _due(t, cfg.training.deployed_every, cfg.training.rounds)
         deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
                     else {})
         ev = RoundEvaluation(by_mode=by_mode, deployed=deployed)
-        return new_state, self.recorder.record(t, plans, results, out.records, ev, time.perf_counter() - t0)
+        t_end = clock()
+        eval_s = t_end - t_aggregated if evaluated else 0.0  # a round not evaluated spends nothing there
+        times = PhaseTimes(train_s=t_trained - t_plans, eval_s=eval_s,
+                           server_s=(t_end - t0) - (t_trained - t_plans) - eval_s)
+        return new_state, self.recorder.record(t, plans, results, out.records, ev, times)
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
         """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.evaluate)."""
@@ -110,7 +122,7 @@ class Server:
         bn_data = ({cid: fed.client_data(cid) for cid in self.deployed_clients}
                    if self.ctx.cfg.training.deployed_bn == "client" else None)
         return evaluate_deployed(self.eval_scratch, self.ctx.layout, models, fed.test, self.device,
-                                 fed.num_classes, weights, bn_data)
+                                 fed.num_classes, weights, bn_data, sliced=self.ctx.cfg.training.submodel == "sliced")
 
 
 def _due(t: int, every: int, rounds: int) -> bool:

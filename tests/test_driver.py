@@ -114,7 +114,7 @@ def test_lockstep_sessions_step_only_the_rounds_each_still_needs(tmp_path, fed):
     run_experiment(cfg, tmp_path / "whole", run_id="a", federation=fed)
     cut, whole = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
     key = ["round", "domain", "eval_mode"]
-    drop = ["wall_s", "round_wall_s"]
+    drop = list(results.WALL_CLOCK)
     pd.testing.assert_frame_equal(
         cut.rounds[cut.rounds["run_id"] == "a"].drop(columns=drop, errors="ignore").sort_values(key).reset_index(drop=True),
         whole.rounds.drop(columns=drop, errors="ignore").sort_values(key).reset_index(drop=True))

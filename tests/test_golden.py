@@ -68,3 +68,10 @@ def test_the_file_runs_on_its_own():
     names = [line.split("\t")[0] for line in p.stdout.splitlines()]
     assert {"fedavg", "fedprox-mu", "fedsap-probe", "fedavg@masked", "fedavg@resume"} <= set(names)
     assert not any(n.endswith("@ray") for n in names)
+
+
+def test_every_wall_clock_column_is_left_out_of_the_comparison():
+    """golden.DROP spells the wall-clock columns out (it runs against older checkouts): it must hold them all."""
+    from fedsap_ray import results
+
+    assert set(results.WALL_CLOCK) <= golden.DROP

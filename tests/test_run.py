@@ -9,6 +9,7 @@ from fedsap_ray import results
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment
+from conftest import steady
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=2",
         "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
@@ -141,7 +142,7 @@ def test_concurrent_clients_give_the_same_numbers(tmp_path, tiny_fed):
     _run(tmp_path / "one", tiny_fed, ["resources.num_workers=1", "algorithm.width=capacity"])
     _run(tmp_path / "two", tiny_fed, ["resources.num_workers=2", "algorithm.width=capacity"])
     a, b = results.load(tmp_path / "one"), results.load(tmp_path / "two")
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(steady(a.rounds), steady(b.rounds))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
 
 
@@ -162,7 +163,7 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
     assert not (tmp_path / "cut" / "checkpoints" / "r.npz").exists()  # removed once finished
     _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
     a, b = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(steady(a.rounds), steady(b.rounds))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
     pd.testing.assert_frame_equal(a.allocations, b.allocations)
     assert len(a.allocations) == 4 * 4  # every client, every round
@@ -215,7 +216,7 @@ def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monk
     assert outcome.status == "finished" and not list(cut.glob("*/r@r*.parquet"))
     _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
     a, b = results.load(cut), results.load(tmp_path / "whole")
-    pd.testing.assert_frame_equal(a.rounds.drop(columns=["round_wall_s"]), b.rounds.drop(columns=["round_wall_s"]))
+    pd.testing.assert_frame_equal(steady(a.rounds), steady(b.rounds))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
     pd.testing.assert_frame_equal(a.layers, b.layers)
     pd.testing.assert_frame_equal(a.allocations, b.allocations)

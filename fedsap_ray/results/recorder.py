@@ -28,6 +28,22 @@ from fedsap_ray.results.writer import RunWriter
 DEPLOYED = "deployed"  # the eval mode of each client's own model (fedsap_ray.evaluate)
 
 
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Where a round's wall time went (``rounds.train_s``, ``eval_s``, ``server_s``; their sum is
+    ``round_wall_s``): the backend's training call (dispatch, local training, results back), the
+    evaluation of the server's models and the deployed ones, and the server's own work (plans and
+    aggregation). Writing the round's rows comes after and is in none of them."""
+
+    train_s: float = 0.0
+    eval_s: float = 0.0
+    server_s: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.train_s + self.eval_s + self.server_s
+
+
 @dataclass
 class RoundSummary:
     """One round for the progress line and drivers (what :meth:`fedsap_ray.server.Server.round` returns with the state)."""
@@ -44,6 +60,7 @@ class RoundSummary:
     train_loss: float
     wall_s: float
     per_domain: dict[str, float] = field(default_factory=dict)
+    times: PhaseTimes = field(default_factory=PhaseTimes)  # wall_s by phase
     columns: dict[str, Any] = field(default_factory=dict)  # the round columns (strategy's and ground-truth ones)
     progress: str = ""  # the strategy's part of the progress line (RoundRecords.progress, filled in)
     deployed_accuracy: float | None = None  # the 'deployed' eval mode's global figure (None: not evaluated)
@@ -108,12 +125,12 @@ class Recorder:
         return self.best_by_mode[mode]
 
     def record(self, t: int, plans: Mapping[int, ClientPlan], results: list[ClientResult], records: RoundRecords,
-               ev: RoundEvaluation, wall: float) -> RoundSummary:
+               ev: RoundEvaluation, times: PhaseTimes) -> RoundSummary:
         """Write this round's rows of every table, flush, and summarise the round for the progress line."""
         by_mode, deployed = ev.by_mode, ev.deployed
         cost = self._round_cost(plans, results)
         columns = self._round_columns(records)
-        rows, deployed_global = self._rounds_rows(t, cost, columns, by_mode, deployed, wall)
+        rows, deployed_global = self._rounds_rows(t, cost, columns, by_mode, deployed, times)
         self._add("rounds", rows)
         self._add("clients", self._clients_rows(t, plans, results, records))
         self._add("layers", [dict(round=t, **r) for r in records.layers])
@@ -128,8 +145,8 @@ class Recorder:
         return RoundSummary(round=t, evaluated=bool(by_mode), global_accuracy=self.last_global,
                             best_global_accuracy=self.best, worst_domain=worst_dom, worst_domain_accuracy=worst,
                             avg_capacity=cost["avg_capacity"], bytes_up=cost["bytes_up"],
-                            bytes_down=cost["bytes_down"], train_loss=cost["train_loss"], wall_s=wall,
-                            per_domain={d: a for d, (a, _) in per_domain.items()}, columns=columns,
+                            bytes_down=cost["bytes_down"], train_loss=cost["train_loss"], wall_s=times.total,
+                            per_domain={d: a for d, (a, _) in per_domain.items()}, times=times, columns=columns,
                             progress=records.progress.format_map(_Blank(columns)) if records.progress else "",
                             deployed_accuracy=deployed_global.get("accuracy"),
                             worst_client_accuracy=deployed_global.get("worst_client_accuracy"))
@@ -196,7 +213,7 @@ class Recorder:
 
     def _rounds_rows(self, t: int, cost: dict[str, Any], columns: dict[str, Any],
                      by_mode: Mapping[str, Mapping[str, tuple[float, float]]], deployed: Mapping[int, tuple[float, float]],
-                     wall: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                     times: PhaseTimes) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """``rounds``: per eval mode one row per test domain and a global row (or one unevaluated row), then
         the deployed rows; updates best-so-far accuracies. Returns (rows, the deployed global row or {})."""
         fed = self.ctx.federation
@@ -207,7 +224,8 @@ class Recorder:
         common: dict[str, Any] = dict(round=t, avg_capacity=cost["avg_capacity"], frozen_params=frozen,
                                       n_clients=cost["n_clients"], bytes_up=cost["bytes_up"],
                                       bytes_down=cost["bytes_down"], train_loss=cost["train_loss"],
-                                      round_wall_s=wall, **columns)
+                                      round_wall_s=times.total, train_s=times.train_s, eval_s=times.eval_s,
+                                      server_s=times.server_s, **columns)
         rows = []
         primary = next(iter(by_mode), None)
         for mode, per_domain in by_mode.items():

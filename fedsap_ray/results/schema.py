@@ -17,9 +17,13 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 4  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
-# n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*)
+SCHEMA_VERSION = 5  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+# n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
+# 5: the round's time by phase (rounds.train_s, eval_s, server_s)
 GLOBAL_DOMAIN = "__global__"
+# Columns that hold wall-clock readings: never reproducible, so never compared between runs (the golden
+# check, the tests of determinism and resume).
+WALL_CLOCK = ("started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s")
 
 # (column, arrow type, description): the core columns, filled by the recording side for every strategy.
 # (column, arrow type, description): the single place the columns are documented.
@@ -76,7 +80,12 @@ ROUNDS_COLUMNS: list[Column] = [
     Column("bytes_up", pa.int64(), "bytes clients sent this round (values actually uploaded + statistics)"),
     Column("bytes_down", pa.int64(), "bytes the server sent this round (values + packed masks)"),
     Column("train_loss", pa.float64(), "sample-weighted mean local training loss"),
-    Column("round_wall_s", pa.float64(), "wall time of the round incl. evaluation, seconds"),
+    Column("round_wall_s", pa.float64(), "wall time of the round incl. evaluation, seconds (train_s + eval_s + server_s)"),
+    Column("train_s", pa.float64(),
+           "seconds of the round in the backend's training call: sending plans, local training, results back"),
+    Column("eval_s", pa.float64(),
+           "seconds of the round evaluating the server's models and the deployed ones (0 on rounds not evaluated)"),
+    Column("server_s", pa.float64(), "seconds of the round in the server's own work: client plans and aggregation"),
     Column("ari_domain", pa.float64(),
            "adjusted Rand index of the strategy's client groups (RoundRecords.groups) vs. the true domains, on "
            "the rounds it forms them (FedSAP: DGA rounds); recorded from ground truth, never by the strategy"),
