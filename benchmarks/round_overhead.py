@@ -131,6 +131,31 @@ def initial_model(args):
 # The plain-PyTorch reference
 # ----------------------------------------------------------------------------------------
 
+def train_client(model, params, global_state: dict, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator,
+                 local_epochs: int, batch_size: int) -> tuple[float, int]:
+    """One client's local training as the reference does it: load the global weights, a fresh SGD
+    (lr 0.01, momentum 0.9), ``local_epochs`` passes over a ``gen``-seeded permutation in batches of
+    ``batch_size``. The trained weights stay in ``model``; returns (mean step loss, optimizer steps).
+    benchmarks/peers.py trains its Flower clients with it."""
+    n = len(y)
+    model.load_state_dict(global_state)
+    opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+    model.train()
+    step_losses = []
+    for _ in range(local_epochs):
+        order = torch.randperm(n, generator=gen)
+        for i in range(0, n, batch_size):
+            idx = order[i:i + batch_size]
+            if len(idx) < 2:  # same rule as the framework (BatchNorm needs two samples)
+                continue
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            step_losses.append(loss.item())
+    return float(np.mean(step_losses)), len(step_losses)
+
+
 def run_reference(args, fed: Federation, threads: int) -> dict:
     """FedAvg written by hand; returns round-end times and the per-round train loss."""
     torch.set_num_threads(threads)
@@ -140,48 +165,46 @@ def run_reference(args, fed: Federation, threads: int) -> dict:
     pool = fed.train["synthetic"]
     x_all = as_input(pool.x)  # normalised once, like a hand-written loop would
     y_all = pool.y
-    ends, losses, compute = [], [], []
+    ends, losses, compute, steps = [], [], [], []
     for t in range(1, args.rounds + 1):
         acc = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_state.items() if v.is_floating_point()}
-        total, loss_sum, t_clients = 0, 0.0, 0.0
+        total, loss_sum, t_clients, n_steps = 0, 0.0, 0.0, 0
         for c in fed.clients:
             tc = time.perf_counter()
             lo, hi = int(c.indices[0]), int(c.indices[-1]) + 1
             x, y = x_all[lo:hi], y_all[lo:hi]
             n = len(y)
-            model.load_state_dict(global_state)
-            opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
             gen = torch.Generator().manual_seed(seed_for(args.seed, t, c.client_id, "train"))
-            model.train()
-            step_losses = []
-            for _ in range(args.local_epochs):
-                order = torch.randperm(n, generator=gen)
-                for i in range(0, n, args.batch_size):
-                    idx = order[i:i + args.batch_size]
-                    if len(idx) < 2:  # same rule as the framework (BatchNorm needs two samples)
-                        continue
-                    opt.zero_grad()
-                    loss = F.cross_entropy(model(x[idx]), y[idx])
-                    loss.backward()
-                    opt.step()
-                    step_losses.append(loss.item())
+            mean_loss, client_steps = train_client(model, params, global_state, x, y, gen, args.local_epochs, args.batch_size)
             for k, v in model.state_dict().items():
                 if k in acc:
                     acc[k].add_(v.detach(), alpha=float(n))
             total += n
-            loss_sum += n * float(np.mean(step_losses))
+            n_steps += client_steps
+            loss_sum += n * mean_loss
             t_clients += time.perf_counter() - tc
         for k, v in acc.items():
             global_state[k] = (v / total).to(global_state[k].dtype)
         ends.append(time.perf_counter())
         losses.append(loss_sum / total)
         compute.append(t_clients)
-    return {"ends": ends, "train_loss": losses, "client_compute": compute}
+        steps.append(n_steps)
+    return {"ends": ends, "train_loss": losses, "client_compute": compute, "steps": steps}
 
 
 # ----------------------------------------------------------------------------------------
 # The framework backends
 # ----------------------------------------------------------------------------------------
+
+def start_local_ray() -> None:
+    """A local Ray with the same settings as fedsap-ray's own (runtime/ray.py connect), one CPU per core."""
+    import ray
+
+    from fedsap_ray.runtime.ray import _INLINE_BYTES
+
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+
 
 def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
     from fedsap_ray import results
@@ -290,13 +313,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     sink = args.out.open("w") if args.out else None
     if "ray" in args.backends:
-        import ray
-
-        from fedsap_ray.runtime.ray import _INLINE_BYTES
-
-        # the same settings as fedsap-ray's own local Ray (runtime/ray.py connect)
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+        start_local_ray()
     log(f"round_overhead: torch {torch.__version__}, {os.cpu_count()} CPUs, load {load1()}, "
         f"backends {','.join(args.backends)}, clients {args.clients}, rounds {args.rounds}, "
         f"reference threads {args.reference_threads}")
