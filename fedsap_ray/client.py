@@ -127,7 +127,9 @@ class PreparedData:
     Kept while the prepared tensors total at most ``max_bytes`` (default
     :data:`PREPARED_BYTES`); a client beyond that is prepared on every call, as before, so a large
     dataset costs no more memory than ``max_bytes`` per backend or Ray worker. ``builds`` counts the
-    calls of ``build`` (tests). Thread-safe: the local backend's threads share one."""
+    calls of ``build`` (tests). Thread-safe: the local backend's threads share one. The tensors are
+    handed to every round's training of the client, so the loop and the hooks only read them (they do:
+    batches and FedSAP's probe index copies out of them)."""
 
     def __init__(self, build: Callable[[int], DomainData], device: torch.device, max_bytes: int | None = None) -> None:
         self.build, self.device = build, device
