@@ -5,6 +5,12 @@ its own scratch model, and ``num_workers`` clients run concurrently (PyTorch rel
 the GIL inside its kernels). A client's numbers depend only on its plan, its data and
 the thread count, never on which thread ran it or in what order, so results equal
 those of a sequential run and of the Ray backend. Errors carry round and client id.
+
+What a client would otherwise pay again every round is paid once per run here (issue 27,
+measured in :mod:`fedsap_ray.client`'s docstring): each client's data is prepared once
+(:class:`~fedsap_ray.client.PreparedData`: gathered, normalised, on the device; the GPU copy
+of issue 17 is part of it), the scratch models are put on the device at start, and
+:func:`~fedsap_ray.client.warm_torch` pays torch's optimizer start-up at start, not in round 1.
 """
 from __future__ import annotations
 
@@ -15,8 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from fedsap_ray.context import RunContext
-from fedsap_ray.client import default_workers, on_device, pick_device, train_client
-from fedsap_ray.data.base import DomainData
+from fedsap_ray.client import PreparedData, default_workers, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.messages import ClientPlan, ClientResult
 
 
@@ -29,34 +34,29 @@ class LocalBackend:
         self.num_workers = num_workers or default_workers(torch_threads)
         self.ctx: RunContext | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._data: dict[int, DomainData] = {}  # client id -> its data on the GPU (moved once; unused on CPU)
+        self._data: PreparedData | None = None  # each client's prepared data, built once per run
 
     def start(self, ctx: RunContext) -> None:
         self.ctx = ctx
         torch.set_num_threads(self.torch_threads)
-        # one scratch model per concurrent client; the template stays untouched
+        warm_torch()
+        self._data = PreparedData(ctx.federation.client_data, self.device)
+        # one scratch model per concurrent client, on the device; the template stays untouched
         self._models: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(self.num_workers):
-            self._models.put(copy.deepcopy(ctx.model))
+            model = copy.deepcopy(ctx.model)
+            to_device(model, self.device)
+            self._models.put(model)
         if self.num_workers > 1:
             self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fedsap-client")
 
     def _one(self, plan: ClientPlan) -> ClientResult:
-        assert self.ctx is not None
+        assert self.ctx is not None and self._data is not None
         model = self._models.get()
         try:
-            return train_client(plan, model, self.ctx.layout, self._client_data(plan.client_id), self.device)
+            return train_client(plan, model, self.ctx.layout, self._data.get(plan.client_id), self.device)
         finally:
             self._models.put(model)
-
-    def _client_data(self, cid: int) -> DomainData:
-        """The client's data; on a GPU moved there once, not every round (issue 17: no per-round copies)."""
-        assert self.ctx is not None
-        if self.device.type == "cpu":
-            return self.ctx.federation.client_data(cid)
-        if cid not in self._data:
-            self._data[cid] = on_device(self.ctx.federation.client_data(cid), self.device)
-        return self._data[cid]
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
         if self.ctx is None:
@@ -70,5 +70,7 @@ class LocalBackend:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._data.clear()
+        if self._data is not None:
+            self._data.clear()
+            self._data = None
         self.ctx = None

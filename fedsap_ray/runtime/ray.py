@@ -11,7 +11,10 @@
   index into them. Plans carry only the covered coordinates as a flat float32 buffer.
   A worker trains on its CUDA device when there is one, else on CPU, always with
   ``resources.torch_threads`` intra-op threads (the numerics are then those of the
-  local backend, whichever worker runs which client).
+  local backend, whichever worker runs which client). A worker prepares each client's data
+  once per run (:class:`~fedsap_ray.client.PreparedData`, within its memory budget) and pays
+  torch's optimizer start-up when it starts (:func:`~fedsap_ray.client.warm_torch`), not in
+  round 1 (issue 27; measured in :mod:`fedsap_ray.client`'s docstring).
 - Dispatch and fault tolerance: each worker has ``PIPELINE`` plans in flight (the next
   one is queued while a result travels back); a worker that dies is replaced once and
   every client it held re-runs from its plan (plans are pure data, so the numbers are
@@ -35,7 +38,7 @@ import ray.util.scheduling_strategies
 import torch
 
 from fedsap_ray.context import RunContext
-from fedsap_ray.client import pick_device, train_client
+from fedsap_ray.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
@@ -125,12 +128,15 @@ class ClientWorker:
     def __init__(self, name: str, model: MaskableModel, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
                  client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int) -> None:
         torch.set_num_threads(torch_threads)
+        warm_torch()
         self.name = name
         self.model, self.layout = model, layout
         self.pools = pools  # zero-copy views into the object store
         self.client_index = client_index
         self.device = pick_device(device)
+        to_device(self.model, self.device)
         self._on_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # domain -> its pool on the GPU
+        self.data = PreparedData(self._client_data, self.device)  # each client's, built once per run
         gpu_ids = ray.get_gpu_ids()
         self.gpu_id = int(gpu_ids[0]) if gpu_ids else None
 
@@ -139,20 +145,22 @@ class ClientWorker:
         return WorkerInfo(name=self.name, gpu_id=self.gpu_id, pid=os.getpid(), device=str(self.device),
                           placement_group=pg.id.hex() if pg is not None else None)
 
-    def train(self, plan: ClientPlan) -> ClientResult:
-        domain, idx = self.client_index[plan.client_id]
+    def _client_data(self, client_id: int) -> DomainData:
+        domain, idx = self.client_index[client_id]
         x, y = self.pools[domain]
         if self.device.type == "cpu":
-            data = DomainData(torch.from_numpy(np.ascontiguousarray(x[idx])),
+            return DomainData(torch.from_numpy(np.ascontiguousarray(x[idx])),
                               torch.from_numpy(np.ascontiguousarray(y[idx])))
-        else:  # a domain's pool goes to the device once; each client's rows are gathered there
-            if domain not in self._on_device:
-                self._on_device[domain] = (torch.from_numpy(np.array(x)).to(self.device),
-                                           torch.from_numpy(np.array(y)).to(self.device))
-            xd, yd = self._on_device[domain]
-            at = torch.as_tensor(idx, dtype=torch.long, device=self.device)
-            data = DomainData(xd[at], yd[at])
-        result = train_client(plan, self.model, self.layout, data, self.device)
+        # a domain's pool goes to the device once; each client's rows are gathered there
+        if domain not in self._on_device:
+            self._on_device[domain] = (torch.from_numpy(np.array(x)).to(self.device),
+                                       torch.from_numpy(np.array(y)).to(self.device))
+        xd, yd = self._on_device[domain]
+        at = torch.as_tensor(idx, dtype=torch.long, device=self.device)
+        return DomainData(xd[at], yd[at])
+
+    def train(self, plan: ClientPlan) -> ClientResult:
+        result = train_client(plan, self.model, self.layout, self.data.get(plan.client_id), self.device)
         result.worker, result.gpu_id = self.name, self.gpu_id
         return result
 
