@@ -75,3 +75,14 @@ def test_every_wall_clock_column_is_left_out_of_the_comparison():
     from fedsap_ray import results
 
     assert set(results.WALL_CLOCK) <= golden.DROP
+
+
+def test_a_baseline_column_dropped_since_it_was_recorded_is_not_compared():
+    """A baseline recorded when DROP held fewer columns (schema_version was compared once) still checks."""
+    import pandas as pd
+
+    ref = pd.DataFrame({"round": [1, 2], "accuracy": [0.5, 0.6], "schema_version": [4, 4]})
+    new = pd.DataFrame({"round": [1, 2], "accuracy": [0.5, 0.6]})
+    assert golden.compare_table(ref, new) == ([], [])
+    problems, _ = golden.compare_table(ref, new.assign(accuracy=[0.5, 0.7]))
+    assert problems and "accuracy" in problems[0]
