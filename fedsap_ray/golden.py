@@ -10,8 +10,9 @@ exactly against what ``DIR`` holds::
 
 The cases (``--list`` prints them):
 
-- ``NAME``: algorithm ``NAME`` on the local backend (deployed evaluation every round), plus two
-  option cases (``fedsap-probe``: ``algorithm.dga_source=probe``; ``fedprox-mu``: ``mu=0.1``);
+- ``NAME``: algorithm ``NAME`` on the local backend (deployed evaluation every round), plus three
+  option cases (``fedsap-probe``: ``algorithm.dga_source=probe``, the default since issue 24, and
+  ``fedsap-train``: ``dga_source=train``; ``fedprox-mu``: ``mu=0.1``);
 - ``NAME@masked``: the same with ``training.submodel=masked`` (the default is ``sliced``);
 - ``NAME@ray``: the same on the Ray backend (one local Ray, started once for all Ray cases); only
   for :data:`RAY_DEFAULT` unless ``--full`` (a Ray case costs several local ones);
@@ -58,6 +59,7 @@ MANIFEST = "manifest.json"
 BASE = ["data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=2", "training.batch_size=16",
         "training.max_steps_per_epoch=3", "training.rounds=3", "training.grad_clip=5.0", "training.deployed_every=1"]
 EXTRA = {"fedsap-probe": ["algorithm.name=fedsap", "algorithm.dga_source=probe"],
+         "fedsap-train": ["algorithm.name=fedsap", "algorithm.dga_source=train"],  # the paper's DGA input
          "fedprox-mu": ["algorithm.name=fedprox", "algorithm.mu=0.1"]}
 VARIANTS = ("local", "masked", "ray", "resume")
 BACKENDS = ("local", "ray")

@@ -29,6 +29,7 @@ class FedSAPFixed(FedSAP):
         smoothing: str = "dispersion"
         stability: str = "none"
         ranking: str = "client"
+        dga_source: str = "train"  # the paper's DGA input (Eq. 4: the gradient after local training)
 
 
 __all__ = ["FedSAP", "FedSAPOptions", "FedSAPMain", "FedSAPFixed"]

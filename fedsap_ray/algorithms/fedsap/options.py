@@ -36,12 +36,15 @@ class FedSAPOptions(Strategy.Options):
     tau_sim: float = 0.5  # cosine-similarity threshold of DGA (Eq. 4)
     warmup: int = 10  # rounds in which every active channel is Global; the first DGA closes the warm-up
     regroup_every: int = 5  # R_d, rounds between DGA regroupings
-    dga_source: str = "train"  # train: the paper's gradient after local training; probe: see the module docstring
+    # probe (the default, docs/studies/mask-stability.md): one common sub-model's gradient on every client, see the
+    # strategy's docstring; train: the paper's gradient after local training (Eq. 4's input as written)
+    dga_source: str = "probe"
     probe_samples: int = 256  # samples per client in the probe gradient (dga_source=probe)
     # Stable masks (docs/readings.md#stable-masks). smoothing: what beta_ema smooths (dispersion: Eq. 6's d~
     # only; statistics: also each client's utilities and the layer utilities, Appendix C's "channel statistics")
-    # Defaults from docs/studies/mask-stability.md (pooled-budget): the narrow clients' swaps 41% -> 9% a round,
-    # worst client 59 -> 78, deployed 87 -> 92; the full-width best 86.5 -> 83.0 (within seed noise)
+    # Defaults from docs/studies/mask-stability.md (pooled-budget-probe, 3 seeds, against today-train): the narrow
+    # clients' swaps 41% -> 9% a round, worst client 59.4 -> 81.9, deployed 86.8 -> 92.3; the full-width best
+    # 86.5 -> 84.3 (within seed noise)
     smoothing: str = "statistics"
     stability: str = "swap_budget"  # none: top-n_l by score; hysteresis: a held channel leaves only for a margin
     margin: float = 0.1  # hysteresis: how much a candidate's utility must beat a held channel's to replace it
