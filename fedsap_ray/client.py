@@ -95,13 +95,6 @@ def pick_device(preference: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def on_device(data: DomainData, device: torch.device) -> DomainData:
-    """``data`` with its tensors on ``device`` (the same object when they already are: a no-op on CPU)."""
-    if data.x.device == device and data.y.device == device:
-        return data
-    return DomainData(data.x.to(device), data.y.to(device))
-
-
 def to_device(model: torch.nn.Module, device: torch.device) -> None:
     """``model.to(device)`` unless every parameter and buffer is there already (the scratch models of a
     backend are: the full ``Module.to`` walk was 0.7% of a 200 x 16 round, module docstring)."""
