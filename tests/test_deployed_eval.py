@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from fedsap_ray import algorithms, results
+from fedsap_ray import evaluate as ev
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.evaluate import DeployedModel, calibrate_bn_, evaluate, evaluate_deployed
@@ -35,6 +36,9 @@ STRATEGIES = algorithms.names()
 FULL_MODEL = {"fedavg", "fedprox", "moon", "fpl", "scaffold", "fedsr", "fedspu"}
 # (NeFL's depth=true option skips residual branches, which no smaller dense network has: the masked
 # evaluation runs a skipped branch as zero, i.e. as the identity, so it is not in this comparison)
+# DapperFL prunes filters by l1 norm within each client's own kept set: no channel set need describe the
+# parameter mask it deploys, so it may run masked (and still matches the hand-built network above)
+UNSTRUCTURED = {"dapperfl"}
 CASES = [(n, ()) for n in STRATEGIES] + [(n, ("algorithm.width=capacity",)) for n in ("fedavg", "fedprox")]
 
 
@@ -80,25 +84,47 @@ def sliced_accuracy(ctx, params: np.ndarray, mask: np.ndarray | None, data: Doma
 
 
 @pytest.mark.parametrize("name,extra", CASES)
-def test_deployed_accuracy_equals_the_sliced_sub_model(name, extra, fed):
+def test_deployed_accuracy_equals_the_sliced_sub_model(name, extra, fed, monkeypatch):
+    """Both ways a deployed model runs (the dense sliced sub-network, the default; the masked full-size
+    model, the reference) give the accuracy of a sub-network built here by hand, and the same loss to
+    float rounding."""
     cfg = build_config(preset="smoke", overrides=[f"algorithm.name={name}", *TINY, *extra])
     ctx, strat, states = run_rounds(cfg, fed, 2)
     state = states[-1]
     models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]
     own = {c.client_id: fed.client_data(c.client_id) for c in fed.clients}
+    sizes: list[int] = []  # the parameter count of every network the (default, sliced) evaluation ran
+    inner = ev.evaluate_by_class
+
+    def spy(model, layout, params, *a, **k):
+        sizes.append(layout.size)
+        return inner(model, layout, params, *a, **k)
+
+    monkeypatch.setattr(ev, "evaluate_by_class", spy)
     got = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own)
     agg = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes)
+    monkeypatch.undo()
+    # the reference: the masked full-size model (training.submodel=masked)
+    got_m = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own,
+                              sliced=False)
+    agg_m = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, sliced=False)
     for m in models:  # the default: BN statistics of the client's own data; and the aggregated ones
         want = sliced_accuracy(ctx, m.params, m.mask, fed.test[m.domain], own[m.client_id])
-        assert got[m.client_id][0] == pytest.approx(want, abs=1e-9), (name, m.client_id)
+        for figures in (got, got_m):
+            assert figures[m.client_id][0] == pytest.approx(want, abs=1e-9), (name, m.client_id)
+        assert got[m.client_id][1] == pytest.approx(got_m[m.client_id][1], rel=1e-4, abs=1e-5)
         want = sliced_accuracy(ctx, m.params, m.mask, fed.test[m.domain])
-        assert agg[m.client_id][0] == pytest.approx(want, abs=1e-9), (name, m.client_id)
+        for figures in (agg, agg_m):
+            assert figures[m.client_id][0] == pytest.approx(want, abs=1e-9), (name, m.client_id)
+        assert agg[m.client_id][1] == pytest.approx(agg_m[m.client_id][1], rel=1e-4, abs=1e-5)
     small = [c.client_id for c in fed.clients if c.capacity < 1]
     masks = [models[c].mask for c in small]
     if name in FULL_MODEL and "algorithm.width=capacity" not in extra:  # full-model methods deploy the full model
         assert all(mk is None for mk in masks)
     else:  # sub-model methods: a client below full capacity deploys a strict sub-model
         assert small and all(mk is not None and mk.sum() < ctx.layout.size for mk in masks), name
+        if name not in UNSTRUCTURED:  # ... and it ran as the smaller dense network (issue 27)
+            assert min(sizes) < ctx.layout.size, name
 
 
 def test_a_narrow_clients_deployed_model_is_its_width_not_the_global_model(fed):

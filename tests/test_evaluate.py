@@ -1,7 +1,7 @@
 """Evaluation at the cost of the model evaluated (issue 27): the same figures, less work.
 
-- deployed sub-models run as dense sliced sub-networks give the masked full-size model's figures to
-  float rounding, for every registered strategy, with the client's own BN statistics and without;
+- (deployed sub-models run as dense sliced sub-networks give the masked full-size model's figures to
+  float rounding: tests/test_deployed_eval.py, for every registered strategy);
 - a parameter vector is evaluated once per domain however many clients deploy it (with the client's
   own BN statistics only when the model has BatchNorm) and however many eval modes share it;
 - a round's time is split into training, evaluation and server work that add up to its wall time.
@@ -17,13 +17,12 @@ from fedsap_ray import results
 from fedsap_ray.config import build_config
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.experiment import run_experiment
-from conftest import federation_fixture, make_strategy, run_rounds
+from conftest import federation_fixture, make_strategy
 
 TINY = ["data.num_clients=5", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=2"]
 fed = federation_fixture(TINY)
 CPU = torch.device("cpu")
-SUB_MODEL = ["fedsap", "heterofl", "fjord", "feddrop", "fedmp", "nefl", "hasfl", "dapperfl", "uniform"]
 
 
 class Counting:
@@ -38,34 +37,6 @@ class Counting:
             return inner(model, layout, params, *a, **k)
 
         monkeypatch.setattr(ev, name, spy)
-
-
-def deployed_of(name: str, fed, rounds: int = 2, extra: tuple[str, ...] = ()):
-    cfg = build_config(preset="smoke", overrides=[f"algorithm.name={name}", *TINY, *extra])
-    ctx, strat, states = run_rounds(cfg, fed, rounds)
-    models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(states[-1], c.client_id))
-              for c in fed.clients]
-    return ctx, models
-
-
-@pytest.mark.parametrize("name", SUB_MODEL)
-@pytest.mark.parametrize("own_bn", [True, False], ids=["client-bn", "aggregated-bn"])
-def test_sliced_deployed_evaluation_equals_the_masked_one_and_runs_the_smaller_network(name, own_bn, fed,
-                                                                                       monkeypatch):
-    ctx, models = deployed_of(name, fed)
-    own = {c.client_id: fed.client_data(c.client_id) for c in fed.clients} if own_bn else None
-    masked = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own,
-                               sliced=False)
-    count = Counting(monkeypatch, "evaluate_by_class")
-    sliced = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own)
-    for m in models:
-        n_test = len(fed.test[m.domain])
-        assert abs(sliced[m.client_id][0] - masked[m.client_id][0]) <= 1.0 / n_test + 1e-12, (name, m.client_id)
-        assert sliced[m.client_id][1] == pytest.approx(masked[m.client_id][1], rel=1e-4, abs=1e-5)
-    narrow = [m for m in models if m.mask is not None and m.mask.sum() < ctx.layout.size]
-    assert narrow, name  # the smoke federation has clients below full capacity
-    if name != "dapperfl":  # DapperFL prunes unstructured: no channel set describes its masks (stays masked)
-        assert min(count.sizes) < ctx.layout.size  # some deployed model ran as a network smaller than the full one
 
 
 def test_a_model_without_batchnorm_is_evaluated_once_for_the_clients_that_deploy_it(fed, monkeypatch):
