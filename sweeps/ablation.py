@@ -15,8 +15,9 @@
   ``fixed-conv1`` / ``fixed-layer1`` / ``fixed-layer2`` / ``fixed-layer3``.
 - DGA controls (main configuration): ``dga-oracle`` (the true domains) and ``dga-random``
   (random groups of the gradient grouping's sizes), next to ``full`` and ``no-dga``;
-  ``dga-probe`` groups by the probe gradient (``dga_source=probe``: one common sub-model's
-  gradient on each client's data before training) instead of the trained gradient.
+  ``dga-train`` groups by the gradient of local training (``dga_source=train``, the paper's
+  signal) instead of the probe gradient, FedSAP's default since issue 24 (one common sub-model's
+  gradient on each client's data before training).
 
 - Mask stability (main configuration, whose line 14 is the pooled ranking under a 10% swap budget):
   ``rule-today`` (re-ranked every round, only the dispersion smoothed), ``rule-ema``,
@@ -53,7 +54,7 @@ VARIANTS: dict[str, list[str]] = {
     # DGA controls (with full and no-dga)
     "dga-oracle": [*MAIN, "algorithm.dga=oracle"],
     "dga-random": [*MAIN, "algorithm.dga=random"],
-    "dga-probe": [*MAIN, "algorithm.dga_source=probe"],
+    "dga-train": [*MAIN, "algorithm.dga_source=train"],
     # mask stability (docs/readings.md#stable-masks): the line-14 readings other than the default (pooled
     # ranking, EMA-smoothed statistics, 10% swap budget, which is `full`)
     "rule-today": [*MAIN, "algorithm.smoothing=dispersion", "algorithm.stability=none", "algorithm.ranking=client"],
