@@ -11,9 +11,7 @@ import pytest
 import torch
 
 from fedsap_ray import results
-from fedsap_ray.client import on_device
 from fedsap_ray.config import build_config
-from fedsap_ray.data.base import DomainData
 from fedsap_ray.experiment import run_experiment
 
 pytestmark = pytest.mark.gpu
@@ -22,11 +20,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
 
 TINY = ["data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=1",
         "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]
-
-
-def test_on_device_is_a_no_op_on_cpu():
-    d = DomainData(torch.zeros(4, 2, dtype=torch.uint8), torch.zeros(4, dtype=torch.long))
-    assert on_device(d, torch.device("cpu")) is d
 
 
 @needs_cuda
