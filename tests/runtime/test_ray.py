@@ -122,7 +122,8 @@ SCHEDULES = {
     "fedsap": ["algorithm.warmup=1", "algorithm.regroup_every=1"],
     "random_budget": ["algorithm.warmup=1", "algorithm.t_adapt=1"],
 }
-VARIANTS = {"fedsap-probe": ["algorithm.name=fedsap", *SCHEDULES["fedsap"], "algorithm.dga_source=probe"]}
+# FedSAP with the paper's DGA signal (its default is the probe)
+VARIANTS = {"fedsap-train": ["algorithm.name=fedsap", *SCHEDULES["fedsap"], "algorithm.dga_source=train"]}
 
 
 def strategy_cases() -> dict[str, list[str]]:
