@@ -220,3 +220,20 @@ def smoke_study(tmp_path_factory):
 
     get.proc = lambda study: done[study][1]  # the finished process (stdout holds the printed table)
     return get
+
+
+class EvaluatedSizes:
+    """Spies on :mod:`fedsap_ray.evaluate`'s ``name`` (``evaluate`` or ``evaluate_by_class``): ``sizes`` is the
+    parameter count of every network it evaluated, so a test sees how often and at what size evaluation ran."""
+
+    def __init__(self, monkeypatch, name: str) -> None:
+        from fedsap_ray import evaluate as ev
+
+        self.sizes: list[int] = []
+        inner = getattr(ev, name)
+
+        def spy(model, layout, params, *a, **k):
+            self.sizes.append(layout.size)
+            return inner(model, layout, params, *a, **k)
+
+        monkeypatch.setattr(ev, name, spy)

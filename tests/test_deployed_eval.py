@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from fedsap_ray import algorithms, results
-from fedsap_ray import evaluate as ev
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.evaluate import DeployedModel, calibrate_bn_, evaluate, evaluate_deployed
@@ -23,7 +22,7 @@ from fedsap_ray.experiment import run_experiment
 from fedsap_ray.masks import channel_mask_counts, extract_substate, param_mask
 from fedsap_ray.models import build_model
 from fedsap_ray.server import DEPLOYED, deployed_sample
-from conftest import federation_fixture, make_strategy, run_rounds
+from conftest import EvaluatedSizes, federation_fixture, make_strategy, run_rounds
 
 TINY = ["data.num_clients=5", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=2"]
@@ -93,14 +92,7 @@ def test_deployed_accuracy_equals_the_sliced_sub_model(name, extra, fed, monkeyp
     state = states[-1]
     models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]
     own = {c.client_id: fed.client_data(c.client_id) for c in fed.clients}
-    sizes: list[int] = []  # the parameter count of every network the (default, sliced) evaluation ran
-    inner = ev.evaluate_by_class
-
-    def spy(model, layout, params, *a, **k):
-        sizes.append(layout.size)
-        return inner(model, layout, params, *a, **k)
-
-    monkeypatch.setattr(ev, "evaluate_by_class", spy)
+    sizes = EvaluatedSizes(monkeypatch, "evaluate_by_class").sizes  # of every network the default (sliced) ran
     got = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own)
     agg = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes)
     monkeypatch.undo()

@@ -17,26 +17,12 @@ from fedsap_ray import results
 from fedsap_ray.config import build_config
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.experiment import run_experiment
-from conftest import federation_fixture, make_strategy
+from conftest import EvaluatedSizes, federation_fixture, make_strategy
 
 TINY = ["data.num_clients=5", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=2"]
 fed = federation_fixture(TINY)
 CPU = torch.device("cpu")
-
-
-class Counting:
-    """Wraps :func:`fedsap_ray.evaluate.evaluate_by_class` / ``evaluate``: the parameter count of every model run."""
-
-    def __init__(self, monkeypatch, name: str) -> None:
-        self.sizes: list[int] = []
-        inner = getattr(ev, name)
-
-        def spy(model, layout, params, *a, **k):
-            self.sizes.append(layout.size)
-            return inner(model, layout, params, *a, **k)
-
-        monkeypatch.setattr(ev, name, spy)
 
 
 def test_a_model_without_batchnorm_is_evaluated_once_for_the_clients_that_deploy_it(fed, monkeypatch):
@@ -48,7 +34,7 @@ def test_a_model_without_batchnorm_is_evaluated_once_for_the_clients_that_deploy
     state = strat.init_state()
     models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]
     own = {c.client_id: fed.client_data(c.client_id) for c in fed.clients}
-    count = Counting(monkeypatch, "evaluate_by_class")
+    count = EvaluatedSizes(monkeypatch, "evaluate_by_class")
     got = evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own)
     assert len(count.sizes) == len({c.domain for c in fed.clients}) < len(fed.clients)
     for m in models:  # ... with the figures of evaluating it directly
@@ -63,7 +49,7 @@ def test_a_model_with_batchnorm_is_recalibrated_per_client(fed, monkeypatch):
     state = strat.init_state()
     models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]
     own = {c.client_id: fed.client_data(c.client_id) for c in fed.clients}
-    count = Counting(monkeypatch, "evaluate_by_class")
+    count = EvaluatedSizes(monkeypatch, "evaluate_by_class")
     evaluate_deployed([ctx.model], ctx.layout, models, fed.test, CPU, fed.num_classes, bn_data=own)
     assert len(count.sizes) == len(fed.clients)
 
@@ -77,7 +63,7 @@ def test_eval_modes_that_share_parameters_are_evaluated_once(fed, monkeypatch):
     domains = list(fed.test)
     sets = {"a": {d: p for d in domains}, "b": {d: p.copy() for d in domains},  # equal values, another array
             "c": {d: (q if i == 0 else p) for i, d in enumerate(domains)}}
-    count = Counting(monkeypatch, "evaluate")
+    count = EvaluatedSizes(monkeypatch, "evaluate")
     got = evaluate_modes([ctx.model], ctx.layout, sets, fed.test, CPU)
     assert len(count.sizes) == len(domains) + 1  # p on every domain, and q on the first
     monkeypatch.undo()
@@ -90,7 +76,7 @@ def test_eval_modes_that_share_parameters_are_evaluated_once(fed, monkeypatch):
 def test_fedsaps_warm_up_modes_are_evaluated_once_per_domain(tmp_path, monkeypatch):
     """FedSAP's ``group`` and ``global_only`` modes evaluate the same model until its groups form: one
     evaluation per domain per round, and both modes' rows hold the same figures."""
-    count = Counting(monkeypatch, "evaluate")
+    count = EvaluatedSizes(monkeypatch, "evaluate")
     out = tmp_path / "w"
     run_experiment(build_config(preset="smoke", overrides=["algorithm.name=fedsap", *TINY, "training.rounds=1",
                                                            "training.eval_deployed=false"]), out=out, run_id="w")
