@@ -6,8 +6,6 @@ and each repeat, every system once, in an order that rotates from repeat to repe
 
 - ``local``: ``run_experiment`` with ``resources.backend=local`` (benchmarks/round_overhead.py
   :func:`run_framework`; CPU-count clients at a time in threads, 1 torch thread each);
-- ``local-p``: the same with ``resources.local_parallelism=processes`` (CPU-count worker processes,
-  1 torch thread each: :mod:`fedsap_ray.runtime.processes`);
 - ``ray``: the same with ``resources.backend=ray`` (one ClientWorker actor per CPU);
 - ``reference``: the plain PyTorch FedAvg loop of round_overhead.py (:func:`run_reference`), one
   process, clients one after another, torch's default intra-op threads;
@@ -68,16 +66,16 @@ import round_overhead as ro  # noqa: E402  (beside this file; imports fedsap_ray
 from fedsap_ray.data.base import as_input  # noqa: E402
 from fedsap_ray.seeding import seed_for  # noqa: E402
 
-SYSTEMS = ("local", "local-p", "ray", "reference", "flower", "pfl", "pfl-2p")
+SYSTEMS = ("local", "ray", "reference", "flower", "pfl", "pfl-2p")
 PEERS = ("flower", "pfl", "pfl-2p")  # run by --peer-python
 DEFAULT_CONFIGS = ("200x16", "50x64")
 CNN_SMALL_PARAMS = 60_362
 TEST_SAMPLES = 32
 INSTALL_HINT = "pip install -e '.[bench]' into a peer venv passed as --peer-python (benchmarks/README.md, `peers.py`)"
 # what each system needs importable in its interpreter, with the distribution whose version is recorded
-NEEDS = {"local": ["torch"], "local-p": ["torch"], "ray": ["ray"], "reference": ["torch"],
+NEEDS = {"local": ["torch"], "ray": ["ray"], "reference": ["torch"],
          "flower": ["flwr", "ray"], "pfl": ["pfl"], "pfl-2p": ["pfl"]}
-DISTRIBUTION = {"local": "torch", "local-p": "torch", "ray": "ray", "reference": "torch", "flower": "flwr", "pfl": "pfl", "pfl-2p": "pfl"}
+DISTRIBUTION = {"local": "torch", "ray": "ray", "reference": "torch", "flower": "flwr", "pfl": "pfl", "pfl-2p": "pfl"}
 
 
 def log(msg: str) -> None:
@@ -307,8 +305,7 @@ def run_ours(ns) -> dict:
     workers = min(os.cpu_count() or 1, ns.clients)
     if ns.worker == "ray":
         ro.start_local_ray()
-    backend, parallelism = ("local", "processes") if ns.worker == "local-p" else (ns.worker, "threads")
-    run = ro.run_framework(args, fed, backend, workers, parallelism)
+    run = ro.run_framework(args, fed, ns.worker, workers)
     per_client = sum(1 for i in range(0, ns.samples, ns.batch_size) if min(ns.batch_size, ns.samples - i) >= 2)
     run["steps"] = [per_client * ns.clients] * len(run["ends"])  # the framework's rule, not counted
     version = torch.__version__
@@ -317,8 +314,7 @@ def run_ours(ns) -> dict:
 
         version = ray.__version__
         ray.shutdown()
-    return {**run, "threads": 1, "workers": workers, "processes": workers if parallelism == "processes" else 1,
-            "version": version}
+    return {**run, "threads": 1, "workers": workers, "processes": 1, "version": version}
 
 
 def worker_main(ns) -> int:

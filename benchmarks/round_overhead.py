@@ -105,7 +105,7 @@ def make_federation(n_clients: int, samples_per_client: int, test_samples: int, 
                       notes="benchmarks/round_overhead.py: seeded synthetic uint8 images")
 
 
-def make_config(args, n_clients: int, backend: str, workers: int, parallelism: str = "threads"):
+def make_config(args, n_clients: int, backend: str, workers: int):
     return from_dict({
         "study": "round_overhead", "seed": args.seed, "preset": "custom",
         "data": {"num_clients": n_clients, "partition": "iid"},
@@ -116,7 +116,7 @@ def make_config(args, n_clients: int, backend: str, workers: int, parallelism: s
                      "eval_every": 10 ** 9},  # only the last round evaluates (the framework always does)
         "algorithm": {"name": "fedavg", "options": {"width": "full"}},
         "resources": {"backend": backend, "device": "cpu", "num_workers": workers, "cpus_per_worker": 1.0,
-                      "torch_threads": 1, "local_parallelism": parallelism},
+                      "torch_threads": 1},
     })
 
 
@@ -206,11 +206,11 @@ def start_local_ray() -> None:
              log_to_driver=False, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
 
 
-def run_framework(args, fed: Federation, backend: str, workers: int, parallelism: str = "threads") -> dict:
+def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
     from fedsap_ray import results
     from fedsap_ray.experiment import run_experiment
 
-    cfg = make_config(args, len(fed.clients), backend, workers, parallelism)
+    cfg = make_config(args, len(fed.clients), backend, workers)
     ends, losses = [], []
 
     def progress(summary) -> None:

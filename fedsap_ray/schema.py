@@ -57,7 +57,6 @@ PARTITIONS = ("domain", "dirichlet", "natural", "iid")
 CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
-LOCAL_PARALLELISM = ("threads", "processes")
 SUBMODELS = ("sliced", "masked")
 _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])"
 _RAY_ADDRESS = re.compile(rf"(?:ray://)?{_HOST}:(\d{{1,5}})")
@@ -266,9 +265,6 @@ class ResourcesConfig:
     backend: str = "local"  # local: clients train in this process; ray: ClientWorker actors
     device: str = "auto"  # auto: CUDA when available, else CPU
     num_workers: int | None = None  # concurrent clients; None: local = CPU count / torch_threads, Ray = from cluster resources
-    # how the local backend runs its concurrent clients: threads (default; no start-up) or processes (one
-    # spawned worker process each, about 2 s to start: faster on many small clients; same numbers)
-    local_parallelism: str = "threads"
     cpus_per_worker: float = 1.0  # CPUs each Ray ClientWorker reserves
     gpus_per_worker: float = 0.0  # GPU fraction each Ray ClientWorker reserves (e.g. 0.25: four workers per GPU)
     address: str | None = None  # Ray cluster address; None: RAY_ADDRESS or a local Ray on 127.0.0.1
@@ -282,7 +278,6 @@ class ResourcesConfig:
     def __post_init__(self) -> None:
         _check_choice("resources.backend", self.backend, BACKENDS)
         _check_choice("resources.device", self.device, DEVICES)
-        _check_choice("resources.local_parallelism", self.local_parallelism, LOCAL_PARALLELISM)
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
             _fail("resources.num_workers", self.num_workers, "must be null or an integer >= 1")
         _check_pos("resources.cpus_per_worker", self.cpus_per_worker)

@@ -1,5 +1,4 @@
-"""Backends: ``local`` (in-process threads, or worker processes: :mod:`fedsap_ray.runtime.processes`) and
-``ray`` (actors, :mod:`fedsap_ray.runtime.ray`).
+"""Backends: ``local`` (in-process threads) and ``ray`` (actors, :mod:`fedsap_ray.runtime.ray`).
 
 Only this package (and ``sweeps/``) may import Ray, and only when the Ray backend is used.
 """
@@ -15,10 +14,6 @@ def make_backend(cfg: ExperimentConfig):
         from fedsap_ray.runtime.ray import RayWorkerPool
 
         return RayWorkerPool(cfg)
-    if r.local_parallelism == "processes":
-        from fedsap_ray.runtime.processes import ProcessBackend
-
-        return ProcessBackend(device=r.device, num_workers=r.num_workers, torch_threads=r.torch_threads)
     from fedsap_ray.runtime.local import LocalBackend
 
     return LocalBackend(device=r.device, num_workers=r.num_workers, torch_threads=r.torch_threads)
