@@ -58,6 +58,7 @@ CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
 SUBMODELS = ("sliced", "masked")
+DEVICE_POLICIES = ("wait_all", "deadline", "over_select")
 _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])"
 _RAY_ADDRESS = re.compile(rf"(?:ray://)?{_HOST}:(\d{{1,5}})")
 RAY_ADDRESS_ALLOWED = "must be auto, local, HOST:PORT or ray://HOST:PORT (a host name or IP address, a port 1-65535)"
@@ -288,6 +289,50 @@ class ResourcesConfig:
 
 
 @dataclass(frozen=True)
+class DevicesConfig:
+    """Simulated device time (docs/guides/device-time.md): each client's compute speed and bandwidths, and
+    what a round waits for. Only ``policy`` other than ``wait_all`` and ``availability`` below 1 change
+    which clients train or are aggregated; the rest only adds the ``sim_*`` columns."""
+
+    # MACs/s of a device of capacity 1 (keep ratio 1); a client's speed is this times its capacity, so a
+    # keep-0.2 device takes as long for a 0.2-wide sub-model as a full device for the full model.
+    # An assumption (about a mid-range phone CPU on float32 convolutions), not a measurement: set your own.
+    speed_full: float = 20e9
+    down_bytes_s: float = 2.5e6  # download bandwidth of every device, bytes/s (20 Mbit/s; an assumption)
+    up_bytes_s: float = 0.625e6  # upload bandwidth of every device, bytes/s (5 Mbit/s; an assumption)
+    # backward pass MACs per forward MAC: train_macs counts forward passes only (Strategy.train_macs)
+    backward_factor: float = 2.0
+    # sigma of a seeded lognormal factor on each client-round's speed (0: off); median 1
+    jitter: float = 0.0
+    # wait_all: a round lasts until its slowest client (today's numbers); deadline: clients slower than
+    # deadline_s are stragglers, left out of aggregation (their compute still counted); over_select:
+    # ceil(k * (1 + over_select)) clients are sampled and the k that finish first are aggregated
+    policy: str = "wait_all"
+    deadline_s: float | None = None  # seconds; needed by policy=deadline
+    over_select: float = 0.3  # extra fraction sampled under policy=over_select
+    # probability that a client can be selected in a round (seeded per round and client); 1: always
+    availability: float = 1.0
+    # CSV or Parquet with client_id, speed (MACs/s) and optionally down_bytes_s, up_bytes_s, availability:
+    # replaces the capacity mapping (and the constants above) for the clients it lists
+    trace: str | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("speed_full", "down_bytes_s", "up_bytes_s"):
+            _check_pos(f"devices.{f}", getattr(self, f))
+        _check_pos("devices.backward_factor", self.backward_factor, allow_zero=True)
+        _check_pos("devices.jitter", self.jitter, allow_zero=True)
+        _check_choice("devices.policy", self.policy, DEVICE_POLICIES)
+        if self.deadline_s is not None:
+            _check_pos("devices.deadline_s", self.deadline_s)
+        if self.policy == "deadline" and self.deadline_s is None:
+            _fail("devices.deadline_s", None, "must be a number of seconds > 0 with devices.policy=deadline")
+        _check_pos("devices.over_select", self.over_select, allow_zero=True)
+        _check_ratio("devices.availability", self.availability, low_open=True)
+        if self.trace is not None and not str(self.trace).endswith((".csv", ".parquet")):
+            _fail("devices.trace", self.trace, "must be a .csv or .parquet file")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     """The whole run. Besides each field's own check: ``capacity.keep_ratios`` needs one entry per
     client (and ``capacity.scheme=explicit``, the only scheme that reads it), ``partition=domain``
@@ -307,6 +352,7 @@ class ExperimentConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    devices: DevicesConfig = field(default_factory=DevicesConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
@@ -342,6 +388,8 @@ class ExperimentConfig:
         d = self.to_dict()
         d.pop("resources", None)
         d.pop("preset", None)
+        if d.get("devices") == _to_plain(dataclasses.asdict(DevicesConfig())):
+            d.pop("devices")  # the default device model adds columns only: runs keep the hash they had before it
         return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]
 
 

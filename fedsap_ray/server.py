@@ -12,6 +12,7 @@ ground truth enters the results, is :class:`fedsap_ray.results.recorder.Recorder
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Protocol
@@ -23,8 +24,9 @@ from torch import nn
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
+from fedsap_ray.devices import DeviceClock
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
 from fedsap_ray.results.writer import RunWriter
 from fedsap_ray.seeding import rng_for
@@ -45,6 +47,8 @@ class RoundStrategy(Protocol):
     def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]: ...
 
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]: ...
 
     @classmethod
     def declared_columns(cls, table: str) -> list[Column]: ...
@@ -72,6 +76,7 @@ class Server:
                                                                              "allocations")},
                                  writer, type(strategy).__name__, deployed_sampled=sampled)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
+        self.clock = DeviceClock(ctx.cfg, [c.capacity for c in ctx.federation.clients])  # simulated device time
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
         """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).
@@ -91,7 +96,19 @@ class Server:
         missing = set(plans) - {r.client_id for r in results}
         if missing:
             raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
-        out = self.strategy.aggregate(state, plans, results, t)
+        spent = {r.client_id: self.strategy.spent(plans[r.client_id], r) for r in results}
+        sim = self.clock.round(t, {r.client_id: (spent[r.client_id]["train_macs"], plans[r.client_id].bytes_down,
+                                                 r.bytes_up + plans[r.client_id].side_bytes_up) for r in results})
+        if sim.stragglers:  # left out of aggregation (fedsap_ray.devices); recorded with what they spent
+            kept = [r for r in results if r.client_id not in sim.stragglers]
+            if kept:
+                out = self.strategy.aggregate(state, {r.client_id: plans[r.client_id] for r in kept}, kept, t)
+            else:  # no client finished in time: the round changes no parameter
+                out = RoundOutput(dataclasses.replace(state, round=t), RoundRecords())
+            out = dataclasses.replace(out, records=dataclasses.replace(
+                out.records, clients={**out.records.clients, **{c: spent[c] for c in sim.stragglers}}))
+        else:
+            out = self.strategy.aggregate(state, plans, results, t)
         new_state = out.state
         t_aggregated = clock()
         cfg = self.ctx.cfg
@@ -109,7 +126,7 @@ class Server:
         eval_s = t_end - t_aggregated if evaluated else 0.0  # a round not evaluated spends nothing there
         times = PhaseTimes(train_s=t_trained - t_plans, eval_s=eval_s,
                            server_s=(t_end - t0) - (t_trained - t_plans) - eval_s)
-        return new_state, self.recorder.record(t, plans, results, out.records, ev, times)
+        return new_state, self.recorder.record(t, plans, results, out.records, ev, times, sim)
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
         """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.evaluate)."""

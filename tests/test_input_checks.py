@@ -26,6 +26,12 @@ from faultkit import cli
     (["--set", "training.weight_decay=.inf"], "invalid training.weight_decay=inf"),
     (["--set", "model.width_mult=-.inf"], "invalid model.width_mult=-inf"),
     (["--set", "training.rounds=1e30"], "invalid training.rounds="),
+    # simulated devices (issue 28)
+    (["--set", "devices.policy=fastest"], "invalid devices.policy='fastest'"),
+    (["--set", "devices.policy=deadline"], "invalid devices.deadline_s=None: must be a number of seconds > 0"),
+    (["--set", "devices.speed_full=0"], "invalid devices.speed_full=0"),
+    (["--set", "devices.availability=0"], "invalid devices.availability=0"),
+    (["--set", "devices.trace=devices.txt"], "invalid devices.trace='devices.txt': must be a .csv or .parquet file"),
     # a model that cannot take the dataset's inputs, and FedSAP's DGA layer on a model without it
     (["--set", "model.name=mlp"], "invalid model.name='mlp': mlp: input_shape must be (features,)"),
     (["--set", "model.name=cnn_small", "--set", "algorithm.dga_layer=layer3"],

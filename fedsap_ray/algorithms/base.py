@@ -33,9 +33,11 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import pyarrow as pa
 
+from fedsap_ray import devices
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext, StrategyContext
 from fedsap_ray.data.base import EvalDomains
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs, weight_uses
 from fedsap_ray.seeding import rng_for, seed_for
@@ -149,9 +151,14 @@ class Strategy(ABC):
         out = {}
         for r in results:
             plan = plans[r.client_id]
-            out[r.client_id] = {"params_trained": self.params_trained(plan, r), "macs_per_sample": self.mask_macs(plan.mask),
-                                "train_macs": self.train_macs(plan, r), **self.client_columns(state, plan, r)}
+            out[r.client_id] = {**self.spent(plan, r), **self.client_columns(state, plan, r)}
         return out
+
+    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]:
+        """What one client-round spent (``params_trained``, ``macs_per_sample``, ``train_macs``), whether or not
+        it was aggregated (a straggler's compute is counted too: fedsap_ray.devices)."""
+        return {"params_trained": self.params_trained(plan, result), "macs_per_sample": self.mask_macs(plan.mask),
+                "train_macs": self.train_macs(plan, result)}
 
     def output(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult]) -> RoundOutput:
         """The :class:`RoundOutput` of a round whose only records are its clients' (:meth:`client_records`)."""
@@ -233,13 +240,30 @@ class Strategy(ABC):
         return value
 
     def sample_clients(self, t: int) -> list[int]:
-        """Seeded uniform sample of ceil-free round(participation * N) clients (at least one)."""
+        """Seeded uniform sample of ceil-free round(participation * N) clients (at least one).
+
+        Simulated devices (:mod:`fedsap_ray.devices`) change it only when asked: with an availability
+        below 1 the sample is drawn from the clients available in round ``t``, and under
+        ``devices.policy=over_select`` it holds ``ceil(k * (1 + over_select))`` of them (the server
+        aggregates the ``k`` that finish first). Otherwise the draw is exactly the one above."""
         n = len(self.ctx.federation.clients)
         k = max(1, int(round(self.cfg.training.participation * n)))
-        if k >= n:
-            return list(range(n))
+        dev = self.cfg.devices
+        if dev.policy != "over_select" and dev.availability >= 1 and dev.trace is None:
+            if k >= n:
+                return list(range(n))
+            rng = rng_for(self.cfg.seed, t, -1, "sample")
+            return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
+        pool = devices.available(self.cfg, self.memo("devices", None, lambda: devices.devices_for(
+            self.cfg, [c.capacity for c in self.ctx.federation.clients])), t)
+        if not pool:
+            raise ConfigError(f"invalid devices.availability={dev.availability}: no client is available in round {t}; "
+                              "raise the availability (or the trace's) or add clients")
+        m = min(devices.selection_size(self.cfg, k), len(pool))
+        if m >= len(pool):
+            return pool
         rng = rng_for(self.cfg.seed, t, -1, "sample")
-        return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
+        return sorted(int(pool[i]) for i in rng.choice(len(pool), size=m, replace=False))
 
     def lr_at(self, t: int) -> float:
         """Learning rate of round t (1-based): lr * decay^(t-1) (papers/003 section 4.1)."""

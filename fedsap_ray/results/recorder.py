@@ -19,6 +19,7 @@ import numpy as np
 
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
+from fedsap_ray.devices import SimRound
 from fedsap_ray.evaluate import summarise
 from fedsap_ray.grouping import agreement
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords
@@ -86,6 +87,7 @@ class Recorder:
         self.best_by_mode: dict[str, float] = {}  # best-so-far global accuracy per eval mode
         self.primary_mode: str | None = None  # the first eval mode: drives global/best accuracy
         self.last_global = float("nan")
+        self.sim_elapsed_s = 0.0  # simulated device seconds of the rounds so far (fedsap_ray.devices)
         self.trainable = ctx.trainable
         # per domain, the union of its clients' plan coverage since initialisation (papers/003 Proposition 3
         # per domain); every client has a domain, so the union over domains is the run's coverage
@@ -101,12 +103,13 @@ class Recorder:
     def metrics_state(self) -> dict[str, Any]:
         """The running metrics a checkpoint must carry so a resumed run writes the same rows."""
         return {"best_by_mode": dict(self.best_by_mode), "primary_mode": self.primary_mode,
-                "last_global": self.last_global,
+                "last_global": self.last_global, "sim_elapsed_s": self.sim_elapsed_s,
                 "domain_covered": {d: m.copy() for d, m in self.domain_covered.items()}}
 
     def restore_metrics(self, m: dict[str, Any]) -> None:
         self.best_by_mode = dict(m["best_by_mode"])
         self.primary_mode, self.last_global = m["primary_mode"], m["last_global"]
+        self.sim_elapsed_s = float(m.get("sim_elapsed_s", 0.0))  # checkpoints from before simulated time: 0
         self.domain_covered = {d: np.asarray(v, dtype=bool).copy() for d, v in m["domain_covered"].items()}
 
     def cover(self, plans: Mapping[int, ClientPlan]) -> None:
@@ -125,14 +128,17 @@ class Recorder:
         return self.best_by_mode[mode]
 
     def record(self, t: int, plans: Mapping[int, ClientPlan], results: list[ClientResult], records: RoundRecords,
-               ev: RoundEvaluation, times: PhaseTimes) -> RoundSummary:
+               ev: RoundEvaluation, times: PhaseTimes, sim: SimRound | None = None) -> RoundSummary:
         """Write this round's rows of every table, flush, and summarise the round for the progress line."""
         by_mode, deployed = ev.by_mode, ev.deployed
+        sim = sim or SimRound({r.client_id: 0.0 for r in results}, frozenset(), 0.0)
+        self.sim_elapsed_s += sim.round_s
         cost = self._round_cost(plans, results)
+        cost.update(sim_round_s=sim.round_s, sim_elapsed_s=self.sim_elapsed_s, n_stragglers=len(sim.stragglers))
         columns = self._round_columns(records)
         rows, deployed_global = self._rounds_rows(t, cost, columns, by_mode, deployed, times)
         self._add("rounds", rows)
-        self._add("clients", self._clients_rows(t, plans, results, records))
+        self._add("clients", self._clients_rows(t, plans, results, records, sim))
         self._add("layers", [dict(round=t, **r) for r in records.layers])
         fed = self.ctx.federation
         self._add("allocations", [dict(round=t, **r, tv_distance=fed.clients[r["client_id"]].tv_distance)
@@ -225,7 +231,8 @@ class Recorder:
                                       n_clients=cost["n_clients"], bytes_up=cost["bytes_up"],
                                       bytes_down=cost["bytes_down"], train_loss=cost["train_loss"],
                                       round_wall_s=times.total, train_s=times.train_s, eval_s=times.eval_s,
-                                      server_s=times.server_s, **columns)
+                                      server_s=times.server_s, sim_round_s=cost["sim_round_s"],
+                                      sim_elapsed_s=cost["sim_elapsed_s"], n_stragglers=cost["n_stragglers"], **columns)
         rows = []
         primary = next(iter(by_mode), None)
         for mode, per_domain in by_mode.items():
@@ -252,7 +259,7 @@ class Recorder:
         return rows, deployed_global
 
     def _clients_rows(self, t: int, plans: Mapping[int, ClientPlan], results: list[ClientResult],
-                      records: RoundRecords) -> list[dict[str, Any]]:
+                      records: RoundRecords, sim: SimRound) -> list[dict[str, Any]]:
         """``clients``: one row per client that trained; ``true_domain`` and ``tv_distance`` are ground truth
         added here, the strategy's records add what the client spent and its declared columns."""
         fed = self.ctx.federation
@@ -263,7 +270,8 @@ class Recorder:
             row = dict(round=t, client_id=r.client_id, true_domain=spec.domain, pruning_ratio=spec.pruning_ratio,
                        capacity_max=spec.capacity, capacity_used=plan.capacity_used, tv_distance=spec.tv_distance,
                        n_samples=r.n_samples, train_loss=r.train_loss, bytes_up=r.bytes_up + plan.side_bytes_up,
-                       bytes_down=plan.bytes_down, wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id)
+                       bytes_down=plan.bytes_down, wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id,
+                       sim_time_s=sim.client_s[r.client_id], straggler=r.client_id in sim.stragglers)
             row.update(records.clients[r.client_id])
             rows.append(row)
         return rows

@@ -17,9 +17,10 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 5  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 6  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
-# 5: the round's time by phase (rounds.train_s, eval_s, server_s)
+# 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
+# sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler)
 GLOBAL_DOMAIN = "__global__"
 # Columns that hold wall-clock readings: never reproducible, so never compared between runs (the golden
 # check, the tests of determinism and resume).
@@ -86,6 +87,10 @@ ROUNDS_COLUMNS: list[Column] = [
     Column("eval_s", pa.float64(),
            "seconds of the round evaluating the server's models and the deployed ones (0 on rounds not evaluated)"),
     Column("server_s", pa.float64(), "seconds of the round in the server's own work: client plans and aggregation"),
+    Column("sim_round_s", pa.float64(), "simulated device seconds of the round under devices.policy (wait_all: its "
+           "slowest client's sim_time_s; deadline: deadline_s if a client missed it; over_select: the k-th to finish)"),
+    Column("sim_elapsed_s", pa.float64(), "simulated device seconds of rounds 1..this one (sum of sim_round_s)"),
+    Column("n_stragglers", pa.int64(), "clients that trained but were left out of aggregation by devices.policy"),
     Column("ari_domain", pa.float64(),
            "adjusted Rand index of the strategy's client groups (RoundRecords.groups) vs. the true domains, on "
            "the rounds it forms them (FedSAP: DGA rounds); recorded from ground truth, never by the strategy"),
@@ -122,6 +127,9 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("wall_s", pa.float64(), "local training wall time, seconds"),
     Column("worker", pa.string(), "which worker ran the client ('local' in-process)"),
     Column("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
+    Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.devices): "
+           "(1 + devices.backward_factor) x train_macs / speed + bytes_down / down + bytes_up / up"),
+    Column("straggler", pa.bool_(), "trained but left out of aggregation by devices.policy (its compute counted)"),
 ]
 
 LAYERS_COLUMNS: list[Column] = [

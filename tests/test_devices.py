@@ -1,0 +1,128 @@
+"""Simulated device time (issue 28, fedsap_ray.devices): each client-round's time equals its formula, a
+client past the deadline is left out of an aggregate that equals the one computed without it (and comes
+back when it is in time), over-selection aggregates exactly the fastest k, an unavailable client is never
+selected, and a bad device setting is one line naming the field."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis import device_time
+from fedsap_ray import algorithms, devices, results
+from fedsap_ray.config import build_config
+from fedsap_ray.errors import ConfigError
+from fedsap_ray.experiment import run_experiment
+from tests.conftest import federation_fixture, tiny_overrides
+
+# FedAvg on the full model: a keep-0.2 device runs the same MACs at a fifth of the speed, so the
+# capacity mapping makes the weak devices the slow ones
+TINY = tiny_overrides("fedavg", "algorithm.width=full", "data.num_clients=6", "training.rounds=3",
+                      "training.eval_deployed=false")
+fed = federation_fixture(TINY)
+
+
+def _run(tmp_path, fed, *extra, name="r"):
+    cfg = build_config(preset="smoke", overrides=[*TINY, *extra])
+    run_experiment(cfg, tmp_path / name, run_id=name, federation=fed)
+    return cfg, results.load(tmp_path / name)
+
+
+def test_a_client_rounds_time_is_its_formula_and_the_round_waits_for_the_slowest(tmp_path, fed):
+    cfg, res = _run(tmp_path, fed, "devices.speed_full=1e9", "devices.down_bytes_s=1e6", "devices.up_bytes_s=5e5")
+    c = res.clients
+    by_hand = 3.0 * c["train_macs"] / (1e9 * c["capacity_max"]) + c["bytes_down"] / 1e6 + c["bytes_up"] / 5e5
+    np.testing.assert_allclose(c["sim_time_s"], by_hand, rtol=1e-12)
+    assert not c["straggler"].any()
+    rounds = res.rounds.drop_duplicates("round").set_index("round")
+    slowest = c.groupby("round")["sim_time_s"].max()
+    np.testing.assert_allclose(rounds["sim_round_s"], slowest, rtol=1e-12)
+    np.testing.assert_allclose(rounds["sim_elapsed_s"], slowest.cumsum(), rtol=1e-12)
+    assert (rounds["n_stragglers"] == 0).all()
+    # time to accuracy: the simulated hours of the first round whose best-so-far reaches the target
+    g = res.rounds[(res.rounds["domain"] == results.GLOBAL_DOMAIN) & (res.rounds["eval_mode"] == "global")]
+    g = g.set_index("round")["accuracy"].cummax()
+    target = float(g.max())
+    first = int(g[g >= target].index.min())
+    t2a = device_time.time_to_accuracy(tmp_path / "r", full_width=target, deployed=1.01).iloc[0]
+    assert math.isclose(t2a["full_width_hours"], rounds.loc[first, "sim_elapsed_s"] / 3600)
+    assert t2a["full_width_reached"] == "1/1" and t2a["deployed_reached"] == "0/1" and np.isnan(t2a["deployed_hours"])
+    fig = device_time.plot_curves(tmp_path / "r", "full_width")
+    assert len(fig.axes[0].lines) == 1
+    # the hand-computed figure for one client-round, from its own columns
+    row = c.iloc[0]
+    assert math.isclose(devices.client_time(cfg, devices.Device(1e9 * row.capacity_max, 1e6, 5e5, 1.0), int(row["round"]),
+                                            int(row.client_id), int(row.train_macs), int(row.bytes_down), int(row.bytes_up)),
+                        3 * row.train_macs / (1e9 * row.capacity_max) + row.bytes_down / 1e6 + row.bytes_up / 5e5)
+
+
+def test_a_client_past_the_deadline_is_left_out_and_comes_back_when_in_time(tmp_path, fed, monkeypatch):
+    seen = []  # (state in, plans, results, state out) of every aggregate call
+    cls = algorithms.get("fedavg")
+    inner = cls.aggregate
+
+    def spy(self, state, plans, results_, t):
+        out = inner(self, state, plans, results_, t)
+        seen.append((self, state, dict(plans), list(results_), out.state, t))
+        return out
+
+    monkeypatch.setattr(cls, "aggregate", spy)
+    # equal devices (a trace) on fast links, so the seeded jitter of the compute alone decides who is late
+    trace = tmp_path / "equal.csv"
+    pd.DataFrame({"client_id": range(len(fed.clients)), "speed": 1e9}).to_csv(trace, index=False)
+    equal = ["devices.jitter=0.6", f"devices.trace={trace}", "devices.down_bytes_s=1e12", "devices.up_bytes_s=1e12"]
+    _, base = _run(tmp_path, fed, *equal, name="base")
+    times = base.clients["sim_time_s"]
+    deadline = float(np.median(times))
+    seen.clear()
+    _, res = _run(tmp_path, fed, *equal, "devices.policy=deadline", f"devices.deadline_s={deadline}")
+    c = res.clients
+    pd.testing.assert_series_equal(c["sim_time_s"], times)  # the same devices and draws
+    assert (c["straggler"] == (c["sim_time_s"] > deadline)).all() and c["straggler"].any()
+    assert c["train_macs"].notna().all()  # a straggler's compute is counted
+    late = c[c["straggler"]]
+    assert set(late["client_id"]) & set(c[~c["straggler"]]["client_id"])  # a late client is in time in another round
+    for strat, state, plans, kept, out, t in seen:
+        in_time = set(c[(c["round"] == t) & ~c["straggler"]]["client_id"])
+        assert set(plans) == {r.client_id for r in kept} == in_time
+        again = inner(strat, state, plans, kept, t).state  # the aggregate computed without the stragglers
+        np.testing.assert_array_equal(out.params, again.params)
+    rounds = res.rounds.drop_duplicates("round").set_index("round")
+    assert (rounds["n_stragglers"] == late.groupby("round").size().reindex(rounds.index, fill_value=0)).all()
+    assert (rounds.loc[rounds["n_stragglers"] > 0, "sim_round_s"] == deadline).all()
+
+
+def test_over_selection_samples_more_and_aggregates_exactly_the_fastest_k(tmp_path, fed):
+    _, res = _run(tmp_path, fed, "training.participation=0.5", "devices.policy=over_select", "devices.over_select=0.5",
+                  "devices.jitter=0.6")
+    k = 3  # round(0.5 * 6)
+    for t, c in res.clients.groupby("round"):
+        assert len(c) == math.ceil(k * 1.5)
+        fastest = set(c.sort_values(["sim_time_s", "client_id"])["client_id"][:k])
+        assert set(c[~c["straggler"]]["client_id"]) == fastest
+        assert res.rounds[res.rounds["round"] == t]["sim_round_s"].iloc[0] == c[~c["straggler"]]["sim_time_s"].max()
+
+
+def test_an_unavailable_client_is_never_selected(tmp_path, fed):
+    cfg, res = _run(tmp_path, fed, "devices.availability=0.5")
+    devs = devices.devices_for(cfg, [c.capacity for c in fed.clients])
+    chosen = res.clients.groupby("round")["client_id"].apply(set)
+    for t, ids in chosen.items():
+        assert ids == set(devices.available(cfg, devs, int(t)))  # participation 1: every available client
+    assert len({frozenset(s) for s in chosen}) > 1 and all(len(s) < len(fed.clients) for s in chosen)
+
+
+def test_a_device_trace_replaces_the_capacity_mapping_and_bad_traces_name_the_field(tmp_path, fed):
+    trace = tmp_path / "devices.csv"
+    pd.DataFrame({"client_id": [0, 1], "speed": [1e6, 2e6], "availability": [1.0, 1.0]}).to_csv(trace, index=False)
+    cfg = build_config(preset="smoke", overrides=[*TINY, f"devices.trace={trace}"])
+    devs = devices.devices_for(cfg, [c.capacity for c in fed.clients])
+    assert [d.speed for d in devs[:3]] == [1e6, 2e6, cfg.devices.speed_full * fed.clients[2].capacity]
+    bad = tmp_path / "bad.csv"
+    pd.DataFrame({"client_id": [0], "speed": [-1.0]}).to_csv(bad, index=False)
+    for path, needle in [(bad, "needs speed"), (tmp_path / "none.csv", "no such file")]:
+        with pytest.raises(ConfigError, match=f"invalid devices.trace=.*{needle}"):
+            devices.devices_for(build_config(preset="smoke", overrides=[*TINY, f"devices.trace={path}"]),
+                                [c.capacity for c in fed.clients])
