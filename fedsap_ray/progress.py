@@ -31,7 +31,7 @@ class ProgressPrinter:
         else:
             acc = "not evaluated"
         print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
-              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{_phases(s)}{s.progress}",
+              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{_phases(s)}{_simulated(s)}{s.progress}",
               file=self.stream, flush=True)
 
 
@@ -39,3 +39,12 @@ def _phases(s: RoundSummary) -> str:
     """`` (train 4.1 eval 1.2 server 0.1)``: where the round's seconds went (rounds.train_s, eval_s, server_s)."""
     t = s.times
     return f" (train {t.train_s:.1f} eval {t.eval_s:.1f} server {t.server_s:.1f})" if t.total > 0 else ""
+
+
+def _simulated(s: RoundSummary) -> str:
+    """``  device time 4.2min (3 late)``: simulated device hours so far (rounds.sim_elapsed_s) and this round's
+    stragglers (docs/guides/device-time.md)."""
+    late = f" ({s.n_stragglers} late)" if s.n_stragglers else ""
+    x = s.sim_elapsed_s
+    shown = f"{x:.1f}s" if x < 120 else f"{x / 60:.1f}min" if x < 7200 else f"{x / 3600:.2f}h"
+    return f"  device time {shown}{late}"

@@ -4,6 +4,7 @@ back when it is in time), over-selection aggregates exactly the fastest k, an un
 selected, and a bad device setting is one line naming the field."""
 from __future__ import annotations
 
+import io
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ from fedsap_ray import algorithms, devices, results
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
+from fedsap_ray.progress import ProgressPrinter
 from tests.conftest import federation_fixture, tiny_overrides
 
 # FedAvg on the full model: a keep-0.2 device runs the same MACs at a fifth of the speed, so the
@@ -24,9 +26,9 @@ TINY = tiny_overrides("fedavg", "algorithm.width=full", "data.num_clients=6", "t
 fed = federation_fixture(TINY)
 
 
-def _run(tmp_path, fed, *extra, name="r"):
+def _run(tmp_path, fed, *extra, name="r", progress=None):
     cfg = build_config(preset="smoke", overrides=[*TINY, *extra])
-    run_experiment(cfg, tmp_path / name, run_id=name, federation=fed)
+    run_experiment(cfg, tmp_path / name, run_id=name, federation=fed, progress=progress)
     return cfg, results.load(tmp_path / name)
 
 
@@ -77,7 +79,9 @@ def test_a_client_past_the_deadline_is_left_out_and_comes_back_when_in_time(tmp_
     times = base.clients["sim_time_s"]
     deadline = float(np.median(times))
     seen.clear()
-    _, res = _run(tmp_path, fed, *equal, "devices.policy=deadline", f"devices.deadline_s={deadline}")
+    lines = io.StringIO()
+    _, res = _run(tmp_path, fed, *equal, "devices.policy=deadline", f"devices.deadline_s={deadline}",
+                  progress=ProgressPrinter(3, stream=lines))
     c = res.clients
     pd.testing.assert_series_equal(c["sim_time_s"], times)  # the same devices and draws
     assert (c["straggler"] == (c["sim_time_s"] > deadline)).all() and c["straggler"].any()
@@ -92,6 +96,10 @@ def test_a_client_past_the_deadline_is_left_out_and_comes_back_when_in_time(tmp_
     rounds = res.rounds.drop_duplicates("round").set_index("round")
     assert (rounds["n_stragglers"] == late.groupby("round").size().reindex(rounds.index, fill_value=0)).all()
     assert (rounds.loc[rounds["n_stragglers"] > 0, "sim_round_s"] == deadline).all()
+    shown = lines.getvalue().splitlines()  # the progress line: device time so far and the round's stragglers
+    for line, (_, row) in zip(shown, rounds.iterrows()):
+        assert f"device time {row['sim_elapsed_s']:.1f}s" in line
+        assert (f"({row['n_stragglers']} late)" in line) == (row["n_stragglers"] > 0)
 
 
 def test_over_selection_samples_more_and_aggregates_exactly_the_fastest_k(tmp_path, fed):

@@ -66,6 +66,8 @@ class RoundSummary:
     progress: str = ""  # the strategy's part of the progress line (RoundRecords.progress, filled in)
     deployed_accuracy: float | None = None  # the 'deployed' eval mode's global figure (None: not evaluated)
     worst_client_accuracy: float | None = None  # ... and its worst client
+    sim_elapsed_s: float = 0.0  # simulated device seconds of rounds 1..this one (fedsap_ray.devices)
+    n_stragglers: int = 0  # clients left out of aggregation by devices.policy this round
 
 
 @dataclass(frozen=True)
@@ -155,7 +157,8 @@ class Recorder:
                             per_domain={d: a for d, (a, _) in per_domain.items()}, times=times, columns=columns,
                             progress=records.progress.format_map(_Blank(columns)) if records.progress else "",
                             deployed_accuracy=deployed_global.get("accuracy"),
-                            worst_client_accuracy=deployed_global.get("worst_client_accuracy"))
+                            worst_client_accuracy=deployed_global.get("worst_client_accuracy"),
+                            sim_elapsed_s=self.sim_elapsed_s, n_stragglers=cost["n_stragglers"])
 
     def _add(self, table: str, rows: list[dict[str, Any]]) -> None:
         """Rows of ``table``, which may hold only core columns and the strategy's declared ones."""
