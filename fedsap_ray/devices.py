@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from fedsap_ray.errors import ConfigError
@@ -56,7 +55,6 @@ def devices_for(cfg: ExperimentConfig, capacities: Sequence[float]) -> list[Devi
     return out
 
 
-@lru_cache(maxsize=8)
 def _read_trace(path: str, d: DevicesConfig, n_clients: int) -> Mapping[int, Device]:
     """The trace's devices by client id; bad files and values raise ConfigError naming devices.trace."""
     import pandas as pd
@@ -104,6 +102,11 @@ def available(cfg: ExperimentConfig, devices: Sequence[Device], t: int) -> list[
             if dev.availability >= 1 or rng_for(cfg.seed, t, i, "device-available").random() < dev.availability]
 
 
+def round_size(cfg: ExperimentConfig, n_clients: int) -> int:
+    """``k``: the clients a round samples (and, under over_select, aggregates): round(participation * N), >= 1."""
+    return max(1, int(round(cfg.training.participation * n_clients)))
+
+
 def selection_size(cfg: ExperimentConfig, k: int) -> int:
     """Clients to sample when ``k`` are to be aggregated: ``ceil(k * (1 + over_select))`` under over_select."""
     if cfg.devices.policy == "over_select":
@@ -145,8 +148,7 @@ class DeviceClock:
     def __init__(self, cfg: ExperimentConfig, capacities: Sequence[float]) -> None:
         self.cfg = cfg
         self.devices = devices_for(cfg, capacities)
-        n = len(capacities)
-        self.k = max(1, int(round(cfg.training.participation * n)))  # clients a round aggregates (over_select)
+        self.k = round_size(cfg, len(capacities))  # the clients a round aggregates under over_select
 
     def round(self, t: int, costs: Mapping[int, tuple[int, int, int]]) -> SimRound:
         """``costs``: client -> (train_macs, bytes_down, bytes_up) of each client that trained in round ``t``."""

@@ -50,6 +50,8 @@ class RoundStrategy(Protocol):
 
     def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]: ...
 
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int: ...
+
     @classmethod
     def declared_columns(cls, table: str) -> list[Column]: ...
 
@@ -96,8 +98,8 @@ class Server:
         missing = set(plans) - {r.client_id for r in results}
         if missing:
             raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
-        spent = {r.client_id: self.strategy.spent(plans[r.client_id], r) for r in results}
-        sim = self.clock.round(t, {r.client_id: (spent[r.client_id]["train_macs"], plans[r.client_id].bytes_down,
+        sim = self.clock.round(t, {r.client_id: (self.strategy.train_macs(plans[r.client_id], r),
+                                                 plans[r.client_id].bytes_down,
                                                  r.bytes_up + plans[r.client_id].side_bytes_up) for r in results})
         if sim.stragglers:  # left out of aggregation (fedsap_ray.devices); recorded with what they spent
             kept = [r for r in results if r.client_id not in sim.stragglers]
@@ -106,7 +108,9 @@ class Server:
             else:  # no client finished in time: the round changes no parameter
                 out = RoundOutput(dataclasses.replace(state, round=t), RoundRecords())
             out = dataclasses.replace(out, records=dataclasses.replace(
-                out.records, clients={**out.records.clients, **{c: spent[c] for c in sim.stragglers}}))
+                out.records, clients={**out.records.clients,
+                                      **{r.client_id: self.strategy.spent(plans[r.client_id], r)
+                                         for r in results if r.client_id in sim.stragglers}}))
         else:
             out = self.strategy.aggregate(state, plans, results, t)
         new_state = out.state

@@ -247,7 +247,7 @@ class Strategy(ABC):
         ``devices.policy=over_select`` it holds ``ceil(k * (1 + over_select))`` of them (the server
         aggregates the ``k`` that finish first). Otherwise the draw is exactly the one above."""
         n = len(self.ctx.federation.clients)
-        k = max(1, int(round(self.cfg.training.participation * n)))
+        k = devices.round_size(self.cfg, n)
         dev = self.cfg.devices
         if dev.policy != "over_select" and dev.availability >= 1 and dev.trace is None:
             if k >= n:
