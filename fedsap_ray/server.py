@@ -2,9 +2,10 @@
 
     plans          = strategy.configure_round(state, t)
     results        = backend.train(plans)                      # any order, any worker
-    state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: what it computed
+    sim            = clock.round(t, train_macs and bytes of each result)  # simulated device time, stragglers
+    state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput; stragglers left out
     evaluation     = evaluate_modes(strategy.eval_sets(state, eval_domains)) (+ deployed models)
-    summary        = recorder.record(t, plans, results, records, evaluation)  # every table's rows
+    summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
 Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.messages.RoundOutput`
 and the server asks it for nothing after ``aggregate`` but the models to evaluate. Recording, where

@@ -130,10 +130,9 @@ class Recorder:
         return self.best_by_mode[mode]
 
     def record(self, t: int, plans: Mapping[int, ClientPlan], results: list[ClientResult], records: RoundRecords,
-               ev: RoundEvaluation, times: PhaseTimes, sim: SimRound | None = None) -> RoundSummary:
+               ev: RoundEvaluation, times: PhaseTimes, sim: SimRound) -> RoundSummary:
         """Write this round's rows of every table, flush, and summarise the round for the progress line."""
         by_mode, deployed = ev.by_mode, ev.deployed
-        sim = sim or SimRound({r.client_id: 0.0 for r in results}, frozenset(), 0.0)
         self.sim_elapsed_s += sim.round_s
         cost = self._round_cost(plans, results)
         cost.update(sim_round_s=sim.round_s, sim_elapsed_s=self.sim_elapsed_s, n_stragglers=len(sim.stragglers))
