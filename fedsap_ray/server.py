@@ -92,7 +92,6 @@ class Server:
         plans = self.strategy.configure_round(state, t)
         if not plans:
             raise RuntimeError(f"round {t}: the strategy selected no clients")
-        self.recorder.cover(plans)
         t_plans = clock()
         results = sorted(self.backend.train(plans), key=lambda r: r.client_id)
         t_trained = clock()
@@ -102,6 +101,9 @@ class Server:
         sim = self.clock.round(t, {r.client_id: (self.strategy.train_macs(plans[r.client_id], r),
                                                  plans[r.client_id].bytes_down,
                                                  r.bytes_up + plans[r.client_id].side_bytes_up) for r in results})
+        # coverage counts the clients whose update reached the model: a straggler trained, but what it trained
+        # was discarded (under wait_all every client is aggregated, so nothing changes there)
+        self.recorder.cover({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
         if sim.stragglers:  # left out of aggregation (fedsap_ray.devices); recorded with what they spent
             kept = [r for r in results if r.client_id not in sim.stragglers]
             if kept:

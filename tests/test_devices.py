@@ -21,13 +21,13 @@ from tests.conftest import federation_fixture, tiny_overrides
 
 # FedAvg on the full model: a keep-0.2 device runs the same MACs at a fifth of the speed, so the
 # capacity mapping makes the weak devices the slow ones
-TINY = tiny_overrides("fedavg", "algorithm.width=full", "data.num_clients=6", "training.rounds=3",
-                      "training.eval_deployed=false")
+SMALL = ("data.num_clients=6", "training.rounds=3", "training.eval_deployed=false")
+TINY = tiny_overrides("fedavg", "algorithm.width=full", *SMALL)
 fed = federation_fixture(TINY)
 
 
-def _run(tmp_path, fed, *extra, name="r", progress=None):
-    cfg = build_config(preset="smoke", overrides=[*TINY, *extra])
+def _run(tmp_path, fed, *extra, name="r", progress=None, base=TINY):
+    cfg = build_config(preset="smoke", overrides=[*base, *extra])
     run_experiment(cfg, tmp_path / name, run_id=name, federation=fed, progress=progress)
     return cfg, results.load(tmp_path / name)
 
@@ -134,3 +134,26 @@ def test_a_device_trace_replaces_the_capacity_mapping_and_bad_traces_name_the_fi
         with pytest.raises(ConfigError, match=f"invalid devices.trace=.*{needle}"):
             devices.devices_for(build_config(preset="smoke", overrides=[*TINY, f"devices.trace={path}"]),
                                 [c.capacity for c in fed.clients])
+
+
+def test_a_stragglers_channels_do_not_count_as_covered(tmp_path, fed):
+    # HeteroFL's nested sub-models: only the full-width clients train the outer channels. Those clients are
+    # made too slow for the deadline (a trace), so their updates are always discarded and the outer
+    # channels stay frozen; under wait_all the same clients cover everything from round 1.
+    full = [c.client_id for c in fed.clients if c.capacity == 1.0]
+    assert full and len(full) < len(fed.clients)
+    trace = tmp_path / "slow_full.csv"
+    pd.DataFrame({"client_id": range(len(fed.clients)),
+                  "speed": [1e3 if i in full else 1e12 for i in range(len(fed.clients))]}).to_csv(trace, index=False)
+    links = [f"devices.trace={trace}", "devices.down_bytes_s=1e12", "devices.up_bytes_s=1e12"]
+
+    def frozen(res):
+        g = res.rounds[(res.rounds["domain"] == results.GLOBAL_DOMAIN)].drop_duplicates("round")
+        return g.set_index("round")["frozen_params"]
+
+    hetero = tiny_overrides("heterofl", *SMALL)
+    _, waited = _run(tmp_path, fed, *links, name="wait", base=hetero)
+    _, late = _run(tmp_path, fed, *links, "devices.policy=deadline", "devices.deadline_s=1.0", name="late", base=hetero)
+    assert set(late.clients.loc[late.clients["straggler"], "client_id"]) == set(full)
+    assert (frozen(waited) == 0).all()
+    assert (frozen(late) > 0).all()

@@ -95,9 +95,11 @@ ROUNDS_COLUMNS: list[Column] = [
            "adjusted Rand index of the strategy's client groups (RoundRecords.groups) vs. the true domains, on "
            "the rounds it forms them (FedSAP: DGA rounds); recorded from ground truth, never by the strategy"),
     Column("frozen_params", pa.int64(),
-     "trainable coordinates no client has covered since initialisation, after this round (papers/003 Prop. 3)"),
+     "trainable coordinates no aggregated client has covered since initialisation, after this round (papers/003 "
+     "Prop. 3)"),
     Column("domain_coverage", pa.float64(),
-     "share of trainable coordinates some client of this domain has trained since round 1 (global row: any client)"),
+     "share of trainable coordinates some client of this domain has trained, and had aggregated, since round 1 "
+     "(global row: any client; a straggler's discarded update does not count)"),
 ]
 
 CLIENTS_COLUMNS: list[Column] = [
