@@ -8,6 +8,8 @@ are averaged round by round (every seed of a method runs the same rounds).
 """
 from __future__ import annotations
 
+import argparse
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import comparison, plots, runs
+from analysis.display import markdown
 from analysis.metrics import primary_rounds
 from fedsap_ray import results
 
@@ -86,3 +89,103 @@ def plot_curves(res: Any, measure: str = "deployed", path: str | Path | None = N
     ax.set_ylabel(f"best-so-far {'deployed' if measure == 'deployed' else 'full-width'} accuracy (%)")
     ax.legend(fontsize=8)
     return plots.finish(fig, path)
+
+
+def missed(res: Any) -> pd.DataFrame:
+    """Per method (rows) and keep ratio (columns ``keep 0.2`` ...): the share of a device's client-rounds
+    that missed the deadline (``clients.straggler``), over every client of that keep ratio, round and seed."""
+    res = runs.load_sweep(res)
+    c = runs.table(res, "clients")
+    if "straggler" not in c.columns:
+        raise ValueError("these runs record no stragglers (clients.straggler, results schema >= 6)")
+    pr = runs.per_run(res).set_index("run_id")
+    c = c.assign(method=c["run_id"].map({rid: comparison.TABLE1_ROWS.get(x, x) for rid, x in pr["label"].items()}),
+                 late=c["straggler"].astype(float))
+    out = c.pivot_table(index="method", columns="capacity_max", values="late", aggfunc="mean", sort=False)
+    out.columns = [f"keep {k:g}" for k in out.columns]
+    return out.reset_index()
+
+
+def compare(policies: Mapping[str, Any], *, deployed: float, full_width: float | None = None) -> pd.DataFrame:
+    """:func:`time_to_accuracy` of each policy's runs (``{"wait_all": folder, "deadline": folder}``), one row per
+    (method, policy), with the final best-so-far deployed accuracy (mean over seeds) beside it."""
+    frames = []
+    for policy, res in policies.items():
+        t = time_to_accuracy(res, deployed=deployed, full_width=full_width)
+        last = elapsed(res).sort_values("round").groupby("run_id").tail(1)
+        t["deployed_final"] = t["method"].map(last.groupby("method")["deployed"].mean())
+        frames.append(t.assign(policy=policy))
+    out = pd.concat(frames, ignore_index=True)
+    order = {m: i for i, m in enumerate(comparison.in_table1_order(out["method"].unique()))}
+    return out.sort_values(["method", "policy"], key=lambda s: s.map(order) if s.name == "method" else s,
+                           kind="stable").reset_index(drop=True)
+
+
+def _minutes(hours: Any, std: Any = np.nan) -> str:
+    if pd.isna(hours):
+        return "–"
+    return f"{60 * hours:.1f}" + ("" if pd.isna(std) else f" ± {60 * std:.1f}")
+
+
+def report(policies: Mapping[str, Any], *, deployed: float = 0.8) -> str:
+    """The device-time study as markdown (simulated minutes): time to ``deployed`` accuracy per method and
+    policy, the run's total simulated time and final deployed accuracy, and the deadline's missed rounds."""
+    t = compare(policies, deployed=deployed)
+    head = f"to {100 * deployed:g}% deployed (min)"
+    table = pd.DataFrame({
+        "method": t["method"], "policy": t["policy"],
+        head: [_minutes(h, s) for h, s in zip(t["deployed_hours"], t["deployed_hours_std"])],
+        "seeds reached": t["deployed_reached"],
+        "run total (min)": [_minutes(h) for h in t["total_hours"]],
+        "deployed best (final round)": ["–" if pd.isna(v) else f"{100 * v:.1f}" for v in t["deployed_final"]]})
+    parts = ["Simulated minutes, mean ± std over the seeds that reached the target.", "", markdown(table)]
+    for policy, res in policies.items():
+        if policy == "wait_all":
+            continue
+        late = missed(res)
+        late[late.columns[1:]] = (100 * late[late.columns[1:]]).round(1)
+        parts += ["", f"Share of client-rounds that missed the deadline ({policy}, %), per keep ratio:", "",
+                  markdown(late)]
+    return "\n".join(parts)
+
+
+def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: str | Path | None = None) -> Any:
+    """Best-so-far accuracy against simulated minutes, one panel per policy, one line per method (the same colour
+    for a method in every panel)."""
+    cs = {p: curves(res, measure) for p, res in policies.items()}
+    methods = comparison.in_table1_order({m for c in cs.values() for m in c["method"]})
+    fig, axes = plots.new_figure(len(cs), ncols=len(cs), panel=(5.0, 3.8))
+    for ax, (policy, c) in zip(axes, cs.items()):
+        for i, m in enumerate(methods):
+            g = c[c["method"] == m]
+            if len(g):
+                ax.plot(60 * g["hours"], 100 * g["accuracy"], label=m, color=plots.color(i, len(methods)))
+        ax.set_title(policy)
+        ax.set_xlabel("simulated device time (minutes)")
+        ax.set_ylabel(f"best-so-far {'deployed' if measure == 'deployed' else 'full-width'} accuracy (%)")
+        ax.legend(fontsize=8)
+    return plots.finish(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--png PATH]``: the study's tables."""
+    p = argparse.ArgumentParser(prog="python -m analysis.device_time", description=main.__doc__)
+    p.add_argument("folders", nargs="+", metavar="POLICY=FOLDER", help="a results folder per policy, e.g. "
+                   "wait_all=runs/dt_wait deadline=runs/dt_deadline")
+    p.add_argument("--deployed", type=float, default=0.8, help="deployed accuracy target, 0-1 (default 0.8)")
+    p.add_argument("--png", default=None, help="also write the curves figure here")
+    args = p.parse_args(argv)
+    bad = [f for f in args.folders if "=" not in f]
+    if bad:
+        p.error(f"invalid folder {bad[0]!r}: write POLICY=FOLDER, e.g. deadline=runs/dt_deadline")
+    if not 0 < args.deployed <= 1:
+        p.error(f"invalid --deployed={args.deployed}: a share of 1, above 0 and at most 1")
+    policies = dict(f.split("=", 1) for f in args.folders)
+    print(report(policies, deployed=args.deployed))
+    if args.png:
+        plot_policies(policies, "deployed", args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -32,8 +32,10 @@ from fedsap_ray.storage import ResultsDestination
 from sweeps.trials import flat_overrides, to_configs
 from sweeps.tuner import SweepOptions, run_trials
 
+# every script's --smoke-test adds these to the smoke preset: a few steps a round, the deployed models at
+# rounds 2 and 3 (best and final still differ), so CI's five smoke sweeps stay cheap
 SMOKE_BASE = ["training.rounds=3", "data.max_test_per_domain=60", "model.width_mult=0.0625",
-              "resources.cpus_per_worker=0.5"]  # every script's --smoke-test adds these to the smoke preset
+              "resources.cpus_per_worker=0.5", "training.max_steps_per_epoch=2", "training.deployed_every=2"]
 
 
 def add_common_args(p: argparse.ArgumentParser, *, study: str, default_preset: str) -> None:

@@ -96,6 +96,20 @@ def test_a_client_past_the_deadline_is_left_out_and_comes_back_when_in_time(tmp_
     rounds = res.rounds.drop_duplicates("round").set_index("round")
     assert (rounds["n_stragglers"] == late.groupby("round").size().reindex(rounds.index, fill_value=0)).all()
     assert (rounds.loc[rounds["n_stragglers"] > 0, "sim_round_s"] == deadline).all()
+    # the study's reading: the share of client-rounds each keep ratio missed, and the two policies side by side
+    late_share = device_time.missed(tmp_path / "r").set_index("method").iloc[0]
+    by_keep = c.groupby("capacity_max")["straggler"].mean()
+    assert late_share.to_dict() == pytest.approx({f"keep {k:g}": v for k, v in by_keep.items()})
+    both = {"wait_all": tmp_path / "base", "deadline": tmp_path / "r"}
+    t = device_time.compare(both, deployed=0.5, full_width=0.0)
+    assert list(t["policy"]) == ["deadline", "wait_all"]
+    assert t.set_index("policy")["total_hours"].to_dict() == pytest.approx(
+        {"deadline": rounds["sim_elapsed_s"].iloc[-1] / 3600, "wait_all": times.groupby(c["round"]).max().sum() / 3600})
+    assert "missed the deadline (deadline, %)" in device_time.report(both, deployed=0.5)
+    assert len(device_time.plot_policies(both, "full_width").axes) == 2
+    with pytest.raises(SystemExit) as bad:
+        device_time.main([str(tmp_path / "r")])
+    assert bad.value.code == 2
     shown = lines.getvalue().splitlines()  # the progress line: device time so far and the round's stragglers
     for line, (_, row) in zip(shown, rounds.iterrows()):
         assert f"device time {row['sim_elapsed_s']:.1f}s" in line

@@ -211,7 +211,8 @@ def test_a_finished_sweep_reruns_nothing_and_needs_resume(smoke_study):
 # ----------------------------------------------------------------------------------------------
 # A killed driver, resumed
 # ----------------------------------------------------------------------------------------------
-KILL_VARIANTS = ["ref", "g_target=0.5", "tau_var=0.05", "beta_ema=0.5", "beta_ema=0.9"]
+# run one at a time: one finishes before the kill, a later one is caught part-way
+KILL_VARIANTS = ["ref", "g_target=0.5", "tau_var=0.05"]
 
 
 def _statuses(out: Path) -> dict[str, str]:
