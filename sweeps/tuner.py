@@ -54,8 +54,22 @@ def connect_driver(address: str | None) -> None:
 def run_trials(trials: list[dict[str, Any]], opts: SweepOptions, study: str, *, search_alg=None,
                scheduler=None, num_samples: int = 1, param_space: dict[str, Any] | None = None) -> list[tuple[str, str]]:
     """Run ``trials`` (flat dicts) — or ``num_samples`` draws from ``param_space`` with ``search_alg`` —
-    under Tune; return ``(trial, error)`` for every trial that still failed after its retries."""
+    under Tune; return ``(trial, error)`` for every trial that still failed after its retries.
+
+    A Ray this call started is shut down before it returns: left to the interpreter's exit, Ray's
+    teardown after a Tune run took about 40 s on 2 cores (a 19-trial smoke sweep: 88 s against 47 s)."""
+    started = not ray.is_initialized()
     connect_driver(opts.address)
+    try:
+        return _fit(trials, opts, study, search_alg=search_alg, scheduler=scheduler, num_samples=num_samples,
+                    param_space=param_space)
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _fit(trials: list[dict[str, Any]], opts: SweepOptions, study: str, *, search_alg, scheduler, num_samples: int,
+         param_space: dict[str, Any] | None) -> list[tuple[str, str]]:
     dest = ResultsDestination(opts.out)
     on_cluster = bool(opts.address or os.environ.get("RAY_ADDRESS")) or sum(n.get("Alive", False) for n in ray.nodes()) > 1
     if on_cluster and not dest.is_remote:
