@@ -65,13 +65,13 @@ VARIANTS = ("local", "masked", "ray", "resume")
 BACKENDS = ("local", "ray")
 TABLES = ("runs", "rounds", "clients", "layers", "allocations")
 # Not compared, by name (never by pattern, so no number is dropped by accident): the run id,
-# wall-clock times, where a client ran (worker, GPU), and provenance that differs between
+# wall-clock times, where a client ran (worker, GPU, node), and provenance that differs between
 # checkouts (the config as JSON text, whose every leaf is also a config.* column; the package and results
 # schema versions).
 # (results.WALL_CLOCK names the same times; spelled out here, as this file must run against checkouts that
 # predate it)
 DROP = frozenset({"run_id", "started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s",
-                  "config_json", "package_version", "schema_version", "worker", "gpu_id"})
+                  "config_json", "package_version", "schema_version", "worker", "gpu_id", "node"})
 # the Ray cases run without --full: the plain strategy and those with state kept between rounds on the
 # server (FedSAP's groups and masks, SCAFFOLD's control variates) or per client (MOON's previous model);
 # each Ray case costs 4-5 local ones (actor start-up), so all 18 run only with --full

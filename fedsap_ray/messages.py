@@ -88,6 +88,7 @@ class ClientResult:
     wall_s: float = 0.0
     worker: str = "local"
     gpu_id: int | None = None
+    node: str = "local"  # the Ray node the worker ran on (clients.node)
     steps: int = 0  # optimizer steps taken over all local epochs (SCAFFOLD's K)
     samples_seen: int = 0  # samples in the batches of those steps (train_macs: Strategy.train_macs)
 

@@ -31,7 +31,7 @@ class ProgressPrinter:
         else:
             acc = "not evaluated"
         print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
-              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{_phases(s)}{_simulated(s)}{s.progress}",
+              f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{_phases(s)}{_simulated(s)}{s.progress}{_lost(s)}",
               file=self.stream, flush=True)
 
 
@@ -39,6 +39,11 @@ def _phases(s: RoundSummary) -> str:
     """`` (train 4.1 eval 1.2 server 0.1)``: where the round's seconds went (rounds.train_s, eval_s, server_s)."""
     t = s.times
     return f" (train {t.train_s:.1f} eval {t.eval_s:.1f} server {t.server_s:.1f})" if t.total > 0 else ""
+
+
+def _lost(s: RoundSummary) -> str:
+    """``  [node 3c38abb3a1f0 lost: replaced, their clients re-ran]``: what the Ray backend lost this round."""
+    return f"  [{'; '.join(s.lost)}: replaced, their clients re-ran]" if s.lost else ""
 
 
 def _simulated(s: RoundSummary) -> str:

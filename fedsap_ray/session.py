@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class WorkerInfo:
     pid: int
     device: str
     placement_group: str | None  # hex id, None outside a placement group
+    node: str = "local"  # Ray node id, first 12 hex digits
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,10 @@ class RunSession:
     def step(self, t: int) -> RoundSummary:
         assert self.state is not None, "RunSession.start() first"
         state, summary = self.server.round(self.state, t)
+        take = getattr(self.backend, "take_losses", None)
+        lost = tuple(take()) if take is not None else ()
+        if lost:
+            summary = dataclasses.replace(summary, lost=lost)
         tree = ServerState(round=state.round, params=state.params,
                            strategy_state=self.strategy.state_tree(state.strategy_state))
         checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),

@@ -68,6 +68,7 @@ class RoundSummary:
     worst_client_accuracy: float | None = None  # ... and its worst client
     sim_elapsed_s: float = 0.0  # simulated device seconds of rounds 1..this one (fedsap_ray.devices)
     n_stragglers: int = 0  # clients left out of aggregation by devices.policy this round
+    lost: tuple[str, ...] = ()  # workers or nodes the Ray backend lost this round (their clients re-ran)
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ class Recorder:
             row = dict(round=t, client_id=r.client_id, true_domain=spec.domain, pruning_ratio=spec.pruning_ratio,
                        capacity_max=spec.capacity, capacity_used=plan.capacity_used, tv_distance=spec.tv_distance,
                        n_samples=r.n_samples, train_loss=r.train_loss, bytes_up=r.bytes_up + plan.side_bytes_up,
-                       bytes_down=plan.bytes_down, wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id,
+                       bytes_down=plan.bytes_down, wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id, node=r.node,
                        sim_time_s=sim.client_s[r.client_id], straggler=r.client_id in sim.stragglers)
             row.update(records.clients[r.client_id])
             rows.append(row)

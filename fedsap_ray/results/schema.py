@@ -17,10 +17,10 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 6  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 7  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
-# sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler)
+# sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on)
 GLOBAL_DOMAIN = "__global__"
 # Columns that hold wall-clock readings: never reproducible, so never compared between runs (the golden
 # check, the tests of determinism and resume).
@@ -129,6 +129,7 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("wall_s", pa.float64(), "local training wall time, seconds"),
     Column("worker", pa.string(), "which worker ran the client ('local' in-process)"),
     Column("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
+    Column("node", pa.string(), "Ray node id of the worker that ran the client, first 12 hex digits ('local' in-process)"),
     Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.devices): "
            "(1 + devices.backward_factor) x train_macs / speed + bytes_down / down + bytes_up / up"),
     Column("straggler", pa.bool_(), "trained but left out of aggregation by devices.policy (its compute counted)"),

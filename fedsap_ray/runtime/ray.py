@@ -49,6 +49,7 @@ from fedsap_ray.driver import DriverCallback, drive_one
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+NODE_CHARS = 12  # a node id's first hex digits, as clients.node and the progress line show it
 PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
 # Plans and results of small models travel inline with the task instead of through the
 # object store (measured in benchmarks/: raylet CPU per round 0.15 s -> 0.01 s at 50 clients).
@@ -139,11 +140,12 @@ class ClientWorker:
         self.data = PreparedData(self._client_data, self.device)  # each client's, built once per run
         gpu_ids = ray.get_gpu_ids()
         self.gpu_id = int(gpu_ids[0]) if gpu_ids else None
+        self.node = ray.get_runtime_context().get_node_id()[:NODE_CHARS]
 
     def info(self) -> WorkerInfo:
         pg = ray.util.get_current_placement_group()
         return WorkerInfo(name=self.name, gpu_id=self.gpu_id, pid=os.getpid(), device=str(self.device),
-                          placement_group=pg.id.hex() if pg is not None else None)
+                          placement_group=pg.id.hex() if pg is not None else None, node=self.node)
 
     def _client_data(self, client_id: int) -> DomainData:
         domain, idx = self.client_index[client_id]
@@ -161,8 +163,14 @@ class ClientWorker:
 
     def train(self, plan: ClientPlan) -> ClientResult:
         result = train_client(plan, self.model, self.layout, self.data.get(plan.client_id), self.device)
-        result.worker, result.gpu_id = self.name, self.gpu_id
+        result.worker, result.gpu_id, result.node = self.name, self.gpu_id, self.node
         return result
+
+
+def _loss_line(node: str) -> str:
+    """One line for a dead worker: whether its node is gone too (a node removed or crashed) or only the worker."""
+    alive = {n["NodeID"][:NODE_CHARS] for n in ray.nodes() if n.get("Alive")}
+    return f"node {node} lost" if node not in alive else f"a worker on node {node} died"
 
 
 class RayWorkerPool:
@@ -175,6 +183,8 @@ class RayWorkerPool:
         self.workers: list[Any] = []
         self.restarts = 0
         self._spawned = 0
+        self.nodes: list[str] = []  # the node of each worker slot, once it has started
+        self._losses: list[str] = []  # what was lost since the last take_losses(), one line each
 
     def start(self, ctx: RunContext) -> None:
         fed: Federation = ctx.federation
@@ -184,7 +194,7 @@ class RayWorkerPool:
         self.run_tag = f"fedsap-{ctx.cfg.config_hash()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"  # unique per pool
         n = pool_size(self.cfg, len(fed.clients))
         self.workers = [self._spawn() for _ in range(n)]
-        ray.get([w.info.remote() for w in self.workers])  # fail fast if a worker cannot start
+        self.nodes = [i.node for i in ray.get([w.info.remote() for w in self.workers])]  # fail fast if one cannot start
 
     def _spawn(self) -> Any:
         r = self.cfg.resources
@@ -194,7 +204,15 @@ class RayWorkerPool:
             name, *self._init_args, r.device, r.torch_threads)
 
     def worker_info(self) -> list[WorkerInfo]:
-        return ray.get([w.info.remote() for w in self.workers])
+        info = ray.get([w.info.remote() for w in self.workers])
+        self.nodes = [i.node for i in info]
+        return info
+
+    def take_losses(self) -> list[str]:
+        """What died since the last call (``node 3c38abb3a1f0 lost`` or ``a worker on node ... died``): the
+        progress line shows it; the clients a lost worker held re-ran on its replacement."""
+        out, self._losses = self._losses, []
+        return out
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
         """Dispatch plans to idle worker slots (``PIPELINE`` per worker, so the next plan is queued
@@ -213,10 +231,13 @@ class RayWorkerPool:
                 w, gen, cid = inflight.pop(ref)
                 try:
                     results[cid] = ray.get(ref)
+                    if w < len(self.nodes):
+                        self.nodes[w] = results[cid].node  # a replacement's node is known from its first result
                     slots.append(w)
                 except _DEAD:  # the worker died: replace it (once) and re-run its clients from their plans
                     todo.appendleft(cid)
                     if gen == generation[w]:
+                        self._losses.append(_loss_line(self.nodes[w] if w < len(self.nodes) else "?"))
                         self.workers[w] = self._spawn()
                         generation[w] += 1
                         self.restarts += 1

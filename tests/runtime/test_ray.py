@@ -16,7 +16,7 @@ from fedsap_ray.experiment import run_experiment  # noqa: E402
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=3",
         "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=4",
         "algorithm.width=capacity"]
-VOLATILE = [*results.WALL_CLOCK, "worker", "gpu_id"]
+VOLATILE = [*results.WALL_CLOCK, "worker", "gpu_id", "node"]
 
 
 @pytest.fixture(scope="module", autouse=True)

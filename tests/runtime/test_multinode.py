@@ -1,0 +1,116 @@
+"""The Ray backend on a cluster of several nodes, all on this machine (issue 29).
+
+``ray.cluster_utils.Cluster`` starts a head and further nodes as separate raylets, each with its own
+logical CPUs and GPU and its own node-local data cache folder (``FEDSAP_RAY_CACHE`` in that raylet's
+environment, which its workers inherit), dashboard off: how Ray tests itself. The nodes listen on the
+address Ray picks for this machine, not 127.0.0.1: a driver that joins ``127.0.0.1:PORT`` has it
+rewritten to that address by Ray (``resolve_ip_for_localhost``), so a loopback-only cluster cannot be
+joined by address. Nothing leaves the machine either way.
+
+One worker of one CPU per node: three workers fill the head and the first two nodes' single CPUs in
+some order, and the spare node is where a lost worker's replacement can start.
+"""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from fedsap_ray import results  # noqa: E402
+from fedsap_ray.config import build_config  # noqa: E402
+from fedsap_ray.data import build_federation  # noqa: E402
+from fedsap_ray.experiment import run_experiment  # noqa: E402
+from fedsap_ray.progress import ProgressPrinter  # noqa: E402
+
+TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",
+        "training.rounds=3", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3",
+        "algorithm.width=capacity"]
+ON_CLUSTER = ["resources.num_workers=3", "resources.cpus_per_worker=1"]
+NODES = ("head", "n1", "n2", "spare")
+PLACEMENT = [*results.WALL_CLOCK, "worker", "gpu_id", "node"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    caches = tmp_path_factory.mktemp("node-caches")
+    env = {name: {"FEDSAP_RAY_CACHE": str(caches / name)} for name in NODES}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False,
+                                                      "env_vars": env["head"]})
+    c.caches = caches
+    c.workers_nodes = {name: c.add_node(num_cpus=1, num_gpus=1, env_vars=env[name]) for name in NODES[1:]}
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, namespace="fedsap-multinode")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fed():
+    return build_federation(build_config(preset="smoke", overrides=TINY))
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory, fed):
+    out = tmp_path_factory.mktemp("local")
+    run_experiment(build_config(preset="smoke", overrides=TINY), out, run_id="x", federation=fed)
+    return results.load(out)
+
+
+def _same(a, b) -> None:
+    for name, key in (("rounds", ["round", "eval_mode", "domain"]), ("clients", ["round", "client_id"])):
+        x, y = (getattr(r, name).drop(columns=PLACEMENT, errors="ignore").sort_values(key).reset_index(drop=True)
+                for r in (a, b))
+        pd.testing.assert_frame_equal(x, y)
+
+
+def test_a_cli_run_spreads_its_workers_over_the_nodes_and_equals_the_local_run(cluster, local_run, tmp_path):
+    out = tmp_path / "out"
+    sets = [a for o in [*TINY, *ON_CLUSTER] for a in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "fedsap_ray.cli", "run", "--preset", "smoke", "--backend", "ray",
+                           "--address", cluster.address, "--out", str(out), "--run-id", "x", "--quiet", *sets],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = results.load(out)
+    nodes = set(res.clients["node"])
+    alive = {n["NodeID"][:12] for n in ray.nodes() if n["Alive"]}
+    assert len(nodes) == 3 and nodes <= alive  # one worker on each of three nodes
+    _same(local_run, res)
+    # the results are the driver's: every table in --out, nothing written into the nodes' own folders
+    assert {p.name for p in out.iterdir()} >= {"runs", "rounds", "clients", "allocations"}
+    assert not list(Path(cluster.caches).rglob("*.parquet"))
+
+
+def test_a_node_lost_mid_run_costs_no_number_and_is_named(cluster, fed, local_run, tmp_path):
+    lost: dict[str, str] = {}
+    head = cluster.head_node.node_id[:12]
+    by_id = {n.node_id[:12]: n for n in cluster.workers_nodes.values()}
+    lines = io.StringIO()
+    printer = ProgressPrinter(3, stream=lines)
+
+    def remove_a_worker_node_after_round_1(summary):
+        printer(summary)
+        if summary.round != 1:
+            return
+        used = set(results.load(tmp_path).clients["node"]) - {head}
+        node = sorted(used)[0]
+        cluster.remove_node(by_id[node])  # its raylet and every worker on it die now
+        lost["node"] = node
+
+    cfg = build_config(preset="smoke", overrides=[*TINY, "resources.backend=ray", *ON_CLUSTER])
+    outcome = run_experiment(cfg, tmp_path, run_id="x", federation=fed, progress=remove_a_worker_node_after_round_1)
+    assert lost and outcome.worker_restarts >= 1
+    res = results.load(tmp_path)
+    _same(local_run, res)
+    assert lost["node"] not in set(res.clients.loc[res.clients["round"] > 1, "node"])
+    shown = lines.getvalue().splitlines()
+    assert f"node {lost['node']} lost" in shown[1] and "replaced" in shown[1]  # round 2 names the lost node
+    assert "lost" not in shown[0] and "lost" not in shown[2]
