@@ -66,7 +66,8 @@ class RandomTier(WidthRule):
     papers/003 section 4.2), seeded by (run seed, round, client)."""
 
     def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
-        tiers = sorted({float(c.capacity) for c in s.ctx.federation.clients})
+        # the federation's tiers, once per run: recomputed per call they made round_widths O(clients^2)
+        tiers = s.memo("fjord_tiers", None, lambda: sorted({float(c.capacity) for c in s.ctx.federation.clients}))
         p_max = float(s.ctx.federation.clients[client_id].capacity)
         return float(rng_for(s.cfg.seed, t, client_id, "fjord").choice([p for p in tiers if p <= p_max]))
 
