@@ -11,9 +11,9 @@ needs nothing from :mod:`fedsap_ray.runtime` (which imports it: the Ray backend 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as _dt
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -168,9 +168,10 @@ class ClientWorker:
 
 
 def _loss_line(node: str) -> str:
-    """One line for a dead worker: whether its node is gone too (a node removed or crashed) or only the worker."""
+    """One line for a dead worker, naming its node: ``node X lost`` when the cluster has marked the node dead
+    too (removed or crashed), else ``worker on node X lost`` (the worker alone, or a node not yet marked)."""
     alive = {n["NodeID"][:NODE_CHARS] for n in ray.nodes() if n.get("Alive")}
-    return f"node {node} lost" if node not in alive else f"a worker on node {node} died"
+    return f"node {node} lost" if node not in alive else f"worker on node {node} lost"
 
 
 class RayWorkerPool:
@@ -209,9 +210,9 @@ class RayWorkerPool:
         return info
 
     def take_losses(self) -> list[str]:
-        """What died since the last call (``node 3c38abb3a1f0 lost`` or ``a worker on node ... died``): the
-        progress line shows it; the clients a lost worker held re-ran on its replacement."""
-        out, self._losses = self._losses, []
+        """What died since the last call, one line per node (``node 3c38abb3a1f0 lost``, ``worker on node ...
+        lost``): the progress line shows it; the clients a lost worker held re-ran on its replacement."""
+        out, self._losses = list(dict.fromkeys(self._losses)), []
         return out
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
