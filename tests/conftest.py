@@ -67,6 +67,23 @@ def federation_fixture(overrides, name: str = "fed", preset: str = "smoke"):
     return _federation
 
 
+def backend_fixtures(overrides):
+    """``(fed, local_run)``, module-scoped fixtures for the backend tests (a Ray module binds both at top level:
+    ``fed, local_run = backend_fixtures(TINY)``): the federation of ``overrides`` on the smoke preset, and the
+    local backend's tables of one run on it, the reference a Ray run must equal."""
+    @pytest.fixture(scope="module", name="fed")
+    def _fed():
+        return build_federation(build_config(preset="smoke", overrides=list(overrides)))
+
+    @pytest.fixture(scope="module", name="local_run")
+    def _local_run(tmp_path_factory, fed):
+        out = tmp_path_factory.mktemp("local")
+        run_experiment(build_config(preset="smoke", overrides=list(overrides)), out, run_id="x", federation=fed)
+        return results.load(out)
+
+    return _fed, _local_run
+
+
 def make_strategy(cfg, fed):
     """(RunContext, Strategy) for ``cfg`` on a prebuilt federation, without a backend."""
     ctx = build_context(cfg, fed)

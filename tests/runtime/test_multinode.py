@@ -26,9 +26,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from fedsap_ray import results  # noqa: E402
 from fedsap_ray.config import build_config  # noqa: E402
-from fedsap_ray.data import build_federation  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402
 from fedsap_ray.progress import ProgressPrinter  # noqa: E402
+from tests.conftest import backend_fixtures  # noqa: E402
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",
         "training.rounds=3", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3",
@@ -53,16 +53,7 @@ def cluster(tmp_path_factory):
     c.shutdown()
 
 
-@pytest.fixture(scope="module")
-def fed():
-    return build_federation(build_config(preset="smoke", overrides=TINY))
-
-
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory, fed):
-    out = tmp_path_factory.mktemp("local")
-    run_experiment(build_config(preset="smoke", overrides=TINY), out, run_id="x", federation=fed)
-    return results.load(out)
+fed, local_run = backend_fixtures(TINY)
 
 
 def _same(a, b) -> None:

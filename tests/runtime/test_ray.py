@@ -12,7 +12,7 @@ from fedsap_ray.client import ClientError  # noqa: E402
 from fedsap_ray.config import build_config  # noqa: E402
 from fedsap_ray.data import DomainData, build_federation  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402
-from tests.conftest import make_strategy  # noqa: E402
+from tests.conftest import backend_fixtures, make_strategy  # noqa: E402
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=3",
         "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=4",
@@ -28,16 +28,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def fed():
-    return build_federation(build_config(preset="smoke", overrides=TINY))
-
-
-@pytest.fixture(scope="module")
-def local_run(tmp_path_factory, fed):
-    out = tmp_path_factory.mktemp("local")
-    run_experiment(build_config(preset="smoke", overrides=TINY), out, run_id="x", federation=fed)
-    return results.load(out)
+fed, local_run = backend_fixtures(TINY)
 
 
 def _ray(out, fed, extra=(), **kw):
