@@ -7,8 +7,8 @@ address Ray picks for this machine, not 127.0.0.1: a driver that joins ``127.0.0
 rewritten to that address by Ray (``resolve_ip_for_localhost``), so a loopback-only cluster cannot be
 joined by address. Nothing leaves the machine either way.
 
-One worker of one CPU per node: three workers fill the head and the first two nodes' single CPUs in
-some order, and the spare node is where a lost worker's replacement can start.
+Four nodes of one CPU each and three workers of one CPU: the workers land on three different nodes
+(which three is Ray's choice), and the fourth is where a lost worker's replacement can start.
 """
 from __future__ import annotations
 
