@@ -130,7 +130,6 @@ def admit(cfg: ExperimentConfig, times: Mapping[int, float], k: int) -> tuple[se
     return set(times), max(times.values())
 
 
-
 @dataclass(frozen=True)
 class SimRound:
     """One round's simulated device time: each trained client's seconds, the stragglers (trained, not
@@ -145,10 +144,10 @@ class DeviceClock:
     """The run's devices and the policy applied to a round's results (pure: no state across rounds; the
     elapsed time is the recorder's, so it is checkpointed with the other running metrics)."""
 
-    def __init__(self, cfg: ExperimentConfig, capacities: Sequence[float]) -> None:
+    def __init__(self, cfg: ExperimentConfig, devices: Sequence[Device]) -> None:
         self.cfg = cfg
-        self.devices = devices_for(cfg, capacities)
-        self.k = round_size(cfg, len(capacities))  # the clients a round aggregates under over_select
+        self.devices = list(devices)  # devices_for's list (the strategy's, Strategy.devices)
+        self.k = round_size(cfg, len(self.devices))  # the clients a round aggregates under over_select
 
     def round(self, t: int, costs: Mapping[int, tuple[int, int, int]]) -> SimRound:
         """``costs``: client -> (train_macs, bytes_down, bytes_up) of each client that trained in round ``t``."""

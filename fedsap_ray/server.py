@@ -25,7 +25,7 @@ from torch import nn
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.devices import DeviceClock
+from fedsap_ray.devices import Device, DeviceClock
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
@@ -53,6 +53,8 @@ class RoundStrategy(Protocol):
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int: ...
 
+    def devices(self) -> list[Device]: ...
+
     @classmethod
     def declared_columns(cls, table: str) -> list[Column]: ...
 
@@ -79,7 +81,7 @@ class Server:
                                                                              "allocations")},
                                  writer, type(strategy).__name__, deployed_sampled=sampled)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
-        self.clock = DeviceClock(ctx.cfg, [c.capacity for c in ctx.federation.clients])  # simulated device time
+        self.clock = DeviceClock(ctx.cfg, strategy.devices())  # simulated device time, the strategy's devices
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
         """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).

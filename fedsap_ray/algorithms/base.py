@@ -254,8 +254,7 @@ class Strategy(ABC):
                 return list(range(n))
             rng = rng_for(self.cfg.seed, t, -1, "sample")
             return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
-        pool = devices.available(self.cfg, self.memo("devices", None, lambda: devices.devices_for(
-            self.cfg, [c.capacity for c in self.ctx.federation.clients])), t)
+        pool = devices.available(self.cfg, self.devices(), t)
         if not pool:
             raise ConfigError(f"invalid devices.availability={dev.availability}: no client is available in round {t}; "
                               "raise the availability (or the trace's) or add clients")
@@ -264,6 +263,12 @@ class Strategy(ABC):
             return pool
         rng = rng_for(self.cfg.seed, t, -1, "sample")
         return sorted(int(pool[i]) for i in rng.choice(len(pool), size=m, replace=False))
+
+    def devices(self) -> list[devices.Device]:
+        """Every client's simulated device (:func:`fedsap_ray.devices.devices_for`), built once per run: the
+        sampling here and the server's clock read the same list (a trace is read once)."""
+        return self.memo("devices", None, lambda: devices.devices_for(
+            self.cfg, [c.capacity for c in self.ctx.federation.clients]))
 
     def lr_at(self, t: int) -> float:
         """Learning rate of round t (1-based): lr * decay^(t-1) (papers/003 section 4.1)."""
