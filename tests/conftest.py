@@ -221,6 +221,54 @@ def run_study(study: str, *args: str, timeout: float = 900, cwd: Path = REPO) ->
                           capture_output=True, text=True, timeout=timeout)
 
 
+def sweep_statuses(out: Path) -> dict[str, str]:
+    """run id -> status of every runs row in a sweep's folder that reads back now (one being replaced is skipped)."""
+    import pyarrow.parquet as pq
+
+    folder, found = out / "runs", {}
+    for f in (folder.glob("*.parquet") if folder.is_dir() else []):
+        try:
+            found[f.stem] = pq.read_table(f).to_pylist()[0]["status"]
+        except Exception:  # being replaced right now
+            pass
+    return found
+
+
+def wait_part_way(proc: subprocess.Popen, out: Path, timeout: float = 600, finished: bool = True) -> None:
+    """Return once one trial of the sweep writing ``out`` finished (unless ``finished=False``) and another
+    is at round 1-3 of 5.
+
+    At most round 3 of 5: the trial is still mid-way when a kill lands (a trial seen at round 4 or 5 could
+    finish before Ray ends it, leaving nothing partial; the next trial is taken)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = sweep_statuses(out)
+        done = [k for k, v in st.items() if v == "finished"]
+        if (done or not finished) and any(v == "running" for v in st.values()):
+            rounds = results.load(out).rounds
+            mid = rounds[~rounds["run_id"].isin(done)]
+            if len(mid) and 1 <= mid["round"].max() <= 3:
+                return
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else proc.returncode
+        time.sleep(0.2)
+    pytest.fail("the sweep did not get part-way in time")
+
+
+def check_complete(out: Path, expected_ids: set[str], rounds: int) -> results.Results:
+    """The sweep in ``out`` holds exactly one finished runs row per expected run and every round once."""
+    res = results.load(out)
+    assert set(res.runs["run_id"]) == expected_ids
+    assert len(res.runs) == len(expected_ids)  # exactly one runs row per trial
+    assert (res.runs["status"] == "finished").all(), res.runs[["run_id", "status", "error"]]
+    key = ["run_id", "round", "domain", "eval_mode"]
+    assert not res.rounds.duplicated(key).any()
+    per_run = res.rounds.groupby("run_id")["round"].agg(["min", "max", "nunique"])
+    assert (per_run["min"] == 1).all() and (per_run["max"] == rounds).all() and (per_run["nunique"] == rounds).all()
+    return res
+
+
 @pytest.fixture(scope="session")
 def smoke_study(tmp_path_factory):
     """``smoke_study(study)``: the results folder of ``sweeps/<study>.py --smoke-test``, run once per session

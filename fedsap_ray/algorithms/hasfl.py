@@ -22,6 +22,7 @@ steps feed the EMA, as in the algorithm. Defaults are section 4.1's.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -70,9 +71,11 @@ class Allocated(WidthRule):
     def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
         return float(state.strategy_state.alloc[client_id])
 
-    def round_widths(self, s: Strategy, state: ServerState, t: int) -> np.ndarray:
+    def round_widths(self, s: Strategy, state: ServerState, t: int,
+                     clients: Sequence[int] | None = None) -> dict[int, float]:
         """The widths round t trained at (the state after it allocates round t+1's)."""
-        return state.strategy_state.alloc_used
+        used = state.strategy_state.alloc_used
+        return {cid: used[cid] for cid in (range(len(used)) if clients is None else clients)}
 
     def adapted(self, s: Strategy, t: int) -> bool:
         return bool(s.is_adaptation_round(t))  # type: ignore[attr-defined]

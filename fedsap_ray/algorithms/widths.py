@@ -9,9 +9,9 @@ deployed model can recompute it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
-import numpy as np
 
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.messages import ServerState
@@ -28,10 +28,12 @@ class WidthRule:
     def __call__(self, s: Strategy, state: ServerState, client_id: int, t: int) -> float:
         return 1.0
 
-    def round_widths(self, s: Strategy, state: ServerState, t: int) -> np.ndarray:
-        """Every client's round-t width for the ``allocations`` table, given the state AFTER round t
-        (a rule whose widths live in the state overrides it)."""
-        return np.array([self(s, state, cid, t) for cid in range(len(s.ctx.federation.clients))])
+    def round_widths(self, s: Strategy, state: ServerState, t: int,
+                     clients: Sequence[int] | None = None) -> dict[int, float]:
+        """Round-t widths of ``clients`` (default: every client) for the ``allocations`` table, given the
+        state AFTER round t (a rule whose widths live in the state overrides it)."""
+        ids = range(len(s.ctx.federation.clients)) if clients is None else clients
+        return {cid: self(s, state, cid, t) for cid in ids}
 
     def adapted(self, s: Strategy, t: int) -> bool:
         """Whether the allocations changed at the end of round t (``allocations.adapted``; static rules: never)."""

@@ -21,6 +21,11 @@ off NFS). A folder whose ``meta.json`` is missing or unreadable, whose arrays do
 open with the recorded shape and dtype, or whose source files (those the source's
 ``files()`` reports) changed size or mtime since the build, is rebuilt.
 
+Every build appends one JSON line (entry folder name, pid, time) to ``<root>/builds.jsonl``
+(:func:`node_cache_builds` counts them), so "loaded once per node" can be checked on a real
+cluster: each node's root should show one build per entry however many trials the node ran.
+The line is written with one ``O_APPEND`` write, atomic on a local file system.
+
 The returned tensors view copy-on-write maps: callers should not write to them in place
 (the rule :func:`~fedsap_ray.data.federation.load_splits` already states and all code
 follows), but if one does, only that process's private copy of the touched pages
@@ -36,6 +41,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,6 +59,7 @@ from fedsap_ray.schema import ExperimentConfig
 
 FORMAT_VERSION = 1
 META = "meta.json"
+BUILD_LOG = "builds.jsonl"
 _TMP_PREFIX = ".tmp-"
 # torch.from_numpy warns on every read-only array; the read-only-ness is the point here
 _NOT_WRITABLE = "The given NumPy array is not writable"
@@ -105,6 +112,21 @@ def shared_splits(cfg: ExperimentConfig, cache_dir: Path | str | None = None) ->
                     raise RuntimeError(f"node cache: {target} was just written but does not read back")
     _OPENED[str(target)] = splits
     return splits
+
+
+def node_cache_builds(cache_dir: Path | str | None = None) -> dict[str, int]:
+    """Entry folder name -> how many times it was built under this root (from ``builds.jsonl``)."""
+    log = node_cache_root(cache_dir) / BUILD_LOG
+    counts: dict[str, int] = {}
+    if not log.is_file():
+        return counts
+    for line in log.read_text().splitlines():
+        try:
+            entry = json.loads(line)["entry"]
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash mid-write
+            continue
+        counts[entry] = counts.get(entry, 0) + 1
+    return counts
 
 
 def clear_in_process() -> None:
@@ -255,6 +277,16 @@ def _build(cfg: ExperimentConfig, target: Path) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _log_build(root, target.name)
+
+
+def _log_build(root: Path, entry: str) -> None:
+    line = (json.dumps({"entry": entry, "pid": os.getpid(), "unix_time": round(time.time(), 3)}) + "\n").encode()
+    fd = os.open(root / BUILD_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 def _place(tmp: Path, target: Path) -> None:

@@ -12,8 +12,9 @@ Layout of an output folder (docs/reference/results.md is generated from the decl
     OUT/rounds/<run_id>.parquet    one row per (round, domain) plus a ``__global__`` row
     OUT/clients/<run_id>.parquet   one row per (round, participating client)
     OUT/layers/<run_id>.parquet    one row per (round, client, layer): where the budget went (FedSAP)
-    OUT/allocations/<run_id>.parquet  one row per (round, client) for ALL clients: widths and
-                                   heterogeneity estimates of the sub-model allocation strategies
+    OUT/allocations/<run_id>.parquet  one row per (round, client): widths and heterogeneity estimates of
+                                   the sub-model allocation strategies, for every client at round 1, at
+                                   each adaptation step and at the last round, else the round's clients
     OUT/<table>/<run_id>@r<round:06d>.parquet  one round's rows of a run in progress (a "part"),
                                    merged into ``<run_id>.parquet`` when the run ends
     OUT/<table>/compacted-<uuid8>.parquet  rows of many final runs (:func:`compact`,

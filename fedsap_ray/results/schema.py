@@ -129,7 +129,8 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("wall_s", pa.float64(), "local training wall time, seconds"),
     Column("worker", pa.string(), "which worker ran the client ('local' in-process)"),
     Column("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
-    Column("node", pa.string(), "Ray node id of the worker that ran the client, first 12 hex digits ('local' in-process)"),
+    Column("node", pa.string(), "Ray node id of the process that trained the client, first 12 hex digits: the worker's, or "
+           "the trial's for a sweep trial training in-process; 'local' outside Ray"),
     Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.devices): "
            "(1 + devices.backward_factor) x train_macs / speed + bytes_down / down + bytes_up / up"),
     Column("straggler", pa.bool_(), "trained but left out of aggregation by devices.policy (its compute counted)"),
@@ -166,8 +167,10 @@ TABLE_ROWS: dict[str, str] = {
     "rounds": f"one row per (round, evaluated model, test domain) plus a '{GLOBAL_DOMAIN}' row per round and model",
     "clients": "one row per (round, participating client): its data, capacity, mask and cost",
     "layers": "one row per (round, client, channel layer): where a client's channel budget went (FedSAP)",
-    "allocations": "one row per (round, client) for every client of the federation, sampled or not: the widths "
-                   "and heterogeneity estimates of the sub-model allocation strategies",
+    "allocations": "one row per (round, client): the widths and heterogeneity estimates of the sub-model "
+                   "allocation strategies, for every client of the federation (sampled or not) at round 1, at "
+                   "each adaptation step and at the last round, and for the round's clients in the rounds between "
+                   "(the rows left out repeat the latest one: widths change only at an adaptation step)",
 }
 # the columns that identify a table's rows: a file in the table's folder must have them
 KEY_COLUMNS: dict[str, tuple[str, ...]] = {

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import queue
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,6 +24,18 @@ import torch
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import PreparedData, default_workers, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.messages import ClientPlan, ClientResult
+
+
+def ray_node() -> str:
+    """The Ray node this process runs on when Ray is up in it (a sweep trial training its clients in-process,
+    ``--workers-per-trial 0``), so ``clients.node`` says where a trial ran; ``'local'`` otherwise. Ray is read
+    from ``sys.modules``, never imported: a plain local run does not load it."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return "local"
+    from fedsap_ray.runtime.ray import NODE_CHARS
+
+    return str(ray.get_runtime_context().get_node_id())[:NODE_CHARS]
 
 
 class LocalBackend:
@@ -35,9 +48,11 @@ class LocalBackend:
         self.ctx: RunContext | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._data: PreparedData | None = None  # each client's prepared data, built once per run
+        self.node = "local"
 
     def start(self, ctx: RunContext) -> None:
         self.ctx = ctx
+        self.node = ray_node()
         torch.set_num_threads(self.torch_threads)
         warm_torch()
         self._data = PreparedData(ctx.federation.client_data, self.device)
@@ -54,7 +69,9 @@ class LocalBackend:
         assert self.ctx is not None and self._data is not None
         model = self._models.get()
         try:
-            return train_client(plan, model, self.ctx.layout, self._data.get(plan.client_id), self.device)
+            result = train_client(plan, model, self.ctx.layout, self._data.get(plan.client_id), self.device)
+            result.node = self.node
+            return result
         finally:
             self._models.put(model)
 

@@ -113,9 +113,11 @@ def test_repeated_calls_reuse_the_process_maps_and_info_and_clear(tmp_path, smok
     assert [(i["name"], i["key"], i["path"]) for i in info] == [("embedded_digits", entry.name[-16:], entry)]
     assert info[0]["bytes"] == sum(f.stat().st_size for f in entry.iterdir()) > sum(
         a.train[d].x.numel() for d in a.domains)
+    assert node_cache.node_cache_builds(tmp_path) == {entry.name: 1}
     assert node_cache.clear_node_cache(tmp_path) == 1 and not entry.exists() and node_cache.node_cache_info(tmp_path) == []
     node_cache.shared_splits(smoke_cfg, tmp_path)
     assert len(calls) == 2 and entry.is_dir()
+    assert node_cache.node_cache_builds(tmp_path) == {entry.name: 2}  # the log outlives a clear: two builds here
 
 
 def _corrupt(entry: Path, how: str) -> None:
@@ -150,10 +152,11 @@ def test_corrupt_entry_is_rebuilt(tmp_path, smoke_cfg, monkeypatch, how):
     rebuilt = node_cache.shared_splits(smoke_cfg, tmp_path)
     assert len(calls) == 2
     assert_same_splits(reference, rebuilt)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [entry.name, entry.name + ".lock"]  # nothing left over
+    assert sorted(p.name for p in tmp_path.iterdir()) == [node_cache.BUILD_LOG, entry.name,
+                                                          entry.name + ".lock"]  # nothing left over
     node_cache.clear_in_process()
     node_cache.shared_splits(smoke_cfg, tmp_path)  # now complete: opened, not rebuilt
-    assert len(calls) == 2
+    assert len(calls) == 2 and node_cache.node_cache_builds(tmp_path) == {entry.name: 2}
 
 
 # ---------------------------------------------------------------------------- a fake text source with natural clients
@@ -335,7 +338,8 @@ def test_two_processes_started_together_build_once(tmp_path, smoke_cfg):
     assert sorted(r["loads"] for r in reps) == [0, 1]  # exactly one built; the other waited and mapped it
     assert reps[0]["sums"] == reps[1]["sums"]
     entry = node_cache.entry_dir(smoke_cfg, cache)
-    assert sorted(p.name for p in cache.iterdir()) == [entry.name, entry.name + ".lock"]
+    assert sorted(p.name for p in cache.iterdir()) == [node_cache.BUILD_LOG, entry.name, entry.name + ".lock"]
+    assert node_cache.node_cache_builds(cache) == {entry.name: 1}  # the build log counts the one build
 
 
 def _digest(d: Path) -> str:

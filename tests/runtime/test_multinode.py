@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain
 ON_CLUSTER = ["resources.num_workers=3", "resources.cpus_per_worker=1"]
 NODES = ("head", "n1", "n2", "spare")
 PLACEMENT = [*results.WALL_CLOCK, "worker", "gpu_id", "node"]
+ABLATION_VARIANTS = ("full", "no-dga", "no-sgp", "uniform-budget", "fedavg-het")
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +107,37 @@ def test_a_node_lost_mid_run_costs_no_number_and_is_named(cluster, fed, local_ru
     shown = lines.getvalue().splitlines()
     assert f"node {lost['node']} lost" in shown[1] and "replaced" in shown[1]  # round 2 names the lost node
     assert "lost" not in shown[0] and "lost" not in shown[2]
+
+
+def test_a_sweep_spreads_its_trials_builds_data_once_per_node_and_resumes_after_its_driver_is_killed(cluster, tmp_path):
+    """``sweeps/ablation.py --smoke-test --address``: more trials than live nodes, so some node runs two and
+    must still build the node cache once; the driver is killed mid-sweep and ``--resume`` completes it."""
+    from fedsap_ray.data import node_cache
+    from tests.conftest import REPO, check_complete, run_study, sweep_statuses, wait_part_way
+
+    alive = {n["NodeID"][:12] for n in ray.nodes() if n["Alive"]}
+    names = {cluster.head_node.node_id[:12]: "head", **{n.node_id[:12]: k for k, n in cluster.workers_nodes.items()}}
+    variants = list(ABLATION_VARIANTS)[:len(alive) + 1]
+    out = tmp_path / "out"
+    args = ["--smoke-test", "--address", cluster.address, "--out", str(out), "--workers-per-trial", "0",
+            "--max-concurrent", "2", "--set", "training.rounds=5", "--variants", *variants]
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "sweeps" / "ablation.py"), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        wait_part_way(proc, out)
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver: its trials on the nodes end with it (Ray's job cleanup)
+    finally:
+        proc.wait()
+    before = sweep_statuses(out)
+    assert "finished" in before.values() and set(before.values()) != {"finished"}
+    resumed = run_study("ablation", *args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"{list(before.values()).count('finished')} finished earlier" in resumed.stderr
+    res = check_complete(out, {f"{v}-s0" for v in variants}, 5)
+    runs_on = res.clients.groupby("node")["run_id"].nunique()
+    assert set(runs_on.index) <= alive and len(runs_on) >= 2  # spread over the nodes
+    assert runs_on.max() >= 2  # more trials than nodes: some node ran two
+    for node in runs_on.index:  # each node that ran trials built the dataset once, however many it ran
+        builds = node_cache.node_cache_builds(Path(cluster.caches) / names[node] / "node_splits")
+        assert list(builds.values()) == [1], (names[node], builds)

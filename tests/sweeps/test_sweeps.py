@@ -1,5 +1,5 @@
-"""Study scripts under Ray Tune: flat config boundary, smoke runs (what CI runs), resume after a killed
-driver, failure reporting, and the Optuna study resumed across invocations."""
+"""Study scripts under Ray Tune: flat config boundary, smoke runs (what CI runs), a killed driver's Ray ended,
+failure reporting, and the Optuna study resumed across invocations (a killed sweep resumed: test_multinode.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 
 import pandas as pd
-import pyarrow.parquet as pq
 import pytest
 
 from fedsap_ray import algorithms, results
 from fedsap_ray.config import ConfigError
 from fedsap_ray.runtime import reaper
-from conftest import REPO, run_study
+from conftest import REPO, check_complete, run_study, sweep_statuses, wait_part_way
 
 pytestmark = pytest.mark.slow
 
@@ -131,24 +130,12 @@ def test_main_comparison_runs_every_registered_algorithm():
 # ----------------------------------------------------------------------------------------------
 # Smoke runs (one per script, shared with tests/analysis/test_notebooks.py through the session fixture)
 # ----------------------------------------------------------------------------------------------
-def _check_complete(out: Path, expected_ids: set[str], rounds: int) -> results.Results:
-    res = results.load(out)
-    assert set(res.runs["run_id"]) == expected_ids
-    assert len(res.runs) == len(expected_ids)  # exactly one runs row per trial
-    assert (res.runs["status"] == "finished").all(), res.runs[["run_id", "status", "error"]]
-    key = ["run_id", "round", "domain", "eval_mode"]
-    assert not res.rounds.duplicated(key).any()
-    per_run = res.rounds.groupby("run_id")["round"].agg(["min", "max", "nunique"])
-    assert (per_run["min"] == 1).all() and (per_run["max"] == rounds).all() and (per_run["nunique"] == rounds).all()
-    return res
-
-
 @pytest.mark.parametrize("study,rounds", [("sensitivity", 3), ("ablation", 3), ("main_comparison", 3),
                                           ("capacity_confound", 4)])
 def test_smoke_study_writes_one_run_per_grid_point_and_seed(smoke_study, study, rounds):
     out = smoke_study(study)
     mod = _load(study)
-    _check_complete(out, {f"{v}-s0" for v in mod.VARIANTS}, rounds)
+    check_complete(out, {f"{v}-s0" for v in mod.VARIANTS}, rounds)
     proc = smoke_study.proc(study)
     assert "trials" in proc.stderr and "best best_global_accuracy" in proc.stderr  # the live progress line
     assert "|" in proc.stdout  # the study's table
@@ -211,21 +198,7 @@ def test_a_finished_sweep_reruns_nothing_and_needs_resume(smoke_study):
 # ----------------------------------------------------------------------------------------------
 # A killed driver, resumed
 # ----------------------------------------------------------------------------------------------
-# run one at a time: one finishes before the kill, a later one is caught part-way
-KILL_VARIANTS = ["ref", "g_target=0.5", "tau_var=0.05"]
-
-
-def _statuses(out: Path) -> dict[str, str]:
-    folder = out / "runs"
-    if not folder.is_dir():
-        return {}
-    out_ = {}
-    for f in folder.glob("*.parquet"):
-        try:
-            out_[f.stem] = pq.read_table(f).to_pylist()[0]["status"]
-        except Exception:  # being replaced right now
-            pass
-    return out_
+KILL_VARIANTS = ["ref"]
 
 
 def _comm(pid: int) -> str:
@@ -240,28 +213,17 @@ def _alive(pid: int, started: int) -> bool:
     return st is not None and st[1] == started
 
 
-def test_a_sweep_whose_driver_is_killed_resumes_every_trial_exactly_once(tmp_path):
+def test_a_killed_sweep_driver_leaves_no_ray_process_behind(tmp_path):
+    """kill -9 of a sweep's driver mid-trial: the local Ray it started (GCS, raylet, agents, the trial's actors)
+    is ended by fedsap_ray.runtime.reaper. That ``--resume`` then completes every trial exactly once is tested on
+    the multi-node cluster (tests/runtime/test_multinode.py), through the same study code."""
     out = tmp_path / "out"
     args = ["--smoke-test", "--out", str(out), "--max-concurrent", "1", "--set", "training.rounds=5",
             "--variants", *KILL_VARIANTS]
     proc = subprocess.Popen([sys.executable, str(REPO / "sweeps" / "sensitivity.py"), *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.time() + 600
     try:
-        while time.time() < deadline:  # kill once one trial is finished and the next is part-way
-            st = _statuses(out)
-            done = [k for k, v in st.items() if v == "finished"]
-            if done and any(v == "running" for v in st.values()):
-                rounds = results.load(out).rounds
-                mid = rounds[~rounds["run_id"].isin(done)]
-                # at most round 3 of 5: the trial is still mid-way when the kill lands (a trial seen at round
-                # 4 or 5 could finish before Ray ends it, leaving nothing partial; the next trial is taken)
-                if len(mid) and 1 <= mid["round"].max() <= 3:
-                    break
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.2)
-        else:
-            pytest.fail("the sweep did not get part-way in time")
+        wait_part_way(proc, out, finished=False)  # kill once the trial is part-way
         started = reaper.descendants(proc.pid)  # its local Ray: GCS, raylet, agents, trial and worker actors
         assert any(_comm(p) == "ray::DashboardAgent" for p in started), [_comm(p) for p in started]
         os.kill(proc.pid, signal.SIGKILL)  # the driver alone, as a user's kill -9 would
@@ -275,19 +237,7 @@ def test_a_sweep_whose_driver_is_killed_resumes_every_trial_exactly_once(tmp_pat
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # anything left of the driver's process group
         proc.wait()
-    before = _statuses(out)
-    finished_before = {k for k, v in before.items() if v == "finished"}
-    partial = {k for k, v in before.items() if v != "finished"}
-    assert finished_before and partial
-    stamps = {k: (out / "rounds" / f"{k}.parquet").stat().st_mtime_ns for k in finished_before}
-    resumed = run_study("sensitivity", *args, "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert f"{len(finished_before)} finished earlier" in resumed.stderr
-    res = _check_complete(out, {f"{v}-s0" for v in KILL_VARIANTS}, 5)
-    # finished trials were not re-run; the interrupted one continued from its checkpoint
-    assert stamps == {k: (out / "rounds" / f"{k}.parquet").stat().st_mtime_ns for k in finished_before}
-    assert not list((out / "checkpoints").glob("*.npz"))
-    assert res.runs.set_index("run_id").loc[sorted(partial), "rounds_done"].eq(5).all()
+    assert sweep_statuses(out) == {"ref-s0": "running"}  # caught mid-way: its row says so, for --resume
 
 
 def test_a_failing_trial_is_retried_and_reported_with_its_error(tmp_path):

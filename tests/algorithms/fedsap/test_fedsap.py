@@ -14,7 +14,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
 from fedsap_ray.messages import ClientResult
-from conftest import aggregate, make_strategy, run_rounds, steady
+from conftest import aggregate, make_strategy, run_rounds, run_rounds_with_plans, steady
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=3"]
@@ -162,6 +162,25 @@ def test_without_sgp_the_grouping_changes_no_number_with_sgp_it_does(fed):
     assert any((st == PRIVATE).any() for st in grouped.strategy_state.states.values())
     assert len(set(grouped.strategy_state.groups)) < len(alone.strategy_state.groups)  # DGA merged some clients
     assert not np.array_equal(grouped.params, alone.params)
+
+
+def test_without_dga_a_private_vector_exists_only_for_clients_that_trained_one(fed):
+    """dga=none puts each client in its own group; its Private vector (and its stamps) is made when the client
+    first aggregates Private coordinates, so the state grows with the clients that trained, not the federation
+    (made up front for every client, it cost N x P floats: 10.6 GB at 100,000 clients, issue 29)."""
+    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "algorithm.dga=none",
+                                                         "algorithm.g_target=0.5", "algorithm.tau_var=0",
+                                                         "algorithm.warmup=1", "training.participation=0.5",
+                                                         "training.rounds=3"])
+    _, _, states, plans, _ = run_rounds_with_plans(cfg, fed, 3)
+    assert not states[0].strategy_state.private and not states[0].strategy_state.stamp_p
+    expected: set[int] = set()
+    for t in range(1, 4):
+        masks = states[t - 1].strategy_state.states  # what round t's clients trained under
+        expected |= {c for c in plans[t - 1] if (masks[c] == PRIVATE).any()}
+        st = states[t].strategy_state
+        assert set(st.private) == set(st.stamp_p) == expected, t
+    assert expected  # Private channels did train (after the warm-up round)
 
 
 def test_fixed_masks_do_not_change_after_warmup(fed):

@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""What a round costs as the federation grows and the round does not (issue 29).
+
+For each federation size (``--clients``, default 1,000, 10,000 and 100,000) and each method, one
+run on ``generated_blobs`` (fedsap_ray/data/generated.py) with 5 samples per client (the training
+pool is capped at ``5 * N / 4`` per domain, IID within each domain) and ``--per-round`` clients
+sampled per round (default 100; ``training.participation = per_round / N``), the MLP at quarter
+width, one local epoch of one batch. So every round does the same training work at every size;
+only the federation around it grows.
+
+Each (size, method, backend) runs in a fresh child process, so its memory is its own:
+
+- ``build_s``: building the Federation (dataset draw, partition, capacities, TV): grows with N by
+  construction (it touches every client once), reported apart from the rounds;
+- ``per_round_s``: ``(t_end(last) - t_end(round 1)) / (rounds - 1)`` from ``perf_counter`` in the
+  progress callback (round 1 is warm-up);
+- ``round_peak_mib``: each process's peak resident memory *during rounds 2..R* (its ``VmHWM``
+  after the peak counter is reset at the end of round 1 by writing ``5`` to ``/proc/PID/clear_refs``;
+  Linux >= 4.0). For Ray this is read for the driver, the server actor and every client worker;
+- ``rss_after_build_mib``: the driver's resident memory once the federation is built;
+- ``rows_per_round``: rows each results table gained in the last round; ``checkpoint_bytes``: the
+  size of the run's checkpoint after the last checkpointed round (what every round rewrites).
+
+``ratio_vs_smallest``: each measure over the same measure of the smallest federation in the same
+invocation (same method, same backend): a cost that follows the round stays near 1.0.
+
+    python benchmarks/federation_scale.py                                   # local, fedavg fedsap heterofl
+    python benchmarks/federation_scale.py --clients 1000 100000 --backends local ray --out scale.jsonl
+    python benchmarks/federation_scale.py --clients 1000 2000 --rounds 3    # a quick check (seconds)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+SAMPLES_PER_CLIENT = 5
+# FedSAP's DGA reads a ResNet layer (algorithm.dga_layer), so on the MLP it runs without regrouping
+METHOD_SETTINGS = {"fedsap": ["algorithm.dga=none"]}
+
+
+def _proc_kib(pid: int, field: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_peak(pid: int) -> bool:
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _ray_processes() -> dict[int, str]:
+    """pid -> role ('server', 'worker') of this driver's Ray actors (its descendants named ray::<Actor>)."""
+    from fedsap_ray.runtime import reaper
+
+    roles = {}
+    for pid in reaper.descendants(os.getpid()):
+        try:
+            name = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0]
+        except OSError:
+            continue
+        if name.startswith("ray::ServerActor"):
+            roles[pid] = "server"
+        elif name.startswith("ray::ClientWorker"):
+            roles[pid] = "worker"
+    return roles
+
+
+def overrides(n: int, per_round: int, rounds: int, method: str, backend: str) -> list[str]:
+    return [f"algorithm.name={method}", "data.name=generated_blobs", "model.name=mlp", "model.width_mult=0.25",
+            "data.partition=iid", "data.client_fraction=1.0", f"data.num_clients={n}",
+            f"data.max_train_per_domain={SAMPLES_PER_CLIENT * n // 4}", "data.max_test_per_domain=200",
+            f"training.participation={per_round / n}", f"training.rounds={rounds}", "training.local_epochs=1",
+            f"training.batch_size={SAMPLES_PER_CLIENT}", f"training.eval_every={rounds}",
+            f"training.deployed_every={rounds}", "training.eval_clients=32", f"resources.backend={backend}",
+            "resources.num_workers=2", *METHOD_SETTINGS.get(method, [])]
+
+
+def child(n: int, per_round: int, rounds: int, method: str, backend: str) -> dict[str, Any]:
+    """One run in this process; the measures above as a dict."""
+    from fedsap_ray import results
+    from fedsap_ray.config import build_config
+    from fedsap_ray.data import build_federation
+    from fedsap_ray.driver import DriverCallback
+    from fedsap_ray.experiment import run_experiment
+
+    cfg = build_config(preset="smoke", overrides=overrides(n, per_round, rounds, method, backend))
+    t0 = time.perf_counter()
+    fed = build_federation(cfg)
+    build_s = time.perf_counter() - t0
+    rss_after_build = _proc_kib(os.getpid(), "VmRSS")
+    ends: list[float] = []
+    peaks_reset: dict[int, str] = {}
+    ckpt: list[int] = []
+    with tempfile.TemporaryDirectory() as out:
+        def progress(summary: Any) -> None:
+            ends.append(time.perf_counter())
+            found = sorted(Path(out).rglob("*.npz"))
+            if found:
+                ckpt.append(sum(p.stat().st_size for p in found))
+            if summary.round == 1:
+                procs = {os.getpid(): "driver", **(_ray_processes() if backend == "ray" else {})}
+                peaks_reset.update({p: r for p, r in procs.items() if _reset_peak(p)})
+
+        procs_seen: dict[int, str] = {}
+
+        class Watch(DriverCallback):  # the actors' peaks must be read before the run ends them
+            def on_round(self, t: int, summaries: Any, metrics: Any) -> None:
+                if t == rounds:
+                    for pid, role in peaks_reset.items():
+                        procs_seen[pid] = role
+                        peak = _proc_kib(pid, "VmHWM")
+                        if peak is not None:
+                            peaks[pid] = peak
+
+        peaks: dict[int, int] = {}
+        run_experiment(cfg, out, run_id="scale", federation=fed, progress=progress, callbacks=[Watch()])
+        res = results.load(out)
+        last = {name: int((getattr(res, name)["round"] == rounds).sum()) for name in ("rounds", "clients", "allocations")}
+    by_role: dict[str, list[float]] = {}
+    for pid, kib in peaks.items():
+        by_role.setdefault(procs_seen[pid], []).append(round(kib / 1024, 1))
+    return {"clients": n, "per_round": per_round, "method": method, "backend": backend, "rounds": rounds,
+            "build_s": round(build_s, 3), "rss_after_build_mib": round((rss_after_build or 0) / 1024, 1),
+            "per_round_s": round((ends[-1] - ends[0]) / (len(ends) - 1), 4),
+            "round_s": [round(b - a, 4) for a, b in zip(ends, ends[1:])],
+            "round_peak_mib": {k: sorted(v) for k, v in by_role.items()},
+            "rows_per_round": last, "checkpoint_bytes": ckpt[-1] if ckpt else None,
+            "samples_per_client": SAMPLES_PER_CLIENT}
+
+
+def _peak(row: dict[str, Any], role: str) -> float | None:
+    v = row["round_peak_mib"].get(role)
+    return max(v) if v else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", type=int, nargs="+", default=[1000, 10000, 100000])
+    p.add_argument("--per-round", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--methods", nargs="+", default=["fedavg", "fedsap", "heterofl"])
+    p.add_argument("--backends", nargs="+", default=["local"], choices=["local", "ray"])
+    p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.rounds < 2:
+        p.error(f"--rounds={a.rounds}: needs at least 2 (round 1 is warm-up)")
+    if min(a.clients) < a.per_round:
+        p.error(f"--clients={min(a.clients)}: each federation needs at least --per-round={a.per_round} clients")
+    if a.child:
+        print(json.dumps(child(a.clients[0], a.per_round, a.rounds, a.methods[0], a.backends[0])))
+        return 0
+    smallest: dict[tuple[str, str], dict[str, Any]] = {}
+    for backend in a.backends:
+        for method in a.methods:
+            for n in sorted(a.clients):
+                print(f"[scale] {backend} {method} N={n:,} ...", file=sys.stderr, flush=True)
+                proc = subprocess.run([sys.executable, __file__, "--child", "--clients", str(n), "--per-round",
+                                       str(a.per_round), "--rounds", str(a.rounds), "--methods", method, "--backends",
+                                       backend], capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+                if proc.returncode != 0:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    return 1
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                base = smallest.setdefault((backend, method), row)
+                row["ratio_vs_smallest"] = {
+                    "per_round_s": round(row["per_round_s"] / base["per_round_s"], 3),
+                    **{f"peak_{r}": round(_peak(row, r) / _peak(base, r), 3)
+                       for r in row["round_peak_mib"] if _peak(base, r)}}
+                line = json.dumps(row)
+                print(line, flush=True)
+                if a.out:
+                    with open(a.out, "a") as f:
+                        f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
