@@ -2,18 +2,19 @@
 """What a round costs as the federation grows and the round does not (issue 29).
 
 For each federation size (``--clients``, default 1,000, 10,000 and 100,000) and each method, one
-run on ``generated_blobs`` (fedsap_ray/data/generated.py) with 5 samples per client (the training
-pool is capped at ``5 * N / 4`` per domain, IID within each domain) and ``--per-round`` clients
-sampled per round (default 100; ``training.participation = per_round / N``), the MLP at quarter
-width, one local epoch of one batch. So every round does the same training work at every size;
-only the federation around it grows.
+run on ``generated_blobs`` (fedsap_ray/data/generated.py) with 5 samples per client on average (the
+training pool is capped at ``5 * N / 4`` per domain, split IID among the domain's clients; domains get
+their clients at random, so 4 to 6 each) and ``--per-round`` clients sampled per round (default 100;
+``training.participation = per_round / N``), the MLP at quarter width, one local epoch of one batch.
+So every round does the same training work at every size; only the federation around it grows.
 
 Each (size, method, backend) runs in a fresh child process, so its memory is its own:
 
 - ``build_s``: building the Federation (dataset draw, partition, capacities, TV): grows with N by
   construction (it touches every client once), reported apart from the rounds;
-- ``per_round_s``: ``(t_end(last) - t_end(round 1)) / (rounds - 1)`` from ``perf_counter`` in the
-  progress callback (round 1 is warm-up);
+- ``per_round_s``: the mean time of rounds 2..R-1 (``perf_counter`` at each round end, in the progress
+  callback): round 1 is warm-up, and the last round also evaluates every model and writes the
+  ``allocations`` snapshot of the whole federation, so it is reported apart as ``last_round_s``;
 - ``round_peak_mib``: each process's peak resident memory *during rounds 2..R* (its ``VmHWM``
   after the peak counter is reset at the end of round 1 by writing ``5`` to ``/proc/PID/clear_refs``;
   Linux >= 4.0). For Ray this is read for the driver, the server actor and every client worker;
@@ -26,7 +27,8 @@ invocation (same method, same backend): a cost that follows the round stays near
 
     python benchmarks/federation_scale.py                                   # local, fedavg fedsap heterofl
     python benchmarks/federation_scale.py --clients 1000 100000 --backends local ray --out scale.jsonl
-    python benchmarks/federation_scale.py --clients 1000 2000 --rounds 3    # a quick check (seconds)
+    python benchmarks/federation_scale.py --clients 1000 2000 --rounds 3 --methods fedavg   # a quick check
+    python benchmarks/federation_scale.py --table scale.jsonl                # the markdown table of a file
 """
 from __future__ import annotations
 
@@ -138,7 +140,8 @@ def child(n: int, per_round: int, rounds: int, method: str, backend: str) -> dic
         by_role.setdefault(procs_seen[pid], []).append(round(kib / 1024, 1))
     return {"clients": n, "per_round": per_round, "method": method, "backend": backend, "rounds": rounds,
             "build_s": round(build_s, 3), "rss_after_build_mib": round((rss_after_build or 0) / 1024, 1),
-            "per_round_s": round((ends[-1] - ends[0]) / (len(ends) - 1), 4),
+            "per_round_s": round((ends[-2] - ends[0]) / (len(ends) - 2), 4),
+            "last_round_s": round(ends[-1] - ends[-2], 4),
             "round_s": [round(b - a, 4) for a, b in zip(ends, ends[1:])],
             "round_peak_mib": {k: sorted(v) for k, v in by_role.items()},
             "rows_per_round": last, "checkpoint_bytes": ckpt[-1] if ckpt else None,
@@ -150,18 +153,38 @@ def _peak(row: dict[str, Any], role: str) -> float | None:
     return max(v) if v else None
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The table docs/guides/large-sweeps.md shows: one line per (backend, method, size)."""
+    lines = ["| backend | method | clients | build (s) | round (s) | x | last round (s) | peak MiB: driver | "
+             "server | workers | x (largest) | checkpoint (MiB) | allocations rows, last round |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ratio, peaks = r.get("ratio_vs_smallest", {}), r["round_peak_mib"]
+        worst = max((v for k, v in ratio.items() if k.startswith("peak_")), default=1.0)
+        lines.append(
+            f"| {r['backend']} | {r['method']} | {r['clients']:,} | {r['build_s']:.2f} | {r['per_round_s']:.3f} | "
+            f"{ratio.get('per_round_s', 1.0):.2f} | {r['last_round_s']:.3f} | {_peak(r, 'driver') or 0:.0f} | "
+            f"{_peak(r, 'server') or '-'} | {max(peaks['worker']) if 'worker' in peaks else '-'} | {worst:.2f} | "
+            f"{(r['checkpoint_bytes'] or 0) / 2**20:.1f} | {r['rows_per_round']['allocations']:,} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, nargs="+", default=[1000, 10000, 100000])
     p.add_argument("--per-round", type=int, default=100)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--methods", nargs="+", default=["fedavg", "fedsap", "heterofl"])
     p.add_argument("--backends", nargs="+", default=["local"], choices=["local", "ray"])
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--table", type=Path, default=None, help="print the markdown table of a JSON-lines file and exit")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.rounds < 2:
-        p.error(f"--rounds={a.rounds}: needs at least 2 (round 1 is warm-up)")
+    if a.table is not None:
+        print(markdown([json.loads(line) for line in a.table.read_text().splitlines() if line.strip()]))
+        return 0
+    if a.rounds < 3:
+        p.error(f"--rounds={a.rounds}: needs at least 3 (round 1 is warm-up, the last is timed apart)")
     if min(a.clients) < a.per_round:
         p.error(f"--clients={min(a.clients)}: each federation needs at least --per-round={a.per_round} clients")
     if a.child:
@@ -182,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = smallest.setdefault((backend, method), row)
                 row["ratio_vs_smallest"] = {
                     "per_round_s": round(row["per_round_s"] / base["per_round_s"], 3),
+                    "last_round_s": round(row["last_round_s"] / base["last_round_s"], 3),
                     **{f"peak_{r}": round(_peak(row, r) / _peak(base, r), 3)
                        for r in row["round_peak_mib"] if _peak(base, r)}}
                 line = json.dumps(row)
