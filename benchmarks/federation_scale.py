@@ -19,6 +19,8 @@ Each (size, method, backend) runs in a fresh child process, so its memory is its
   after the peak counter is reset at the end of round 1 by writing ``5`` to ``/proc/PID/clear_refs``;
   Linux >= 4.0). For Ray this is read for the driver, the server actor and every client worker;
 - ``rss_after_build_mib``: the driver's resident memory once the federation is built;
+- ``nodes``: the Ray nodes the clients trained on (``--nodes K`` starts a K-node cluster on this machine,
+  one CPU a node, and the Ray lines run on it; its actors' memory is read from this machine's /proc);
 - ``rows_per_round``: rows each results table gained in the last round; ``checkpoint_bytes``: the
   size of the run's checkpoint after the last checkpointed round (what every round rewrites).
 
@@ -28,6 +30,7 @@ invocation (same method, same backend): a cost that follows the round stays near
     python benchmarks/federation_scale.py                                   # local, fedavg fedsap heterofl
     python benchmarks/federation_scale.py --clients 1000 100000 --backends local ray --out scale.jsonl
     python benchmarks/federation_scale.py --clients 1000 2000 --rounds 3 --methods fedavg   # a quick check
+    python benchmarks/federation_scale.py --methods fedavg --backends ray --nodes 3 --out scale.jsonl   # 3 nodes here
     python benchmarks/federation_scale.py --table scale.jsonl                # the markdown table of a file
 """
 from __future__ import annotations
@@ -67,12 +70,15 @@ def _reset_peak(pid: int) -> bool:
         return False
 
 
-def _ray_processes() -> dict[int, str]:
-    """pid -> role ('server', 'worker') of this driver's Ray actors (its descendants named ray::<Actor>)."""
+def _ray_processes(anywhere: bool) -> dict[int, str]:
+    """pid -> role ('server', 'worker') of the Ray actors: this driver's descendants named ray::<Actor>, or
+    (``anywhere``: a cluster the driver joined, whose nodes run on this machine) every such process here."""
     from fedsap_ray.runtime import reaper
 
     roles = {}
-    for pid in reaper.descendants(os.getpid()):
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()] if anywhere \
+        else reaper.descendants(os.getpid())
+    for pid in pids:
         try:
             name = Path(f"/proc/{pid}/cmdline").read_text().split("\0")[0]
         except OSError:
@@ -84,17 +90,18 @@ def _ray_processes() -> dict[int, str]:
     return roles
 
 
-def overrides(n: int, per_round: int, rounds: int, method: str, backend: str) -> list[str]:
+def overrides(n: int, per_round: int, rounds: int, method: str, backend: str, address: str | None = None) -> list[str]:
     return [f"algorithm.name={method}", "data.name=generated_blobs", "model.name=mlp", "model.width_mult=0.25",
             "data.partition=iid", "data.client_fraction=1.0", f"data.num_clients={n}",
             f"data.max_train_per_domain={SAMPLES_PER_CLIENT * n // 4}", "data.max_test_per_domain=200",
             f"training.participation={per_round / n}", f"training.rounds={rounds}", "training.local_epochs=1",
             f"training.batch_size={SAMPLES_PER_CLIENT}", f"training.eval_every={rounds}",
             f"training.deployed_every={rounds}", "training.eval_clients=32", f"resources.backend={backend}",
-            "resources.num_workers=2", *METHOD_SETTINGS.get(method, [])]
+            "resources.num_workers=2", *METHOD_SETTINGS.get(method, []),
+            *([f"resources.address={address}", "resources.cpus_per_worker=1"] if address else [])]
 
 
-def child(n: int, per_round: int, rounds: int, method: str, backend: str) -> dict[str, Any]:
+def child(n: int, per_round: int, rounds: int, method: str, backend: str, address: str | None) -> dict[str, Any]:
     """One run in this process; the measures above as a dict."""
     from fedsap_ray import results
     from fedsap_ray.config import build_config
@@ -102,7 +109,7 @@ def child(n: int, per_round: int, rounds: int, method: str, backend: str) -> dic
     from fedsap_ray.driver import DriverCallback
     from fedsap_ray.experiment import run_experiment
 
-    cfg = build_config(preset="smoke", overrides=overrides(n, per_round, rounds, method, backend))
+    cfg = build_config(preset="smoke", overrides=overrides(n, per_round, rounds, method, backend, address))
     t0 = time.perf_counter()
     fed = build_federation(cfg)
     build_s = time.perf_counter() - t0
@@ -117,7 +124,7 @@ def child(n: int, per_round: int, rounds: int, method: str, backend: str) -> dic
             if found:
                 ckpt.append(sum(p.stat().st_size for p in found))
             if summary.round == 1:
-                procs = {os.getpid(): "driver", **(_ray_processes() if backend == "ray" else {})}
+                procs = {os.getpid(): "driver", **(_ray_processes(bool(address)) if backend == "ray" else {})}
                 peaks_reset.update({p: r for p, r in procs.items() if _reset_peak(p)})
 
         procs_seen: dict[int, str] = {}
@@ -135,10 +142,13 @@ def child(n: int, per_round: int, rounds: int, method: str, backend: str) -> dic
         run_experiment(cfg, out, run_id="scale", federation=fed, progress=progress, callbacks=[Watch()])
         res = results.load(out)
         last = {name: int((getattr(res, name)["round"] == rounds).sum()) for name in ("rounds", "clients", "allocations")}
+        res_nodes = list(res.clients["node"].unique())
     by_role: dict[str, list[float]] = {}
     for pid, kib in peaks.items():
         by_role.setdefault(procs_seen[pid], []).append(round(kib / 1024, 1))
+    nodes = sorted(set(res_nodes))
     return {"clients": n, "per_round": per_round, "method": method, "backend": backend, "rounds": rounds,
+            "nodes": nodes,
             "build_s": round(build_s, 3), "rss_after_build_mib": round((rss_after_build or 0) / 1024, 1),
             "per_round_s": round((ends[-2] - ends[0]) / (len(ends) - 2), 4),
             "last_round_s": round(ends[-1] - ends[-2], 4),
@@ -153,6 +163,12 @@ def _peak(row: dict[str, Any], role: str) -> float | None:
     return max(v) if v else None
 
 
+def _where(row: dict[str, Any]) -> str:
+    """The backend, with the nodes the clients trained on for Ray (node ids are 12 hex digits; 'local' is not one)."""
+    nodes = [n for n in row.get("nodes", []) if n != "local"]
+    return f"{row['backend']} ({len(nodes)} node{'s' if len(nodes) != 1 else ''})" if row["backend"] == "ray" else row["backend"]
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The table docs/guides/large-sweeps.md shows: one line per (backend, method, size)."""
     lines = ["| backend | method | clients | build (s) | round (s) | x | last round (s) | peak MiB: driver | "
@@ -162,7 +178,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ratio, peaks = r.get("ratio_vs_smallest", {}), r["round_peak_mib"]
         worst = max((v for k, v in ratio.items() if k.startswith("peak_")), default=1.0)
         lines.append(
-            f"| {r['backend']} | {r['method']} | {r['clients']:,} | {r['build_s']:.2f} | {r['per_round_s']:.3f} | "
+            f"| {_where(r)} | {r['method']} | {r['clients']:,} | {r['build_s']:.2f} | {r['per_round_s']:.3f} | "
             f"{ratio.get('per_round_s', 1.0):.2f} | {r['last_round_s']:.3f} | {_peak(r, 'driver') or 0:.0f} | "
             f"{_peak(r, 'server') or '-'} | {max(peaks['worker']) if 'worker' in peaks else '-'} | {worst:.2f} | "
             f"{(r['checkpoint_bytes'] or 0) / 2**20:.1f} | {r['rows_per_round']['allocations']:,} |")
@@ -177,8 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--methods", nargs="+", default=["fedavg", "fedsap", "heterofl"])
     p.add_argument("--backends", nargs="+", default=["local"], choices=["local", "ray"])
     p.add_argument("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    p.add_argument("--nodes", type=int, default=0,
+                   help="Ray lines on a cluster of this many nodes started on this machine (ray.cluster_utils.Cluster, "
+                        "1 CPU each, as tests/runtime/test_multinode.py); 0: a single local Ray")
     p.add_argument("--table", type=Path, default=None, help="print the markdown table of a JSON-lines file and exit")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--address", default=None, help=argparse.SUPPRESS)  # the child joins the parent's cluster
     a = p.parse_args(argv)
     if a.table is not None:
         print(markdown([json.loads(line) for line in a.table.read_text().splitlines() if line.strip()]))
@@ -188,16 +208,36 @@ def main(argv: list[str] | None = None) -> int:
     if min(a.clients) < a.per_round:
         p.error(f"--clients={min(a.clients)}: each federation needs at least --per-round={a.per_round} clients")
     if a.child:
-        print(json.dumps(child(a.clients[0], a.per_round, a.rounds, a.methods[0], a.backends[0])))
+        print(json.dumps(child(a.clients[0], a.per_round, a.rounds, a.methods[0], a.backends[0], a.address)))
         return 0
+    if a.nodes < 0:
+        p.error(f"--nodes={a.nodes}: must be 0 (a local Ray) or a number of nodes")
+    cluster = None
+    if a.nodes and "ray" in a.backends:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        for _ in range(a.nodes - 1):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+    try:
+        return _parent(a, cluster.address if cluster is not None else None)
+    finally:
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def _parent(a: argparse.Namespace, address: str | None) -> int:
     smallest: dict[tuple[str, str], dict[str, Any]] = {}
     for backend in a.backends:
         for method in a.methods:
             for n in sorted(a.clients):
                 print(f"[scale] {backend} {method} N={n:,} ...", file=sys.stderr, flush=True)
+                join = ["--address", address] if address and backend == "ray" else []
                 proc = subprocess.run([sys.executable, __file__, "--child", "--clients", str(n), "--per-round",
                                        str(a.per_round), "--rounds", str(a.rounds), "--methods", method, "--backends",
-                                       backend], capture_output=True, text=True, env={**os.environ, "RAY_ADDRESS": ""})
+                                       backend, *join], capture_output=True, text=True,
+                                      env={**os.environ, "RAY_ADDRESS": ""})
                 if proc.returncode != 0:
                     print(proc.stderr[-3000:], file=sys.stderr)
                     return 1

@@ -274,17 +274,16 @@ def smoke_study(tmp_path_factory):
     """``smoke_study(study)``: the results folder of ``sweeps/<study>.py --smoke-test``, run once per session
     (the sweep tests and the notebook tests read the same folders).
 
-    Only ``sensitivity`` runs its clients in worker actors inside each trial's placement group (what
-    test_client_workers_run_inside_each_trials_placement_group checks); the other studies train in the trial
-    process (``--workers-per-trial 0``, as the documented commands do in CI): the same numbers, without an
-    actor start per trial (about 40% of a smoke sweep's time on 2 cores)."""
+    Every study trains its clients in the trial process (``--workers-per-trial 0``, as the documented commands
+    do in CI): the same numbers, without an actor start per trial (about 40% of a smoke sweep's time on 2
+    cores). Worker actors inside each trial's placement group are checked by the multi-node sweep test
+    (tests/runtime/test_multinode.py), which runs them."""
     done: dict[str, tuple[Path, subprocess.CompletedProcess]] = {}
 
     def get(study: str) -> Path:
         if study not in done:
             out = tmp_path_factory.mktemp(f"smoke-{study}") / "out"
-            workers = [] if study == "sensitivity" else ["--workers-per-trial", "0"]
-            proc = run_study(study, "--smoke-test", *workers, "--out", str(out))
+            proc = run_study(study, "--smoke-test", "--workers-per-trial", "0", "--out", str(out))
             assert proc.returncode == 0, f"{study} --smoke-test failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
             done[study] = (out, proc)
         return done[study][0]

@@ -82,15 +82,15 @@ def n_parquet(out: Path) -> int:
 
 # ----------------------------------------------------------------------------- loading
 
-def test_dataset_reader_equals_the_per_file_reader_on_500_runs(tmp_path):
-    for i in range(500):
+def test_dataset_reader_equals_the_per_file_reader_on_200_runs(tmp_path):
+    for i in range(200):
         write_run(tmp_path, f"r{i:03d}", rounds=2, v1=(i % 50 == 7))  # a few version-1 files among them
     res = results.load(tmp_path)
     for t in ("runs", *results.DATA_TABLES):
         pd.testing.assert_frame_equal(res[t], old_read_table(tmp_path, t))  # same rows, same order, same dtypes
-    assert len(res.runs) == 500 and len(res.rounds) == 500 * 2 * 3
+    assert len(res.runs) == 200 and len(res.rounds) == 200 * 2 * 3
     v1 = res.rounds[res.rounds["schema_version"] == 1]
-    assert len(v1) == 10 * 6 and v1["frozen_params"].isna().all()
+    assert len(v1) == 4 * 6 and v1["frozen_params"].isna().all()
     assert res.rounds.loc[res.rounds["schema_version"] == results.SCHEMA_VERSION, "frozen_params"].notna().all()
 
 

@@ -111,7 +111,11 @@ def test_a_node_lost_mid_run_costs_no_number_and_is_named(cluster, fed, local_ru
 
 def test_a_sweep_spreads_its_trials_builds_data_once_per_node_and_resumes_after_its_driver_is_killed(cluster, tmp_path):
     """``sweeps/ablation.py --smoke-test --address``: more trials than live nodes, so some node runs two and
-    must still build the node cache once; the driver is killed mid-sweep and ``--resume`` completes it."""
+    must still build the node cache once; each trial's client worker sits in the trial's placement group (a
+    trial is one node's CPU: the trial and its worker); the driver is killed mid-sweep and ``--resume``
+    completes it."""
+    import json
+
     from fedsap_ray.data import node_cache
     from tests.conftest import REPO, check_complete, run_study, sweep_statuses, wait_part_way
 
@@ -119,8 +123,8 @@ def test_a_sweep_spreads_its_trials_builds_data_once_per_node_and_resumes_after_
     names = {cluster.head_node.node_id[:12]: "head", **{n.node_id[:12]: k for k, n in cluster.workers_nodes.items()}}
     variants = list(ABLATION_VARIANTS)[:len(alive) + 1]
     out = tmp_path / "out"
-    args = ["--smoke-test", "--address", cluster.address, "--out", str(out), "--workers-per-trial", "0",
-            "--max-concurrent", "2", "--set", "training.rounds=5", "--variants", *variants]
+    args = ["--smoke-test", "--address", cluster.address, "--out", str(out), "--max-concurrent", "2",
+            "--set", "training.rounds=5", "--variants", *variants]
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, str(REPO / "sweeps" / "ablation.py"), *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -141,3 +145,10 @@ def test_a_sweep_spreads_its_trials_builds_data_once_per_node_and_resumes_after_
     for node in runs_on.index:  # each node that ran trials built the dataset once, however many it ran
         builds = node_cache.node_cache_builds(Path(cluster.caches) / names[node] / "node_splits")
         assert list(builds.values()) == [1], (names[node], builds)
+    # every round of the resumed sweep's trials reported its ClientWorker inside the trial's own placement
+    # group (Tune's per-round results; the resumed invocation's Tune folder holds the trials it ran)
+    reports = [json.loads(line) for f in (out / "_tune" / "ablation").glob("*/result.json")
+               for line in f.read_text().splitlines() if line.strip()]
+    resumed_ids = {k for k, v in before.items() if v != "finished"} | ({f"{v}-s0" for v in variants} - set(before))
+    assert resumed_ids <= {r["run_id"] for r in reports} <= {f"{v}-s0" for v in variants}
+    assert all(r["workers_in_trial_placement_group"] is True for r in reports)

@@ -91,21 +91,21 @@ def test_client_error_names_round_and_client(tmp_path):
     assert results.load(tmp_path).runs.loc[0, "status"] == "failed"
 
 
-def test_gpu_pinning_eight_workers_four_per_logical_gpu(tmp_path, fed):
+def test_gpu_pinning_four_workers_two_per_logical_gpu(tmp_path, fed):
     from fedsap_ray.runtime.ray import pool_size
 
-    cfg = build_config(preset="smoke", overrides=TINY + ["resources.backend=ray", "resources.gpus_per_worker=0.25",
-                                                         "resources.cpus_per_worker=0.25", "data.num_clients=8"])
-    assert pool_size(cfg, 8) == 8
-    assert pool_size(cfg, 100, {"CPU": 64.0, "GPU": 2.0}) == 8  # GPUs bound the pool
-    assert pool_size(cfg, 5, {"CPU": 64.0, "GPU": 2.0}) == 5  # never more workers than clients
-    fed8 = build_federation(cfg)
-    run_experiment(cfg, tmp_path, run_id="g", federation=fed8)
+    cfg = build_config(preset="smoke", overrides=TINY + ["resources.backend=ray", "resources.gpus_per_worker=0.5",
+                                                         "resources.cpus_per_worker=0.5", "data.num_clients=4"])
+    assert pool_size(cfg, 4) == 4
+    assert pool_size(cfg, 100, {"CPU": 64.0, "GPU": 2.0}) == 4  # GPUs bound the pool
+    assert pool_size(cfg, 3, {"CPU": 64.0, "GPU": 2.0}) == 3  # never more workers than clients
+    fed4 = build_federation(cfg)
+    run_experiment(cfg, tmp_path, run_id="g", federation=fed4)
     clients = results.load(tmp_path).clients
     per_worker = clients.groupby("worker")["gpu_id"].unique()
-    assert len(per_worker) == 8 and all(len(g) == 1 for g in per_worker)  # each worker sees one GPU id
+    assert len(per_worker) == 4 and all(len(g) == 1 for g in per_worker)  # each worker sees one GPU id
     workers_per_gpu = clients.drop_duplicates("worker").groupby("gpu_id")["worker"].count()
-    assert workers_per_gpu.to_dict() == {0: 4, 1: 4}
+    assert workers_per_gpu.to_dict() == {0: 2, 1: 2}
 
 
 # Options that make a short run reach a strategy's server-held state (regrouping, adaptation); every other

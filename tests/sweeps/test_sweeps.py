@@ -141,18 +141,6 @@ def test_smoke_study_writes_one_run_per_grid_point_and_seed(smoke_study, study, 
     assert "|" in proc.stdout  # the study's table
 
 
-def test_client_workers_run_inside_each_trials_placement_group(smoke_study):
-    """Every trial reported, every round, that its ClientWorker actors sit in its own placement group
-    (Tune's per-round results, as written to the sweep's ``_tune`` folder)."""
-    import json
-
-    reports = [json.loads(line) for f in (smoke_study("sensitivity") / "_tune" / "sensitivity").glob("*/result.json")
-               for line in f.read_text().splitlines() if line.strip()]
-    assert len({r["run_id"] for r in reports}) == 13 and len(reports) == 13 * 3  # one report per round
-    assert all(r["workers_in_trial_placement_group"] is True for r in reports)
-    assert {r["round"] for r in reports} == {1, 2, 3}
-
-
 def test_sensitivity_table_is_read_from_the_runs(smoke_study):
     from analysis.sensitivity import sensitivity_table
 
