@@ -124,7 +124,7 @@ def test_a_sweep_spreads_its_trials_builds_data_once_per_node_and_resumes_after_
     variants = list(ABLATION_VARIANTS)[:len(alive) + 1]
     out = tmp_path / "out"
     args = ["--smoke-test", "--address", cluster.address, "--out", str(out), "--max-concurrent", "2",
-            "--set", "training.rounds=5", "--variants", *variants]
+            "--set", "training.rounds=5", "--set", "data.num_clients=4", "--variants", *variants]
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, str(REPO / "sweeps" / "ablation.py"), *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
