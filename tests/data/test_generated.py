@@ -29,3 +29,30 @@ def test_a_federation_of_100000_clients_of_five_samples():
     for d in fed.domains:  # each domain's pool split among its clients without overlap
         taken = np.concatenate([c.indices for c in fed.clients if c.domain == d])
         assert len(np.unique(taken)) == len(taken) == 5 * n // 4
+
+
+def test_a_federation_crosses_a_process_boundary_as_columns_and_comes_back_equal():
+    """Pickled (what Ray sends the server actor and the workers), the clients travel as one array per field;
+    unpickled, every client has its fields back with their dtypes, its arrays viewing the shared columns."""
+    import pickle
+
+    cfg = build_config(preset="smoke", overrides=[
+        "data.name=generated_blobs", "model.name=mlp", "data.partition=iid", "data.num_clients=2000",
+        "data.max_train_per_domain=5000", "training.participation=0.05"])
+    fed = build_federation(cfg)
+    blob = pickle.dumps(fed, protocol=5)
+    back = pickle.loads(blob)
+    assert [f for f in fed.__dataclass_fields__ if getattr(back, f) is None] == [f for f in fed.__dataclass_fields__
+                                                                                  if getattr(fed, f) is None]
+    assert back.domains == fed.domains and back.num_classes == fed.num_classes and back.notes == fed.notes
+    for a, b in zip(fed.clients, back.clients, strict=True):
+        assert (a.client_id, a.domain, a.pruning_ratio, a.capacity, a.tv_distance) == \
+               (b.client_id, b.domain, b.pruning_ratio, b.capacity, b.tv_distance)
+        np.testing.assert_array_equal(a.indices, b.indices)
+        np.testing.assert_array_equal(a.label_counts, b.label_counts)
+        assert a.indices.dtype == b.indices.dtype and a.label_counts.dtype == b.label_counts.dtype
+    base = back.clients[1].indices.base
+    assert base is not None and back.clients[2].indices.base is base  # views of one column, not N arrays
+    assert back.clients[1].label_counts.base is back.clients[2].label_counts.base is not None
+    np.testing.assert_array_equal(back.client_data(7).x, fed.client_data(7).x)
+    assert len(blob) < len(pickle.dumps(fed.clients, protocol=5)) + len(pickle.dumps((fed.train, fed.test), protocol=5))
