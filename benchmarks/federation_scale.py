@@ -13,8 +13,9 @@ Each (size, method, backend) runs in a fresh child process, so its memory is its
 - ``build_s``: building the Federation (dataset draw, partition, capacities, TV): grows with N by
   construction (it touches every client once), reported apart from the rounds;
 - ``per_round_s``: the mean time of rounds 2..R-1 (``perf_counter`` at each round end, in the progress
-  callback): round 1 is warm-up, and the last round also evaluates every model and writes the
-  ``allocations`` snapshot of the whole federation, so it is reported apart as ``last_round_s``;
+  callback, less the callback's own bookkeeping: the checkpoint's size, the peak resets). Round 1 is
+  warm-up, and the last round also evaluates every model and writes the ``allocations`` snapshot of
+  the whole federation, so it is reported apart as ``last_round_s``;
 - ``round_peak_mib``: each process's peak resident memory *during rounds 2..R* (its ``VmHWM``
   after the peak counter is reset at the end of round 1 by writing ``5`` to ``/proc/PID/clear_refs``;
   Linux >= 4.0). For Ray this is read for the driver, the server actor and every client worker;
@@ -114,8 +115,10 @@ def child(n: int, per_round: int, rounds: int, method: str, backend: str, addres
     fed = build_federation(cfg)
     build_s = time.perf_counter() - t0
     rss_after_build = _proc_kib(os.getpid(), "VmRSS")
-    ends: list[float] = []
-    peaks_reset: dict[int, str] = {}
+    ends: list[float] = []  # perf_counter when round t ended (the callback's first act)
+    resumed: list[float] = []  # ... and when the callback's own bookkeeping was done
+    watched: dict[int, str] = {}  # pid -> role of the processes whose peak was reset after round 1
+    peaks: dict[int, int] = {}
     ckpt: list[int] = []
     with tempfile.TemporaryDirectory() as out:
         def progress(summary: Any) -> None:
@@ -125,34 +128,29 @@ def child(n: int, per_round: int, rounds: int, method: str, backend: str, addres
                 ckpt.append(sum(p.stat().st_size for p in found))
             if summary.round == 1:
                 procs = {os.getpid(): "driver", **(_ray_processes(bool(address)) if backend == "ray" else {})}
-                peaks_reset.update({p: r for p, r in procs.items() if _reset_peak(p)})
-
-        procs_seen: dict[int, str] = {}
+                watched.update({p: r for p, r in procs.items() if _reset_peak(p)})
+            resumed.append(time.perf_counter())
 
         class Watch(DriverCallback):  # the actors' peaks must be read before the run ends them
             def on_round(self, t: int, summaries: Any, metrics: Any) -> None:
                 if t == rounds:
-                    for pid, role in peaks_reset.items():
-                        procs_seen[pid] = role
-                        peak = _proc_kib(pid, "VmHWM")
-                        if peak is not None:
-                            peaks[pid] = peak
+                    peaks.update({pid: kib for pid in watched if (kib := _proc_kib(pid, "VmHWM")) is not None})
 
-        peaks: dict[int, int] = {}
         run_experiment(cfg, out, run_id="scale", federation=fed, progress=progress, callbacks=[Watch()])
         res = results.load(out)
         last = {name: int((getattr(res, name)["round"] == rounds).sum()) for name in ("rounds", "clients", "allocations")}
-        res_nodes = list(res.clients["node"].unique())
+        nodes = sorted(res.clients["node"].unique())
     by_role: dict[str, list[float]] = {}
     for pid, kib in peaks.items():
-        by_role.setdefault(procs_seen[pid], []).append(round(kib / 1024, 1))
-    nodes = sorted(set(res_nodes))
+        by_role.setdefault(watched[pid], []).append(round(kib / 1024, 1))
+    # round t's time runs from the end of round t-1's bookkeeping to the end of round t
+    round_s = [e - r for r, e in zip(resumed, ends[1:])]
     return {"clients": n, "per_round": per_round, "method": method, "backend": backend, "rounds": rounds,
             "nodes": nodes,
             "build_s": round(build_s, 3), "rss_after_build_mib": round((rss_after_build or 0) / 1024, 1),
-            "per_round_s": round((ends[-2] - ends[0]) / (len(ends) - 2), 4),
-            "last_round_s": round(ends[-1] - ends[-2], 4),
-            "round_s": [round(b - a, 4) for a, b in zip(ends, ends[1:])],
+            "per_round_s": round(sum(round_s[:-1]) / len(round_s[:-1]), 4),
+            "last_round_s": round(round_s[-1], 4),
+            "round_s": [round(x, 4) for x in round_s],
             "round_peak_mib": {k: sorted(v) for k, v in by_role.items()},
             "rows_per_round": last, "checkpoint_bytes": ckpt[-1] if ckpt else None,
             "samples_per_client": SAMPLES_PER_CLIENT}
