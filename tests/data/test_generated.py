@@ -16,7 +16,7 @@ def test_the_draw_is_fixed_and_the_domains_differ():
     assert np.abs(means[:, None] - means[None]).max() > 0.5  # a per-domain offset and scale: feature shift
 
 
-def test_a_federation_of_100000_clients_of_five_samples():
+def test_a_federation_of_100000_clients_of_about_five_samples():
     n = 100_000
     cfg = build_config(preset="smoke", overrides=[
         "data.name=generated_blobs", "model.name=mlp", "data.partition=iid", "data.client_fraction=1.0",
