@@ -2,7 +2,6 @@
 round loops, and the end-to-end "runs finish and are deterministic" checks."""
 from __future__ import annotations
 
-import functools
 import os
 import re
 import subprocess
@@ -28,55 +27,26 @@ SHARED_DATA = Path(os.environ.get("FEDSAP_SHARED_DATA", REPO.parent / "shared" /
 
 
 # --------------------------------------------------------------------------------------------------
-# The suite on two cores: pytest-xdist's ``-n 2`` (the README's test command), grouped by module
+# The suite on two cores: pytest-xdist's ``-n 2`` (the README's test command), ``--dist loadgroup``
 # --------------------------------------------------------------------------------------------------
 RAY_GROUP = "ray"
-RAY_MODULE = re.compile(r"^pytestmark = .*\bpytest\.mark\.ray\b", re.M)
 
 
-@functools.cache
-def starts_ray(module: str) -> bool:
-    """Whether the test module at ``module`` (a path from the repository root, as in node ids) is marked
-    ``ray`` as a whole (``pytestmark``): read from its text, since xdist's controller collects nothing."""
-    path = REPO / module
-    return path.suffix == ".py" and path.is_file() and RAY_MODULE.search(path.read_text(encoding="utf-8")) is not None
-
-
-def xdist_group(nodeid: str) -> str:
-    """A test's unit of work on the xdist workers: its module, or one group for every module that starts Ray."""
-    module = nodeid.split("::")[0]
-    return RAY_GROUP if starts_ray(module) else module
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """Schedule whole groups (:func:`xdist_group`) on the workers.
-
-    A module's tests stay on one worker, so its module-scoped fixtures (a federation, a Ray, two runs) are
-    built once. Every module that starts Ray joins one group: two Ray instances never compete for the two
-    cores, a test that watches Ray's processes sees only its own, and each smoke sweep runs once. xdist's
-    own ``--dist loadgroup`` would do this from ``xdist_group`` marks, but with pytest 9.2 it silently
-    stops grouping (pytest-xdist issue #1386), hence this scheduler, keyed on the module alone."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByGroup(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return xdist_group(nodeid)
-
-    return ByGroup(config, log)
-
-
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Check that every test that starts Ray is in a module marked so, and, on an xdist worker, put the Ray
-    group first: it is the longest unit of work, so it starts while the other worker runs everything else
-    (``--no-loadscope-reorder`` keeps the collected order of the groups). Without ``-n`` the order is left as
-    collected."""
-    stray = [item.nodeid for item in items if not starts_ray(item.nodeid.split("::")[0])
-             and (item.get_closest_marker("ray") is not None or "smoke_study" in getattr(item, "fixturenames", ()))]
-    if stray:
-        raise pytest.UsageError("these tests start Ray but their module is not marked so "
-                                "(pytestmark = pytest.mark.ray, see tests/conftest.py): " + ", ".join(stray))
+    """Group the tests for the xdist workers, and put the Ray group first.
+
+    A module's tests stay together on one worker, so its module-scoped fixtures (a federation, a Ray, two
+    runs) are built once. Every test that starts Ray (marked ``ray``, or reading a smoke sweep) joins one
+    group: two Ray instances never compete for the two cores, a test that watches Ray's processes sees
+    only its own, and each smoke sweep runs once. That group is the longest unit of work, so it goes first
+    (``--no-loadscope-reorder`` keeps this order) while the other worker runs the rest. Without ``-n`` the
+    order is left as collected."""
+    for item in items:
+        starts_ray = item.get_closest_marker("ray") is not None or "smoke_study" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group(RAY_GROUP if starts_ray else item.nodeid.split("::")[0]))
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: xdist_group(item.nodeid) != RAY_GROUP)  # stable: modules stay contiguous
+        items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != RAY_GROUP)  # stable
 
 
 @pytest.fixture(scope="session")

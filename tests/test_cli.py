@@ -96,6 +96,18 @@ def test_interrupted_cli_run_resumes(tmp_path):
     assert sorted(pd.read_parquet(tmp_path / "rounds")["round"].unique()) == [1, 2, 3]
 
 
+@pytest.mark.ray
+def test_ray_backend_smoke_from_the_cli(tmp_path):
+    pytest.importorskip("ray")
+    r = cli("run", "--preset", "smoke", "--backend", "ray", "--out", str(tmp_path), "--set", "training.rounds=2",
+            "--set", "resources.cpus_per_worker=1", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "round 2/2" in r.stderr
+    clients = pd.read_parquet(tmp_path / "clients")
+    assert clients["worker"].str.startswith("fedsap-").all()
+    assert pd.read_parquet(tmp_path / "runs").loc[0, "backend"] == "ray"
+
+
 def test_a_resume_keeps_the_stored_config_json_byte_for_byte(tmp_path, capsys):
     tiny_run(tmp_path, "r", stop_after=1)
     f = tmp_path / "runs" / "r.parquet"
