@@ -26,28 +26,6 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FEDSAP_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
-# --------------------------------------------------------------------------------------------------
-# The suite on two cores: pytest-xdist's ``-n 2`` (the README's test command), ``--dist loadgroup``
-# --------------------------------------------------------------------------------------------------
-RAY_GROUP = "ray"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Group the tests for the xdist workers, and put the Ray group first.
-
-    A module's tests stay together on one worker, so its module-scoped fixtures (a federation, a Ray, two
-    runs) are built once. Every test that starts Ray (marked ``ray``, or reading a smoke sweep) joins one
-    group: two Ray instances never compete for the two cores, a test that watches Ray's processes sees
-    only its own, and each smoke sweep runs once. That group is the longest unit of work, so it goes first
-    (``--no-loadscope-reorder`` keeps this order) while the other worker runs the rest. Without ``-n`` the
-    order is left as collected."""
-    for item in items:
-        starts_ray = item.get_closest_marker("ray") is not None or "smoke_study" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group(RAY_GROUP if starts_ray else item.nodeid.split("::")[0]))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("xdist_group").args[0] != RAY_GROUP)  # stable
-
-
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     return SHARED_DATA

@@ -96,7 +96,6 @@ def test_interrupted_cli_run_resumes(tmp_path):
     assert sorted(pd.read_parquet(tmp_path / "rounds")["round"].unique()) == [1, 2, 3]
 
 
-@pytest.mark.ray
 def test_ray_backend_smoke_from_the_cli(tmp_path):
     pytest.importorskip("ray")
     r = cli("run", "--preset", "smoke", "--backend", "ray", "--out", str(tmp_path), "--set", "training.rounds=2",

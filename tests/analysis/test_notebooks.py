@@ -16,8 +16,6 @@ nbclient = pytest.importorskip("nbclient", reason="install the test extra: pip i
 
 from fedsap_ray import results  # noqa: E402
 
-pytestmark = pytest.mark.ray  # starts Ray: the one xdist group that runs such tests (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "analysis" / "notebooks"
 STUDIES = ["sensitivity", "ablation", "main_comparison", "capacity_confound"]

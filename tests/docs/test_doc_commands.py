@@ -30,8 +30,6 @@ import pytest
 
 from conftest import SHARED_DATA
 
-pytestmark = pytest.mark.ray  # starts Ray: the one xdist group that runs such tests (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs" / "guides").glob("*.md")),
          *sorted((REPO / "docs" / "studies").glob("*.md"))]

@@ -31,8 +31,6 @@ from fedsap_ray.experiment import run_experiment  # noqa: E402
 from fedsap_ray.progress import ProgressPrinter  # noqa: E402
 from tests.conftest import backend_fixtures  # noqa: E402
 
-pytestmark = pytest.mark.ray  # starts Ray: the one xdist group that runs such tests (tests/conftest.py)
-
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",
         "training.rounds=3", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3",
         "algorithm.width=capacity"]

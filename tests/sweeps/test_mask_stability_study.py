@@ -15,8 +15,6 @@ from fedsap_ray.algorithms.fedsap import roles
 from fedsap_ray.config import build_config
 from conftest import REPO
 
-pytestmark = pytest.mark.ray  # starts Ray: the one xdist group that runs such tests (tests/conftest.py)
-
 
 def _load():
     spec = importlib.util.spec_from_file_location("sweep_mask_stability", REPO / "sweeps" / "mask_stability.py")

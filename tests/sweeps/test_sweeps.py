@@ -19,7 +19,7 @@ from fedsap_ray.config import ConfigError
 from fedsap_ray.runtime import reaper
 from conftest import REPO, check_complete, run_study, sweep_statuses, wait_part_way
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = pytest.mark.slow
 
 
 def _load(name: str):
