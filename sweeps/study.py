@@ -63,7 +63,12 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions
     server_cpus = args.server_cpus
     if args.smoke_test:
         preset, seeds, extra = "smoke", seeds[:1], [*SMOKE_BASE, *smoke, *extra]
-        server_cpus = min(server_cpus, 0.5)
+        # a smoke trial with worker actors fits one CPU (its server bundle 0.5 + 0.5 a worker); one that trains
+        # in its own process (--workers-per-trial 0) keeps the whole CPU it uses: at 0.5, two such trials
+        # shared each core and the sweep took longer (main_comparison --smoke-test on 2 cores: 75.9 s against
+        # 62.6 s two at a time, docs/guides/sweeps.md)
+        if args.workers_per_trial:
+            server_cpus = min(server_cpus, 0.5)
     check_sweep_flags(args)
     try:
         remote = ResultsDestination(args.out).is_remote
