@@ -3,6 +3,8 @@ a document outside the repository, and the README stays a short entry point."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,15 @@ def test_the_link_check_catches_a_missing_file_or_anchor() -> None:
     assert "no such file" in check_target(page, "guides/no-such-page.md")
     assert slug("Sensitivity: `sweeps/sensitivity.py` (papers/000 Table 7)") == \
         "sensitivity-sweepssensitivitypy-papers000-table-7"
+
+
+@pytest.mark.skipif(shutil.which("git") is None or not (REPO / ".git").exists(), reason="needs git and a checkout")
+def test_what_the_docs_keep_is_not_ignored_by_git():
+    """Recorded study runs, figures and pages under docs/ must be committable. A ``runs/`` pattern in
+    .gitignore once matched docs/studies/runs/ as well, so seven finished study runs were never committed
+    and were lost with the machine they ran on."""
+    probes = ["docs/studies/runs/device-time/dt_deadline/runs/fedavg-s0.parquet",
+              "docs/studies/runs/device-time/dt_deadline/rounds/fedavg-s0.parquet", "docs/img/curves.png",
+              "docs/studies/new-study.md"]
+    r = subprocess.run(["git", "check-ignore", "--no-index", "-v", *probes], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 1 and not r.stdout, f"ignored by git:\n{r.stdout}"  # 1: none of them is ignored
