@@ -204,6 +204,6 @@ def test_what_the_docs_keep_is_not_ignored_by_git():
     and were lost with the machine they ran on."""
     probes = ["docs/studies/runs/device-time/dt_deadline/runs/fedavg-s0.parquet",
               "docs/studies/runs/device-time/dt_deadline/rounds/fedavg-s0.parquet", "docs/img/curves.png",
-              "docs/studies/runs/device-time/dt_wait/clients/dapperfl-s2.parquet"]
+              "docs/studies/runs/device-time/dt_wait/clients/dapperfl-s2.parquet", "docs/studies/device-time.md"]
     r = subprocess.run(["git", "check-ignore", "--no-index", "-v", *probes], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 1 and not r.stdout, f"ignored by git:\n{r.stdout}"  # 1: none of them is ignored
