@@ -67,11 +67,13 @@ TABLES = ("runs", "rounds", "clients", "layers", "allocations")
 # Not compared, by name (never by pattern, so no number is dropped by accident): the run id,
 # wall-clock times, where a client ran (worker, GPU, node), and provenance that differs between
 # checkouts (the config as JSON text, whose every leaf is also a config.* column; the package and results
-# schema versions).
+# schema versions; the torch version and CPU kernels, which name the machine: check says so when a baseline's
+# kernels are not this machine's, as every trained number may then differ in its last bits).
 # (results.WALL_CLOCK names the same times; spelled out here, as this file must run against checkouts that
 # predate it)
 DROP = frozenset({"run_id", "started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s",
-                  "config_json", "package_version", "schema_version", "worker", "gpu_id", "node"})
+                  "config_json", "package_version", "schema_version", "worker", "gpu_id", "node",
+                  "torch_version", "cpu_kernels"})
 # the Ray cases run without --full: the plain strategy and those with state kept between rounds on the
 # server (FedSAP's groups and masks, SCAFFOLD's control variates) or per client (MOON's previous model);
 # each Ray case costs 4-5 local ones (actor start-up), so all 18 run only with --full
@@ -332,7 +334,18 @@ def _provenance() -> dict[str, Any]:
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
             "package_path": str(where), "package_version": getattr(fedsap_ray, "__version__", None),
-            "torch": _version("torch"), "pandas": pd.__version__, "python": sys.version.split()[0]}
+            "torch": _version("torch"), "cpu_kernels": _cpu_kernels(), "pandas": pd.__version__,
+            "python": sys.version.split()[0]}
+
+
+def _cpu_kernels() -> str | None:
+    """The CPU kernels torch picks in this process (``runs.cpu_kernels``); None with a package that predates
+    them: two machines whose kernels differ round differently."""
+    try:
+        from fedsap_ray.session import cpu_kernels
+    except ImportError:
+        return None
+    return cpu_kernels()
 
 
 def _version(mod: str) -> str | None:
@@ -421,6 +434,10 @@ def check(store: Path, cases: Sequence[Case] | None, backends: Sequence[str] = B
     if missing:
         raise BadInput(f"{store} has no baseline for: {', '.join(missing)} "
                        f"(it records {len(recorded)} cases; record them, or leave them out of --only)")
+    then, now = manifest.get("cpu_kernels"), _cpu_kernels()
+    if then and now and then != now:
+        emit(f"NOTE  the baseline was recorded with CPU kernels {then}, this process has {now}: trained numbers "
+             "can differ in their last bits for that reason alone (docs/architecture.md#determinism)")
     bad_tables, bad_cases = 0, []
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="golden-") as root, ray_running(any(c.backend == "ray" for c in cases)):

@@ -97,12 +97,27 @@ def _now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
+def cpu_kernels() -> str:
+    """Which CPU kernels this process's torch runs, e.g. ``aten=AVX512 onednn=max``.
+
+    Why it is recorded: torch (ATen) and oneDNN each pick their kernels by the CPU's instruction set, and
+    kernels of different instruction sets round differently, so one config and seed give the same numbers
+    on two machines only when this string is the same on both. ``ATEN_CPU_CAPABILITY`` and
+    ``ONEDNN_MAX_CPU_ISA`` lower the choice (docs/architecture.md#determinism); oneDNN has no query, so its
+    part is the environment variable, ``max`` when unset (the machine's best)."""
+    import os
+
+    return (f"aten={torch.backends.cpu.get_cpu_capability()} "
+            f"onednn={os.environ.get('ONEDNN_MAX_CPU_ISA', '').strip().upper() or 'max'}")
+
+
 def run_row(cfg: ExperimentConfig, *, dataset: str, num_clients: int, notes: str = "") -> dict:
     """The provenance part of a run's ``runs`` row (status, times and accuracies are added by the writer's caller)."""
     return dict(study=cfg.study, algorithm=cfg.algorithm.name, dataset=dataset, model=cfg.model.name,
                 preset=cfg.preset, seed=cfg.seed, num_clients=num_clients, rounds=cfg.training.rounds,
                 backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
-                started_at=_now(), package_version=fedsap_ray.__version__, dataset_notes=notes)
+                started_at=_now(), package_version=fedsap_ray.__version__, torch_version=torch.__version__,
+                cpu_kernels=cpu_kernels(), dataset_notes=notes)
 
 
 def record_failed_start(cfg: ExperimentConfig, out: str | Path, run_id: str, error: BaseException) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from fedsap_ray import results
 from fedsap_ray.config import build_config
@@ -59,6 +60,23 @@ def test_tables_have_design_columns(tmp_path, tiny_fed):
     runs = results.load(tmp_path).runs
     assert runs.loc[0, "status"] == "finished" and runs.loc[0, "rounds_done"] == 2
     assert runs.loc[0, "config_hash"] == cfg.config_hash()
+    # what the numbers reproduce against: this process's torch and the CPU kernels it picked
+    from fedsap_ray.session import cpu_kernels
+
+    assert runs.loc[0, "torch_version"] == torch.__version__ and runs.loc[0, "cpu_kernels"] == cpu_kernels()
+
+
+def test_cpu_kernels_name_the_kernels_the_environment_chose():
+    """ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA pin the kernels (how a run made on an AVX2 machine is
+    reproduced on an AVX-512 one); the recorded string must follow them, or it would not say which was used."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from fedsap_ray.session import cpu_kernels; print(cpu_kernels())"
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "aten=DEFAULT onednn=AVX2", out
 
 
 def test_same_seed_same_numbers_and_seed_matters(tmp_path, tiny_fed):

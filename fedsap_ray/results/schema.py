@@ -17,10 +17,11 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 7  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 8  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
-# sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on)
+# sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
+# 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against)
 GLOBAL_DOMAIN = "__global__"
 # Columns that hold wall-clock readings: never reproducible, so never compared between runs (the golden
 # check, the tests of determinism and resume).
@@ -48,6 +49,10 @@ RUNS_COLUMNS: list[Column] = [
     Column("status", pa.string(), "running | finished | failed | interrupted | stopped (ended early by a Tune scheduler)"),
     Column("error", pa.string(), "error message when status is failed"),
     Column("package_version", pa.string(), "fedsap_ray version"),
+    Column("torch_version", pa.string(), "torch version of the process that ran the round loop"),
+    Column("cpu_kernels", pa.string(),
+     "CPU kernels that process's torch picked, e.g. 'aten=AVX512 onednn=max': numbers reproduce exactly only "
+     "where this is the same (docs/architecture.md#determinism)"),
     Column("wall_s", pa.float64(), "wall time so far, seconds"),
     Column("final_global_accuracy", pa.float64(), "global accuracy at the last evaluated round"),
     Column("best_global_accuracy", pa.float64(), "best-so-far global accuracy"),
