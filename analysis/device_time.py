@@ -3,8 +3,9 @@
 Every figure here is read from the runs' own rows: ``rounds.sim_elapsed_s`` (simulated device seconds
 of rounds 1..t, fedsap_ray.devices) against the best-so-far accuracy up to round t of the run's primary
 eval mode (``full_width``: the server's models, as the papers report) or of its ``deployed`` mode (each
-client's own model). Methods are the Table 1 row names (:func:`analysis.comparison.method_of`); seeds
-are averaged round by round (every seed of a method runs the same rounds).
+client's own model). Methods are the Table 1 row names (:func:`analysis.comparison.method_of`), and
+HeteroFL's and FjORD's (:data:`ROWS`); seeds are averaged round by round (every seed of a method runs
+the same rounds).
 """
 from __future__ import annotations
 
@@ -17,12 +18,21 @@ import numpy as np
 import pandas as pd
 
 from analysis import comparison, plots, runs
+from analysis.confound.tables import ROWS as CONFOUND_ROWS
 from analysis.display import markdown
 from analysis.metrics import primary_rounds
 from fedsap_ray import results
 
 GLOBAL = results.GLOBAL_DOMAIN
 MEASURES = ("full_width", "deployed")
+# Row names: Table 1's, plus the sub-model methods the confound study names (HeteroFL, FjORD), which this
+# study compares with them (issue 28)
+ROWS = {**CONFOUND_ROWS, **comparison.TABLE1_ROWS}
+
+
+def row_names(per_run: pd.DataFrame) -> dict[str, str]:
+    """Run id -> row name, from :func:`analysis.runs.per_run`."""
+    return {rid: ROWS.get(x, x) for rid, x in zip(per_run["run_id"], per_run["label"])}
 
 
 def elapsed(res: Any) -> pd.DataFrame:
@@ -42,8 +52,9 @@ def elapsed(res: Any) -> pd.DataFrame:
     out = out.sort_values(["run_id", "round"], kind="stable")
     for m in MEASURES:  # best so far: what a reader of the run at that hour could have deployed
         out[m] = out.groupby("run_id", sort=False)[m].cummax()
-    pr = runs.per_run(res).set_index("run_id")
-    out["method"] = out["run_id"].map({rid: comparison.TABLE1_ROWS.get(x, x) for rid, x in pr["label"].items()})
+    pr = runs.per_run(res)
+    out["method"] = out["run_id"].map(row_names(pr))
+    pr = pr.set_index("run_id")
     out["seed"] = out["run_id"].map(pr["seed"])
     return out.reset_index(drop=True)
 
@@ -98,12 +109,37 @@ def missed(res: Any) -> pd.DataFrame:
     c = runs.table(res, "clients")
     if "straggler" not in c.columns:
         raise ValueError("these runs record no stragglers (clients.straggler, results schema >= 6)")
-    pr = runs.per_run(res).set_index("run_id")
-    c = c.assign(method=c["run_id"].map({rid: comparison.TABLE1_ROWS.get(x, x) for rid, x in pr["label"].items()}),
+    c = c.assign(method=c["run_id"].map(row_names(runs.per_run(res))),
                  late=c["straggler"].astype(float))
     out = c.pivot_table(index="method", columns="capacity_max", values="late", aggfunc="mean", sort=False)
     out.columns = [f"keep {k:g}" for k in out.columns]
     return out.reset_index()
+
+
+def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``policies`` with ``wait_all`` also holding the other policies' runs of the methods it lacks in which no
+    client ever missed the deadline (``rounds.n_stragglers`` 0 in every round), and those methods' names.
+
+    Such a run trained exactly as under ``wait_all``: the deadline only removes stragglers, and a round
+    without one lasts as long as its slowest client under either policy (docs/guides/device-time.md). So
+    the study needs no second run of a method every device of which meets the deadline."""
+    out = {p: runs.load_sweep(res) for p, res in policies.items()}
+    if "wait_all" not in out:
+        return out, []
+    have = set(row_names(runs.per_run(out["wait_all"])).values())
+    added: dict[str, str] = {}
+    for policy, res in out.items():
+        if policy == "wait_all" or "n_stragglers" not in res.rounds.columns:
+            continue
+        late = res.rounds.groupby("run_id")["n_stragglers"].max()
+        names = row_names(runs.per_run(res))
+        added.update({rid: m for rid, m in names.items() if m not in have and late.get(rid, 1) == 0})
+    if added:
+        base = out["wait_all"]
+        out["wait_all"] = runs.replace_tables(base, **{
+            t: pd.concat([base[t], *(res[t][res[t]["run_id"].isin(added)] for p, res in out.items() if p != "wait_all")],
+                         ignore_index=True) for t in ("runs", "rounds", "clients", "layers", "allocations")})
+    return out, sorted(set(added.values()))
 
 
 def compare(policies: Mapping[str, Any], *, deployed: float, full_width: float | None = None) -> pd.DataFrame:
@@ -180,8 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"invalid folder {bad[0]!r}: write POLICY=FOLDER, e.g. deadline=runs/dt_deadline")
     if not 0 < args.deployed <= 1:
         p.error(f"invalid --deployed={args.deployed}: a share of 1, above 0 and at most 1")
-    policies = dict(f.split("=", 1) for f in args.folders)
+    policies, borrowed = in_time_as_wait_all(dict(f.split("=", 1) for f in args.folders))
     print(report(policies, deployed=args.deployed))
+    if borrowed:
+        print(f"\nwait_all also holds the runs of {', '.join(borrowed)} from the other policies: none of their clients "
+              "ever missed the deadline, so they trained exactly as under wait_all.")
     if args.png:
         plot_policies(policies, "deployed", args.png)
     return 0

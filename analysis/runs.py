@@ -52,7 +52,8 @@ def annotate_runs(runs: pd.DataFrame) -> pd.DataFrame:
     return runs
 
 
-def _replace_tables(res: Any, **tables: pd.DataFrame) -> Any:
+def replace_tables(res: Any, **tables: pd.DataFrame) -> Any:
+    """A copy of a loaded results object with the given tables replaced (the others shared)."""
     if dataclasses.is_dataclass(res) and not isinstance(res, type):
         return dataclasses.replace(res, **tables)
     return SimpleNamespace(**{**vars(res), **tables})
@@ -98,9 +99,9 @@ def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     else:
         res = results.load(os.fspath(path))
         if getattr(res, "allocations", None) is None:
-            res = _replace_tables(res, allocations=_allocations(Path(path)))
+            res = replace_tables(res, allocations=_allocations(Path(path)))
     if "label" not in res.runs.columns:
-        res = _replace_tables(res, runs=annotate_runs(table(res, "runs")))
+        res = replace_tables(res, runs=annotate_runs(table(res, "runs")))
     return _study(res, study)
 
 
@@ -110,7 +111,7 @@ def _study(res: Any, study: str | None) -> Any:
     runs = res.runs[res.runs["study"] == study]
     keep = set(runs["run_id"])
     others = {t: table(res, t) for t in TABLES[1:]}
-    return _replace_tables(res, runs=runs, **{t: df[df["run_id"].isin(keep)] for t, df in others.items()})
+    return replace_tables(res, runs=runs, **{t: df[df["run_id"].isin(keep)] for t, df in others.items()})
 
 
 def join_runs(df: pd.DataFrame, runs: pd.DataFrame, cols: Sequence[str] = RUN_COLUMNS) -> pd.DataFrame:

@@ -171,3 +171,33 @@ def test_a_stragglers_channels_do_not_count_as_covered(tmp_path, fed):
     assert set(late.clients.loc[late.clients["straggler"], "client_id"]) == set(full)
     assert (frozen(waited) == 0).all()
     assert (frozen(late) > 0).all()
+
+
+def test_the_study_names_every_method_it_compares_by_its_row_name():
+    # Table 1's rows and the sub-model methods it lacks (HeteroFL, FjORD); a run of fedprox is Table 1's row
+    pr = pd.DataFrame({"run_id": list("abcde"),
+                       "label": ["heterofl", "fjord", "fedavg", "dapperfl (full_first_epoch=False)", "fedprox"]})
+    assert device_time.row_names(pr) == {"a": "HeteroFL", "b": "FjORD", "c": "FedAvg", "d": "DapperFL (capacity)",
+                                         "e": "FedProx (full model)"}
+
+
+def test_a_deadline_run_no_client_missed_is_read_as_the_methods_wait_all_run(tmp_path, fed):
+    def run(folder, run_id, *extra):
+        cfg = build_config(preset="smoke", overrides=[*TINY, *extra])
+        run_experiment(cfg, tmp_path / folder, run_id=run_id, federation=fed)
+
+    run("w", "w")  # FedAvg waiting for every device
+    run("d", "in_time", "algorithm.width=capacity", "devices.policy=deadline", "devices.deadline_s=1e9")
+    run("d", "late", "algorithm.name=fedprox", "devices.policy=deadline", "devices.deadline_s=1e-9")
+    run("d", "has_one", "devices.policy=deadline", "devices.deadline_s=1e9")  # FedAvg: wait_all has its own run
+    policies, borrowed = device_time.in_time_as_wait_all({"wait_all": tmp_path / "w", "deadline": tmp_path / "d"})
+    assert borrowed == ["FedAvg (sub-models)"]
+    assert set(policies["wait_all"].runs["run_id"]) == {"w", "in_time"}
+    assert set(policies["deadline"].runs["run_id"]) == {"in_time", "late", "has_one"}
+    for table in ("rounds", "clients"):
+        assert set(policies["wait_all"][table]["run_id"]) == {"w", "in_time"}
+    t = device_time.compare(policies, deployed=0.5).set_index(["method", "policy"])
+    assert t.loc[("FedAvg (sub-models)", "wait_all"), "total_hours"] == t.loc[("FedAvg (sub-models)", "deadline"), "total_hours"]
+    assert ("FedProx (full model)", "wait_all") not in t.index
+    # without a wait_all folder nothing is borrowed
+    assert device_time.in_time_as_wait_all({"deadline": tmp_path / "d"})[1] == []
