@@ -38,7 +38,7 @@ def row_names(per_run: pd.DataFrame) -> dict[str, str]:
 def elapsed(res: Any) -> pd.DataFrame:
     """One row per (run, round): method, seed, ``hours`` (simulated elapsed), and the best-so-far
     ``full_width`` and ``deployed`` accuracy up to that round (NaN before its first evaluation)."""
-    res = runs.load_sweep(res)
+    res = load_policy(res)
     rounds = runs.table(res, "rounds")
     if "sim_elapsed_s" not in rounds.columns:
         raise ValueError("these runs record no simulated device time (rounds.sim_elapsed_s, results schema >= 6)")
@@ -105,7 +105,7 @@ def plot_curves(res: Any, measure: str = "deployed", path: str | Path | None = N
 def missed(res: Any) -> pd.DataFrame:
     """Per method (rows) and keep ratio (columns ``keep 0.2`` ...): the share of a device's client-rounds
     that missed the deadline (``clients.straggler``), over every client of that keep ratio, round and seed."""
-    res = runs.load_sweep(res)
+    res = load_policy(res)
     c = runs.table(res, "clients")
     if "straggler" not in c.columns:
         raise ValueError("these runs record no stragglers (clients.straggler, results schema >= 6)")
@@ -116,6 +116,29 @@ def missed(res: Any) -> pd.DataFrame:
     return out.reset_index()
 
 
+TABLES = ("runs", "rounds", "clients", "layers", "allocations")
+
+
+def concat(parts: list[Any]) -> Any:
+    """Loaded results folders as one (their runs side by side; run ids must differ)."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    ids = [rid for p in parts for rid in p.runs["run_id"]]
+    if len(ids) != len(set(ids)):
+        raise ValueError(f"the folders share run ids ({sorted({r for r in ids if ids.count(r) > 1})[:3]}); "
+                         "give one folder per sweep")
+    return runs.replace_tables(first, **{t: pd.concat([p[t] for p in parts], ignore_index=True) for t in TABLES})
+
+
+def load_policy(folders: Any) -> Any:
+    """One policy's runs: a results folder, a loaded one, or several folders separated by commas (one sweep
+    each, e.g. ``runs/dt_wait,runs/dt_wait_rest``)."""
+    if isinstance(folders, str) and "," in folders:
+        return concat([runs.load_sweep(f) for f in folders.split(",") if f])
+    return runs.load_sweep(folders)
+
+
 def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``policies`` with ``wait_all`` also holding the other policies' runs of the methods it lacks in which no
     client ever missed the deadline (``rounds.n_stragglers`` 0 in every round), and those methods' names.
@@ -123,7 +146,7 @@ def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], li
     Such a run trained exactly as under ``wait_all``: the deadline only removes stragglers, and a round
     without one lasts as long as its slowest client under either policy (docs/guides/device-time.md). So
     the study needs no second run of a method every device of which meets the deadline."""
-    out = {p: runs.load_sweep(res) for p, res in policies.items()}
+    out = {p: load_policy(res) for p, res in policies.items()}
     if "wait_all" not in out:
         return out, []
     have = set(row_names(runs.per_run(out["wait_all"])).values())
@@ -138,7 +161,7 @@ def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], li
         base = out["wait_all"]
         out["wait_all"] = runs.replace_tables(base, **{
             t: pd.concat([base[t], *(res[t][res[t]["run_id"].isin(added)] for p, res in out.items() if p != "wait_all")],
-                         ignore_index=True) for t in ("runs", "rounds", "clients", "layers", "allocations")})
+                         ignore_index=True) for t in TABLES})
     return out, sorted(set(added.values()))
 
 
@@ -207,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--png PATH]``: the study's tables."""
     p = argparse.ArgumentParser(prog="python -m analysis.device_time", description=main.__doc__)
     p.add_argument("folders", nargs="+", metavar="POLICY=FOLDER", help="a results folder per policy, e.g. "
-                   "wait_all=runs/dt_wait deadline=runs/dt_deadline")
+                   "wait_all=runs/dt_wait deadline=runs/dt_deadline; several sweeps' folders of one policy "
+                   "separated by commas")
     p.add_argument("--deployed", type=float, default=0.8, help="deployed accuracy target, 0-1 (default 0.8)")
     p.add_argument("--png", default=None, help="also write the curves figure here")
     args = p.parse_args(argv)

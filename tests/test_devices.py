@@ -201,3 +201,14 @@ def test_a_deadline_run_no_client_missed_is_read_as_the_methods_wait_all_run(tmp
     assert ("FedProx (full model)", "wait_all") not in t.index
     # without a wait_all folder nothing is borrowed
     assert device_time.in_time_as_wait_all({"deadline": tmp_path / "d"})[1] == []
+
+
+def test_one_policy_reads_several_sweeps_folders_and_refuses_shared_run_ids(tmp_path, fed):
+    for folder, run_id in (("a", "x"), ("b", "y"), ("c", "x")):
+        run_experiment(build_config(preset="smoke", overrides=list(TINY)), tmp_path / folder, run_id=run_id, federation=fed)
+    both = device_time.load_policy(f"{tmp_path / 'a'},{tmp_path / 'b'}")
+    assert sorted(both.runs["run_id"]) == ["x", "y"] and set(both.clients["run_id"]) == {"x", "y"}
+    t = device_time.time_to_accuracy(f"{tmp_path / 'a'},{tmp_path / 'b'}", full_width=0.0)
+    assert t["full_width_reached"].tolist() == ["2/2"]
+    with pytest.raises(ValueError, match="share run ids"):
+        device_time.load_policy(f"{tmp_path / 'a'},{tmp_path / 'c'}")
