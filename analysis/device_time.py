@@ -10,6 +10,7 @@ the same rounds).
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -116,19 +117,15 @@ def missed(res: Any) -> pd.DataFrame:
     return out.reset_index()
 
 
-TABLES = ("runs", "rounds", "clients", "layers", "allocations")
-
-
 def concat(parts: list[Any]) -> Any:
     """Loaded results folders as one (their runs side by side; run ids must differ)."""
-    first = parts[0]
     if len(parts) == 1:
-        return first
-    ids = [rid for p in parts for rid in p.runs["run_id"]]
-    if len(ids) != len(set(ids)):
-        raise ValueError(f"the folders share run ids ({sorted({r for r in ids if ids.count(r) > 1})[:3]}); "
-                         "give one folder per sweep")
-    return runs.replace_tables(first, **{t: pd.concat([p[t] for p in parts], ignore_index=True) for t in TABLES})
+        return parts[0]
+    shared = [rid for rid, n in Counter(rid for p in parts for rid in p.runs["run_id"]).items() if n > 1]
+    if shared:
+        raise ValueError(f"the folders share run ids ({sorted(shared)[:3]}); give one folder per sweep")
+    return runs.replace_tables(parts[0], **{t: pd.concat([runs.table(p, t) for p in parts], ignore_index=True)
+                                            for t in runs.TABLES})
 
 
 def load_policy(folders: Any) -> Any:
@@ -137,6 +134,10 @@ def load_policy(folders: Any) -> Any:
     if isinstance(folders, str) and "," in folders:
         return concat([runs.load_sweep(f) for f in folders.split(",") if f])
     return runs.load_sweep(folders)
+
+
+def _only(res: Any, run_ids: set[str]) -> Any:
+    return runs.replace_tables(res, **{t: (df := runs.table(res, t))[df["run_id"].isin(run_ids)] for t in runs.TABLES})
 
 
 def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -150,19 +151,20 @@ def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], li
     if "wait_all" not in out:
         return out, []
     have = set(row_names(runs.per_run(out["wait_all"])).values())
-    added: dict[str, str] = {}
+    borrowed: list[Any] = []
+    names: set[str] = set()
     for policy, res in out.items():
-        if policy == "wait_all" or "n_stragglers" not in res.rounds.columns:
+        rounds = runs.table(res, "rounds")
+        if policy == "wait_all" or "n_stragglers" not in rounds.columns:
             continue
-        late = res.rounds.groupby("run_id")["n_stragglers"].max()
-        names = row_names(runs.per_run(res))
-        added.update({rid: m for rid, m in names.items() if m not in have and late.get(rid, 1) == 0})
-    if added:
-        base = out["wait_all"]
-        out["wait_all"] = runs.replace_tables(base, **{
-            t: pd.concat([base[t], *(res[t][res[t]["run_id"].isin(added)] for p, res in out.items() if p != "wait_all")],
-                         ignore_index=True) for t in TABLES})
-    return out, sorted(set(added.values()))
+        late = rounds.groupby("run_id")["n_stragglers"].max()
+        in_time = {rid: m for rid, m in row_names(runs.per_run(res)).items() if m not in have and late.get(rid, 1) == 0}
+        if in_time:
+            borrowed.append(_only(res, set(in_time)))
+            names |= set(in_time.values())
+            have |= names  # a method is borrowed from one policy only
+    out["wait_all"] = concat([out["wait_all"], *borrowed])
+    return out, sorted(names)
 
 
 def compare(policies: Mapping[str, Any], *, deployed: float, full_width: float | None = None) -> pd.DataFrame:
