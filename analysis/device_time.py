@@ -136,10 +136,6 @@ def load_policy(folders: Any) -> Any:
     return runs.load_sweep(folders)
 
 
-def _only(res: Any, run_ids: set[str]) -> Any:
-    return runs.replace_tables(res, **{t: (df := runs.table(res, t))[df["run_id"].isin(run_ids)] for t in runs.TABLES})
-
-
 def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """``policies`` with ``wait_all`` also holding the other policies' runs of the methods it lacks in which no
     client ever missed the deadline (``rounds.n_stragglers`` 0 in every round), and those methods' names.
@@ -160,7 +156,7 @@ def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], li
         late = rounds.groupby("run_id")["n_stragglers"].max()
         in_time = {rid: m for rid, m in row_names(runs.per_run(res)).items() if m not in have and late.get(rid, 1) == 0}
         if in_time:
-            borrowed.append(_only(res, set(in_time)))
+            borrowed.append(runs.only_runs(res, in_time))
             names |= set(in_time.values())
             have |= names  # a method is borrowed from one policy only
     out["wait_all"] = concat([out["wait_all"], *borrowed])

@@ -105,13 +105,16 @@ def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     return _study(res, study)
 
 
+def only_runs(res: Any, run_ids: Any) -> Any:
+    """A copy of a loaded results object holding only the rows of ``run_ids``, in every table."""
+    keep = set(run_ids)
+    return replace_tables(res, **{t: (df := table(res, t))[df["run_id"].isin(keep)] for t in TABLES})
+
+
 def _study(res: Any, study: str | None) -> Any:
     if study is None:
         return res
-    runs = res.runs[res.runs["study"] == study]
-    keep = set(runs["run_id"])
-    others = {t: table(res, t) for t in TABLES[1:]}
-    return replace_tables(res, runs=runs, **{t: df[df["run_id"].isin(keep)] for t, df in others.items()})
+    return only_runs(res, res.runs.loc[res.runs["study"] == study, "run_id"])
 
 
 def join_runs(df: pd.DataFrame, runs: pd.DataFrame, cols: Sequence[str] = RUN_COLUMNS) -> pd.DataFrame:
