@@ -29,6 +29,7 @@ MEASURES = ("full_width", "deployed")
 # Row names: Table 1's, plus the sub-model methods the confound study names (HeteroFL, FjORD), which this
 # study compares with them (issue 28)
 ROWS = {**CONFOUND_ROWS, **comparison.TABLE1_ROWS}
+PANEL_LINES = 8  # most lines one panel of plot_policies holds; more are split by sub-models / full model
 
 
 def row_names(per_run: pd.DataFrame) -> dict[str, str]:
@@ -206,21 +207,49 @@ def report(policies: Mapping[str, Any], *, deployed: float = 0.8) -> str:
     return "\n".join(parts)
 
 
+def sub_model_methods(res: Any) -> set[str]:
+    """Methods some of whose clients trained less than the full model (``clients.capacity_used`` < 1 in some
+    run), read from the runs rather than a list, as Table 1's "sys. het." column does for methods outside it."""
+    res = load_policy(res)
+    clients = runs.table(res, "clients")
+    narrow = clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
+    names = row_names(runs.per_run(res))
+    return {names[rid] for rid, n in narrow.items() if n and rid in names}
+
+
 def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: str | Path | None = None) -> Any:
-    """Best-so-far accuracy against simulated minutes, one panel per policy, one line per method (the same colour
-    for a method in every panel)."""
+    """Best-so-far accuracy against simulated minutes, one panel per policy, one line per method: solid for a
+    method that trains sub-models, dashed for one that trains the full model everywhere, each group coloured
+    from the ten-colour cycle, so a method has one look in every panel. A policy with more than
+    :data:`PANEL_LINES` methods gets two panels, sub-models and full model (fourteen lines in one panel could
+    not be told apart)."""
     cs = {p: curves(res, measure) for p, res in policies.items()}
+    narrow = set().union(*(sub_model_methods(res) for res in policies.values()))
     methods = comparison.in_table1_order({m for c in cs.values() for m in c["method"]})
-    fig, axes = plots.new_figure(len(cs), ncols=len(cs), panel=(5.0, 3.8))
-    for ax, (policy, c) in zip(axes, cs.items()):
-        for i, m in enumerate(methods):
+    groups = {True: [m for m in methods if m in narrow], False: [m for m in methods if m not in narrow]}
+    style = {m: (plots.color(i, len(g)), "-" if sub else "--") for sub, g in groups.items() for i, m in enumerate(g)}
+    panels = []
+    for policy, c in cs.items():
+        have = [m for m in methods if m in set(c["method"])]
+        if len(have) <= PANEL_LINES:
+            panels.append((policy, c, have))
+        else:
+            panels += [(f"{policy}: {name}", c, [m for m in have if (m in narrow) == sub])
+                       for sub, name in ((True, "sub-models"), (False, "full model"))]
+    fig, axes = plots.new_figure(len(panels), ncols=len(panels), panel=(5.0, 3.8))
+    for ax, (title, c, have) in zip(axes, panels):
+        for m in have:
             g = c[c["method"] == m]
-            if len(g):
-                ax.plot(60 * g["hours"], 100 * g["accuracy"], label=m, color=plots.color(i, len(methods)))
-        ax.set_title(policy)
+            color, line = style[m]
+            ax.plot(60 * g["hours"], 100 * g["accuracy"], label=m, color=color, linestyle=line)
+        ax.set_title(title)
         ax.set_xlabel("simulated device time (minutes)")
         ax.set_ylabel(f"best-so-far {'deployed' if measure == 'deployed' else 'full-width'} accuracy (%)")
+        ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    lows, highs = zip(*(ax.get_ylim() for ax in axes))
+    for ax in axes:  # one accuracy scale, so panels compare at a glance
+        ax.set_ylim(min(lows), max(highs))
     return plots.finish(fig, path)
 
 

@@ -212,3 +212,21 @@ def test_one_policy_reads_several_sweeps_folders_and_refuses_shared_run_ids(tmp_
     assert t["full_width_reached"].tolist() == ["2/2"]
     with pytest.raises(ValueError, match="share run ids"):
         device_time.load_policy(f"{tmp_path / 'a'},{tmp_path / 'c'}")
+
+
+def test_the_curves_tell_sub_model_from_full_model_methods_and_split_a_crowded_panel(tmp_path, fed, monkeypatch):
+    for run_id, extra in (("full", ()), ("narrow", ("algorithm.width=capacity",))):
+        run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / "w", run_id=run_id,
+                       federation=fed)
+    assert device_time.sub_model_methods(tmp_path / "w") == {"FedAvg (sub-models)"}  # read from capacity_used
+    both = {"wait_all": tmp_path / "w"}
+
+    def drawn(fig):
+        return {ax.get_title(): {ln.get_label(): ln.get_linestyle() for ln in ax.lines} for ax in fig.axes}
+
+    assert drawn(device_time.plot_policies(both, "full_width")) == {
+        "wait_all": {"FedAvg": "--", "FedAvg (sub-models)": "-"}}
+    monkeypatch.setattr(device_time, "PANEL_LINES", 1)  # one line a panel: the two methods go to two panels
+    fig = device_time.plot_policies(both, "full_width")
+    assert drawn(fig) == {"wait_all: sub-models": {"FedAvg (sub-models)": "-"}, "wait_all: full model": {"FedAvg": "--"}}
+    assert len({ax.get_ylim() for ax in fig.axes}) == 1  # one accuracy scale
