@@ -185,16 +185,20 @@ def _minutes(hours: Any, std: Any = np.nan) -> str:
     return f"{60 * hours:.1f}" + ("" if pd.isna(std) else f" ± {60 * std:.1f}")
 
 
-def report(policies: Mapping[str, Any], *, deployed: float = 0.8) -> str:
-    """The device-time study as markdown (simulated minutes): time to ``deployed`` accuracy per method and
-    policy, the run's total simulated time and final deployed accuracy, and the deadline's missed rounds."""
-    t = compare(policies, deployed=deployed)
-    head = f"to {100 * deployed:g}% deployed (min)"
+def report(policies: Mapping[str, Any], *, deployed: float = 0.8, full_width: float | None = None) -> str:
+    """The device-time study as markdown (simulated minutes): time to ``deployed`` accuracy (and to
+    ``full_width`` accuracy of the server's model, when given) per method and policy, the run's total
+    simulated time and final deployed accuracy, and the deadline's missed rounds."""
+    t = compare(policies, deployed=deployed, full_width=full_width)
+    cols: dict[str, Any] = {"method": t["method"], "policy": t["policy"]}
+    for measure, target, name in (("deployed", deployed, "deployed"), ("full_width", full_width, "full-width")):
+        if target is None:
+            continue
+        cols[f"to {100 * target:g}% {name} (min)"] = [
+            _minutes(h, s) for h, s in zip(t[f"{measure}_hours"], t[f"{measure}_hours_std"])]
+        cols["seeds reached" if measure == "deployed" else "seeds reached (full-width)"] = t[f"{measure}_reached"]
     table = pd.DataFrame({
-        "method": t["method"], "policy": t["policy"],
-        head: [_minutes(h, s) for h, s in zip(t["deployed_hours"], t["deployed_hours_std"])],
-        "seeds reached": t["deployed_reached"],
-        "run total (min)": [_minutes(h) for h in t["total_hours"]],
+        **cols, "run total (min)": [_minutes(h) for h in t["total_hours"]],
         "deployed best (final round)": ["–" if pd.isna(v) else f"{100 * v:.1f}" for v in t["deployed_final"]]})
     parts = ["Simulated minutes, mean ± std over the seeds that reached the target.", "", markdown(table)]
     for policy, res in policies.items():
@@ -254,12 +258,14 @@ def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--png PATH]``: the study's tables."""
+    """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--full-width F] [--png PATH]``: the study's tables."""
     p = argparse.ArgumentParser(prog="python -m analysis.device_time", description=main.__doc__)
     p.add_argument("folders", nargs="+", metavar="POLICY=FOLDER", help="a results folder per policy, e.g. "
                    "wait_all=runs/dt_wait deadline=runs/dt_deadline; several sweeps' folders of one policy "
                    "separated by commas")
     p.add_argument("--deployed", type=float, default=0.8, help="deployed accuracy target, 0-1 (default 0.8)")
+    p.add_argument("--full-width", type=float, default=None,
+                   help="also the time to this full-width accuracy (the server's model), 0-1")
     p.add_argument("--png", default=None, help="also write the curves figure here")
     args = p.parse_args(argv)
     bad = [f for f in args.folders if "=" not in f]
@@ -267,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"invalid folder {bad[0]!r}: write POLICY=FOLDER, e.g. deadline=runs/dt_deadline")
     if not 0 < args.deployed <= 1:
         p.error(f"invalid --deployed={args.deployed}: a share of 1, above 0 and at most 1")
+    if args.full_width is not None and not 0 < args.full_width <= 1:
+        p.error(f"invalid --full-width={args.full_width}: a share of 1, above 0 and at most 1")
     policies, borrowed = in_time_as_wait_all(dict(f.split("=", 1) for f in args.folders))
-    print(report(policies, deployed=args.deployed))
+    print(report(policies, deployed=args.deployed, full_width=args.full_width))
     if borrowed:
         print(f"\nwait_all also holds the runs of {', '.join(borrowed)} from the other policies: none of their clients "
               "ever missed the deadline, so they trained exactly as under wait_all.")

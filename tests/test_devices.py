@@ -106,9 +106,18 @@ def test_a_client_past_the_deadline_is_left_out_and_comes_back_when_in_time(tmp_
     assert t.set_index("policy")["total_hours"].to_dict() == pytest.approx(
         {"deadline": rounds["sim_elapsed_s"].iloc[-1] / 3600, "wait_all": times.groupby(c["round"]).max().sum() / 3600})
     assert "missed the deadline (deadline, %)" in device_time.report(both, deployed=0.5)
+    printed = device_time.report(both, deployed=0.5, full_width=0.0).splitlines()  # the full-width target's columns
+    head = [c.strip() for c in next(x for x in printed if x.startswith("| method")).strip("|").split("|")]
+    assert head[4:6] == ["to 0% full-width (min)", "seeds reached (full-width)"]
+    for _, r in t.iterrows():
+        row = next(x for x in printed if x.startswith(f"| {r['method']} | {r['policy']} |"))
+        assert row.strip("|").split("|")[4].strip() == f"{60 * r['full_width_hours']:.1f}"
     assert len(device_time.plot_policies(both, "full_width").axes) == 2
     with pytest.raises(SystemExit) as bad:
         device_time.main([str(tmp_path / "r")])
+    assert bad.value.code == 2
+    with pytest.raises(SystemExit) as bad:
+        device_time.main([f"deadline={tmp_path / 'r'}", "--full-width", "1.5"])
     assert bad.value.code == 2
     shown = lines.getvalue().splitlines()  # the progress line: device time so far and the round's stragglers
     for line, (_, row) in zip(shown, rounds.iterrows()):
