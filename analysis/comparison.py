@@ -87,11 +87,16 @@ def table1(res: results.Results) -> pd.DataFrame:
     agg["deployed_std"] = pr.groupby("method")["deployed"].std()
     agg["seeds"] = pr.groupby("method")["seed"].nunique()
     # methods outside the paper's table: "sub-models" when some client trained less than the full model
-    clients = sweep.table(res, "clients")
-    narrow = clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
+    narrow = trains_sub_models(sweep.table(res, "clients"))
     agg["sub_models"] = pr.assign(narrow=pr["run_id"].map(narrow).fillna(False).astype(bool)).groupby("method")[
         "narrow"].any()
     return agg.loc[in_table1_order(agg.index)]
+
+
+def trains_sub_models(clients: pd.DataFrame) -> pd.Series:
+    """Per run id: whether some client of the run trained less than the full model (``capacity_used`` < 1 in
+    some round), the runs' own answer to the 'sys. het.' question for a method outside the paper's table."""
+    return clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
 
 
 def in_table1_order(methods: Any) -> list[str]:

@@ -215,8 +215,7 @@ def sub_model_methods(res: Any) -> set[str]:
     """Methods some of whose clients trained less than the full model (``clients.capacity_used`` < 1 in some
     run), read from the runs rather than a list, as Table 1's "sys. het." column does for methods outside it."""
     res = load_policy(res)
-    clients = runs.table(res, "clients")
-    narrow = clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
+    narrow = comparison.trains_sub_models(runs.table(res, "clients"))
     names = row_names(runs.per_run(res))
     return {names[rid] for rid, n in narrow.items() if n and rid in names}
 
