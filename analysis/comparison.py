@@ -99,6 +99,13 @@ def trains_sub_models(clients: pd.DataFrame) -> pd.Series:
     return clients.groupby("run_id")["capacity_used"].min() < 1 - 1e-9
 
 
+def sys_het(method: str, runs_narrow: bool) -> bool:
+    """Table 1's "sys. het." mark of a row: the paper's for its own rows (FedSPU is ✗ though its clients
+    freeze neurons, since they still run the full model forward), else whether our runs trained sub-models
+    (a "sub-models" variant, or ``runs_narrow``: :func:`trains_sub_models` of some run)."""
+    return dict((row, h) for row, _, h in TABLE1).get(method, "sub-models" in method or runs_narrow)
+
+
 def in_table1_order(methods: Any) -> list[str]:
     """Method labels in the paper's Table 1 order (each variant label right after its method), then the rest
     alphabetically."""
@@ -110,7 +117,6 @@ def in_table1_order(methods: Any) -> list[str]:
 def display(table: pd.DataFrame) -> pd.DataFrame:
     """The README's Table 1 (text cells): accuracies in percent; the 'sys. het.' column says who trained
     sub-models (the paper's marks for its Table 1 methods, our runs' clients table for the others)."""
-    het = {row: h for row, _, h in TABLE1}
     domains = [c for c in table.columns if c not in NOT_DOMAINS]
     head = ["method", "sys. het.", "seeds", *domains, "global (best)", "global (final)", "deployed (best)",
             "deployed (final)", "worst client (final)", "train GMACs / client-round (max)"]
@@ -123,7 +129,7 @@ def display(table: pd.DataFrame) -> pd.DataFrame:
 
     rows = []
     for m, r in table.iterrows():
-        cells = [m, "✓" if het.get(m, "sub-models" in m or bool(r.get("sub_models", False))) else "✗",
+        cells = [m, "✓" if sys_het(m, bool(r.get("sub_models", False))) else "✗",
                  str(int(r["seeds"]))]
         cells += [pct(r[d]) for d in domains]
         cells += [pm(r["global"], r["global_std"]), pct(r["final_global"]),

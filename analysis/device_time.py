@@ -212,17 +212,22 @@ def report(policies: Mapping[str, Any], *, deployed: float = 0.8, full_width: fl
 
 
 def sub_model_methods(res: Any) -> set[str]:
-    """Methods some of whose clients trained less than the full model (``clients.capacity_used`` < 1 in some
-    run), read from the runs rather than a list, as Table 1's "sys. het." column does for methods outside it."""
+    """Methods marked as training sub-models, as Table 1's "sys. het." column marks them
+    (:func:`analysis.comparison.sys_het`: the paper's mark for its rows, else some client of a run trained
+    less than the full model, ``clients.capacity_used`` < 1)."""
     res = load_policy(res)
     narrow = comparison.trains_sub_models(runs.table(res, "clients"))
     names = row_names(runs.per_run(res))
-    return {names[rid] for rid, n in narrow.items() if n and rid in names}
+    by_method: dict[str, bool] = {}
+    for rid, n in narrow.items():
+        if rid in names:
+            by_method[names[rid]] = by_method.get(names[rid], False) or bool(n)
+    return {m for m, n in by_method.items() if comparison.sys_het(m, n)}
 
 
 def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: str | Path | None = None) -> Any:
     """Best-so-far accuracy against simulated minutes, one panel per policy, one line per method: solid for a
-    method that trains sub-models, dashed for one that trains the full model everywhere, each group coloured
+    method that trains sub-models (:func:`sub_model_methods`), dashed for the others, each group coloured
     from the ten-colour cycle, so a method has one look in every panel. A policy with more than
     :data:`PANEL_LINES` methods gets two panels, sub-models and full model (fourteen lines in one panel could
     not be told apart)."""

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import device_time
+from analysis import comparison, device_time
 from fedsap_ray import algorithms, devices, results
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
@@ -228,6 +228,9 @@ def test_the_curves_tell_sub_model_from_full_model_methods_and_split_a_crowded_p
         run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / "w", run_id=run_id,
                        federation=fed)
     assert device_time.sub_model_methods(tmp_path / "w") == {"FedAvg (sub-models)"}  # read from capacity_used
+    # Table 1's marks: the paper's for its rows (FedSPU's clients run the full model forward), else the runs'
+    assert not comparison.sys_het("FedSPU", True) and comparison.sys_het("FedSAP", False)
+    assert comparison.sys_het("FjORD", True) and not comparison.sys_het("FjORD", False)
     both = {"wait_all": tmp_path / "w"}
 
     def drawn(fig):
