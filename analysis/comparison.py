@@ -40,6 +40,7 @@ TABLE1 = [
     ("FedSPU", "fedspu", False), ("FedDrop (FD)", "feddrop", True), ("FedProx", "fedprox (width=capacity)", True),
     ("FedMP", "fedmp", True), ("NeFL", "nefl", True), ("DapperFL", "dapperfl", True), ("FedSAP", "fedsap", True),
 ]
+SYS_HET = {row: het for row, _, het in TABLE1}  # the paper's "sys. het." mark of each of its rows
 # The Table 1 row name of each run label; a label not listed (a method outside the paper's table) keeps its own text.
 TABLE1_ROWS = {
     **{run_label: row for row, run_label, _ in TABLE1},
@@ -103,7 +104,7 @@ def sys_het(method: str, runs_narrow: bool) -> bool:
     """Table 1's "sys. het." mark of a row: the paper's for its own rows (FedSPU is ✗ though its clients
     freeze neurons, since they still run the full model forward), else whether our runs trained sub-models
     (a "sub-models" variant, or ``runs_narrow``: :func:`trains_sub_models` of some run)."""
-    return dict((row, h) for row, _, h in TABLE1).get(method, "sub-models" in method or runs_narrow)
+    return SYS_HET.get(method, "sub-models" in method or runs_narrow)
 
 
 def in_table1_order(methods: Any) -> list[str]:

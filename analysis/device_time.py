@@ -218,11 +218,9 @@ def sub_model_methods(res: Any) -> set[str]:
     res = load_policy(res)
     narrow = comparison.trains_sub_models(runs.table(res, "clients"))
     names = row_names(runs.per_run(res))
-    by_method: dict[str, bool] = {}
-    for rid, n in narrow.items():
-        if rid in names:
-            by_method[names[rid]] = by_method.get(names[rid], False) or bool(n)
-    return {m for m, n in by_method.items() if comparison.sys_het(m, n)}
+    narrow = narrow[narrow.index.isin(list(names))]
+    by_method = narrow.groupby(narrow.index.map(names)).any()
+    return {m for m, n in by_method.items() if comparison.sys_het(str(m), bool(n))}
 
 
 def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: str | Path | None = None) -> Any:
