@@ -14,16 +14,15 @@ and says how to start the run again.
 """
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedsap_ray import treecodec
-from fedsap_ray.atomic import atomic_write
 from fedsap_ray.errors import CheckpointUnreadable
 from fedsap_ray.messages import ServerState
+from fedsap_ray.outdir import OutDir
 
 SUFFIX = ".npz"
 LEGACY_SUFFIX = ".pkl"  # pickled checkpoints of fedsap_ray before format version 1: refused, never read
@@ -46,9 +45,11 @@ def legacy_refusal(path: Path | str) -> str:
 
 
 def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, Any],
-         tables: list[str] | None = None) -> None:
+         tables: list[str] | None = None, rows: dict[str, dict[int, int]] | None = None) -> None:
     """Write the checkpoint atomically; ``tables``: the per-round tables the run has written
-    so far, so a resume can tell a missing table file from one the run never had.
+    so far, so a resume can tell a missing table file from one the run never had; ``rows``: per table,
+    the rows of each round written so far (``RunWriter.counts``), so a resume can tell a lost or
+    truncated part of any table (:func:`fedsap_ray.guard.check_resumable`).
 
     A value the format does not store raises :class:`~fedsap_ray.treecodec.TreeTypeError` naming
     its key (before anything is written). On any failure (e.g. a full disk) the temporary file is
@@ -57,7 +58,9 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
     """
     tree = {"state": {"round": int(state.round), "params": state.params, "strategy": state.strategy_state},
             "server": server_metrics, "tables": list(tables or [])}
-    with atomic_write(path_for(out, run_id)) as f:
+    if rows is not None:
+        tree["rows"] = {t: {int(r): int(n) for r, n in sorted(c.items())} for t, c in rows.items()}
+    with OutDir(out).atomic_write(path_for(out, run_id)) as f:
         treecodec.write(f, tree, header={"kind": KIND, "run_id": run_id, "round": int(state.round)})
 
 
@@ -74,13 +77,15 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
     naming the file; nothing in the file is ever executed.
     """
     path = path_for(out, run_id)
-    if not path.is_file():
+    d = OutDir(out)
+    if not d.is_file(path):
         legacy = legacy_path_for(out, run_id)
-        if legacy.is_file():
+        if d.is_file(legacy):
             raise CheckpointUnreadable(legacy_refusal(legacy))
         raise FileNotFoundError(f"no checkpoint for run {run_id} at {path}")
     try:
-        header, tree = treecodec.read(path)
+        with d.open_read(path) as fh:
+            header, tree = treecodec.read(fh)
         if header.get("kind") != KIND or header.get("run_id") != run_id:
             raise treecodec.TreeFormatError(f"a {header.get('kind')!r} file of run {header.get('run_id')!r}, "
                                             f"not the checkpoint of run {run_id!r}")
@@ -97,17 +102,23 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
                                             "and a dict of strategy state")
         if type(tree["server"]) is not dict or type(tree["tables"]) is not list:
             raise treecodec.TreeFormatError("no server metrics or table list")
+        if header.get("round", st["round"]) != st["round"]:
+            raise treecodec.TreeFormatError(f"its header says round {header.get('round')!r}, its state round {st['round']!r}")
     except (treecodec.TreeFormatError, KeyError, TypeError) as e:
         raise CheckpointUnreadable(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); it is truncated, "
                                    "damaged or not a fedsap_ray checkpoint, so the run cannot continue from it") from e
-    return {"state": ServerState(round=st["round"], params=params, strategy_state=st["strategy"]),
+    out_ = {"state": ServerState(round=st["round"], params=params, strategy_state=st["strategy"]),
             "server": tree["server"], "tables": tree["tables"]}
+    if "rows" in tree:
+        out_["rows"] = tree["rows"]
+    return out_
 
 
 def remove(out: Path, run_id: str) -> None:
     """Delete the run's checkpoint (and a pickled one an older version left: it can never be resumed)."""
-    path_for(out, run_id).unlink(missing_ok=True)
-    legacy_path_for(out, run_id).unlink(missing_ok=True)
+    d = OutDir(out)
+    d.unlink(path_for(out, run_id))
+    d.unlink(legacy_path_for(out, run_id))
 
 
 def run_ids_in(names: list[str]) -> set[str]:
@@ -117,8 +128,9 @@ def run_ids_in(names: list[str]) -> set[str]:
 
 def remove_temp_files(out: Path, run_id: str) -> list[Path]:
     """Delete temporary checkpoints a killed writer of this run left (only while holding its claim)."""
-    folder = Path(path_for(out, run_id).parent)
-    gone = [*folder.glob(f".{glob.escape(run_id)}{SUFFIX}.*.tmp"), *folder.glob(f".{glob.escape(run_id)}.pkl.*.tmp")]
+    d = OutDir(out)
+    folder = path_for(out, run_id).parent
+    gone = [*d.glob(folder, f".{run_id}{SUFFIX}.*.tmp"), *d.glob(folder, f".{run_id}.pkl.*.tmp")]
     for f in gone:
-        f.unlink(missing_ok=True)
+        d.unlink(f)
     return gone

@@ -190,7 +190,13 @@ def _compact(args) -> int:
     from fedsap_ray import results
 
     try:
+        if not results.is_uri(args.out) and Path(args.out).is_dir():
+            from fedsap_ray.guard import recover_abandoned
+
+            recover_abandoned(Path(args.out))  # an overwrite a kill left half done: finished before compacting
         n = results.compact(args.out)
+    except ConfigError:  # an entry of the folder it refuses to touch (fedsap_ray.outdir): names the entry
+        raise
     except (FileNotFoundError, ValueError) as e:
         print(f"fedsap-ray: error: compact {args.out}: {e}", file=sys.stderr)
         return 2

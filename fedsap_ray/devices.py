@@ -98,8 +98,12 @@ def client_time(cfg: ExperimentConfig, device: Device, t: int, client_id: int, t
 
 def available(cfg: ExperimentConfig, devices: Sequence[Device], t: int) -> list[int]:
     """The clients selectable in round ``t`` (all of them when every availability is 1)."""
-    return [i for i, dev in enumerate(devices)
-            if dev.availability >= 1 or rng_for(cfg.seed, t, i, "device-available").random() < dev.availability]
+    return [i for i, dev in enumerate(devices) if _available(cfg, dev, t, i)]
+
+
+def _available(cfg: ExperimentConfig, dev: Device, t: int, i: int) -> bool:
+    """Whether client ``i`` can be selected in round ``t`` (one seeded draw against its availability)."""
+    return dev.availability >= 1 or rng_for(cfg.seed, t, i, "device-available").random() < dev.availability
 
 
 def round_size(cfg: ExperimentConfig, n_clients: int) -> int:
@@ -154,3 +158,24 @@ class DeviceClock:
         times = {c: client_time(self.cfg, self.devices[c], t, c, *cost) for c, cost in costs.items()}
         kept, round_s = admit(self.cfg, times, self.k)
         return SimRound(times, frozenset(set(times) - kept), round_s)
+
+
+def empty_round(cfg: ExperimentConfig, devices: Sequence[Device], rounds: range) -> int | None:
+    """The first round of ``rounds`` in which no client is available (:func:`available`), or None.
+
+    Checked before a run trains anything (:class:`fedsap_ray.session.RunSession`), so a low availability
+    fails with exit 2 before round 1 rather than in the round it empties. Cheap: each round stops at its
+    first available client (about 1 / availability draws); only an empty round draws for every client.
+    """
+    if all(dev.availability >= 1 for dev in devices):
+        return None
+    for t in rounds:
+        if not any(_available(cfg, dev, t, i) for i, dev in enumerate(devices)):
+            return t
+    return None
+
+
+def no_client_error(cfg: ExperimentConfig, t: int) -> ConfigError:
+    """The refusal of a round ``t`` that no client is available in (one line, exit 2)."""
+    return ConfigError(f"invalid devices.availability={cfg.devices.availability}: no client is available in round {t}; "
+                       "raise the availability (or the trace's) or add clients")

@@ -12,6 +12,8 @@ from pathlib import Path
 from collections.abc import Callable, Sequence
 
 from fedsap_ray import checkpoint
+from fedsap_ray.outdir import OutDir
+from fedsap_ray.results import aside
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.driver import DriverCallback, Progress, add_note, drive, drive_one
@@ -43,8 +45,10 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
     the run id must be safe as a file name, ``out`` a writable folder, the device
     present, and the id not in use by another process (:class:`fedsap_ray.guard.RunClaim`,
     held for the whole run); a new run refuses an id ``out`` already holds unless
-    ``overwrite`` (the old run's rows are then deleted, once the new run's data checks
-    passed); a resume refuses when a file the run had written is missing or unreadable.
+    ``overwrite`` (the old run is then moved aside and deleted only once the new run has
+    checkpointed its first round; if the new run fails or stops before that, the old one is
+    restored: :mod:`fedsap_ray.results.aside`); a resume refuses when a file the run had
+    written is missing, unreadable or inconsistent with its checkpoint.
 
     ``progress(summary)`` is called after every round; ``callbacks`` are further hooks of the
     driver loop (:class:`fedsap_ray.driver.DriverCallback`; one may stop the run early by
@@ -61,14 +65,41 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
     with guard.claimed(out, run_id, resume=resume, overwrite=overwrite) as claim:
         # loading the data checks the partition against it (e.g. more clients than samples)
         fed = federation if federation is not None else build_federation(cfg)
-        if claim["previous"] is not None:  # --overwrite, and this run's input is good: drop the old rows
-            results.remove_run(out, run_id)
-            checkpoint.remove(out, run_id)
         hooks = [*([Progress(progress)] if progress is not None else []), *callbacks]
-        if cfg.resources.backend == "ray" and backend is None:
-            from fedsap_ray.runtime.ray import run_on_ray  # Ray is imported only here
+        if claim["previous"] is None:
+            return _run(cfg, out, run_id, fed, resume, backend, hooks)
+        # --overwrite: the old run is moved aside, not deleted, until the new one has checkpointed a round
+        aside.set_aside(out, run_id)
+        keep = _CommitOverwrite(out, run_id)
+        try:
+            outcome = _run(cfg, out, run_id, fed, resume, backend, [keep, *hooks])
+        except BaseException:
+            if not keep.done:
+                aside.restore(out, run_id)
+            raise
+        if not keep.done:  # ended (stopped, failed) before its first checkpoint: the old run comes back
+            aside.restore(out, run_id)
+        return outcome
 
-            return run_on_ray(cfg, out.resolve(), run_id, callbacks=hooks, federation=fed, resume=resume)
-        session = RunSession(cfg, out, run_id, federation=fed, resume=resume,
-                             backend=backend if backend is not None else make_backend(cfg))
-        return drive_one(session, cfg.training.rounds, hooks)
+
+class _CommitOverwrite(DriverCallback):
+    """After the new run's first checkpointed round, the run it replaces is deleted for good."""
+
+    def __init__(self, out: Path, run_id: str) -> None:
+        self.out, self.run_id, self.done = out, run_id, False
+
+    def on_round(self, t, summaries, metrics) -> None:
+        if not self.done and OutDir(self.out).is_file(checkpoint.path_for(self.out, self.run_id)):
+            aside.commit(self.out, self.run_id)
+            self.done = True
+
+
+def _run(cfg: ExperimentConfig, out: Path, run_id: str, fed: Federation, resume: bool, backend,
+         hooks: list[DriverCallback]) -> RunOutcome:
+    if cfg.resources.backend == "ray" and backend is None:
+        from fedsap_ray.runtime.ray import run_on_ray  # Ray is imported only here
+
+        return run_on_ray(cfg, out.resolve(), run_id, callbacks=hooks, federation=fed, resume=resume)
+    session = RunSession(cfg, out, run_id, federation=fed, resume=resume,
+                         backend=backend if backend is not None else make_backend(cfg))
+    return drive_one(session, cfg.training.rounds, hooks)

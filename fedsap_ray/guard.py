@@ -18,7 +18,9 @@ from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 
-from fedsap_ray import checkpoint, results
+from fedsap_ray import checkpoint, results, statecheck
+from fedsap_ray.outdir import DIR, FILE, OutDir, lock_path
+from fedsap_ray.results import aside
 from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
 from fedsap_ray.schema import ExperimentConfig
 
@@ -92,12 +94,13 @@ class RunClaim:
 
     def __init__(self, out: Path, run_id: str, *, field: str = "--run-id") -> None:
         self.out, self.run_id, self.field = Path(out), run_id, field
-        self.path = self.out / f".{run_id}.lock"
+        self.dir = OutDir(out)
+        self.path = lock_path(self.out, run_id)
         self._fd: int | None = None
 
     def acquire(self) -> None:
         while True:
-            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+            fd = self.dir.open_lock(self.path)  # never through a link: it is truncated below
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -108,7 +111,7 @@ class RunClaim:
                                       f"running this run in {self.out} right now") from None
                 raise
             try:  # the holder before us may have unlinked the file: then lock the new one
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(self.dir.check(self.path)).st_ino
             except FileNotFoundError:
                 same = False
             if same:
@@ -121,27 +124,13 @@ class RunClaim:
     def holder(self) -> str | None:
         """The pid of the process running this run right now, or None when none is (asks the kernel,
         without creating the lock file and without keeping any lock)."""
-        try:
-            fd = os.open(self.path, os.O_RDWR)
-        except OSError:
-            return None  # no lock file: nobody has claimed the run since it last ended
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
-                    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                raise
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            return None
-        finally:
-            os.close(fd)
+        return self.dir.lock_holder(self.path)
 
     def release(self) -> None:
         if self._fd is None:
             return
         with contextlib.suppress(OSError):
-            self.path.unlink()  # while still locked: a waiter re-checks the inode (see acquire)
+            self.dir.unlink(self.path)  # while still locked: a waiter re-checks the inode (see acquire)
         os.close(self._fd)
         self._fd = None
 
@@ -157,16 +146,18 @@ def existing_run(out: Path, run_id: str) -> str | None:
     """What ``out`` holds of run ``run_id`` (e.g. ``"status finished"``, ``"rows in a compacted file"``),
     or None when it holds nothing of it."""
     out = Path(out)
+    d = OutDir(out)
     f = out / "runs" / f"{run_id}.parquet"
-    if f.is_file():
+    if d.is_file(f):
         try:
-            return f"status {pq.read_table(f, columns=['status']).column('status')[0].as_py()}"
+            with d.open_read(f) as fh:
+                return f"status {pq.read_table(fh, columns=['status']).column('status')[0].as_py()}"
         except Exception:  # unreadable: still the run's file
             return "an unreadable runs file"
-    if results.run_files(out, run_id) or checkpoint.path_for(out, run_id).is_file() \
-            or checkpoint.legacy_path_for(out, run_id).is_file():
+    if results.run_files(out, run_id) or d.is_file(checkpoint.path_for(out, run_id)) \
+            or d.is_file(checkpoint.legacy_path_for(out, run_id)):
         return "some of its files"
-    if (out / "runs").is_dir() and results.in_compacted(out, run_id):
+    if d.is_dir(out / "runs") and results.in_compacted(out, run_id):
         return "rows in a compacted file"
     return None
 
@@ -181,41 +172,65 @@ def refuse_existing(out: Path, run_id: str, *, overwrite: bool) -> str | None:
 
 
 def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
-    """Everything a resume of ``run_id`` needs, readable: its ``runs`` row (not finished), its
-    checkpoint, and every table file the run had written by the checkpoint's round (the
-    ``rounds`` file holding each of those rounds). Returns the checkpoint.
+    """Everything a resume of ``run_id`` needs, readable and consistent, checked before anything is
+    deleted: its ``runs`` row (not finished), its checkpoint, the checkpoint's round against the runs row,
+    and every table the run had written by the checkpoint's round, round by round (the rows of each
+    round the checkpoint counted, in every table). Returns the checkpoint.
 
-    Without this a resume would start from the checkpoint and silently rewrite a missing
-    table from the resumed round on, losing the rounds before it.
+    Without this a resume would start from the checkpoint and silently rewrite a missing table from the
+    resumed round on, losing the rounds before it. The checkpoint's content against the model and the
+    strategy is checked once they are built (:mod:`fedsap_ray.statecheck`, by the session).
     """
     out = Path(out)
     field = f"--resume={run_id!r}"
-    check_checkpoint_present(out, run_id, running=False)  # under our claim: nobody else runs it
+    row = check_checkpoint_present(out, run_id, running=False)  # under our claim: nobody else runs it
     try:
         ck = checkpoint.load(out, run_id)
     except CheckpointUnreadable as e:
         raise ConfigError(f"invalid {field}: {e}") from e
     done = int(ck["state"].round)
+    where = f"invalid {field}: checkpoint {checkpoint.path_for(out, run_id)}"
+    afresh = "; restore the file, or start the run afresh (--run-id ID --overwrite)"
+    planned, recorded = row.get("rounds"), row.get("rounds_done")
+    if done < 1 or (planned is not None and done > planned):
+        raise ConfigError(f"{where} holds round {done}; a checkpoint is written after rounds 1-{planned}{afresh}")
+    if recorded is not None and done not in (recorded, recorded + 1):  # +1: killed between the two writes
+        raise ConfigError(f"{where} holds round {done}, but the runs table says {recorded} rounds were done{afresh}")
+    statecheck.check_rows(ck["tables"], ck.get("rows"), results.DATA_TABLES, done, where)
     # older checkpoints do not list their tables: every run writes a rounds row per round
     expected = ck["tables"] if "tables" in ck else (["rounds"] if done > 0 else [])
+    files = results.run_files(out, run_id)
+    for g in files:
+        try:
+            pq.read_schema(g)
+        except Exception as e:
+            raise ConfigError(f"invalid {field}: {g} is unreadable ({e.__class__.__name__}: "
+                              f"{str(e).splitlines()[0][:120] if str(e) else ''}){afresh}") from e
+    try:
+        counts = results.row_counts(out, run_id)
+    except Exception as e:
+        raise ConfigError(f"invalid {field}: the run's tables in {out} are unreadable ({e.__class__.__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else ''}){afresh}") from e
     for table in expected:
         f = out / table / f"{run_id}.parquet"
-        files = [g for g in results.run_files(out, run_id) if g.parent.name == table]
-        if not files:
+        if not any(g.parent.name == table for g in files):
             raise ConfigError(f"invalid {field}: {f} is missing (the run had written rounds 1-{done} of its "
-                              f"{table} table); restore the file, or start the run afresh (--run-id ID --overwrite)")
-        rounds: set[int] = set()
-        for g in files:  # its per-run file and the parts of rounds not merged into it yet
-            try:
-                rounds |= set(pq.read_table(g, columns=["round"]).column("round").to_pylist())
-            except Exception as e:
-                raise ConfigError(f"invalid {field}: {g} is unreadable ({e.__class__.__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}); restore the file, or start the run "
-                                  "afresh (--run-id ID --overwrite)") from e
-        lost = sorted(set(range(1, done + 1)) - rounds) if table == "rounds" else []
+                              f"{table} table){afresh}")
+        lost = sorted(set(range(1, done + 1)) - set(counts.get(table, {}))) if table == "rounds" else []
         if lost:
             raise ConfigError(f"invalid {field}: {f} lacks rounds {_spans(lost)} of the {done} the checkpoint "
-                              "holds; restore the file, or start the run afresh (--run-id ID --overwrite)")
+                              f"holds{afresh}")
+    for table, per in counts.items():
+        beyond = sorted(r for r in per if r > done + 1)
+        if beyond:
+            raise ConfigError(f"{where} holds round {done}, but {out / table} holds rows of round {beyond[-1]}: the "
+                              f"checkpoint is older than the tables{afresh}")
+    for table, want in (ck.get("rows") or {}).items():
+        have = counts.get(table, {})
+        for r in range(1, done + 1):
+            if have.get(r, 0) != want.get(r, 0):
+                raise ConfigError(f"invalid {field}: {out / table} holds {have.get(r, 0)} rows of round {r}, the "
+                                  f"checkpoint counted {want.get(r, 0)} (a part was deleted, truncated or added){afresh}")
     return ck
 
 
@@ -227,28 +242,32 @@ def check_checkpoint_present(out: Path, run_id: str, *, running: bool = True) ->
     out = Path(out)
     field = f"--resume={run_id!r}"
     runs_file = out / "runs" / f"{run_id}.parquet"
-    if not runs_file.is_file():
+    check_layout(out, run_id)
+    if not OutDir(out).is_file(runs_file):
         raise ConfigError(f"invalid {field}: no run with that id in {out}/runs")
-    row = _read_first_row(runs_file, field)
+    row = _read_first_row(out, runs_file, field)
     if row.get("status") == "finished":
-        raise ConfigError(f"invalid {field}: the run already finished")
+        stale = " (its checkpoint is stale: the run was stopped while it merged its files; `fedsap-ray compact " \
+                f"{out}` merges them and removes it)" if OutDir(out).is_file(checkpoint.path_for(out, run_id)) else ""
+        raise ConfigError(f"invalid {field}: the run already finished{stale}")
     pid = RunClaim(out, run_id).holder() if running else None
     if pid is not None:
         raise ConfigError(f"invalid {field}: the run is running right now in {out} (pid {pid}); wait for it to end "
                           "or stop it, then resume")
     ck_path = checkpoint.path_for(out, run_id)
-    if not ck_path.is_file():
+    if not OutDir(out).is_file(ck_path):
         legacy = checkpoint.legacy_path_for(out, run_id)
-        if legacy.is_file():
+        if OutDir(out).is_file(legacy):
             raise ConfigError(f"invalid {field}: {checkpoint.legacy_refusal(legacy)}")
         raise ConfigError(f"invalid {field}: no checkpoint at {ck_path} (the run ended before its first round was "
                           f"checkpointed, status {row.get('status')!r}); start it again with --run-id {run_id} --overwrite")
     return row
 
 
-def _read_first_row(f: Path, field: str) -> dict[str, Any]:
+def _read_first_row(out: Path, f: Path, field: str) -> dict[str, Any]:
     try:
-        rows = pq.read_table(f).to_pylist()
+        with OutDir(out).open_read(f) as fh:
+            rows = pq.read_table(fh).to_pylist()
     except Exception as e:
         raise ConfigError(f"invalid {field}: {f} is unreadable ({e.__class__.__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''})") from e
@@ -268,6 +287,47 @@ def _spans(xs: list[int]) -> str:
     return ", ".join(out)
 
 
+def recover_abandoned(out: Path) -> dict[str, str]:
+    """Finish every overwrite a killed process left half done in ``out`` (:func:`aside.recover`), each under
+    its run's claim (one being run right now is left alone); return run id -> what was done. Called by
+    every run and by ``fedsap-ray compact``, so a folder heals the first time it is used again."""
+    d = OutDir(out)
+    done: dict[str, str] = {}
+    if not d.is_dir(d.abs / aside.ASIDE):
+        return done
+    for run_id in d.listdir(d.abs / aside.ASIDE):
+        claim = RunClaim(out, run_id)
+        try:
+            claim.acquire()
+        except ConfigError:
+            continue  # its overwrite is running now
+        try:
+            what = aside.recover(out, run_id)
+            if what:
+                done[run_id] = what
+        finally:
+            claim.release()
+    return done
+
+
+def check_layout(out: Path, run_id: str) -> None:
+    """Before any work: every entry of ``out`` a run touches is of the right kind and no link
+    (:class:`~fedsap_ray.outdir.OutDir`): the table and checkpoint folders, the run's lock, files,
+    parts and checkpoint, and a pending overwrite's folder. A refusal names the entry (exit 2)."""
+    d = OutDir(out)
+    d.check(out, DIR)
+    for sub in (*results.TABLES, "checkpoints"):
+        d.check(d.abs / sub, DIR)
+    d.check(lock_path(d.abs, run_id), FILE)
+    for f in (checkpoint.path_for(out, run_id), checkpoint.legacy_path_for(out, run_id)):
+        d.check(f, FILE)
+    results.run_files(out, run_id)  # each of them checked
+    if d.is_dir(aside.folder(out, run_id)):
+        for sub in d.listdir(aside.folder(out, run_id)):
+            for name in d.listdir(aside.folder(out, run_id) / sub):
+                d.check(aside.folder(out, run_id) / sub / name, FILE)
+
+
 def remove_leftovers(out: Path, run_id: str) -> None:
     """Temporary files of this run's earlier, killed writers (call under the run's claim)."""
     results.remove_temp_files(out, run_id)
@@ -276,12 +336,21 @@ def remove_leftovers(out: Path, run_id: str) -> None:
 
 @contextlib.contextmanager
 def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterator[dict[str, Any]]:
-    """The checks and the claim around a run: yields ``{"checkpoint": ..., "previous": status}``.
+    """The checks and the claim around a run: yields ``{"checkpoint": ..., "previous": status, "recovered": ...}``.
 
-    ``previous`` is the status of an old run under the same id that ``--overwrite`` will
-    replace (the caller removes its rows only once its own input checks passed).
+    ``previous`` is the status of an old run under the same id that ``--overwrite`` will replace (the
+    caller sets it aside: :mod:`fedsap_ray.results.aside`); ``recovered`` says how an overwrite that a
+    killed process left half done was finished (``committed``, ``restored`` or None), before any check
+    that reads the run.
     """
     created = check_out(out)
+    try:
+        check_layout(out, run_id)
+    except ConfigError:
+        if created:
+            with contextlib.suppress(OSError):
+                Path(out).rmdir()
+        raise
     claim = RunClaim(out, run_id, field="--resume" if resume else "--run-id")
     try:
         claim.acquire()
@@ -291,7 +360,8 @@ def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterato
                 Path(out).rmdir()
         raise
     try:
-        info: dict[str, Any] = {"checkpoint": None, "previous": None}
+        info: dict[str, Any] = {"checkpoint": None, "previous": None, "recovered": aside.recover(out, run_id)}
+        recover_abandoned(out)  # other runs' overwrites a kill left half done
         if resume:
             info["checkpoint"] = check_resumable(out, run_id)
         else:

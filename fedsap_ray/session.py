@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import fedsap_ray
-from fedsap_ray import algorithms, checkpoint
+from fedsap_ray import algorithms, checkpoint, devices, statecheck
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import default_workers, pick_device
 from fedsap_ray.data import build_federation
@@ -30,7 +30,7 @@ from fedsap_ray.errors import CheckpointUnreadable, ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
-from fedsap_ray.results import RunWriter
+from fedsap_ray.results import DATA_TABLES, RunWriter
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import seed_for
 from fedsap_ray.server import Backend, RoundSummary, Server
@@ -150,14 +150,22 @@ class RunSession:
         self.server = Server(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
                              device=pick_device(cfg.resources.device))
         fed = self.ctx.federation
+        if cfg.devices.availability < 1 or cfg.devices.trace is not None:  # a round no client can train: refused now
+            empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))
+            if empty is not None:
+                raise devices.no_client_error(cfg, empty)
         self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes)
         self.recorder = self.server.recorder
         self.last_summary: RoundSummary | None = None
         self.state: ServerState | None = None
         self.prior_wall_s = 0.0
         self._resumed: ServerState | None = None
-        if resume:
+        if resume:  # every check first: nothing of the run is deleted or rewritten before they all pass
             ck = checkpoint.load(self.out, run_id)
+            where = f"invalid --resume={run_id!r}: checkpoint {checkpoint.path_for(self.out, run_id)}"
+            statecheck.check_state(ck, n_params=self.ctx.layout.size, n_clients=len(self.ctx.federation.clients),
+                                   strategy=self.strategy, recorder_template=self.recorder.metrics_state(),
+                                   rounds=cfg.training.rounds, known_tables=DATA_TABLES, where=where)
             st = ck["state"]
             try:
                 own = self.strategy.state_from_tree(st.strategy_state)
@@ -165,13 +173,14 @@ class RunSession:
                 raise CheckpointUnreadable(f"checkpoint of run {run_id} in {self.out} holds {cfg.algorithm.name} state "
                                            f"this version cannot read ({e}): start the run again with --run-id "
                                            f"{run_id} --overwrite") from e
+            old = self.writer.previous_row()
+            if old is not None and old["config_hash"] != cfg.config_hash():
+                raise ConfigError(f"invalid resume={run_id!r}: the run was made with another config "
+                                  f"(hash {old['config_hash']}, now {cfg.config_hash()})")
             self._resumed = ServerState(round=st.round, params=st.params, strategy_state=own)
             self.recorder.restore_metrics(ck["server"])
-            old = self.writer.restore(self._resumed.round)
+            self.writer.restore(self._resumed.round)
             if old is not None:
-                if old["config_hash"] != cfg.config_hash():
-                    raise ConfigError(f"invalid resume={run_id!r}: the run was made with another config "
-                                      f"(hash {old['config_hash']}, now {cfg.config_hash()})")
                 self.base_row["started_at"] = old["started_at"]
                 # the provenance stays the bytes the run started with (a re-serialised config
                 # can spell the same numbers differently, e.g. 7 as 7.0)
@@ -195,7 +204,7 @@ class RunSession:
         tree = ServerState(round=state.round, params=state.params,
                            strategy_state=self.strategy.state_tree(state.strategy_state))
         checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),
-                        tables=self.writer.tables_written())
+                        tables=self.writer.tables_written(), rows=self.writer.counts)
         self.state, self.last_summary = state, summary  # only now is round t done: a resume can continue after it
         self.writer.set_run(self._row("running"))
         return summary

@@ -37,7 +37,6 @@ from fedsap_ray import devices
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext, StrategyContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.errors import ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs, weight_uses
 from fedsap_ray.seeding import rng_for, seed_for
@@ -69,6 +68,9 @@ class Strategy(ABC):
 
     # the dataclass of ``ServerState.strategy_state`` (None: a dict); checkpoints store its fields (state_tree)
     State: ClassVar[type | None] = None
+    # fields a dict state gains after its first round (absent from init_state): a resume accepts them in a
+    # checkpoint, and refuses any other field the initial state lacks (fedsap_ray.statecheck)
+    state_keys: ClassVar[tuple[str, ...]] = ()
     # option defaults per config preset, beneath the user's options: a method scales its own schedules (a
     # warm-up, an adaptation interval) to a preset's round budget (fedsap_ray.config.apply_algorithm_defaults)
     preset_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
@@ -255,9 +257,8 @@ class Strategy(ABC):
             rng = rng_for(self.cfg.seed, t, -1, "sample")
             return sorted(int(i) for i in rng.choice(n, size=k, replace=False))
         pool = devices.available(self.cfg, self.devices(), t)
-        if not pool:
-            raise ConfigError(f"invalid devices.availability={dev.availability}: no client is available in round {t}; "
-                              "raise the availability (or the trace's) or add clients")
+        if not pool:  # refused before round 1 (devices.empty_round); kept for callers that skip the session
+            raise devices.no_client_error(self.cfg, t)
         m = min(devices.selection_size(self.cfg, k), len(pool))
         if m >= len(pool):
             return pool

@@ -268,6 +268,7 @@ def _unit(x: Any) -> bool:
 class DapperFL(Strategy):
     summary = "fuse global + 1-epoch local model, l1-prune the fusion to kappa_i, DAR loss, refill pruned from global"
     columns = {"clients": CHANNEL_COUNT_COLUMNS}
+    state_keys = ("kept",)  # client -> the channel mask it kept, from its first round on
 
     @dataclass(frozen=True)
     class Options:

@@ -269,6 +269,8 @@ class FPLObjective(ClientHook):
 @register("fpl")
 class FPL(FedAvg):
     summary = "full model, FedAvg + FINCH cluster-prototype contrastive and unbiased-prototype consistency losses"
+    # the prototypes of the last round, from the first round on (none before any client sent one)
+    state_keys = PROTO_KEYS
 
     @dataclass(frozen=True)
     class Options:

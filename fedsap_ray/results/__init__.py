@@ -46,8 +46,8 @@ from fedsap_ray.results.schema import (ALLOCATIONS_COLUMNS, CLIENTS_COLUMNS, COR
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, PART_SEP, RUN_ID_PATTERN, RUN_ID_RULE, UPTO_KEY,
                                       atomic_output, check_run_id, filesystem, foreign_reason, is_uri, part_name,
                                       run_files_in)
-from fedsap_ray.results.writer import (RunWriter, consolidate_run, in_compacted, remove_run, remove_temp_files,
-                                       run_files, write_atomic)
+from fedsap_ray.results.writer import (RunWriter, consolidate_run, drop_compacted, in_compacted, remove_run,
+                                       remove_temp_files, row_counts, run_files, write_atomic)
 
 __all__ = [
     "ALLOCATIONS_COLUMNS", "CLIENTS_COLUMNS", "COMPACTED_PREFIX", "CONFIG_PREFIX", "CORE_TABLES", "DATA_TABLES",
@@ -55,6 +55,6 @@ __all__ = [
     "RUN_ID_PATTERN", "RUN_ID_RULE", "SCHEMA_VERSION", "TABLES", "TABLE_ROWS", "UPTO_KEY", "WALL_CLOCK", "Results", "RunWriter",
     "atomic_output", "check_run_id", "compact", "consolidate_run", "extension_columns", "filesystem", "foreign_reason",
     "in_compacted", "is_uri", "load", "part_name", "read_table", "remove_run", "remove_temp_files", "run_files",
-    "run_files_in",
+    "run_files_in", "drop_compacted", "row_counts",
     "run_statuses", "schema", "to_table", "with_config_columns", "write_atomic",
 ]

@@ -8,16 +8,24 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from fedsap_ray import checkpoint
+from fedsap_ray.outdir import OutDir, lock_path
 from fedsap_ray.results.reader import run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
-from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, list_table,
-                                      readahead, run_ids, write_batches)
+from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, is_uri,
+                                      list_table, readahead, run_ids, write_batches)
 from fedsap_ray.results.writer import consolidate_run
 
 
 def _checkpointed(fs: pafs.FileSystem, base: str) -> set[str]:
     infos = fs.get_file_info(pafs.FileSelector(f"{base}/checkpoints", allow_not_found=True))
     return checkpoint.run_ids_in([i.base_name for i in infos if i.type == pafs.FileType.File])
+
+
+def _ending(path: str | Path, run_id: str) -> bool:
+    """Whether a process holds run ``run_id``'s claim in the local folder ``path`` (False for URIs: no locks there)."""
+    if is_uri(path):
+        return False
+    return OutDir(path).lock_holder(lock_path(path, run_id)) is not None
 
 
 def _unchanged(fs: pafs.FileSystem, info: pafs.FileInfo) -> bool:
@@ -49,6 +57,12 @@ def compact(path: str | Path) -> dict[str, int]:
         raise FileNotFoundError(f"no results folder at {path}")
     statuses = run_statuses(path)
     resumable = _checkpointed(fs, base)
+    # a finished run keeps no checkpoint: one left means the run was stopped between writing its final
+    # status and removing it (while merging its parts); it can never be resumed, so it goes here (unless
+    # the run's process is still ending right now: its lock is held)
+    for r in sorted(r for r in resumable if statuses.get(r) == "finished" and not _ending(path, r)):
+        fs.delete_file(f"{base}/checkpoints/{r}{checkpoint.SUFFIX}")
+        resumable.discard(r)
     final = {r for r, s in statuses.items() if s in FINAL_STATUSES and r not in resumable}
     done: set[str] = set()
     kept: set[str] = set()

@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from fedsap_ray.errors import ConfigError
+from fedsap_ray.outdir import LOCAL_TYPE, OutDir
 from fedsap_ray.results.schema import KEY_COLUMNS, TABLES, schema
 
 # ----------------------------------------------------------------------------- run ids
@@ -65,15 +66,21 @@ def is_uri(path: str | Path) -> bool:
 
 
 def filesystem(path: str | Path) -> tuple[pafs.FileSystem, str]:
-    """(pyarrow filesystem, path inside it) for a local folder or a URI ``FileSystem.from_uri`` accepts."""
+    """(pyarrow filesystem, path inside it) for a local folder or a URI ``FileSystem.from_uri`` accepts.
+
+    A local folder (a path or ``file://``) gets :meth:`fedsap_ray.outdir.OutDir.filesystem`: every call
+    refuses a link inside the folder, a path outside it and an entry of the wrong kind."""
     if not is_uri(path):
-        return pafs.LocalFileSystem(), Path(path).absolute().as_posix()
+        return OutDir(path).filesystem(), Path(path).absolute().as_posix()
     try:
         fs, inner = pafs.FileSystem.from_uri(str(path))
     except (ValueError, NotImplementedError, OSError) as e:
         raise ValueError(f"invalid results location {str(path)!r}: {e}; use a local path or a URI that "
                          "pyarrow.fs.FileSystem.from_uri accepts (file://, s3://, gs://, hdfs://, abfs://)") from e
-    return fs, inner.rstrip("/") or inner
+    inner = inner.rstrip("/") or inner
+    if fs.type_name == "local":  # file://: the same checked door as a plain path (fedsap_ray.outdir)
+        return OutDir(inner, field=str(path)).filesystem(), inner
+    return fs, inner
 
 
 def is_dir(fs: pafs.FileSystem, base: str) -> bool:
@@ -250,7 +257,7 @@ def sources(fs: pafs.FileSystem, listing: Listing) -> tuple[list[str], list[tupl
 
 def readahead(fs: pafs.FileSystem) -> int:
     """Files read at once: pyarrow's default locally; many on remote stores, where latency dominates."""
-    return 4 if fs.type_name == "local" else 64
+    return 4 if fs.type_name in ("local", LOCAL_TYPE) else 64
 
 
 @contextmanager

@@ -4,7 +4,6 @@ files when the run ends (:func:`consolidate_run`); and the helpers that find, de
 run's files (``--overwrite``, resume)."""
 from __future__ import annotations
 
-import glob
 import warnings
 from pathlib import Path
 from typing import Any
@@ -15,19 +14,21 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from fedsap_ray.atomic import atomic_write
+from fedsap_ray.outdir import OutDir
 from fedsap_ray.results.schema import DATA_TABLES, SCHEMA_VERSION, TABLES, to_table
 from fedsap_ray.results.store import (FINAL_STATUSES, PART_SEP, UPTO_KEY, atomic_output, check_run_id, dataset,
                                       filesystem, list_table, part_name, run_files_in, run_ids, write_batches)
 
 
 def run_files(out: Path, run_id: str) -> list[Path]:
-    """The run's per-run files and parts that exist under the local folder ``out`` (every table)."""
+    """The run's per-run files and parts that exist under the local folder ``out`` (every table), as real
+    paths, each checked by :class:`~fedsap_ray.outdir.OutDir` (a link or a wrong kind is refused)."""
+    d = OutDir(out)
     found = []
     for t in TABLES:
-        f = Path(out) / t / f"{run_id}.parquet"
-        if f.is_file():
-            found.append(f)
-        found.extend(sorted((Path(out) / t).glob(f"{glob.escape(run_id)}{PART_SEP}*.parquet")))
+        if d.is_file(d.abs / t / f"{run_id}.parquet"):
+            found.append(d.check(d.abs / t / f"{run_id}.parquet"))
+        found.extend(d.glob(d.abs / t, f"{run_id}{PART_SEP}*.parquet"))
     return found
 
 
@@ -38,12 +39,8 @@ def in_compacted(out: Path, run_id: str) -> bool:
 
 
 def remove_run(out: Path, run_id: str) -> int:
-    """Delete every row of run ``run_id`` from the local folder ``out`` (per-run files, and its
-    rows in compacted files, which are rewritten without them); return the files changed.
-
-    Used by ``--overwrite``: a new run under an old id must not inherit a table the new
-    run does not write (e.g. the old run's ``layers``).
-    """
+    """Delete every row of run ``run_id`` from the local folder ``out`` (per-run files and parts, and its
+    rows in compacted files, which are rewritten without them); return the files changed."""
     fs, base = filesystem(Path(out))
     changed = 0
     for table in TABLES:
@@ -54,7 +51,16 @@ def remove_run(out: Path, run_id: str) -> int:
         for _, info in listing.parts.get(run_id, []):
             fs.delete_file(info.path)
             changed += 1
-        for c in listing.compacted:
+    return changed + drop_compacted(out, run_id)
+
+
+def drop_compacted(out: Path, run_id: str) -> int:
+    """Remove run ``run_id``'s rows from the compacted files of ``out`` (each rewritten atomically, or
+    deleted when it held only that run); return the files changed."""
+    fs, base = filesystem(Path(out))
+    changed = 0
+    for table in TABLES:
+        for c in list_table(fs, base, table).compacted:
             ids = run_ids(fs, c.path)
             if run_id not in ids:
                 continue
@@ -73,18 +79,20 @@ def remove_temp_files(out: Path, run_id: str) -> list[Path]:
 
     Only call it while holding the run's claim (no live writer of the run can own them).
     """
+    d = OutDir(out)
     gone = []
     for t in TABLES:
-        for pattern in (f".{glob.escape(run_id)}.parquet.*.tmp", f".{glob.escape(run_id)}{PART_SEP}*.parquet.*.tmp"):
-            for f in (Path(out) / t).glob(pattern):
-                f.unlink(missing_ok=True)
+        for pattern in (f".{run_id}.parquet.*.tmp", f".{run_id}{PART_SEP}*.parquet.*.tmp"):
+            for f in d.glob(d.abs / t, pattern):
+                d.unlink(f)
                 gone.append(f)
     return gone
 
 
-def write_atomic(table: pa.Table, path: Path) -> None:
-    """Write ``table`` to ``path`` whole or not at all (:func:`fedsap_ray.atomic.atomic_write`)."""
-    with atomic_write(path) as f:
+def write_atomic(table: pa.Table, path: Path, out: OutDir | None = None) -> None:
+    """Write ``table`` to ``path`` whole or not at all (:func:`fedsap_ray.atomic.atomic_write`), through
+    ``out``'s checks when the file is in a results folder."""
+    with (out.atomic_write(path) if out is not None else atomic_write(path)) as f:
         pq.write_table(table, f)
 
 
@@ -99,11 +107,14 @@ class RunWriter:
 
     def __init__(self, out: Path, run_id: str) -> None:
         self.out = Path(out)
+        self.dir = OutDir(out)
         self.run_id = check_run_id(run_id)
         self.run_row: dict[str, Any] | None = None
         self.pending: dict[str, list[dict[str, Any]]] = {t: [] for t in DATA_TABLES}
         self.tables: set[str] = set()  # per-round tables the run has rows in
         self._last: dict[str, tuple[int, list[dict[str, Any]]]] = {}  # table -> (round, rows) of its newest part
+        # table -> {round: rows written}: what a checkpoint records, so a resume can tell a lost part
+        self.counts: dict[str, dict[int, int]] = {}
 
     def tables_written(self) -> list[str]:
         """The per-round tables this run has rows in (and so files for, after a flush)."""
@@ -125,8 +136,16 @@ class RunWriter:
         its old runs row."""
         fs, base = filesystem(self.out)
         self.tables = set(consolidate_run(fs, base, self.run_id, upto_round=upto_round))
+        self.counts = row_counts(self.out, self.run_id)
+        return self.previous_row()
+
+    def previous_row(self) -> dict[str, Any] | None:
+        """The run's ``runs`` row as the folder holds it (None: no per-run file); reads only."""
         f = self.out / "runs" / f"{self.run_id}.parquet"
-        old = pq.read_table(f).to_pylist() if f.is_file() else []
+        if not self.dir.is_file(f):
+            return None
+        with self.dir.open_read(f) as fh:
+            old = pq.read_table(fh).to_pylist()
         return old[0] if old else None
 
     def flush(self) -> None:
@@ -139,8 +158,9 @@ class RunWriter:
                 last = self._last.get(t)
                 if last is not None and last[0] == rnd:  # a second flush of the same round: its part grows
                     rs = last[1] + rs
-                write_atomic(to_table(t, rs), self.out / t / part_name(self.run_id, rnd))
+                write_atomic(to_table(t, rs), self.out / t / part_name(self.run_id, rnd), self.dir)
                 self._last[t] = (rnd, rs)
+                self.counts.setdefault(t, {})[rnd] = len(rs)
                 self.tables.add(t)
         if self.run_row is not None:
             self._write_runs()
@@ -160,7 +180,7 @@ class RunWriter:
 
     def _write_runs(self) -> None:
         write_atomic(to_table("runs", [self.run_row] if self.run_row else []),
-                     self.out / "runs" / f"{self.run_id}.parquet")
+                     self.out / "runs" / f"{self.run_id}.parquet", self.dir)
 
 
 def consolidate_run(fs: pafs.FileSystem, base: str, run_id: str, upto_round: int | None = None) -> list[str]:
@@ -202,3 +222,19 @@ def consolidate_run(fs: pafs.FileSystem, base: str, run_id: str, upto_round: int
         for _, info in parts:
             fs.delete_file(info.path)
     return have
+
+
+def row_counts(out: Path, run_id: str, tables: tuple[str, ...] = DATA_TABLES) -> dict[str, dict[int, int]]:
+    """table -> {round: rows} of run ``run_id`` in the local folder ``out`` (its per-run file and parts, each
+    row once: the parts its per-run file holds are skipped as readers skip them)."""
+    fs, base = filesystem(Path(out))
+    counts: dict[str, dict[int, int]] = {}
+    for table in tables:
+        whole, upto, parts = run_files_in(fs, base, table, run_id)
+        paths = ([whole.path] if whole is not None else []) + [i.path for r, i in parts if r > upto]
+        if not paths:
+            continue
+        rounds = dataset(fs, paths, table).to_table(columns=["round"]).column("round")
+        vc = pc.value_counts(rounds)
+        counts[table] = {int(v["values"]): int(v["counts"]) for v in vc.to_pylist()}
+    return counts
