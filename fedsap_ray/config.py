@@ -226,6 +226,18 @@ class _YamlLoader(yaml.SafeLoader):
             seen[key] = k
 
 
+def _yaml_int(loader: _YamlLoader, node: yaml.ScalarNode) -> int:
+    """YAML integers, with one past Python's digit limit for int() (4,300 digits) refused in one line."""
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:
+        raise _Refused(f"an integer of {len(str(node.value)):,} characters at line {node.start_mark.line + 1}; "
+                       "numbers in a config are far shorter") from None
+
+
+_YamlLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+
+
 def _key_text(node: yaml.Node) -> str:
     return clip(node.value, 40) if isinstance(node, yaml.ScalarNode) else f"<{node.id}>"
 

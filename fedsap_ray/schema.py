@@ -61,6 +61,11 @@ def clip(text: str, limit: int = SHORT_VALUE) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def key_text(k: Any) -> str:
+    """A mapping key as an error names it: as written when it is a plain word, else quoted (and short)."""
+    return k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]{1,60}", k) else short(k, 60)
+
+
 def _fail(field_name: str, value: Any, allowed: str) -> typing.NoReturn:
     raise ConfigError(f"invalid {field_name}={short(value)}: {allowed}")
 
@@ -293,7 +298,7 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Any:
     for k in options:
         if k not in fields:
             allowed = ", ".join(fields) or "(none)"
-            raise ConfigError(f"invalid algorithm.{short(k)}={short(options[k])}: unknown option for algorithm {name!r}; "
+            raise ConfigError(f"invalid algorithm.{key_text(k)}={short(options[k])}: unknown option for algorithm {name!r}; "
                               f"allowed options are {allowed}")
     hints = typing.get_type_hints(opt_cls)
     return opt_cls(**{k: coerce(hints[k], v, f"algorithm.{k}") for k, v in options.items()})
@@ -489,7 +494,7 @@ def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> An
     unknown = [k for k in d if k not in fields]
     if unknown:
         k = unknown[0]  # any YAML key (an int, a null, ''), named as written: quoted unless it is a plain word
-        key = k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]{1,60}", k) else short(k, 60)
+        key = key_text(k)
         _fail(f"{prefix}{key}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
     hints = typing.get_type_hints(cls)
     kwargs = {}
