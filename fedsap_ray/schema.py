@@ -375,9 +375,9 @@ class DevicesConfig:
     def __post_init__(self) -> None:
         for f, (low, high) in DEVICE_RANGES.items():
             v = getattr(self, f)
-            _check_pos(f"devices.{f}", v, allow_zero=low == 0)
-            if not low <= v <= high:
-                _fail(f"devices.{f}", v, f"must be in [{low:g}, {high:g}] ({DEVICE_RANGE_WHY})")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high):  # NaN: False
+                why = DEVICE_RANGE_WHY if f != "over_select" else "so that the sample ceil(k * (1 + over_select)) is finite"
+                _fail(f"devices.{f}", v, f"must be a number in [{low:g}, {high:g}] ({why})")
         _check_choice("devices.policy", self.policy, DEVICE_POLICIES)
         if self.deadline_s is not None:
             _check_pos("devices.deadline_s", self.deadline_s)

@@ -210,7 +210,7 @@ def test_absurd_client_counts_are_refused_before_anything_is_allocated(tmp_path,
 def test_device_values_outside_their_range_are_refused_with_the_range(capsys, override):
     field, value = override.split("=")
     low, high = DEVICE_RANGES[field.split(".")[1]]
-    _refused(capsys, "--set", override, needles=(f"invalid {field}=", f"must be in [{low:g}, {high:g}]"))
+    _refused(capsys, "--set", override, needles=(f"invalid {field}=", f"must be a number in [{low:g}, {high:g}]"))
 
 
 def test_device_values_at_their_bounds_are_accepted():
