@@ -14,6 +14,7 @@ docs/reference/config.md is generated from both modules.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import typing
@@ -26,7 +27,7 @@ import yaml
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DEVICES, INT64_MAX, PARTITIONS, SEED_ALLOWED, SEED_MAX,
                                SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig, ExperimentConfig, ModelConfig,
-                               ResourcesConfig, TrainingConfig, _fail, construct)
+                               ResourcesConfig, TrainingConfig, _fail, clip, construct, short)
 
 __all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.schema
     "BACKENDS", "CAPACITY_SCHEMES", "DEVICES", "INT64_MAX", "PARTITIONS", "SEED_ALLOWED",
@@ -153,8 +154,123 @@ PRESET_NOTES: dict[str, str] = {
 }
 
 
+MAX_YAML_NODES = 100_000  # nodes a YAML document may hold once its aliases are expanded (a config has < 1,000)
+
+
+class _Refused(Exception):
+    """A document the loaders refuse (a duplicate key, an alias bomb); the message says where."""
+
+
 class _YamlLoader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-4`` (no dot) as a string; researchers write weight decays that way."""
+    """YAML 1.1 reads ``1e-4`` (no dot) as a string; researchers write weight decays that way.
+
+    Before a document is built it is checked as a tree (:meth:`construct_document`): a mapping may not
+    hold a key twice, at any depth (YAML lets the last one win silently: a second ``training:`` section
+    would drop the first one's keys), an alias may not refer to the node that holds it, and the
+    document expanded (every alias counted as a copy of its anchor) may hold at most
+    :data:`MAX_YAML_NODES` nodes, so a small file whose aliases expand to billions of values (a
+    "billion laughs") is refused at once."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._check_tree(node)
+        return super().construct_document(node)
+
+    def _check_tree(self, root: yaml.Node) -> None:
+        sizes: dict[int, int] = {}  # expanded node count of each node seen, memoised: aliases share nodes
+        checked: set[int] = set()
+
+        def size(node: yaml.Node, path: tuple[str, ...], open_: set[int]) -> int:
+            if id(node) in sizes:
+                return sizes[id(node)]
+            if id(node) in open_:
+                raise _Refused(f"{_where(path, node)}: an alias refers to the node that holds it (a recursive value)")
+            open_.add(id(node))
+            total = 1
+            if isinstance(node, yaml.MappingNode):
+                if id(node) not in checked:
+                    checked.add(id(node))
+                    self._check_keys(node, path)
+                for k, v in node.value:
+                    total += size(k, path, open_) + size(v, (*path, _key_text(k)), open_)
+                    if total > MAX_YAML_NODES:
+                        break
+            elif isinstance(node, yaml.SequenceNode):
+                for i, v in enumerate(node.value):
+                    total += size(v, (*path, str(i)), open_)
+                    if total > MAX_YAML_NODES:
+                        break
+            open_.discard(id(node))
+            if total > MAX_YAML_NODES:
+                raise _Refused(f"{_where(path, node)}: the document expands to more than {MAX_YAML_NODES:,} values "
+                               "(aliases repeating aliases); a config needs a few hundred")
+            sizes[id(node)] = total
+            return total
+
+        size(root, (), set())
+
+    def _check_keys(self, node: yaml.MappingNode, path: tuple[str, ...]) -> None:
+        seen: dict[Any, yaml.Node] = {}
+        for k, _ in node.value:
+            if k.tag == "tag:yaml.org,2002:merge":
+                continue  # '<<: *base' merges a mapping; keys written next to it override it, as YAML says
+            try:
+                key = self.construct_object(k, deep=True)
+                hash(key)
+            except (TypeError, yaml.YAMLError):
+                continue  # an unhashable or bad key: the constructor reports it
+            key = (type(key) if isinstance(key, (bool, int, float)) else str, key)  # 1 and true are distinct keys
+            if key in seen:
+                first = seen[key].start_mark.line + 1
+                raise _Refused(f"duplicate key {'.'.join((*path, _key_text(k)))} at line {k.start_mark.line + 1} "
+                               f"(first at line {first}); a key may appear once in a mapping")
+            seen[key] = k
+
+
+def _yaml_int(loader: _YamlLoader, node: yaml.ScalarNode) -> int:
+    """YAML integers, with one past Python's digit limit for int() (4,300 digits) refused in one line."""
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:
+        raise _Refused(f"an integer of {len(str(node.value)):,} characters at line {node.start_mark.line + 1}; "
+                       "numbers in a config are far shorter") from None
+
+
+_YamlLoader.add_constructor("tag:yaml.org,2002:int", _yaml_int)
+
+
+def _key_text(node: yaml.Node) -> str:
+    return clip(node.value, 40) if isinstance(node, yaml.ScalarNode) else f"<{node.id}>"
+
+
+def _where(path: tuple[str, ...], node: yaml.Node) -> str:
+    return f"at {'.'.join(path) or 'the top level'} (line {node.start_mark.line + 1})"
+
+
+def _json_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` of the JSON loader: a duplicate key is marked here and reported with its path
+    by :func:`_json_duplicate` (the hook does not know where its object is)."""
+    out = _JsonObject()
+    for k, v in pairs:
+        if k in out and out.duplicate is None:
+            out.duplicate = k
+        out[k] = v
+    return out
+
+
+class _JsonObject(dict):
+    duplicate: str | None = None
+
+
+def _json_duplicate(x: Any, path: tuple[str, ...] = ()) -> str | None:
+    """The dotted path of the first duplicate key in a parsed JSON document, or None."""
+    if isinstance(x, _JsonObject) and x.duplicate is not None:
+        return ".".join((*path, clip(x.duplicate, 40)))
+    children = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in children:
+        found = _json_duplicate(v, (*path, clip(str(k), 40)))
+        if found:
+            return found
+    return None
 
 
 _YamlLoader.add_implicit_resolver(
@@ -169,14 +285,16 @@ _YamlLoader.add_implicit_resolver(
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``a.b=value`` -> (["a", "b"], value) with the value parsed as YAML (ints, floats, lists, null)."""
     if "=" not in text:
-        raise ConfigError(f"invalid --set {text!r}: expected KEY=VALUE, e.g. training.rounds=20")
+        raise ConfigError(f"invalid --set {short(text)}: expected KEY=VALUE, e.g. training.rounds=20")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"invalid --set {text!r}: the key must be dotted, e.g. training.rounds")
+        raise ConfigError(f"invalid --set {short(text)}: the key must be dotted, e.g. training.rounds")
     try:
         value = yaml.load(raw, Loader=_YamlLoader) if raw.strip() != "" else ""
-    except yaml.YAMLError:
+    except _Refused as e:
+        raise ConfigError(f"invalid --set {short(text)}: {e}") from None
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return key.split("."), value
 
@@ -190,26 +308,68 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 
 def load_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    name = short(str(path), 200)
     if not p.is_file():
-        raise ConfigError(f"invalid --config={str(path)!r}: " + ("it is a folder, not a file" if p.is_dir()
-                                                                 else "file does not exist"))
+        raise ConfigError(f"invalid --config={name}: " + ("it is a folder, not a file" if p.is_dir()
+                                                            else "file does not exist"))
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"invalid --config={str(path)!r}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+        raise ConfigError(f"invalid --config={name}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
                           f"{e.start}); save the file as UTF-8") from e
     except OSError as e:
-        raise ConfigError(f"invalid --config={str(path)!r}: cannot read it ({e.strerror or e})") from e
+        raise ConfigError(f"invalid --config={name}: cannot read it ({e.strerror or e})") from e
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_YamlLoader)
+        data = (json.loads(text, object_pairs_hook=_json_pairs) if p.suffix == ".json"
+                else yaml.load(text, Loader=_YamlLoader))
+    except _Refused as e:
+        raise ConfigError(f"invalid --config={name}: {e}") from None
     except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as e:
         first = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError(f"invalid --config={str(path)!r}: cannot parse ({e.__class__.__name__}: {first})") from e
+        raise ConfigError(f"invalid --config={name}: cannot parse ({e.__class__.__name__}: {clip(first, 200)})") from e
+    if p.suffix == ".json":
+        try:
+            dup = _json_duplicate(data)
+        except RecursionError:
+            dup = None  # nested past Python's limit: the schema refuses such a value anyway
+        if dup is not None:
+            raise ConfigError(f"invalid --config={name}: duplicate key {dup}; a key may appear once in an object")
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"invalid --config={str(path)!r}: the top level must be a mapping")
+        raise ConfigError(f"invalid --config={name}: the top level must be a mapping")
     return data
+
+
+# The config's sections (and algorithm.options): a mapping each. One given as null (``training:`` with
+# nothing under it in YAML, ``--set training=null``) is refused: merged over the preset it would replace the
+# whole section with the defaults. An empty mapping (``training: {}``) is accepted: merged over the preset it
+# changes nothing, which is what it says.
+SECTION_PATHS = (("data",), ("capacity",), ("model",), ("training",), ("algorithm",), ("resources",),
+                 ("devices",), ("algorithm", "options"))
+
+
+def _null_section(tree: Mapping[str, Any], where: str) -> None:
+    """Refuse a section given as null anywhere in ``tree`` (a config file, or one override nested)."""
+    for path in SECTION_PATHS:
+        node: Any = tree
+        for p in path[:-1]:
+            node = node.get(p) if isinstance(node, Mapping) else None
+        if isinstance(node, Mapping) and path[-1] in node and node[path[-1]] is None:
+            dotted = ".".join(path)
+            raise ConfigError(f"invalid {dotted}=null{where}: a section cannot be null (merged over the preset it "
+                              f"would silently replace all of {dotted} with the defaults); give its fields, "
+                              f"e.g. {dotted}: {{...}}, or leave it out")
+
+
+def trace_sha256(path: str) -> str:
+    """SHA-256 of a device trace file's bytes (``devices.trace_sha256``); ConfigError naming devices.trace."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        raise ConfigError(f"invalid devices.trace={short(path, 200)}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"invalid devices.trace={short(path, 200)}: cannot be read ({e.strerror or e})") from None
 
 
 def build_config(
@@ -232,9 +392,11 @@ def build_config(
     merged: dict[str, Any] = deep_merge({}, PRESETS.get(preset, {}))
     merged["preset"] = preset
     if file_data:
+        _null_section(file_data, "")
         merged = deep_merge(merged, file_data)
     for text in overrides:
         path, value = parse_override(text)
+        _null_section(_nest(path, value), f" (--set {clip(text, 60)})")
         if path[0] == "preset":  # the recorded preset must be the one the config was built from
             _fail("--set preset", value, "the preset is chosen with --preset NAME (or preset: NAME in a config file), "
                                          "before the overrides; " + allowed)
@@ -243,7 +405,15 @@ def build_config(
         merged = deep_merge(merged, _nest(path, value))
     if seed is not None:
         merged["seed"] = seed
-    return from_dict(apply_algorithm_defaults(merged))
+    cfg = from_dict(apply_algorithm_defaults(merged))
+    if cfg.devices.trace is not None and cfg.devices.trace_sha256 is None:
+        # the trace's content is part of the run's identity (the config hash): a resume re-reads the
+        # recorded hash from the stored config and the run start compares it with the file (fedsap_ray.limits)
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices,
+                                                                   trace_sha256=trace_sha256(cfg.devices.trace)))
+    return cfg
 
 
 def preset_option_defaults(preset: Any) -> dict[str, dict[str, Any]]:

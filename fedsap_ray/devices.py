@@ -31,10 +31,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedsap_ray.errors import ConfigError
-from fedsap_ray.schema import DevicesConfig, ExperimentConfig
+from fedsap_ray.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, clip, short
 from fedsap_ray.seeding import rng_for
 
-TRACE_COLUMNS = ("client_id", "speed")  # required; optional: down_bytes_s, up_bytes_s, availability
+TRACE_COLUMNS = ("client_id", "speed")  # required
+TRACE_OPTIONAL = ("down_bytes_s", "up_bytes_s", "availability")  # optional; no other column is accepted
+# the range of each numeric column: those of the config's constants (schema.DEVICE_RANGES), availability in (0, 1]
+TRACE_RANGES: dict[str, tuple[float, float]] = {
+    "speed": DEVICE_RANGES["speed_full"], "down_bytes_s": DEVICE_RANGES["down_bytes_s"],
+    "up_bytes_s": DEVICE_RANGES["up_bytes_s"]}
+MIN_SPEED = DEVICE_RANGES["speed_full"][0]  # MACs/s: a device's speed (speed_full x capacity, or a trace's) at least
 
 
 @dataclass(frozen=True)
@@ -49,40 +55,105 @@ def devices_for(cfg: ExperimentConfig, capacities: Sequence[float]) -> list[Devi
     """Every client's device: from ``devices.trace`` for the clients it lists, else from its capacity."""
     d = cfg.devices
     out = [Device(d.speed_full * float(c), d.down_bytes_s, d.up_bytes_s, d.availability) for c in capacities]
-    if d.trace is not None:
-        for cid, dev in _read_trace(d.trace, d, len(capacities)).items():
-            out[cid] = dev
+    traced = read_trace(d, len(capacities)) if d.trace is not None else {}
+    for cid, dev in traced.items():
+        out[cid] = dev
+    for cid, dev in enumerate(out):
+        if cid not in traced and not dev.speed >= MIN_SPEED:  # a capacity so small the time would not be finite
+            raise ConfigError(f"invalid devices.speed_full={d.speed_full:g}: client {cid} has capacity "
+                              f"{capacities[cid]:g}, a speed of {dev.speed:g} MACs/s; every device needs at least "
+                              f"{MIN_SPEED:g} MACs/s (raise devices.speed_full or the capacity, or give a trace)")
     return out
 
 
+def read_trace(d: DevicesConfig, n_clients: int) -> Mapping[int, Device]:
+    """``devices.trace`` read and checked strictly; with ``devices.trace_sha256`` recorded, the file must
+    still hold the bytes that hash was made from (the run's identity: fedsap_ray.config.trace_sha256)."""
+    assert d.trace is not None
+    return _read_trace(d.trace, d, n_clients)
+
+
+def _bad(path: str, what: str) -> ConfigError:
+    return ConfigError(f"invalid devices.trace={short(path, 200)}: {what}")
+
+
+def _number(v: object) -> float | None:
+    """A trace cell as a float, or None when it is no number (a string, a bool, a missing cell)."""
+    import numpy as np
+
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        return None
+    f = float(v)
+    return f if not math.isnan(f) else None
+
+
 def _read_trace(path: str, d: DevicesConfig, n_clients: int) -> Mapping[int, Device]:
-    """The trace's devices by client id; bad files and values raise ConfigError naming devices.trace."""
+    """The trace's devices by client id; every refusal is a ConfigError naming devices.trace, the file,
+    and the row (1-based, after the header) and column at fault. Strict: only the known columns;
+    ``client_id`` an integer (a float column's 2.0 is client 2; 1.7 is refused) in [0, n_clients), each id
+    once; every speed and bandwidth a number in the config's range (finite, > 0); availability in (0, 1]."""
+    import io
+
     import pandas as pd
 
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"invalid devices.trace={path!r}: no such file")
     try:
-        df = pd.read_parquet(p) if p.suffix == ".parquet" else pd.read_csv(p)
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise _bad(path, "no such file") from None
+    except OSError as e:
+        raise _bad(path, f"cannot be read ({e.strerror or e})") from None
+    if d.trace_sha256 is not None:
+        import hashlib
+
+        now = hashlib.sha256(raw).hexdigest()
+        if now != d.trace_sha256:
+            raise _bad(path, f"the file changed since the run's config was made (sha256 {d.trace_sha256[:12]}... "
+                             f"recorded in devices.trace_sha256, now {now[:12]}...): a run's times come from the "
+                             "trace it started with; restore that file, or start a new run")
+    try:
+        df = pd.read_parquet(io.BytesIO(raw)) if p.suffix == ".parquet" else pd.read_csv(io.BytesIO(raw))
     except Exception as e:  # a file pandas cannot parse
-        raise ConfigError(f"invalid devices.trace={path!r}: cannot be read ({e.__class__.__name__}: {e})") from None
+        raise _bad(path, f"cannot be read ({e.__class__.__name__}: {clip(str(e), 120)})") from None
+    known = (*TRACE_COLUMNS, *TRACE_OPTIONAL)
+    for c in df.columns:
+        if c not in known:
+            raise _bad(path, f"unknown column {short(c, 40)}; the columns are {', '.join(TRACE_COLUMNS)} (required) "
+                             f"and {', '.join(TRACE_OPTIONAL)} (optional)")
     missing = [c for c in TRACE_COLUMNS if c not in df.columns]
     if missing:
-        raise ConfigError(f"invalid devices.trace={path!r}: needs the columns {', '.join(TRACE_COLUMNS)} "
-                          f"(missing {', '.join(missing)}); optional: down_bytes_s, up_bytes_s, availability")
+        raise _bad(path, f"needs the columns {', '.join(TRACE_COLUMNS)} (missing {', '.join(missing)}); "
+                         f"optional: {', '.join(TRACE_OPTIONAL)}")
+    if len(df) == 0:
+        raise _bad(path, "has no rows; list at least one client, or leave devices.trace null")
+    defaults = {"down_bytes_s": d.down_bytes_s, "up_bytes_s": d.up_bytes_s, "availability": d.availability}
     out: dict[int, Device] = {}
-    for row in df.itertuples(index=False):
-        cid = int(row.client_id)
-        dev = Device(float(row.speed), float(getattr(row, "down_bytes_s", d.down_bytes_s)),
-                     float(getattr(row, "up_bytes_s", d.up_bytes_s)), float(getattr(row, "availability", d.availability)))
+    rows: dict[int, int] = {}
+    for i, row in enumerate(df.to_dict("records"), start=1):
+        cid_f = _number(row["client_id"])
+        if cid_f is None or not math.isfinite(cid_f) or not cid_f.is_integer():
+            raise _bad(path, f"row {i}: client_id {short(row['client_id'], 40)} is not an integer")
+        cid = int(cid_f)
         if not 0 <= cid < n_clients:
-            raise ConfigError(f"invalid devices.trace={path!r}: client_id {cid} is not one of the "
-                              f"{n_clients} clients (0..{n_clients - 1})")
-        if not (dev.speed > 0 and dev.down > 0 and dev.up > 0 and math.isfinite(dev.speed + dev.down + dev.up)
-                and 0 < dev.availability <= 1):
-            raise ConfigError(f"invalid devices.trace={path!r}: client {cid} needs speed, down_bytes_s, up_bytes_s "
-                              f"> 0 and availability in (0, 1], got {dev}")
-        out[cid] = dev
+            raise _bad(path, f"row {i}: client_id {cid} is not one of the {n_clients} clients (0..{n_clients - 1})")
+        if cid in rows:
+            raise _bad(path, f"row {i}: client_id {cid} again (first in row {rows[cid]}); each client at most once")
+        vals: dict[str, float] = {}
+        for col in ("speed", *TRACE_OPTIONAL):
+            if col not in row:
+                vals[col] = float(defaults[col])
+                continue
+            v = _number(row[col])
+            if col == "availability":
+                ok, allowed = v is not None and 0 < v <= 1, "a number in (0, 1]"
+            else:
+                low, high = TRACE_RANGES[col]
+                ok, allowed = v is not None and low <= v <= high, f"a number in [{low:g}, {high:g}]"
+            if not ok:
+                raise _bad(path, f"row {i} (client {cid}): {col} {short(row[col], 40)} must be {allowed}")
+            vals[col] = float(v)  # type: ignore[arg-type]  # ok: v is a number here
+        rows[cid] = i
+        out[cid] = Device(vals["speed"], vals["down_bytes_s"], vals["up_bytes_s"], vals["availability"])
     return out
 
 

@@ -54,7 +54,7 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
     driver loop (:class:`fedsap_ray.driver.DriverCallback`; one may stop the run early by
     raising :class:`RunStopped`: the outcome then has status ``stopped``).
     """
-    from fedsap_ray import guard, results
+    from fedsap_ray import guard, limits, results
 
     if resume and not run_id:
         raise ConfigError("invalid resume: needs the run_id of the run to continue")
@@ -62,6 +62,7 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
     out = Path(out)
     if backend is None:
         guard.check_device(cfg)
+        limits.check_resources(cfg)
     with guard.claimed(out, run_id, resume=resume, overwrite=overwrite) as claim:
         # loading the data checks the partition against it (e.g. more clients than samples)
         fed = federation if federation is not None else build_federation(cfg)

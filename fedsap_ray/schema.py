@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -28,8 +29,45 @@ from fedsap_ray import registry
 from fedsap_ray.errors import ConfigError
 
 
-def _fail(field_name: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"invalid {field_name}={value!r}: {allowed}")
+SHORT_VALUE = 80  # characters of an offending value an error line quotes, at most
+
+
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    # a few levels and items of a container, a prefix of a long string or number: never the whole value
+    # (a YAML alias bomb or a megabyte of --set text must not become a gigabyte error line)
+    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset, r.maxfrozenset, r.maxdeque, r.maxarray = 3, 6, 12, 12, 6, 6, 6, 6
+    r.maxstring, r.maxlong, r.maxother = SHORT_VALUE, SHORT_VALUE, SHORT_VALUE
+    return r
+
+
+_SHORT = _short_repr()
+
+
+def short(value: Any, limit: int = SHORT_VALUE) -> str:
+    """``repr(value)`` for an error line, cut to at most ``limit`` characters without ever building the
+    whole repr of a huge or deeply nested value (:mod:`reprlib`); what was cut ends in ``...``."""
+    try:
+        text = _SHORT.repr(value)
+    except (ValueError, RecursionError):  # an int past Python's digit limit for str(); a pathological object
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())  # one line, whatever the value holds
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def clip(text: str, limit: int = SHORT_VALUE) -> str:
+    """``text`` unquoted on one line, cut to at most ``limit`` characters (ending in ``...`` when cut)."""
+    text = " ".join(text[:limit * 4].split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def key_text(k: Any) -> str:
+    """A mapping key as an error names it: as written when it is a plain word, else quoted (and short)."""
+    return k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]{1,60}", k) else short(k, 60)
+
+
+def _fail(field_name: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"invalid {field_name}={short(value)}: {allowed}")
 
 
 def _check_ratio(name: str, v: float, *, low_open: bool = False) -> None:
@@ -59,6 +97,14 @@ BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
 SUBMODELS = ("sliced", "masked")
 DEVICE_POLICIES = ("wait_all", "deadline", "over_select")
+# [low, high] of the device model's numbers (and of a trace's columns): with train_macs and bytes up to
+# 1e15 and any lognormal draw, (1 + backward_factor) * macs / (speed * factor) + bytes / bandwidth is then a
+# finite float64 > 0 (a speed or bandwidth of 1e-300 or a backward_factor of 1e308 gave infinite times,
+# a jitter of 1000 a factor of 0 and a division by zero)
+DEVICE_RANGES: dict[str, tuple[float, float]] = {
+    "speed_full": (1.0, 1e18), "down_bytes_s": (1.0, 1e15), "up_bytes_s": (1.0, 1e15),
+    "backward_factor": (0.0, 1e3), "jitter": (0.0, 4.0), "over_select": (0.0, 1e3)}
+DEVICE_RANGE_WHY = "so that every simulated time is finite and > 0"
 _HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])"
 _RAY_ADDRESS = re.compile(rf"(?:ray://)?{_HOST}:(\d{{1,5}})")
 RAY_ADDRESS_ALLOWED = "must be auto, local, HOST:PORT or ray://HOST:PORT (a host name or IP address, a port 1-65535)"
@@ -252,7 +298,7 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Any:
     for k in options:
         if k not in fields:
             allowed = ", ".join(fields) or "(none)"
-            raise ConfigError(f"invalid algorithm.{k}={options[k]!r}: unknown option for algorithm {name!r}; "
+            raise ConfigError(f"invalid algorithm.{key_text(k)}={short(options[k])}: unknown option for algorithm {name!r}; "
                               f"allowed options are {allowed}")
     hints = typing.get_type_hints(opt_cls)
     return opt_cls(**{k: coerce(hints[k], v, f"algorithm.{k}") for k, v in options.items()})
@@ -297,39 +343,55 @@ class DevicesConfig:
     # MACs/s of a device of capacity 1 (keep ratio 1); a client's speed is this times its capacity, so a
     # keep-0.2 device takes as long for a 0.2-wide sub-model as a full device for the full model.
     # An assumption (about a mid-range phone CPU on float32 convolutions), not a measurement: set your own.
+    # In [1, 1e18] MACs/s (and speed_full x capacity must be >= 1), so every simulated time is finite and > 0.
     speed_full: float = 20e9
-    down_bytes_s: float = 2.5e6  # download bandwidth of every device, bytes/s (20 Mbit/s; an assumption)
-    up_bytes_s: float = 0.625e6  # upload bandwidth of every device, bytes/s (5 Mbit/s; an assumption)
-    # backward pass MACs per forward MAC: train_macs counts forward passes only (Strategy.train_macs)
+    # download bandwidth of every device, bytes/s (20 Mbit/s; an assumption); in [1, 1e15]
+    down_bytes_s: float = 2.5e6
+    # upload bandwidth of every device, bytes/s (5 Mbit/s; an assumption); in [1, 1e15]
+    up_bytes_s: float = 0.625e6
+    # backward pass MACs per forward MAC: train_macs counts forward passes only (Strategy.train_macs); in [0, 1000]
     backward_factor: float = 2.0
-    # sigma of a seeded lognormal factor on each client-round's speed (0: off); median 1
+    # sigma of a seeded lognormal factor on each client-round's speed (0: off); median 1; in [0, 4] (the
+    # factor exp(sigma * z) then stays finite and non-zero for every normal draw z)
     jitter: float = 0.0
     # wait_all: a round lasts until its slowest client (today's numbers); deadline: clients slower than
     # deadline_s are stragglers, left out of aggregation (their compute still counted); over_select:
     # ceil(k * (1 + over_select)) clients are sampled and the k that finish first are aggregated
     policy: str = "wait_all"
     deadline_s: float | None = None  # seconds; needed by policy=deadline
-    over_select: float = 0.3  # extra fraction sampled under policy=over_select
+    # extra fraction sampled under policy=over_select; in [0, 1000] (the sample is capped at the available clients)
+    over_select: float = 0.3
     # probability that a client can be selected in a round (seeded per round and client); 1: always
     availability: float = 1.0
     # CSV or Parquet with client_id, speed (MACs/s) and optionally down_bytes_s, up_bytes_s, availability:
-    # replaces the capacity mapping (and the constants above) for the clients it lists
+    # replaces the capacity mapping (and the constants above) for the clients it lists. Checked strictly
+    # (docs/guides/device-time.md): only those columns, integer client ids of the federation, each once,
+    # values in the ranges above
     trace: str | None = None
+    # SHA-256 of the trace file's bytes, recorded when the config is built (never set it by hand): part of
+    # the config hash, so a run refuses to start or resume on a trace edited since
+    trace_sha256: str | None = None
 
     def __post_init__(self) -> None:
-        for f in ("speed_full", "down_bytes_s", "up_bytes_s"):
-            _check_pos(f"devices.{f}", getattr(self, f))
-        _check_pos("devices.backward_factor", self.backward_factor, allow_zero=True)
-        _check_pos("devices.jitter", self.jitter, allow_zero=True)
+        for f, (low, high) in DEVICE_RANGES.items():
+            v = getattr(self, f)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high):  # NaN: False
+                why = DEVICE_RANGE_WHY if f != "over_select" else "so that the sample ceil(k * (1 + over_select)) is finite"
+                _fail(f"devices.{f}", v, f"must be a number in [{low:g}, {high:g}] ({why})")
         _check_choice("devices.policy", self.policy, DEVICE_POLICIES)
         if self.deadline_s is not None:
             _check_pos("devices.deadline_s", self.deadline_s)
         if self.policy == "deadline" and self.deadline_s is None:
             _fail("devices.deadline_s", None, "must be a number of seconds > 0 with devices.policy=deadline")
-        _check_pos("devices.over_select", self.over_select, allow_zero=True)
         _check_ratio("devices.availability", self.availability, low_open=True)
         if self.trace is not None and not str(self.trace).endswith((".csv", ".parquet")):
             _fail("devices.trace", self.trace, "must be a .csv or .parquet file")
+        if self.trace_sha256 is not None:
+            if not isinstance(self.trace_sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.trace_sha256):
+                _fail("devices.trace_sha256", self.trace_sha256, "must be 64 lowercase hex digits (recorded by the "
+                                                                 "config builder from the trace file)")
+            if self.trace is None:
+                _fail("devices.trace_sha256", self.trace_sha256, "is the hash of devices.trace, which is not set")
 
 
 @dataclass(frozen=True)
@@ -388,9 +450,15 @@ class ExperimentConfig:
         d = self.to_dict()
         d.pop("resources", None)
         d.pop("preset", None)
-        if d.get("devices") == _to_plain(dataclasses.asdict(DevicesConfig())):
+        if isinstance(d.get("devices"), dict) and d["devices"].get("trace_sha256") is None:
+            d["devices"].pop("trace_sha256", None)  # no trace: hashed as before the field existed
+        if d.get("devices") == _without_sha(_to_plain(dataclasses.asdict(DevicesConfig()))):
             d.pop("devices")  # the default device model adds columns only: runs keep the hash they had before it
         return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _without_sha(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if k != "trace_sha256"}
 
 
 def _canonical(x: Any) -> Any:
@@ -426,7 +494,7 @@ def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> An
     unknown = [k for k in d if k not in fields]
     if unknown:
         k = unknown[0]  # any YAML key (an int, a null, ''), named as written: quoted unless it is a plain word
-        key = k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]+", k) else repr(k)
+        key = key_text(k)
         _fail(f"{prefix}{key}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
     hints = typing.get_type_hints(cls)
     kwargs = {}

@@ -153,7 +153,7 @@ def test_a_device_trace_replaces_the_capacity_mapping_and_bad_traces_name_the_fi
     assert [d.speed for d in devs[:3]] == [1e6, 2e6, cfg.devices.speed_full * fed.clients[2].capacity]
     bad = tmp_path / "bad.csv"
     pd.DataFrame({"client_id": [0], "speed": [-1.0]}).to_csv(bad, index=False)
-    for path, needle in [(bad, "needs speed"), (tmp_path / "none.csv", "no such file")]:
+    for path, needle in [(bad, r"row 1 \(client 0\): speed -1.0 must be a number in"), (tmp_path / "none.csv", "no such file")]:
         with pytest.raises(ConfigError, match=f"invalid devices.trace=.*{needle}"):
             devices.devices_for(build_config(preset="smoke", overrides=[*TINY, f"devices.trace={path}"]),
                                 [c.capacity for c in fed.clients])

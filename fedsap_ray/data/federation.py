@@ -199,6 +199,10 @@ def partition_clients(splits_domains: list[str], train: dict[str, DomainData],
     """(domain, indices into train[domain]) per client id, by ``data.partition``."""
     rng = np.random.default_rng(np.random.SeedSequence((seed, _PURPOSE_PARTITION)))
     n = data.num_clients
+    samples = sum(len(train[d]) for d in splits_domains)
+    if n > samples:  # before anything is allocated per client (10**12 clients ran out of memory here)
+        raise PartitionError("data.num_clients", n, f"{n} clients but only {samples} training samples (every client "
+                                                    "needs at least one); use fewer clients")
     if data.partition == "domain":
         return domain_protocol({d: len(train[d]) for d in splits_domains}, n, data.client_fraction, rng)
     if data.partition in ("dirichlet", "iid"):

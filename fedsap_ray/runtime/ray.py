@@ -37,6 +37,7 @@ import ray
 import ray.util.scheduling_strategies
 import torch
 
+from fedsap_ray import limits
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.data.base import DomainData, Federation
@@ -120,6 +121,7 @@ def check_cluster(cfg: ExperimentConfig, num_clients: int, cluster: dict[str, fl
     if cfg.resources.device == "cuda" and cluster.get("GPU", 0.0) <= 0:
         raise ConfigError("invalid resources.device='cuda': the Ray cluster has no GPUs; use auto or cpu")
     pool_size(cfg, num_clients, cluster)  # ConfigError naming the resource that does not fit
+    limits.check_cluster_resources(cfg, num_clients, cluster)
 
 
 @ray.remote
