@@ -9,6 +9,7 @@ the same rounds).
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,7 +44,9 @@ def elapsed(res: Any) -> pd.DataFrame:
     res = load_policy(res)
     rounds = runs.table(res, "rounds")
     if "sim_elapsed_s" not in rounds.columns:
-        raise ValueError("these runs record no simulated device time (rounds.sim_elapsed_s, results schema >= 6)")
+        raise runs.MissingData("these runs record no simulated device time (rounds.sim_elapsed_s, results schema >= 6)")
+    if rounds.empty:
+        raise runs.MissingData("these runs finished no round (no rounds rows): nothing to time")
     clock = rounds.drop_duplicates(["run_id", "round"])[["run_id", "round", "sim_elapsed_s"]]
     out = clock.assign(hours=clock["sim_elapsed_s"] / 3600.0).drop(columns="sim_elapsed_s")
     full = primary_rounds(rounds)
@@ -285,8 +288,13 @@ def main(argv: list[str] | None = None) -> int:
         loaded = {policy: concat([runs.open_or_exit(f, prog) for f in v.split(",")]) for policy, v in given.items()}
     except ValueError as e:  # the folders of one policy share run ids
         p.error(str(e))
-    policies, borrowed = in_time_as_wait_all(loaded)
-    print(report(policies, deployed=args.deployed, full_width=args.full_width))
+    try:
+        policies, borrowed = in_time_as_wait_all(loaded)
+        text = report(policies, deployed=args.deployed, full_width=args.full_width)
+    except runs.MissingData as e:  # a results folder without what the study needs
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
     if borrowed:
         print(f"\nwait_all also holds the runs of {', '.join(borrowed)} from the other policies: none of their clients "
               "ever missed the deadline, so they trained exactly as under wait_all.")
