@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from fedsap_ray import checkpoint, guard, results
@@ -165,7 +166,12 @@ def check_resume(trials: Sequence[Mapping[str, Any]], opts: SweepOptions) -> Non
     refuse_missing_out(opts)
     planned = {i: c for t in trials for c, i in zip(*to_configs(t))}
     fs, base = results.filesystem(opts.out)
-    t = read_arrow(fs, base, "runs", columns=["run_id", "study", "config_hash"])
+    try:
+        t = read_arrow(fs, base, "runs", columns=["run_id", "study", "config_hash"])
+    except (OSError, pa.ArrowException) as e:  # a truncated or damaged runs file
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise ConfigError(f"invalid --resume: the runs table in {opts.out} cannot be read ({first[:300]}); "
+                          "restore the file or remove it") from None
     for run_id, study, digest in zip(*(t.column(c).to_pylist() for c in ("run_id", "study", "config_hash"))):
         cfg = planned.get(run_id)
         if cfg is None:

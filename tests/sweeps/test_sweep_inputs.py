@@ -153,3 +153,11 @@ def test_resume_refuses_a_run_of_another_study_or_config(tmp_path, capsys):
     _write_run(out, "full-s0", cfg)
     line = refused(capsys, "ablation", *base, "--set", "training.lr=0.5")  # another config under the same run id
     assert "run full-s0" in line and f"config_hash {cfg.config_hash()}" in line and "--set" in line
+
+
+def test_resume_of_a_folder_with_a_damaged_runs_file_is_one_line(tmp_path, capsys):
+    out = tmp_path / "o"
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "full-s0.parquet").write_bytes(b"PAR1" + b"\0" * 20)
+    line = refused(capsys, "ablation", "--out", str(out), "--smoke-test", "--variants", "full", "--resume")
+    assert "invalid --resume: the runs table" in line and "cannot be read" in line
