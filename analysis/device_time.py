@@ -9,7 +9,7 @@ the same rounds).
 """
 from __future__ import annotations
 
-import argparse
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -23,6 +23,7 @@ from analysis.confound.tables import ROWS as CONFOUND_ROWS
 from analysis.display import markdown
 from analysis.metrics import primary_rounds
 from fedsap_ray import results
+from fedsap_ray.cli import OneLineParser
 
 GLOBAL = results.GLOBAL_DOMAIN
 MEASURES = ("full_width", "deployed")
@@ -43,7 +44,9 @@ def elapsed(res: Any) -> pd.DataFrame:
     res = load_policy(res)
     rounds = runs.table(res, "rounds")
     if "sim_elapsed_s" not in rounds.columns:
-        raise ValueError("these runs record no simulated device time (rounds.sim_elapsed_s, results schema >= 6)")
+        raise runs.MissingData("these runs record no simulated device time (rounds.sim_elapsed_s, results schema >= 6)")
+    if rounds.empty:
+        raise runs.MissingData("these runs finished no round (no rounds rows): nothing to time")
     clock = rounds.drop_duplicates(["run_id", "round"])[["run_id", "round", "sim_elapsed_s"]]
     out = clock.assign(hours=clock["sim_elapsed_s"] / 3600.0).drop(columns="sim_elapsed_s")
     full = primary_rounds(rounds)
@@ -261,7 +264,7 @@ def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--full-width F] [--png PATH]``: the study's tables."""
-    p = argparse.ArgumentParser(prog="python -m analysis.device_time", description=main.__doc__)
+    p = OneLineParser(prog="python -m analysis.device_time", description=main.__doc__)
     p.add_argument("folders", nargs="+", metavar="POLICY=FOLDER", help="a results folder per policy, e.g. "
                    "wait_all=runs/dt_wait deadline=runs/dt_deadline; several sweeps' folders of one policy "
                    "separated by commas")
@@ -277,8 +280,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"invalid --deployed={args.deployed}: a share of 1, above 0 and at most 1")
     if args.full_width is not None and not 0 < args.full_width <= 1:
         p.error(f"invalid --full-width={args.full_width}: a share of 1, above 0 and at most 1")
-    policies, borrowed = in_time_as_wait_all(dict(f.split("=", 1) for f in args.folders))
-    print(report(policies, deployed=args.deployed, full_width=args.full_width))
+    prog = "analysis.device_time"
+    # every folder opened once (one line and exit 2 for a missing, empty, foreign or damaged one); a policy's
+    # several folders (commas) side by side
+    given = dict(f.split("=", 1) for f in args.folders)
+    try:
+        loaded = {policy: concat([runs.open_or_exit(f, prog) for f in v.split(",")]) for policy, v in given.items()}
+    except ValueError as e:  # the folders of one policy share run ids
+        p.error(str(e))
+    try:
+        policies, borrowed = in_time_as_wait_all(loaded)
+        text = report(policies, deployed=args.deployed, full_width=args.full_width)
+    except runs.MissingData as e:  # a results folder without what the study needs
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    print(text)
     if borrowed:
         print(f"\nwait_all also holds the runs of {', '.join(borrowed)} from the other policies: none of their clients "
               "ever missed the deadline, so they trained exactly as under wait_all.")

@@ -105,6 +105,60 @@ def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     return _study(res, study)
 
 
+class Unreadable(ValueError):
+    """A path given to an analysis command is no results folder it can read; the message is one line."""
+
+
+def open_folder(path: str | os.PathLike) -> Any:
+    """:func:`load_sweep` of a results folder (a local path or a URI such as ``file:///...``, ``s3://...``) for a
+    command line, or :class:`Unreadable` with one line saying what is wrong: an empty path, a URI pyarrow cannot
+    open, a missing folder, an empty one, one without a ``runs`` table (not a results folder), or a Parquet file
+    that cannot be read (truncated, damaged)."""
+    import warnings
+
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+
+    from fedsap_ray.results.store import is_dir, list_table
+
+    text = os.fspath(path)
+    if text.strip() == "":
+        raise Unreadable("the results folder is an empty path; give the --out folder of a sweep or of fedsap-ray run")
+    try:
+        fs, base = results.filesystem(text)
+    except ValueError as e:
+        raise Unreadable(str(e).splitlines()[0]) from None
+    if not is_dir(fs, base):
+        what = "no such folder" if fs.get_file_info(base).type == pafs.FileType.NotFound else "is a file, not a folder"
+        raise Unreadable(f"{text}: {what}; give the --out folder of a sweep or of fedsap-ray run")
+    with warnings.catch_warnings():  # a foreign file in runs/ is skipped (a warning): it is no runs table either
+        warnings.simplefilter("ignore")
+        listing = list_table(fs, base, "runs")
+    if not (listing.per_run or listing.compacted or listing.parts):
+        empty = not fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        raise Unreadable(f"{text}: " + ("the folder is empty" if empty else "not a results folder (no runs table, "
+                                        "runs/*.parquet)") + "; give the --out folder of a sweep or of fedsap-ray run")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load_sweep(text)
+    except (OSError, pa.ArrowException) as e:
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise Unreadable(f"{text}: a Parquet file cannot be read ({first}); restore it from a copy or remove it "
+                         "(its run's rows are lost)") from None
+
+
+def open_or_exit(path: str | os.PathLike, prog: str) -> Any:
+    """:func:`open_folder` for a command line ``prog``: a refusal is one line on stderr and exit status 2."""
+    import sys
+
+    try:
+        return open_folder(path)
+    except Unreadable as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def only_runs(res: Any, run_ids: Any) -> Any:
     """A copy of a loaded results object holding only the rows of ``run_ids``, in every table."""
     keep = set(run_ids)

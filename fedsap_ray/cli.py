@@ -104,7 +104,16 @@ def _resolve(args) -> ExperimentConfig:
         overrides.append(f"resources.backend={args.backend}")
     if args.address:
         overrides.append(f"resources.address={args.address}")
-    return build_config(preset=args.preset, file_data=file_data, overrides=overrides, seed=args.seed)
+    cfg = build_config(preset=args.preset, file_data=file_data, overrides=overrides, seed=args.seed)
+    if args.address:  # only the Ray backend joins a cluster; the local one would ignore the address
+        if cfg.resources.backend != "ray":
+            raise ConfigError(f"invalid --address={args.address!r}: only --backend ray joins a Ray cluster "
+                              f"(the backend is {cfg.resources.backend}); add --backend ray or leave --address out")
+        if not args.print_config:
+            from fedsap_ray.runtime.address import check_reachable
+
+            check_reachable(args.address, "--address")  # seconds, where ray.init would wait minutes
+    return cfg
 
 
 def _stored_config(out: Path, run_id: str) -> dict:

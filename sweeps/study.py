@@ -22,11 +22,15 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
-from fedsap_ray import checkpoint, guard
+from fedsap_ray import checkpoint, guard, results
 from fedsap_ray.cli import OneLineParser
-from fedsap_ray.config import PRESETS, ConfigError
+from fedsap_ray.config import PRESETS, ConfigError, parse_override
+from fedsap_ray.results.reader import read_arrow
+from fedsap_ray.results.store import is_dir
+from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.schema import check_ray_address
 from fedsap_ray.storage import ResultsDestination
 from sweeps.trials import flat_overrides, to_configs
@@ -70,6 +74,8 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions
         if args.workers_per_trial:
             server_cpus = min(server_cpus, 0.5)
     check_sweep_flags(args)
+    check_overrides(args.overrides, SWEEP_SETS)
+    check_reachable(*given(args.address, "--address"))  # seconds; also in --dry-run (Ray is not started)
     try:
         remote = ResultsDestination(args.out).is_remote
     except ValueError as e:  # a URI pyarrow cannot open (unknown scheme, bad bucket name)
@@ -83,6 +89,38 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions
                         max_concurrent=args.max_concurrent, resume=args.resume,
                         workers_per_trial=args.workers_per_trial, server_cpus=server_cpus,
                         max_failures=args.max_failures, extra=extra)
+
+
+# what every sweep sets in each trial's config itself: a --set of it would be overridden (or ignored) without a word
+SWEEP_SETS = {
+    "study": "each trial's runs carry the study's name; choose another --out to keep sweeps apart",
+    "seed": "one trial per seed of --seeds",
+    "resources.backend": "a trial trains with client worker actors, or in its own process with --workers-per-trial 0",
+    "resources.num_workers": "use --workers-per-trial",
+    "resources.address": "use --address",
+}
+
+
+def check_overrides(overrides: Sequence[str], fixed: Mapping[str, str]) -> None:
+    """Refuse a ``--set`` of a key the sweep sets itself (``fixed``: key -> what to use instead) or of a
+    ``_``-prefixed key (the sweep's own bookkeeping, never a config field); one line each."""
+    for text in overrides:
+        path, _ = parse_override(text)
+        key = ".".join(path)
+        if key.startswith("_"):
+            raise ConfigError(f"invalid --set {text!r}: {key} is not a config field (docs/reference/config.md)")
+        if key in fixed:
+            raise ConfigError(f"invalid --set {text!r}: the sweep sets {key} itself ({fixed[key]})")
+
+
+def variant_sets(variants: Mapping[str, Sequence[str]]) -> dict[str, str]:
+    """key -> why ``--set`` may not change it: the chosen variants set it (the grid's differences)."""
+    by_key: dict[str, list[str]] = {}
+    for name, overrides in variants.items():
+        for key in flat_overrides(overrides):
+            by_key.setdefault(key, []).append(name)
+    return {k: f"per variant: {', '.join(v[:3])}{' ...' if len(v) > 3 else ''}; pick variants with --variants"
+            for k, v in by_key.items()}
 
 
 def check_sweep_flags(args: argparse.Namespace) -> None:
@@ -119,6 +157,40 @@ def grid_trials(variants: Mapping[str, Sequence[str]], opts: SweepOptions, study
             to_configs(flat)  # raises ConfigError naming the field
             trials.append(flat)
     return trials
+
+
+def check_resume(trials: Sequence[Mapping[str, Any]], opts: SweepOptions) -> None:
+    """``--resume``: the folder must exist, and every run in it with the id of a planned trial must be that
+    trial's: the same study and the same config (``config_hash``); else the sweep would skip (or continue)
+    another study's or another config's run as if it were its own. One line naming the run and what differs."""
+    refuse_missing_out(opts)
+    planned = {i: c for t in trials for c, i in zip(*to_configs(t))}
+    fs, base = results.filesystem(opts.out)
+    try:
+        t = read_arrow(fs, base, "runs", columns=["run_id", "study", "config_hash"])
+    except (OSError, pa.ArrowException) as e:  # a truncated or damaged runs file
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise ConfigError(f"invalid --resume: the runs table in {opts.out} cannot be read ({first[:300]}); "
+                          "restore the file or remove it") from None
+    for run_id, study, digest in zip(*(t.column(c).to_pylist() for c in ("run_id", "study", "config_hash"))):
+        cfg = planned.get(run_id)
+        if cfg is None:
+            continue
+        if study != cfg.study:
+            raise ConfigError(f"invalid --resume: run {run_id} in {opts.out} belongs to study {study!r}, not "
+                              f"{cfg.study!r}; resume it with that study's script or choose another --out")
+        if digest != cfg.config_hash():
+            raise ConfigError(f"invalid --resume: run {run_id} in {opts.out} was run with another config (config_hash "
+                              f"{digest}, this sweep's {cfg.config_hash()}); give the --preset, --set and --smoke-test "
+                              "it was started with, or choose another --out")
+
+
+def refuse_missing_out(opts: SweepOptions) -> None:
+    """``--resume`` of a folder that does not exist (a typo in --out) would start a new sweep without a word."""
+    fs, base = results.filesystem(opts.out)
+    if not is_dir(fs, base):
+        raise ConfigError(f"invalid --resume: --out {opts.out} does not exist, so there is nothing to continue; "
+                          "check --out, or leave --resume out to start the sweep there")
 
 
 def pending(trials: list[dict[str, Any]], opts: SweepOptions) -> list[dict[str, Any]]:
@@ -196,10 +268,13 @@ def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, S
     try:
         opts = options_from(args, smoke)
         chosen = args.variants
+        check_overrides(args.overrides, variant_sets({v: variants[v] for v in chosen}))
         trials = grid_trials({v: variants[v] for v in chosen}, opts, study)
         if args.dry_run:
             print_plan(trials, opts, study)
             return 0
+        if opts.resume:
+            check_resume(trials, opts)
         todo = pending(trials, opts)
         left = {id(t) for t in todo}
         dest = ResultsDestination(opts.out)

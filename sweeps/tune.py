@@ -23,6 +23,7 @@ and the study's trial table to ``<out>/optuna_trials.parquet``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 from fedsap_ray.cli import OneLineParser  # noqa: E402
 from fedsap_ray.config import ConfigError  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
-from sweeps.study import add_common_args, options_from, report_failures  # noqa: E402
+from sweeps.study import add_common_args, check_overrides, options_from, refuse_missing_out, report_failures  # noqa: E402
 from sweeps.trials import METRIC, flat_overrides, to_configs  # noqa: E402
 from sweeps.tuner import run_trials  # noqa: E402
 
@@ -88,23 +89,93 @@ def check_space(args: argparse.Namespace, opts) -> list[dict]:
     return corners
 
 
-def storage_url(args: argparse.Namespace, dest: ResultsDestination) -> str:
+def storage_url(args: argparse.Namespace, dest: ResultsDestination, *, create: bool = True) -> str:
+    """``--storage``, else ``sqlite:///<out>/optuna.db`` (``create``: the folder is made); checked by
+    :func:`check_storage` either way."""
     if args.storage:
+        check_storage(args.storage)
         return args.storage
     if dest.is_remote:
         raise ConfigError(f"invalid --storage: required when --out is a URI ({dest.uri}); e.g. "
                           "postgresql://user@host/db or sqlite:////shared/optuna.db")
-    Path(dest.local).mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{(Path(dest.local) / 'optuna.db').resolve()}"
+    if create:
+        Path(dest.local).mkdir(parents=True, exist_ok=True)
+    url = f"sqlite:///{(Path(dest.local) / 'optuna.db').resolve()}"
+    if create:
+        check_storage(url)
+    return url
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+STORAGE_ALLOWED = "use sqlite:////ABSOLUTE/PATH/optuna.db or a database URL whose driver is installed " \
+                  "(postgresql://user@host/db)"
+
+
+def check_storage(url: str) -> None:
+    """An Optuna storage URL the study can live in, checked without connecting or creating anything: SQLAlchemy
+    parses it and has its driver; an SQLite one names a file (not ``:memory:``: nothing to ``--resume``) that
+    is an SQLite database or can be created, writable. A refusal is one line naming ``--storage``."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    def refuse(why: str) -> None:
+        raise ConfigError(f"invalid --storage={url!r}: {why}")
+
+    try:
+        parsed = make_url(url)
+        dialect = parsed.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as e:
+        refuse(f"not a database URL SQLAlchemy can open ({(str(e).splitlines() or [''])[0]}); {STORAGE_ALLOWED}")
+    try:
+        dialect.import_dbapi()
+    except ImportError as e:
+        refuse(f"its database driver is not installed ({e}); install it or {STORAGE_ALLOWED}")
+    if parsed.get_backend_name() != "sqlite":
+        return
+    db = parsed.database
+    if not db or db == ":memory:" or db.startswith("file:"):
+        refuse(f"an in-memory SQLite database keeps no study (nothing to --resume); {STORAGE_ALLOWED}")
+    f = Path(db)
+    if f.is_dir():
+        refuse(f"{f} is a folder; name the database file in it, e.g. sqlite:///{f.resolve() / 'optuna.db'}")
+    if f.exists():
+        try:
+            with f.open("rb") as fh:
+                head = fh.read(len(SQLITE_HEADER))
+        except OSError as e:
+            refuse(f"{f} cannot be read ({e.strerror}); {STORAGE_ALLOWED}")
+        if head and head != SQLITE_HEADER:
+            refuse(f"{f} is not an SQLite database; name a new file or an Optuna database")
+        if not os.access(f, os.W_OK):
+            refuse(f"{f} is not writable")
+    else:
+        parent = f.absolute().parent
+        if not parent.is_dir():
+            refuse(f"the folder {parent} does not exist; create it or name a file in an existing folder")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            refuse(f"the folder {parent} is not writable")
+
+
+# what tune.py sets in each trial itself (besides what every sweep sets, sweeps.study.SWEEP_SETS)
+TUNE_SETS = {"algorithm.name": "use --algorithm",
+             **{k: f"Optuna searches it over [{d.lower}, {d.upper}] (SPACE in sweeps/tune.py)"
+                for k, d in SPACE.items()}}
 
 
 def open_study(url: str, name: str, resume: bool) -> tuple[optuna.storages.BaseStorage, int]:
     """The study's storage and how many trials it has completed; stale RUNNING trials become FAIL."""
-    storage = optuna.storages.get_storage(url)
+    try:
+        storage = optuna.storages.get_storage(url)
+    except Exception as e:  # e.g. a server that does not answer or refuses the login (sqlalchemy's errors)
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise ConfigError(f"invalid --storage={url!r}: cannot open it ({first[:300]})") from None
     exists = name in optuna.study.get_all_study_names(storage=storage)
     if exists and not resume:
         raise ConfigError(f"invalid --study-name={name!r}: the study already exists in {url}; "
                           "pass --resume to continue it or choose another --study-name / --out")
+    if resume and not exists:
+        raise ConfigError(f"invalid --resume: no study {name!r} in {url}, so there is nothing to continue; "
+                          "check --study-name and --storage, or leave --resume out to start it")
     if not exists:
         return storage, 0
     study = optuna.load_study(study_name=name, storage=storage)
@@ -142,16 +213,21 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.sampler_seed <= 2**32 - 1:
             raise ConfigError(f"invalid --sampler-seed={args.sampler_seed}: must be an integer in [0, 4294967295]")
         opts = options_from(args, smoke=[])
+        check_overrides(args.overrides, TUNE_SETS)
         target = args.num_samples if args.num_samples is not None else (3 if args.smoke_test else 40)
         rounds_cfg = to_configs(base_space(args, opts))[0][0]
+        dest = ResultsDestination(opts.out)
         if args.dry_run:
+            storage_url(args, dest, create=False)  # --storage checked; nothing created
             check_space(args, opts)
             print(f"tune: up to {target} completed trials of {args.algorithm} (preset {opts.preset}, seeds "
                   f"{opts.seeds}, {rounds_cfg.training.rounds} rounds) over "
                   + ", ".join(f"{k} [{d.lower}, {d.upper}]" for k, d in SPACE.items())
                   + f"; study {args.study_name!r}, results would go to {opts.out}")
             return 0
-        dest = ResultsDestination(opts.out)
+        check_space(args, opts)
+        if opts.resume:
+            refuse_missing_out(opts)
         url = storage_url(args, dest)
         storage, done = open_study(url, args.study_name, opts.resume)
     except ConfigError as e:

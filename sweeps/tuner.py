@@ -48,7 +48,7 @@ def connect_driver(address: str | None) -> None:
     logs on the console, Tune's loggers quiet, workers able to import ``sweeps``."""
     for name in ("ray.tune", "ray.air", "ray.train"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    connect(address, dashboard=False, log_to_driver=False, import_paths=[REPO])
+    connect(address, dashboard=False, log_to_driver=False, import_paths=[REPO], field="--address")
 
 
 def run_trials(trials: list[dict[str, Any]], opts: SweepOptions, study: str, *, search_alg=None,

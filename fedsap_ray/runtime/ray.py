@@ -45,6 +45,7 @@ from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper
+from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.driver import DriverCallback, drive_one
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
@@ -58,7 +59,7 @@ _INLINE_BYTES = 1 << 20
 
 
 def connect(address: str | None = None, *, dashboard: bool = False, log_to_driver: bool = True,
-            import_paths: Sequence[str] = ()) -> None:
+            import_paths: Sequence[str] = (), field: str = "resources.address") -> None:
     """Join ``address`` / ``RAY_ADDRESS``, or start a local Ray bound to 127.0.0.1: the one way this
     package and the sweeps reach Ray (a no-op when Ray is already initialised).
 
@@ -67,12 +68,22 @@ def connect(address: str | None = None, *, dashboard: bool = False, log_to_drive
     inherit (the sweeps pass their source checkout, so workers import ``sweeps``), and is
     watched by :mod:`fedsap_ray.runtime.reaper` (a kill -9 of this driver must not leave Ray's
     agents behind).
+
+    An address to join is checked first (:func:`fedsap_ray.runtime.address.check_reachable`: a malformed
+    one, ``auto`` with no cluster, or one where nothing answers within seconds is a ``ConfigError`` naming
+    ``field``, the option that gave it, or ``RAY_ADDRESS``); so is a failure of ``ray.init`` to join it.
     """
     if ray.is_initialized():
         return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=log_to_driver)
+    address, field = given(address, field)
+    if address and address != "local":
+        check_reachable(address, field)
+        try:
+            ray.init(address=address, log_to_driver=log_to_driver)
+        except (ConnectionError, RuntimeError, TimeoutError) as e:
+            first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+            raise ConfigError(f"invalid {field}={address!r}: Ray could not join the cluster there ({first}); "
+                              "check the address its head node printed") from None
         return
     if import_paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([*import_paths, *filter(None, [os.environ.get("PYTHONPATH")])])
