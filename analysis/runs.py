@@ -82,10 +82,17 @@ def table(res: Any, name: str) -> pd.DataFrame:
 
 def _allocations(folder: Path) -> pd.DataFrame | None:
     """The ``allocations`` table read straight from its Parquet files (for a loader that does not expose it)."""
-    if not (folder / "allocations").is_dir():
+    from fedsap_ray.outdir import OutDir
+
+    d = OutDir(folder)  # no link followed (fedsap_ray.outdir)
+    if not d.is_dir(folder / "allocations"):
         return None
-    files = [f for f in (folder / "allocations").glob("*.parquet") if not f.name.startswith((".", "_"))]
-    return pd.concat([pd.read_parquet(f) for f in sorted(files)], ignore_index=True) if files else None
+    files = [f for f in d.glob(folder / "allocations", "*.parquet") if not f.name.startswith((".", "_"))]
+    frames = []
+    for f in files:
+        with d.open_read(f) as fh:
+            frames.append(pd.read_parquet(fh))
+    return pd.concat(frames, ignore_index=True) if frames else None
 
 
 def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
@@ -110,6 +117,17 @@ class Unreadable(ValueError):
 
 
 def open_folder(path: str | os.PathLike) -> Any:
+    """:func:`_open_folder`, with a folder entry fedsap_ray refuses to touch (a link, the wrong kind:
+    :mod:`fedsap_ray.outdir`) as one more :class:`Unreadable`."""
+    from fedsap_ray.errors import ConfigError
+
+    try:
+        return _open_folder(path)
+    except ConfigError as e:
+        raise Unreadable(str(e)) from None
+
+
+def _open_folder(path: str | os.PathLike) -> Any:
     """:func:`load_sweep` of a results folder (a local path or a URI such as ``file:///...``, ``s3://...``) for a
     command line, or :class:`Unreadable` with one line saying what is wrong: an empty path, a URI pyarrow cannot
     open, a missing folder, an empty one, one without a ``runs`` table (not a results folder), or a Parquet file

@@ -328,6 +328,20 @@ def check_layout(out: Path, run_id: str) -> None:
                 d.check(aside.folder(out, run_id) / sub / name, FILE)
 
 
+def check_folder(out: Path, files: tuple[str, ...] = (), dirs: tuple[str, ...] = ()) -> None:
+    """Before a sweep starts: every entry a sweep's runs read or write in ``out`` is of the right kind and
+    no link: the table and checkpoint folders and everything in them, a pending overwrite's folder, and
+    the sweep's own ``files`` and ``dirs`` (e.g. ``optuna.db``, ``_tune``). A refusal names the entry."""
+    d = OutDir(out)
+    if not d.is_dir(out):
+        return
+    for sub in (*results.TABLES, "checkpoints", aside.ASIDE, *dirs):
+        for name in d.listdir(d.abs / sub):
+            d.kind_of(d.abs / sub / name)
+    for name in files:
+        d.check(d.abs / name, FILE)
+
+
 def remove_leftovers(out: Path, run_id: str) -> None:
     """Temporary files of this run's earlier, killed writers (call under the run's claim)."""
     results.remove_temp_files(out, run_id)

@@ -28,6 +28,7 @@ import pyarrow.fs as pafs
 from fedsap_ray import checkpoint, guard, results
 from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError, parse_override
+from fedsap_ray.outdir import OutDir
 from fedsap_ray.results.reader import read_arrow
 from fedsap_ray.results.store import is_dir
 from fedsap_ray.runtime.address import check_reachable, given
@@ -83,6 +84,8 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions
             from e
     if not remote:  # creates nothing (a dry run writes nothing)
         guard.check_out_writable(Path(args.out))
+        if not args.dry_run:  # a link or a wrong kind anywhere a trial writes: refused before Ray starts
+            guard.check_folder(Path(args.out), files=("optuna.db", "optuna_trials.parquet"), dirs=("_tune",))
     # Tune runs each trial in its own working directory: a relative local --out must be made absolute here
     out = str(args.out) if remote else str(Path(args.out).resolve())
     return SweepOptions(out=out, preset=preset, seeds=seeds, address=args.address,
@@ -220,7 +223,8 @@ def drop_stale_checkpoints(dest: ResultsDestination, finished: Sequence[str]) ->
                 dest.fs.delete_file(path)
             if found:
                 gone.append(run_id)
-        elif checkpoint.path_for(dest.local, run_id).is_file() or checkpoint.legacy_path_for(dest.local, run_id).is_file():
+        elif OutDir(dest.local).is_file(checkpoint.path_for(dest.local, run_id)) \
+                or OutDir(dest.local).is_file(checkpoint.legacy_path_for(dest.local, run_id)):
             checkpoint.remove(dest.local, run_id)
             gone.append(run_id)
     return gone
@@ -236,7 +240,7 @@ def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) 
             found = dest.fs.get_file_info(path).type == pafs.FileType.File
             shown = f"{dest.uri.rstrip('/')}/checkpoints/{run_id}{checkpoint.LEGACY_SUFFIX}"
         else:
-            found = checkpoint.legacy_path_for(dest.local, run_id).is_file()
+            found = OutDir(dest.local).is_file(checkpoint.legacy_path_for(dest.local, run_id))
             shown = str(checkpoint.legacy_path_for(dest.local, run_id))
         if found:
             raise ConfigError(f"invalid --resume: {checkpoint.legacy_refusal(shown)}")

@@ -27,7 +27,8 @@ from typing import Any
 import ray
 from ray import tune
 
-from fedsap_ray import checkpoint
+from fedsap_ray import checkpoint, guard
+from fedsap_ray.outdir import OutDir
 from fedsap_ray.data.federation import build_federation
 from fedsap_ray.data.node_cache import shared_splits
 from fedsap_ray.driver import DriverCallback, drive
@@ -63,10 +64,12 @@ def open_sessions(cfgs: Sequence[ExperimentConfig], run_ids: Sequence[str], dest
     for cfg, run_id in zip(cfgs, run_ids):
         try:
             dest.pull(run_id)
+            guard.check_layout(dest.local, run_id)  # a link or a wrong kind among the run's entries: refused
+            here = OutDir(dest.local)
             if local_status(dest, run_id) == "finished":  # e.g. a retry after the run had finished
                 raise RuntimeError(f"run {run_id} already finished in {dest.uri}; refusing to overwrite it")
-            resume = checkpoint.path_for(dest.local, run_id).is_file()
-            if not resume and checkpoint.legacy_path_for(dest.local, run_id).is_file():  # never unpickled
+            resume = here.is_file(checkpoint.path_for(dest.local, run_id))
+            if not resume and here.is_file(checkpoint.legacy_path_for(dest.local, run_id)):  # never unpickled
                 raise RuntimeError(checkpoint.legacy_refusal(checkpoint.legacy_path_for(dest.local, run_id)))
             fed = build_federation(cfg, splits=shared_splits(cfg))
             sessions.append(RunSession(cfg, dest.local, run_id, federation=fed, backend=_backend(cfg, workers),
@@ -142,8 +145,12 @@ def local_status(dest: ResultsDestination, run_id: str) -> str | None:
     """The status in the run's own ``runs`` file on this node (None: never started here)."""
     import pyarrow.parquet as pq
 
+    here = OutDir(dest.local)
     f = Path(dest.local) / "runs" / f"{run_id}.parquet"
-    return pq.read_table(f, columns=["status"]).column("status")[0].as_py() if f.is_file() else None
+    if not here.is_file(f):
+        return None
+    with here.open_read(f) as fh:
+        return pq.read_table(fh, columns=["status"]).column("status")[0].as_py()
 
 
 def mean(xs: Sequence[float | None]) -> float:

@@ -38,7 +38,9 @@ from ray.tune.schedulers import ASHAScheduler  # noqa: E402
 from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 
 from fedsap_ray.cli import OneLineParser  # noqa: E402
+from fedsap_ray import results  # noqa: E402
 from fedsap_ray.config import ConfigError  # noqa: E402
+from fedsap_ray.outdir import FILE, OutDir  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
 from sweeps.study import add_common_args, check_overrides, options_from, refuse_missing_out, report_failures  # noqa: E402
 from sweeps.trials import METRIC, flat_overrides, to_configs  # noqa: E402
@@ -99,8 +101,8 @@ def storage_url(args: argparse.Namespace, dest: ResultsDestination, *, create: b
         raise ConfigError(f"invalid --storage: required when --out is a URI ({dest.uri}); e.g. "
                           "postgresql://user@host/db or sqlite:////shared/optuna.db")
     if create:
-        Path(dest.local).mkdir(parents=True, exist_ok=True)
-    url = f"sqlite:///{(Path(dest.local) / 'optuna.db').resolve()}"
+        OutDir(dest.local).mkdir(dest.local)
+    url = f"sqlite:///{OutDir(dest.local).check(Path(dest.local) / 'optuna.db', FILE)}"  # never through a link
     if create:
         check_storage(url)
     return url
@@ -201,7 +203,7 @@ def write_trials(study: optuna.Study, dest: ResultsDestination) -> None:
         fs, root = pafs.FileSystem.from_uri(dest.uri)
         pq.write_table(table, f"{root.rstrip('/')}/optuna_trials.parquet", filesystem=fs)
     else:
-        pq.write_table(table, Path(dest.local) / "optuna_trials.parquet")
+        results.write_atomic(table, Path(dest.local) / "optuna_trials.parquet", OutDir(dest.local))
 
 
 def main(argv: list[str] | None = None) -> int:
