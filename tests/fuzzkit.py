@@ -78,23 +78,19 @@ CKPT_EDITS: dict[str, list[Any]] = {
 ROUNDS = st.one_of(st.integers(-3, 4), st.sampled_from([2**31, 2**63 - 1, -(2**63), 10**30]),
                    st.sampled_from(["1", 1.0, None, True, [1], {"r": 1}]))
 
-acts = st.one_of(
-    st.builds(Act, st.just("link"), st.integers(0, 999), st.sampled_from(["file", "folder", "copy"])),
-    st.builds(Act, st.just("truncate"), st.integers(0, 999), st.integers(0, 2**20)),
-    st.builds(Act, st.just("flip"), st.integers(0, 999),
-              st.lists(st.tuples(st.integers(0, 2**20), st.integers(1, 255)), min_size=1, max_size=4).map(tuple)),
-    st.builds(Act, st.just("delete"), st.integers(0, 999)),
-    st.builds(Act, st.just("fifo"), st.integers(0, 999)),
-    st.builds(Act, st.just("dir-for-file"), st.integers(0, 999)),
-    st.builds(Act, st.just("file-for-dir"), st.integers(0, 999)),
-    st.builds(Act, st.just("stale-checkpoint")),
-    st.builds(Act, st.just("round"), st.just(0), ROUNDS),
-    st.sampled_from(sorted(CKPT_EDITS)).flatmap(
-        lambda f: st.builds(Act, st.just("checkpoint"), st.integers(0, 999),
-                            st.tuples(st.just(f), st.sampled_from(range(len(CKPT_EDITS[f])))))),
-)
-KINDS = ("link", "truncate", "flip", "delete", "fifo", "dir-for-file", "file-for-dir", "stale-checkpoint", "round",
-         "checkpoint")
+_ARGS = {
+    "link": st.sampled_from(["file", "folder", "copy"]),
+    "truncate": st.integers(0, 2**20),
+    "flip": st.lists(st.tuples(st.integers(0, 2**20), st.integers(1, 255)), min_size=1, max_size=4).map(tuple),
+    "delete": st.none(), "fifo": st.none(), "dir-for-file": st.none(), "file-for-dir": st.none(),
+    "stale-checkpoint": st.none(),
+    "round": ROUNDS,
+    "checkpoint": st.sampled_from([(f, i) for f in sorted(CKPT_EDITS) for i in range(len(CKPT_EDITS[f]))]),
+}
+KINDS = tuple(_ARGS)
+# the kind first, uniformly (checkpoint edits, with the most variants, twice as often), then its target and detail
+acts = st.sampled_from([*KINDS, "checkpoint"]).flatmap(
+    lambda kind: st.builds(Act, st.just(kind), st.integers(0, 999), _ARGS[kind]))
 
 
 def _pick(items: list[str], i: int) -> str | None:
@@ -428,8 +424,6 @@ def config_docs(draw) -> Doc:
             i = draw(st.integers(0, len(tree) - 1))
             tree.append(tree[i])  # the same key again, last: YAML would let it win silently
             refuse.append(f"duplicate key {tree[i][0]}")
-            if "&" in "\n".join(_render_yaml([tree[i]])):
-                refuse.append("duplicate anchor")  # PyYAML's composer meets the anchor defined twice first
         elif change == "dup-section":
             maps = [(k, v) for k, (tag, v) in tree if tag == "map" and v]
             if maps:
@@ -498,6 +492,9 @@ def config_docs(draw) -> Doc:
             else:  # at the limit, the rest of the document decides
                 refuse.extend(["more than", key])
             yaml_only = True
+    anchors = [w[1:] for w in text_words(tree) if w.startswith("&")]
+    if len(anchors) != len(set(anchors)):
+        refuse.append("duplicate anchor")  # PyYAML's composer meets an anchor defined twice before any key check
     if yaml_only:
         suffix = ".yaml"
     if suffix == ".json":
@@ -508,6 +505,10 @@ def config_docs(draw) -> Doc:
     else:
         text = "\n".join(_render_yaml(tree)) + "\n"
     return Doc(text, suffix, tuple(refuse), tuple(sorted(expect.items())))
+
+
+def text_words(tree: list) -> list[str]:
+    return " ".join(_render_yaml(tree)).replace("[", " ").replace("{", " ").replace(",", " ").split()
 
 
 def _is_map(tree: list, key: str) -> bool:

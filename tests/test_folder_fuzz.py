@@ -21,10 +21,15 @@ aliases (shared values, merge keys, alias bombs under or over the loader's limit
 ``fedsap-ray run --config F --print-config``: exit 0 printing exactly what the document says, or exit 2
 with one short line naming the problem; each document in well under a second.
 
-Bounded in time, derandomized (CI sees the same examples every run): 40 folder examples and 150 config
-documents, about 70 s in all on 2 busy cores (``--durations``: folders ~65 s, base fixture ~7 s,
-configs ~4 s). More locally: ``FEDSAP_FUZZ_EXAMPLES=400 pytest tests/test_folder_fuzz.py`` (the folder
-count; configs get 4x), and ``FEDSAP_FUZZ_SEED=1`` for other examples than CI's (no longer derandomized).
+Bounded in time and deterministic (each search has a fixed seed; CI sees the same examples every run): 60
+folder examples (one search per command: resume 21, compact 12, load 12, overwrite 9, new 6) and 180 config
+documents. Measured on 2 busy cores (``--durations``): the module in 33 s, of which the base fixture 6 s,
+the folder searches 22 s, the configs 1 s and the finding reproductions 3 s.
+
+More examples locally: ``FEDSAP_FUZZ_EXAMPLES=400 pytest tests/test_folder_fuzz.py`` (folder examples in all;
+configs get 3x), ``FEDSAP_FUZZ_SEED=N`` for other examples than CI's, and ``FEDSAP_FUZZ_REPORT=findings.txt``
+to append every failing example (what was done, the command, what went wrong) to a file and go on instead
+of stopping at the first. Larger runs meet the findings at the end of this module (strict xfails).
 """
 from __future__ import annotations
 
@@ -34,27 +39,27 @@ import json
 import os
 import shutil
 import signal
+import zlib
 from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 from faultkit import TINY, cli, tiny_run
-from fedsap_ray import golden, results
+from fedsap_ray import golden, results, treecodec
 from fedsap_ray.cli import main
 from fedsap_ray.errors import ConfigError
 from fuzzkit import acts, apply, config_docs, snapshot
 
-EXAMPLES = int(os.environ.get("FEDSAP_FUZZ_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("FEDSAP_FUZZ_EXAMPLES", "60"))
 SEED = os.environ.get("FEDSAP_FUZZ_SEED")
-FUZZ = dict(derandomize=SEED is None, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-
-
-def _seeded(f):
-    return seed(int(SEED))(f) if SEED is not None else f
+REPORT = os.environ.get("FEDSAP_FUZZ_REPORT")  # a file: append each finding to it and go on (a survey)
+FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
+# each folder search's share of the examples: resume meets every checkpoint edit, so it gets the most
+SHARE = {"resume": 0.35, "new": 0.1, "overwrite": 0.15, "compact": 0.2, "load": 0.2}
 
 
 ALGO = "algorithm.name=scaffold"  # a strategy with state (an array and a dict of arrays by client id)
@@ -116,7 +121,14 @@ def base(tmp_path_factory, single_thread):
     tiny_run(out, "done")
     tiny_run(out, "half", ALGO, stop_after=1)
     tiny_run(ref, "half", ALGO)
-    return out, run_tables(ref, "half"), run_tables(out, "done"), results.load(out)
+    return Base((out, run_tables(ref, "half"), run_tables(out, "done"), results.load(out)))
+
+
+class Base(tuple):
+    """The base fixture's tuple, printed short in a falsifying example."""
+
+    def __repr__(self) -> str:
+        return "base"
 
 
 def damaged(log: list[str]) -> set[tuple[str, str]]:
@@ -155,13 +167,23 @@ def _run_cli(capsys, args: list[str]) -> tuple[int, list[str]]:
         return int(e.code or 0), [x for x in capsys.readouterr().err.splitlines() if x.strip()]
 
 
-@settings(max_examples=EXAMPLES, **FUZZ)
-@given(actions=st.lists(acts, min_size=1, max_size=3), command=st.sampled_from(COMMANDS))
-@_seeded
+@pytest.mark.parametrize("command", sorted(SHARE))
 def test_a_tampered_folder_is_either_used_exactly_or_refused_in_one_line_changing_nothing(
-        base, tmp_path_factory, capsys, actions, command):
+        base, tmp_path_factory, capsys, command):
+    """One Hypothesis search per command (so each gets its share of examples; one search over all five
+    draws the first ones far more often), seeded by the command's name: deterministic, and different
+    tamperings per command."""
+    @settings(max_examples=max(1, round(EXAMPLES * SHARE[command])), **FUZZ)
+    @given(actions=st.lists(acts, min_size=1, max_size=3))
+    @seed(zlib.crc32(command.encode()) + int(SEED or 0))
+    def search(actions):
+        check(base, tmp_path_factory.mktemp("fz"), capsys, command, actions)
+
+    search()
+
+
+def check(base, tmp: Path, capsys, command: str, actions: list) -> None:
     folder, ref_half, ref_done, loaded = base
-    tmp = tmp_path_factory.mktemp("fz")
     out, outside = tmp / "out", tmp / "outside"
     shutil.copytree(folder, out, symlinks=True)
     (outside / "folder").mkdir(parents=True)
@@ -182,6 +204,7 @@ def test_a_tampered_folder_is_either_used_exactly_or_refused_in_one_line_changin
                         "new": ["run", "--out", str(out), *RUN, "--run-id", "new"],
                         "overwrite": ["run", "--out", str(out), *RUN, "--run-id", "done", "--overwrite"]}[command]
                 rc, err = _run_cli(capsys, args)
+                event(f"{command}: exit {rc}")
                 assert rc in (0, 2), f"{what}: exit {rc}: {err}"
                 if rc == 2:
                     _refused(err, what, out, before_out)
@@ -193,6 +216,15 @@ def test_a_tampered_folder_is_either_used_exactly_or_refused_in_one_line_changin
                     assert not changed, f"{what}: exit 0 changed entries of other runs: {changed}"
                     assert_tables_equal(run_tables(out, mine), ref_half if command == "resume" else ref_done, what)
         assert snapshot(outside) == before_outside, f"{what}: changed something outside --out"
+    except (AssertionError, Exception) as e:
+        if not REPORT:
+            raise
+        import traceback
+
+        where = "" if isinstance(e, AssertionError) else " | " + " < ".join(
+            f"{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} {fr.name}" for fr in traceback.extract_tb(e.__traceback__)[::-1][:4])
+        with open(REPORT, "a") as f:  # survey mode: every finding of the run, not just the first
+            f.write(f"{what} => {type(e).__name__}: {str(e).splitlines()[0][:1500]}{where}\n")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -213,8 +245,10 @@ def _load(out: Path, loaded: results.Results, hit: set, what: str) -> None:
     try:
         res = results.load(out)
     except CLEAN as e:
+        event(f"load: {type(e).__name__}")
         assert str(e), f"{what}: results.load raised {e!r} with no message"
     else:
+        event("load: read")
         intact(res, loaded, hit, what)
     assert snapshot(out) == before, f"{what}: results.load changed the folder"
 
@@ -226,6 +260,7 @@ def _compact(capsys, out: Path, loaded: results.Results, hit: set, what: str, be
         first = None
     assert snapshot(out) == before_out
     rc, err = _run_cli(capsys, ["compact", str(out)])
+    event(f"compact: exit {rc}")
     assert rc in (0, 2), f"{what}: exit {rc}: {err}"
     if rc == 2:
         _refused(err, what, out, before_out)
@@ -256,9 +291,9 @@ def _print_config(path: Path) -> tuple[int, str, list[str]]:
 
 
 @pytest.mark.timeout(300)
-@settings(max_examples=EXAMPLES * 4 if EXAMPLES != 40 else 150, **FUZZ)
+@settings(max_examples=EXAMPLES * 3, **FUZZ)
 @given(doc=config_docs())
-@_seeded
+@seed(int(SEED or 0))
 def test_a_hostile_config_document_is_either_read_exactly_or_refused_in_one_line(tmp_path_factory, doc):
     f = tmp_path_factory.mktemp("cfg") / f"c{doc.suffix}"
     f.write_text(doc.text)
@@ -282,3 +317,87 @@ def test_a_hostile_config_document_is_either_read_exactly_or_refused_in_one_line
         for p in path:
             got = got[p]
         assert got == value, f"{'.'.join(path)} is {got!r}, the document says {value!r}\n{shown}"
+
+
+# ------------------------------------------------------------------------------------------ findings
+# Cases the harness found (FEDSAP_FUZZ_EXAMPLES=150..400; the CI examples do not meet them), each reduced to
+# its smallest form. Real bugs outside the harness: strict xfails, so the fix turns them into failures to
+# remove the mark from.
+
+
+def _edit_tree(path: Path, change) -> None:
+    header, tree = treecodec.read(path)
+    change(tree)
+    with open(path, "wb") as f:
+        treecodec.write(f, tree, header={k: v for k, v in header.items() if k not in ("format", "version")})
+
+
+@pytest.fixture
+def world(base, tmp_path) -> Path:
+    out = tmp_path / "a-results-folder"
+    shutil.copytree(base[0], out, symlinks=True)
+    return out
+
+
+@pytest.mark.xfail(strict=True, reason="finding: compact lets pyarrow's OSError for a corrupt page escape "
+                                       "(cli._compact catches FileNotFoundError and ValueError only): a traceback")
+def test_finding_compact_of_a_folder_with_a_corrupt_parquet_page_exits_2(world, capsys):
+    p = world / "clients" / "done.parquet"
+    data = bytearray(p.read_bytes())
+    data[4:64] = bytes(60)  # the first page header: the footer still reads, the page does not
+    p.write_bytes(bytes(data))
+    before = snapshot(world)
+    rc, err = _run_cli(capsys, ["compact", str(world)])
+    assert rc == 2 and len(err) == 1, err
+    assert snapshot(world) == before
+
+
+@pytest.mark.xfail(strict=True, reason="finding: statecheck does not check the arrays of an id-keyed dict the "
+                                       "template holds empty (scaffold's c_i): a short one resumes, then exit 1")
+def test_finding_a_short_per_client_array_in_the_checkpoint_is_refused(world, capsys):
+    def shorten(tree):
+        c_i = tree["state"]["strategy"]["c_i"]
+        c_i[0] = c_i[0][:-1]
+
+    _edit_tree(world / "checkpoints" / "half.npz", shorten)
+    before = snapshot(world)
+    rc, err = _run_cli(capsys, ["run", "--out", str(world), "--resume", "half", "--quiet"])
+    assert rc == 2 and "c_i" in err[0], err
+    assert snapshot(world) == before
+
+
+@pytest.mark.xfail(strict=True, reason="finding: statecheck takes a str key of an id-keyed dict for a name: "
+                                       "c_i {'0': ...} resumes with exit 0 and other numbers than the run's")
+def test_finding_a_text_client_id_in_the_checkpoint_is_refused(world, capsys, base):
+    _edit_tree(world / "checkpoints" / "half.npz",
+               lambda tree: tree["state"]["strategy"]["c_i"].update({"0": tree["state"]["strategy"]["c_i"].pop(0)}))
+    rc, err = _run_cli(capsys, ["run", "--out", str(world), "--resume", "half", "--quiet"])
+    if rc == 0:
+        assert_tables_equal(run_tables(world, "half"), base[1], "resumed")
+    assert rc == 2 and "c_i" in err[0], err
+
+
+@pytest.mark.xfail(strict=True, reason="finding: a special file at another run's per-run file is met only when "
+                                       "the new run merges its parts, after training: exit 2 with the run "
+                                       "written ('finished' row, unmerged parts, a stale checkpoint)")
+def test_finding_a_fifo_of_another_run_refuses_a_new_run_before_it_writes(world, capsys):
+    p = world / "rounds" / "done.parquet"
+    p.unlink()
+    os.mkfifo(p)
+    before = snapshot(world)
+    rc, err = _run_cli(capsys, ["run", "--out", str(world), *RUN, "--run-id", "new"])
+    assert rc in (0, 2), err
+    if rc == 2:
+        assert snapshot(world) == before, "refused after writing the new run"
+
+
+@pytest.mark.xfail(strict=True, reason="finding: an unreadable checkpoint's refusal quotes numpy's whole message "
+                                       "(~170 characters): over 400 with a 60-character path")
+def test_finding_an_unreadable_checkpoint_is_refused_in_a_short_line(world, capsys):
+    p = world / "checkpoints" / "half.npz"
+    data = bytearray(p.read_bytes())
+    data[0] ^= 1  # not a zip any more: numpy tries it as a pickle and says so at length
+    p.write_bytes(bytes(data))
+    rc, err = _run_cli(capsys, ["run", "--out", str(world), "--resume", "half", "--quiet"])
+    assert rc == 2 and len(err) == 1, err
+    assert len(err[0]) < 400, (len(err[0]), err[0])
