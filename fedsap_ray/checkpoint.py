@@ -105,7 +105,9 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
         if header.get("round", st["round"]) != st["round"]:
             raise treecodec.TreeFormatError(f"its header says round {header.get('round')!r}, its state round {st['round']!r}")
     except (treecodec.TreeFormatError, KeyError, TypeError) as e:
-        raise CheckpointUnreadable(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {e}); it is truncated, "
+        why = (str(e).strip().splitlines() or [""])[0]
+        why = why[:100] + ("..." if len(why) > 100 else "")
+        raise CheckpointUnreadable(f"checkpoint {path} is unreadable ({e.__class__.__name__}: {why}); it is truncated, "
                                    "damaged or not a fedsap_ray checkpoint, so the run cannot continue from it") from e
     out_ = {"state": ServerState(round=st["round"], params=params, strategy_state=st["strategy"]),
             "server": tree["server"], "tables": tree["tables"]}

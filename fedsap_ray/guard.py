@@ -360,6 +360,7 @@ def claimed(out: Path, run_id: str, *, resume: bool, overwrite: bool) -> Iterato
     created = check_out(out)
     try:
         check_layout(out, run_id)
+        check_folder(out)  # another run's entry of the wrong kind would stop this run when it merges its files
     except ConfigError:
         if created:
             with contextlib.suppress(OSError):

@@ -13,6 +13,9 @@ What is checked, and why it is enough to catch an edit without knowing each stra
   round, as DapperFL's ``kept``); where the template holds a value, the checkpoint holds one of the same
   type (an array of the same dtype, number of axes and, for fixed-size arrays, shape); dicts keyed by
   ids have int keys in [0, clients); every array is numeric or boolean (a state never holds text);
+- a dict the template holds empty is keyed by ids (ints) and holds one kind of value (one dtype and
+  shape for every id); the fields a strategy names in ``Strategy.state_vectors`` hold model-sized
+  vectors (or one per id), as long as the parameter vector;
 - the server's running metrics against a fresh recorder's (``Recorder.metrics_state``), the same way;
 - the table list and row counts: known per-round tables, counts that are non-negative integers.
 
@@ -56,8 +59,10 @@ def _scalar_ok(value: Any, template: Any) -> bool:
 class Checker:
     """Compares a loaded tree with a template tree (module docstring); ``fail`` raises naming the path."""
 
-    def __init__(self, where: str, n_ids: int) -> None:
-        self.where, self.n_ids = where, n_ids
+    def __init__(self, where: str, n_ids: int, ids: bool = False) -> None:
+        """``ids``: a mapping below the top that the template holds empty is keyed by ids (ints), as every
+        strategy's per-client and per-group state is; off for the server metrics (keyed by mode names)."""
+        self.where, self.n_ids, self.ids = where, n_ids, ids
 
     def fail(self, path: str, what: str) -> BadCheckpoint:
         return BadCheckpoint(f"{self.where}: {path} {what}")
@@ -113,11 +118,15 @@ class Checker:
                 proto = t[ids[0]]
                 for k, x in v.items():
                     self.like(x, proto, f"{path}[{k!r}]")
-            else:  # an id-keyed dict the template had empty: its arrays alike (one dtype, one number of axes)
-                arrays = [(k, x) for k, x in v.items() if not isinstance(k, str) and isinstance(x, np.ndarray)]
-                for k, x in arrays[1:]:
+            elif not names and not top:  # an id-keyed dict the template had empty
+                if self.ids:
+                    text = next((k for k in v if not isinstance(k, int) or isinstance(k, bool)), None)
+                    if text is not None:
+                        raise self.fail(path, f"has the key {text!r}; its keys are client or group ids (integers)")
+                arrays = [(k, x) for k, x in v.items() if isinstance(x, np.ndarray)]
+                for k, x in arrays[1:]:  # one kind of value per id: the same dtype and shape
                     first = arrays[0][1]
-                    if x.dtype != first.dtype or x.ndim != first.ndim:
+                    if x.dtype != first.dtype or x.shape != first.shape:
                         raise self.fail(f"{path}[{k!r}]", f"is {_type_name(x)}, unlike {path}[{arrays[0][0]!r}] "
                                                           f"({_type_name(first)})")
             return
@@ -168,13 +177,20 @@ def check_state(ck: Mapping[str, Any], *, n_params: int, n_clients: int, strateg
     if not 1 <= st.round <= rounds:
         raise BadCheckpoint(f"{where}: round is {st.round}; a checkpoint is written after rounds 1-{rounds}")
     check_params(st.params, n_params, where)
-    c = Checker(where, n_clients)
+    c = Checker(where, n_clients, ids=True)
     template = strategy.state_tree(strategy.init_state().strategy_state)
     if not isinstance(st.strategy_state, Mapping):
         raise c.fail("strategy", f"is {_type_name(st.strategy_state)}; a state is a mapping of fields")
     c.like(st.strategy_state, template, "strategy", optional=getattr(strategy, "state_keys", ()), top=True)
+    for name in getattr(strategy, "state_vectors", ()):  # model-sized vectors, or one per id
+        v = st.strategy_state.get(name)
+        for key, x in (v.items() if isinstance(v, Mapping) else [(None, v)]):
+            if isinstance(x, np.ndarray) and x.size != n_params:
+                shown = f"strategy.{name}" + ("" if key is None else f"[{key!r}]")
+                raise c.fail(shown, f"holds {x.size} values; this run's model has {n_params}")
     # sim_elapsed_s: checkpoints from before simulated device time lack it (the recorder reads 0)
-    c.like(ck["server"], dict(recorder_template), "server", optional=("sim_elapsed_s",), top=True)
+    Checker(where, n_clients).like(ck["server"], dict(recorder_template), "server", optional=("sim_elapsed_s",),
+                                   top=True)
     for k, v in ck["server"].get("best_by_mode", {}).items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isinf(v):
             raise c.fail(f"server.best_by_mode.{k}", f"is {v!r:.30}; an accuracy")

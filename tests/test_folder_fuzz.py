@@ -321,8 +321,7 @@ def test_a_hostile_config_document_is_either_read_exactly_or_refused_in_one_line
 
 # ------------------------------------------------------------------------------------------ findings
 # Cases the harness found (FEDSAP_FUZZ_EXAMPLES=150..400; the CI examples do not meet them), each reduced to
-# its smallest form. Real bugs outside the harness: strict xfails, so the fix turns them into failures to
-# remove the mark from.
+# its smallest form, and kept as regression tests now that each is fixed.
 
 
 def _edit_tree(path: Path, change) -> None:
@@ -339,8 +338,8 @@ def world(base, tmp_path) -> Path:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="finding: compact lets pyarrow's OSError for a corrupt page escape "
-                                       "(cli._compact catches FileNotFoundError and ValueError only): a traceback")
+# regression (a harness finding, fixed): compact lets pyarrow's OSError for a corrupt page escape (cli._compact
+# catches FileNotFoundError and ValueError only): a traceback
 def test_finding_compact_of_a_folder_with_a_corrupt_parquet_page_exits_2(world, capsys):
     p = world / "clients" / "done.parquet"
     data = bytearray(p.read_bytes())
@@ -352,8 +351,8 @@ def test_finding_compact_of_a_folder_with_a_corrupt_parquet_page_exits_2(world, 
     assert snapshot(world) == before
 
 
-@pytest.mark.xfail(strict=True, reason="finding: statecheck does not check the arrays of an id-keyed dict the "
-                                       "template holds empty (scaffold's c_i): a short one resumes, then exit 1")
+# regression (a harness finding, fixed): statecheck does not check the arrays of an id-keyed dict the template
+# holds empty (scaffold's c_i): a short one resumes, then exit 1
 def test_finding_a_short_per_client_array_in_the_checkpoint_is_refused(world, capsys):
     def shorten(tree):
         c_i = tree["state"]["strategy"]["c_i"]
@@ -366,8 +365,8 @@ def test_finding_a_short_per_client_array_in_the_checkpoint_is_refused(world, ca
     assert snapshot(world) == before
 
 
-@pytest.mark.xfail(strict=True, reason="finding: statecheck takes a str key of an id-keyed dict for a name: "
-                                       "c_i {'0': ...} resumes with exit 0 and other numbers than the run's")
+# regression (a harness finding, fixed): statecheck takes a str key of an id-keyed dict for a name: c_i {'0':
+# ...} resumes with exit 0 and other numbers than the run's
 def test_finding_a_text_client_id_in_the_checkpoint_is_refused(world, capsys, base):
     _edit_tree(world / "checkpoints" / "half.npz",
                lambda tree: tree["state"]["strategy"]["c_i"].update({"0": tree["state"]["strategy"]["c_i"].pop(0)}))
@@ -377,9 +376,9 @@ def test_finding_a_text_client_id_in_the_checkpoint_is_refused(world, capsys, ba
     assert rc == 2 and "c_i" in err[0], err
 
 
-@pytest.mark.xfail(strict=True, reason="finding: a special file at another run's per-run file is met only when "
-                                       "the new run merges its parts, after training: exit 2 with the run "
-                                       "written ('finished' row, unmerged parts, a stale checkpoint)")
+# regression (a harness finding, fixed): a special file at another run's per-run file is met only when the new
+# run merges its parts, after training: exit 2 with the run written ('finished' row, unmerged parts, a stale
+# checkpoint)
 def test_finding_a_fifo_of_another_run_refuses_a_new_run_before_it_writes(world, capsys):
     p = world / "rounds" / "done.parquet"
     p.unlink()
@@ -391,8 +390,8 @@ def test_finding_a_fifo_of_another_run_refuses_a_new_run_before_it_writes(world,
         assert snapshot(world) == before, "refused after writing the new run"
 
 
-@pytest.mark.xfail(strict=True, reason="finding: an unreadable checkpoint's refusal quotes numpy's whole message "
-                                       "(~170 characters): over 400 with a 60-character path")
+# regression (a harness finding, fixed): an unreadable checkpoint's refusal quotes numpy's whole message (~170
+# characters): over 400 with a 60-character path
 def test_finding_an_unreadable_checkpoint_is_refused_in_a_short_line(world, capsys):
     p = world / "checkpoints" / "half.npz"
     data = bytearray(p.read_bytes())

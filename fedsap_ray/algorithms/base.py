@@ -71,6 +71,9 @@ class Strategy(ABC):
     # fields a dict state gains after its first round (absent from init_state): a resume accepts them in a
     # checkpoint, and refuses any other field the initial state lacks (fedsap_ray.statecheck)
     state_keys: ClassVar[tuple[str, ...]] = ()
+    # fields of the state that hold model-sized vectors (as long as the parameter vector), directly or one per
+    # client or group id: a resume refuses a checkpoint where one has another length (fedsap_ray.statecheck)
+    state_vectors: ClassVar[tuple[str, ...]] = ()
     # option defaults per config preset, beneath the user's options: a method scales its own schedules (a
     # warm-up, an adaptation interval) to a preset's round budget (fedsap_ray.config.apply_algorithm_defaults)
     preset_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}

@@ -130,6 +130,7 @@ class FrozenNeurons(ClientHook):
 class FedSPU(Strategy):
     summary = "full model on every client, a random 1 - kappa_i of neurons frozen each round, personalised models"
     columns = {"clients": CHANNEL_COUNT_COLUMNS}
+    state_vectors = ("init", "personal")  # w^0 and each client's personalised model
 
     @dataclass(frozen=True)
     class Options:

@@ -155,6 +155,7 @@ class MoonObjective(ClientHook):
 @register("moon")
 class Moon(FedAvg):
     summary = "full model, FedAvg + model-contrastive loss (global vs previous local representation)"
+    state_vectors = ("prev",)  # each client's previous local model
 
     @dataclass(frozen=True)
     class Options:

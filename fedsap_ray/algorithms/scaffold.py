@@ -109,6 +109,7 @@ class ControlCorrection(ClientHook):
 class Scaffold(Strategy):
     summary = "full model, control variates c - c_i correct client drift (plain local SGD)"
     columns = {"clients": CHANNEL_COUNT_COLUMNS}
+    state_vectors = ("c", "c_i")  # the server's and each client's control variate, model-sized
     @dataclass(frozen=True)
     class Options:
         global_lr: float = 1.0  # eta_g, the server step size (Algorithm 1 line 16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
@@ -12,7 +13,7 @@ from fedsap_ray.outdir import OutDir, lock_path
 from fedsap_ray.results.reader import run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, is_uri,
-                                      list_table, readahead, run_ids, write_batches)
+                                      list_table, raise_unreadable, readahead, run_ids, write_batches)
 from fedsap_ray.results.writer import consolidate_run
 
 
@@ -71,34 +72,50 @@ def compact(path: str | Path) -> dict[str, int]:
     for r in sorted(with_parts & final):
         consolidate_run(fs, base, r)
     kept |= with_parts - final
-    for table in (*DATA_TABLES, "runs"):  # runs last: until then a status is still found per run
-        listing = list_table(fs, base, table)
-        kept |= {r for r in listing.per_run if r not in final}
-        todo = {r: i for r, i in listing.per_run.items() if r in final}
-        if not todo:
-            continue
-        ids = {c.path: run_ids(fs, c.path) for c in listing.compacted}
-        fresh = {}
-        for r, info in todo.items():
-            covering = [c for c in listing.compacted if r in ids[c.path]]
-            # a leftover of an interrupted compaction is older than the file holding its rows
-            if not covering or any(info.mtime >= c.mtime for c in covering):
-                fresh[r] = info
-        if fresh:
-            new = f"{base}/{table}/{COMPACTED_PREFIX}{uuid.uuid4().hex[:8]}.parquet"
-            paths = sorted(i.path for i in fresh.values())
-            write_batches(fs, new, table, dataset(fs, paths, table).to_batches(fragment_readahead=readahead(fs)))
-            written += 1
-            for c in listing.compacted:  # drop superseded rows of re-run runs from older compacted files
-                drop = ids[c.path] & fresh.keys()
-                if not drop:
-                    continue
-                rest = dataset(fs, [c.path], table).to_batches(filter=~pc.field("run_id").isin(sorted(drop)))
-                if drop == ids[c.path]:
-                    fs.delete_file(c.path)
-                else:
-                    write_batches(fs, c.path, table, rest)
-                rewritten += 1
+    # Phase 1 writes every table's new compacted file and deletes nothing: a file that cannot be read stops
+    # compaction here, the new files are removed, and the folder is as it was (one line naming the file).
+    planned: list[tuple[str, dict, dict, dict]] = []  # (table, todo, fresh, ids of the older compacted files)
+    new_files: list[str] = []
+    try:
+        for table in (*DATA_TABLES, "runs"):
+            listing = list_table(fs, base, table)
+            kept |= {r for r in listing.per_run if r not in final}
+            todo = {r: i for r, i in listing.per_run.items() if r in final}
+            if not todo:
+                continue
+            ids = {c.path: run_ids(fs, c.path) for c in listing.compacted}
+            fresh = {}
+            for r, info in todo.items():
+                covering = [c for c in listing.compacted if r in ids[c.path]]
+                # a leftover of an interrupted compaction is older than the file holding its rows
+                if not covering or any(info.mtime >= c.mtime for c in covering):
+                    fresh[r] = info
+            if fresh:
+                new = f"{base}/{table}/{COMPACTED_PREFIX}{uuid.uuid4().hex[:8]}.parquet"
+                paths = sorted(i.path for i in fresh.values())
+                try:
+                    write_batches(fs, new, table, dataset(fs, paths, table).to_batches(fragment_readahead=readahead(fs)))
+                except (OSError, pa.ArrowException) as e:  # a damaged file: named
+                    raise_unreadable(fs, paths, table, e)
+                new_files.append(new)
+                written += 1
+            planned.append((table, todo, fresh, ids))
+    except BaseException:
+        for f in new_files:
+            fs.delete_file(f)
+        raise
+    # Phase 2 (runs last: until then a status is still found per run): superseded rows and per-run files go
+    for table, todo, fresh, ids in planned:
+        for older, held in ids.items():  # drop superseded rows of re-run runs from older compacted files
+            drop = held & fresh.keys()
+            if not drop:
+                continue
+            rest = dataset(fs, [older], table).to_batches(filter=~pc.field("run_id").isin(sorted(drop)))
+            if drop == held:
+                fs.delete_file(older)
+            else:
+                write_batches(fs, older, table, rest)
+            rewritten += 1
         for r, info in todo.items():
             if _unchanged(fs, info):
                 fs.delete_file(info.path)

@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from fedsap_ray.results.schema import DATA_TABLES, check_table, schema
-from fedsap_ray.results.store import dataset, filesystem, is_dir, list_table, readahead, sources
+from fedsap_ray.results.store import dataset, filesystem, is_dir, list_table, raise_unreadable, readahead, sources
 
 
 @dataclass
@@ -34,9 +34,12 @@ class Results:
 def read_arrow(fs: pafs.FileSystem, base: str, table: str, columns: list[str] | None = None) -> pa.Table:
     whole, partial = sources(fs, list_table(fs, base, table))
     kw: dict[str, Any] = {"columns": columns, "fragment_readahead": readahead(fs)}
-    parts = [dataset(fs, whole, table).to_table(**kw)] if whole else []
-    for path, skip in partial:
-        parts.append(dataset(fs, [path], table).to_table(filter=~pc.field("run_id").isin(sorted(skip)), **kw))
+    try:
+        parts = [dataset(fs, whole, table).to_table(**kw)] if whole else []
+        for path, skip in partial:
+            parts.append(dataset(fs, [path], table).to_table(filter=~pc.field("run_id").isin(sorted(skip)), **kw))
+    except (OSError, pa.ArrowException) as e:  # a truncated or damaged file: named, in one line
+        raise_unreadable(fs, [*whole, *(p for p, _ in partial)], table, e)
     if not parts:
         empty = schema(table).empty_table()
         return empty.select(columns) if columns else empty

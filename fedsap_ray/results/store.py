@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import typing
 import uuid
 import warnings
 from collections.abc import Iterator
@@ -253,6 +254,25 @@ def sources(fs: pafs.FileSystem, listing: Listing) -> tuple[list[str], list[tupl
             partial.append((c.path, skip))
         seen |= ids
     return [p for _, _, p in sorted(keyed)], partial
+
+
+class UnreadableFile(ConfigError):
+    """A results file that cannot be read (truncated, damaged): one line naming it (exit 2 from a command)."""
+
+
+def raise_unreadable(fs: pafs.FileSystem, paths: list[str], table: str, error: BaseException) -> typing.NoReturn:
+    """After a read of ``paths`` failed with ``error``: raise :class:`UnreadableFile` naming the first file that
+    cannot be read on its own (only on the failure path: a scan of many files does not say which broke it);
+    when each reads (the error was a write's, e.g. a full disk), ``error`` itself."""
+    for p in paths:
+        try:
+            dataset(fs, [p], table).to_table()
+        except (OSError, pa.ArrowException) as e:
+            text = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+            text = text[:120] + ("..." if len(text) > 120 else "")
+            raise UnreadableFile(f"results file {p} cannot be read ({text}); restore it from a copy or remove it "
+                                 "(its run's rows in it are lost)") from error
+    raise error
 
 
 def readahead(fs: pafs.FileSystem) -> int:

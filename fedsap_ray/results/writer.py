@@ -16,8 +16,10 @@ import pyarrow.parquet as pq
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.outdir import OutDir
 from fedsap_ray.results.schema import DATA_TABLES, SCHEMA_VERSION, TABLES, to_table
+from fedsap_ray.errors import ConfigError
 from fedsap_ray.results.store import (FINAL_STATUSES, PART_SEP, UPTO_KEY, atomic_output, check_run_id, dataset,
-                                      filesystem, list_table, part_name, run_files_in, run_ids, write_batches)
+                                      filesystem, list_table, raise_unreadable, part_name, run_files_in, run_ids,
+                                      write_batches)
 
 
 def run_files(out: Path, run_id: str) -> list[Path]:
@@ -173,7 +175,7 @@ class RunWriter:
         fs, base = filesystem(self.out)
         try:
             return consolidate_run(fs, base, self.run_id)
-        except OSError as e:
+        except (OSError, ConfigError) as e:  # ConfigError: a damaged file or a refused entry (fedsap_ray.outdir)
             warnings.warn(f"run {self.run_id}: its per-round parts were not merged ({e}); they stay loadable "
                           "and a resume or `fedsap-ray compact` merges them", stacklevel=2)
             return self.tables_written()
@@ -210,7 +212,10 @@ def consolidate_run(fs: pafs.FileSystem, base: str, run_id: str, upto_round: int
         new_upto = upto_round if upto_round is not None else max(
             [0 if upto == float("inf") else int(upto)] + [r for r, _ in live])
         if paths:
-            data = dataset(fs, paths, table).to_table()
+            try:
+                data = dataset(fs, paths, table).to_table()
+            except (OSError, pa.ArrowException) as e:  # a damaged part or per-run file: named; nothing deleted yet
+                raise_unreadable(fs, paths, table, e)
             if upto_round is not None:
                 data = data.filter(pc.field("round") <= upto_round)
             if data.num_rows:

@@ -94,6 +94,7 @@ __all__ = ["FedSAP", "FedSAPOptions", "FedSAPState"]
 class FedSAP(Strategy):
     Options = FedSAPOptions
     State = FedSAPState
+    state_vectors = ("private", "stamp_g", "stamp_p")  # per-coordinate: the groups' Private copies and their stamps
     # smoke: a warm-up shorter than the run and a DGA regrouping every round, so every mechanism runs;
     # laptop: warm-up 5 and regrouping every 5 of its 25 rounds
     preset_options = {"smoke": {"warmup": 1, "regroup_every": 1}, "laptop": {"warmup": 5, "regroup_every": 5}}
