@@ -19,30 +19,13 @@ import pyarrow as pa
 import pytest
 
 from faultkit import TINY, cli, tiny_run
+from fuzzkit import snapshot
 from fedsap_ray import algorithms, checkpoint, results
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.outdir import OutDir, UnsafeEntry
 from fedsap_ray.results import aside
 
 RUN = ["--preset", "smoke", *[a for o in TINY for a in ("--set", o)], "--quiet"]
-
-
-def snapshot(root: Path) -> dict[str, object]:
-    """Every entry under ``root``: a file's bytes, a link's target, a folder's mark (links never followed)."""
-    out: dict[str, object] = {}
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            rel = str(p.relative_to(root))
-            if p.is_symlink():
-                out[rel] = ("link", os.readlink(p))
-            elif p.is_dir():
-                out[rel] = "dir"
-            elif p.is_file():
-                out[rel] = p.read_bytes()
-            else:
-                out[rel] = "special"
-    return out
 
 
 @pytest.fixture(scope="module")
