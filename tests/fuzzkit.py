@@ -178,7 +178,11 @@ def apply(act: Act, out: Path, outside: Path, run_id: str) -> str:
         else:
             field, i = act.arg
             variant = CKPT_EDITS[field][i]
-            how = f"{field}: {variant!r}: " + _edit(tree, field, variant, act.pick)
+            try:
+                how = f"{field}: {variant!r}: " + _edit(tree, field, variant, act.pick)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+                # an earlier action already changed the field's shape (e.g. strategy made a list): nothing to edit
+                return f"checkpoint {field}: {variant!r}: not applicable after an earlier edit"
         _write_tree(p, header, tree)
         return f"checkpoint {how}"
     raise AssertionError(act.kind)
@@ -197,7 +201,11 @@ def _readable(p: Path) -> bool:
 
 
 def _write_tree(p: Path, header: dict, tree: Any) -> None:
+    """Write a checkpoint at ``p``; an entry there that is not a plain file (a FIFO, a link, a folder an earlier
+    action put there) is replaced, never opened: opening a FIFO would wait for a writer forever."""
     header = {k: v for k, v in header.items() if k not in ("format", "version")}
+    if p.is_symlink() or (p.exists() and not p.is_file()):
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     with open(p, "wb") as f:
         treecodec.write(f, tree, header=header)
 

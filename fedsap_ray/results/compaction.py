@@ -12,7 +12,7 @@ from fedsap_ray import checkpoint
 from fedsap_ray.outdir import OutDir, lock_path
 from fedsap_ray.results.reader import run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
-from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, dataset, filesystem, is_dir, is_uri,
+from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, check_tree, dataset, filesystem, is_dir, is_uri,
                                       list_table, raise_unreadable, readahead, run_ids, write_batches)
 from fedsap_ray.results.writer import consolidate_run
 
@@ -56,6 +56,7 @@ def compact(path: str | Path) -> dict[str, int]:
     fs, base = filesystem(path)
     if not is_dir(fs, base):
         raise FileNotFoundError(f"no results folder at {path}")
+    check_tree(fs, base, str(path), (*DATA_TABLES, "runs", "checkpoints"))  # refused before anything changes
     statuses = run_statuses(path)
     resumable = _checkpointed(fs, base)
     # a finished run keeps no checkpoint: one left means the run was stopped between writing its final

@@ -275,6 +275,19 @@ def raise_unreadable(fs: pafs.FileSystem, paths: list[str], table: str, error: B
     raise error
 
 
+def check_tree(fs: pafs.FileSystem, base: str, shown: str, folders: tuple[str, ...]) -> None:
+    """Before a command changes a results folder: each of ``folders`` (tables, ``checkpoints``) is a folder or
+    absent, and every entry in it is one the filesystem will touch (for a local folder, the door refuses a
+    link or a special file: :mod:`fedsap_ray.outdir`). One line naming the entry otherwise."""
+    for sub in folders:
+        info = fs.get_file_info(f"{base}/{sub}")
+        if info.type == pafs.FileType.NotFound:
+            continue
+        if info.type != pafs.FileType.Directory:
+            raise ConfigError(f"results folder {shown}: {sub} is a file where a folder is expected; move it away")
+        fs.get_file_info(pafs.FileSelector(f"{base}/{sub}"))
+
+
 def readahead(fs: pafs.FileSystem) -> int:
     """Files read at once: pyarrow's default locally; many on remote stores, where latency dominates."""
     return 4 if fs.type_name in ("local", LOCAL_TYPE) else 64
