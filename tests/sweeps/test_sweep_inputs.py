@@ -160,4 +160,4 @@ def test_resume_of_a_folder_with_a_damaged_runs_file_is_one_line(tmp_path, capsy
     (out / "runs").mkdir(parents=True)
     (out / "runs" / "full-s0.parquet").write_bytes(b"PAR1" + b"\0" * 20)
     line = refused(capsys, "ablation", "--out", str(out), "--smoke-test", "--variants", "full", "--resume")
-    assert "invalid --resume: the runs table" in line and "cannot be read" in line
+    assert "runs/full-s0.parquet" in line and "cannot be read" in line  # the damaged file, named
