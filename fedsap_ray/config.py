@@ -27,7 +27,7 @@ import yaml
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DEVICES, INT64_MAX, PARTITIONS, SEED_ALLOWED, SEED_MAX,
                                SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig, ExperimentConfig, ModelConfig,
-                               ResourcesConfig, TrainingConfig, _fail, clip, construct, short)
+                               ResourcesConfig, TrainingConfig, _fail, clip, construct, path_text, short)
 
 __all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.schema
     "BACKENDS", "CAPACITY_SCHEMES", "DEVICES", "INT64_MAX", "PARTITIONS", "SEED_ALLOWED",
@@ -308,7 +308,7 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 
 def load_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    name = short(str(path), 200)
+    name = path_text(path)
     if not p.is_file():
         raise ConfigError(f"invalid --config={name}: " + ("it is a folder, not a file" if p.is_dir()
                                                             else "file does not exist"))
@@ -367,9 +367,9 @@ def trace_sha256(path: str) -> str:
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
     except FileNotFoundError:
-        raise ConfigError(f"invalid devices.trace={short(path, 200)}: no such file") from None
+        raise ConfigError(f"invalid devices.trace={path_text(path)}: no such file") from None
     except OSError as e:
-        raise ConfigError(f"invalid devices.trace={short(path, 200)}: cannot be read ({e.strerror or e})") from None
+        raise ConfigError(f"invalid devices.trace={path_text(path)}: cannot be read ({e.strerror or e})") from None
 
 
 def build_config(

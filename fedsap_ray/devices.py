@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedsap_ray.errors import ConfigError
-from fedsap_ray.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, clip, short
+from fedsap_ray.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, clip, path_text, short
 from fedsap_ray.seeding import rng_for
 
 TRACE_COLUMNS = ("client_id", "speed")  # required
@@ -74,7 +74,7 @@ def read_trace(d: DevicesConfig, n_clients: int) -> Mapping[int, Device]:
 
 
 def _bad(path: str, what: str) -> ConfigError:
-    return ConfigError(f"invalid devices.trace={short(path, 200)}: {what}")
+    return ConfigError(f"invalid devices.trace={path_text(path)}: {what}")
 
 
 def _number(v: object) -> float | None:

@@ -61,6 +61,13 @@ def clip(text: str, limit: int = SHORT_VALUE) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def path_text(path: Any) -> str:
+    """A file path as an error line quotes it: whole (a user must find the file; temporary and cluster paths
+    are long), only cut past 1,024 characters, on one line."""
+    text = repr(str(path)[:2048])
+    return " ".join(text.split()) if len(text) <= 1024 else text[:1021] + "..."
+
+
 def key_text(k: Any) -> str:
     """A mapping key as an error names it: as written when it is a plain word, else quoted (and short)."""
     return k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]{1,60}", k) else short(k, 60)

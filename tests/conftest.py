@@ -23,6 +23,31 @@ from fedsap_ray.models import build_model
 from fedsap_ray.runtime.local import LocalBackend
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The suite's two tiers (docs/guides/development.md#tests-and-ci). The fast tier, `python -m pytest -q`, is
+# every unit and in-process test; the integration tier, `python -m pytest -q -m integration`, is what starts
+# Ray, a sweep, a cluster, a notebook kernel, the documented commands or the CLI as a subprocess. The rule
+# lives here, in one place: a module listed below, or any test that uses a fixture listed below.
+INTEGRATION_MODULES = frozenset({
+    "tests/analysis/test_notebooks.py",  # notebook kernels on the smoke sweeps' folders
+    "tests/docs/test_doc_commands.py",  # every documented command
+    "tests/runtime/test_ray.py", "tests/runtime/test_multinode.py", "tests/runtime/test_gpu.py",  # Ray
+    "tests/runtime/test_reaper.py",  # killed drivers and their process groups
+    "tests/sweeps/test_sweeps.py", "tests/sweeps/test_mask_stability_study.py",  # study scripts under Tune
+    "tests/test_cli.py",  # the console script as a subprocess, a Ray run from the command line
+})
+INTEGRATION_FIXTURES = frozenset({"smoke_study"})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark the integration tier (above); the default ``-m "not integration"`` (pyproject.toml) leaves it out."""
+    mark = pytest.mark.integration
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+        if rel in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(mark)
+
+
 SHARED_DATA = Path(os.environ.get("FEDSAP_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 

@@ -181,9 +181,11 @@ def test_readme_is_short_and_keeps_the_ci_command() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert len(readme.splitlines()) <= 250  # short: the results sections point to the study pages for detail
     ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()
-          if line.strip() and not line.startswith("#")][-1]
-    assert ci == 'python -m pip install -e ".[test]" && python -m pytest -q'
-    assert f"\n{ci}\n" in readme, "the README must show the test command .ci/run runs, verbatim"
+          if line.strip() and not line.startswith("#")][-2:]
+    assert ci == ['python -m pip install -e ".[test]" && python -m pytest -q',
+                  "python -m pytest -q -m integration -n 0 --durations=25"]
+    for line in ci:
+        assert f"\n{line}\n" in readme, "the README must show the test commands .ci/run runs, verbatim"
     image = re.search(r"!\[[^\]]*\]\(([^)]+\.png)\)", readme)
     assert image and (REPO / image.group(1)).is_file()
 
