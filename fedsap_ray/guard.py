@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from fedsap_ray import checkpoint, results, statecheck
 from fedsap_ray.outdir import DIR, FILE, OutDir, lock_path
 from fedsap_ray.results import aside
+from fedsap_ray.results.store import check_tree
 from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
 from fedsap_ray.schema import ExperimentConfig
 
@@ -335,9 +336,7 @@ def check_folder(out: Path, files: tuple[str, ...] = (), dirs: tuple[str, ...] =
     d = OutDir(out)
     if not d.is_dir(out):
         return
-    for sub in (*results.TABLES, "checkpoints", aside.ASIDE, *dirs):
-        for name in d.listdir(d.abs / sub):
-            d.kind_of(d.abs / sub / name)
+    check_tree(d.filesystem(), str(d.abs), str(out), (*results.TABLES, "checkpoints", aside.ASIDE, *dirs))
     for name in files:
         d.check(d.abs / name, FILE)
 
