@@ -11,37 +11,102 @@ type-matched aggregation (papers/000 Eq. 8) is this same rule applied separately
 the Global coordinates over all clients and to each pseudo-group's Private coordinates.
 Accumulation is in float64 in client-id order, so the result does not depend on which
 worker returned first.
+
+Speed (issue 42). At the papers' width (ResNet10, 4.9M parameters) the plain form, one
+``acc[mask] += w * values.astype(float64)`` over the whole vector per client, cost about 0.45 s
+of a 10-client round on one core while the other cores idled. The coordinates are independent,
+so the vector is cut into :data:`CHUNK`-coordinate pieces (float64 accumulators that stay in
+cache) and the pieces are shared among up to :data:`THREADS` threads (numpy releases the GIL in
+its loops). Every coordinate still sees the same float64 operations in the same client order, so
+the result is bit-identical to the plain form (:func:`reference_average`) whatever the chunk size
+or thread count (tests/test_aggregation.py compares them on random masks and weights).
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+CHUNK = 1 << 16  # coordinates per piece: two float64 accumulators of 512 KiB, in a core's L2
+THREADS = max(1, min(8, os.cpu_count() or 1))  # pieces aggregated at once (more cores gain little: memory-bound)
+
+Contribution = tuple[np.ndarray | None, np.ndarray, float]
 
 
 def masked_weighted_average(
     old: np.ndarray,
-    contributions: Iterable[tuple[np.ndarray | None, np.ndarray, float]],
+    contributions: Iterable[Contribution],
     restrict: np.ndarray | None = None,
+    *,
+    chunk: int = CHUNK,
+    threads: int | None = None,
 ) -> np.ndarray:
     """Return a new float32 vector; ``contributions`` are (mask or None=full, values, weight).
 
     ``restrict`` (bool) limits which coordinates may change (e.g. FedSAP's Global set);
-    values outside it keep ``old`` bit-identically.
+    values outside it keep ``old`` bit-identically. ``chunk`` and ``threads`` change only the
+    speed, never a bit of the result (module docstring).
     """
+    contribs = _checked(old, contributions)
+    out = old.copy()
+    if not contribs:
+        return out
+    n = old.size
+    bounds = list(range(0, n, chunk)) + [n]
+    offsets = _offsets(contribs, bounds)
+    pieces = len(bounds) - 1
+    workers = max(1, min(THREADS if threads is None else threads, pieces))
+
+    def work(first: int) -> None:
+        acc = np.empty(min(chunk, n), dtype=np.float64)
+        wsum, dense = np.empty_like(acc), np.empty_like(acc)
+        for k in range(first, pieces, workers):  # interleaved pieces: each thread writes its own slices
+            lo, hi = bounds[k], bounds[k + 1]
+            a, w, d = acc[:hi - lo], wsum[:hi - lo], dense[:hi - lo]
+            a.fill(0.0)
+            w.fill(0.0)
+            for (mask, values, weight), off in zip(contribs, offsets):
+                if mask is None:
+                    a += weight * values[lo:hi].astype(np.float64)
+                    w += weight
+                else:
+                    v = values[off[k]:off[k + 1]]
+                    if v.size:
+                        # the packed values spread over the piece, +0.0 elsewhere: adding weight * +0.0 leaves
+                        # an accumulator bit-identical (it starts at +0.0 and so is never -0.0), and one
+                        # boolean assignment is a third of the cost of acc[m] += ... (read, add, write back)
+                        m = mask[lo:hi]
+                        d.fill(0.0)
+                        d[m] = v
+                        d *= weight
+                        a += d
+                        np.add(w, weight, out=w, where=m)
+            covered = w > 0
+            if restrict is not None:
+                covered &= restrict[lo:hi]
+            out[lo:hi][covered] = (a[covered] / w[covered]).astype(np.float32)
+
+    if workers == 1:
+        work(0)
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="fedsap-aggregate") as pool:
+            list(pool.map(work, range(workers)))
+    return out
+
+
+def reference_average(old: np.ndarray, contributions: Iterable[Contribution],
+                      restrict: np.ndarray | None = None) -> np.ndarray:
+    """The plain form of :func:`masked_weighted_average` (one pass over the whole vector per client):
+    the definition the fast form is tested against."""
     acc = np.zeros(old.shape, dtype=np.float64)
     wsum = np.zeros(old.shape, dtype=np.float64)
-    for mask, values, weight in contributions:
-        if weight < 0:
-            raise ValueError(f"aggregation weight must be >= 0, got {weight}")
+    for mask, values, weight in _checked(old, contributions):
         if mask is None:
-            if values.size != old.size:
-                raise ValueError(f"full update has {values.size} values, model has {old.size}")
             acc += weight * values.astype(np.float64)
             wsum += weight
         else:
-            if int(mask.sum()) != values.size:
-                raise ValueError(f"mask covers {int(mask.sum())} coordinates but {values.size} values were sent")
             acc[mask] += weight * values.astype(np.float64)
             wsum[mask] += weight
     covered = wsum > 0
@@ -49,6 +114,38 @@ def masked_weighted_average(
         covered &= restrict
     out = old.copy()
     out[covered] = (acc[covered] / wsum[covered]).astype(np.float32)
+    return out
+
+
+def _checked(old: np.ndarray, contributions: Iterable[Contribution]) -> list[Contribution]:
+    """The contributions as a list, each checked: weight >= 0, values matching the model or the mask."""
+    out = []
+    for mask, values, weight in contributions:
+        if weight < 0:
+            raise ValueError(f"aggregation weight must be >= 0, got {weight}")
+        if mask is None:
+            if values.size != old.size:
+                raise ValueError(f"full update has {values.size} values, model has {old.size}")
+        elif int(np.count_nonzero(mask)) != values.size:
+            raise ValueError(f"mask covers {int(np.count_nonzero(mask))} coordinates but {values.size} values were sent")
+        out.append((mask, values, weight))
+    return out
+
+
+def _offsets(contribs: list[Contribution], bounds: list[int]) -> list[np.ndarray | None]:
+    """Per contribution, where each piece's values start in its packed ``values`` (None for a full
+    update): the mask's running count at the piece bounds, computed once per distinct mask object."""
+    starts = np.asarray(bounds[:-1], dtype=np.intp)
+    seen: dict[int, np.ndarray] = {}
+    out: list[np.ndarray | None] = []
+    for mask, _, _ in contribs:
+        if mask is None:
+            out.append(None)
+            continue
+        if id(mask) not in seen:
+            counts = np.add.reduceat(mask.view(np.uint8), starts, dtype=np.int64)
+            seen[id(mask)] = np.concatenate(([0], np.cumsum(counts)))
+        out.append(seen[id(mask)])
     return out
 
 

@@ -79,7 +79,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks, supports_sliced
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.errors import ClientError
@@ -187,7 +186,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
         make_hooks(plan, model, layout, device, hooks, sliced)
         for h in hooks:
             h.before_training(model, data)  # always the full-size scratch model
-        start = scatter(plan.values, plan.mask, layout.size)
+        start = plan.start_vector()  # read only: plan.params itself for the full model
         if sliced is None:
             layout.load_into(model, start)
         else:

@@ -65,7 +65,7 @@ VARIANTS = ("local", "masked", "ray", "resume")
 BACKENDS = ("local", "ray")
 TABLES = ("runs", "rounds", "clients", "layers", "allocations")
 # Not compared, by name (never by pattern, so no number is dropped by accident): the run id,
-# wall-clock times, where a client ran (worker, GPU, node), and provenance that differs between
+# wall-clock times, where a client ran (worker, GPU, node) and what the backend moved, and provenance that differs between
 # checkouts (the config as JSON text, whose every leaf is also a config.* column; the package and results
 # schema versions; the torch version and CPU kernels, which name the machine: check says so when a baseline's
 # kernels are not this machine's, as every trained number may then differ in its last bits).
@@ -73,6 +73,7 @@ TABLES = ("runs", "rounds", "clients", "layers", "allocations")
 # predate it)
 DROP = frozenset({"run_id", "started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s",
                   "config_json", "package_version", "schema_version", "worker", "gpu_id", "node",
+                  "backend_bytes_down", "backend_bytes_up",
                   "torch_version", "cpu_kernels"})
 # the Ray cases run without --full: the plain strategy and those with state kept between rounds on the
 # server (FedSAP's groups and masks, SCAFFOLD's control variates) or per client (MOON's previous model);

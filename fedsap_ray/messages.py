@@ -1,14 +1,19 @@
 """Typed messages between server and clients (docs/architecture.md#one-round), checked when built.
 
 Parameters travel as flat float32 numpy buffers laid out by
-:class:`fedsap_ray.masks.ParamLayout`. A plan sends only the coordinates the client
-needs (``values`` holds ``params[mask]``), and a result returns only the coordinates
-it trained, in the same order, so byte counts are those of the real payload.
+:class:`fedsap_ray.masks.ParamLayout`. A plan *names* the full-size vector its client starts from
+(``params``: the server model, or the view of the client's group) and says which coordinates the
+client holds (``mask``); the simulated protocol sends only those (``values`` is ``params[mask]``,
+``bytes_down`` counts them and the packed mask). Many plans of a round name the same vector, so a
+backend moves each distinct vector once per worker and round, with each plan's own part beside it
+(:mod:`fedsap_ray.runtime.wire`, issue 42). A result returns only the coordinates it trained, in the
+same order, so byte counts are those of the real payload.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -27,7 +32,9 @@ class HookCall:
 class ClientPlan:
     client_id: int
     round: int
-    values: np.ndarray  # float32: the server parameters at the covered coordinates
+    # float32 [n_params]: the full-size vector the client starts from at its covered coordinates (the server
+    # model, or its group's view); shared between plans and never mutated (a backend may move it once per worker)
+    params: np.ndarray
     mask: np.ndarray | None  # bool [n_params]: covered coordinates (None: the full model)
     local_epochs: int
     batch_size: int
@@ -48,15 +55,15 @@ class ClientPlan:
     side_bytes_up: int = 0
 
     def __post_init__(self) -> None:
-        if self.values.dtype != np.float32 or self.values.ndim != 1:
-            raise TypeError(f"ClientPlan(client {self.client_id}, round {self.round}): values must be a 1-D float32 array")
+        if self.params.dtype != np.float32 or self.params.ndim != 1:
+            raise TypeError(f"ClientPlan(client {self.client_id}, round {self.round}): params must be a 1-D float32 array")
         if self.mask is not None:
             if self.mask.dtype != np.bool_ or self.mask.ndim != 1:
                 raise TypeError(f"ClientPlan(client {self.client_id}, round {self.round}): mask must be a 1-D bool array")
-            if int(self.mask.sum()) != self.values.size:
+            if self.mask.size != self.params.size:
                 raise ValueError(
-                    f"ClientPlan(client {self.client_id}, round {self.round}): mask covers {int(self.mask.sum())} "
-                    f"coordinates but values has {self.values.size}")
+                    f"ClientPlan(client {self.client_id}, round {self.round}): mask has {self.mask.size} "
+                    f"coordinates but params has {self.params.size}")
         if self.submodel not in ("sliced", "masked"):
             raise ValueError(f"ClientPlan(client {self.client_id}, round {self.round}): submodel must be "
                              f"'sliced' or 'masked', got {self.submodel!r}")
@@ -71,10 +78,27 @@ class ClientPlan:
                 return c.payload
         raise KeyError(f"ClientPlan(client {self.client_id}, round {self.round}) has no client hook {name!r}")
 
+    @cached_property
+    def covered(self) -> int:
+        """How many coordinates the client holds (the size of :attr:`values`)."""
+        return self.params.size if self.mask is None else int(np.count_nonzero(self.mask))
+
+    @property
+    def values(self) -> np.ndarray:
+        """The coordinates the simulated server sends, ``params[mask]`` (``params`` itself, not a copy, for the
+        full model). A masked plan's values are a new array on every call: consumers that only need the
+        full-size start vector use :meth:`start_vector`."""
+        return self.params if self.mask is None else self.params[self.mask]
+
+    def start_vector(self) -> np.ndarray:
+        """The full-size vector the client loads: ``params`` at covered coordinates, 0 elsewhere (``params``
+        itself for the full model: read only, never written)."""
+        return self.params if self.mask is None else np.where(self.mask, self.params, np.float32(0.0))
+
     @property
     def bytes_down(self) -> int:
-        """Bytes the server sends: the values plus the packed coverage mask when there is one."""
-        return int(self.values.nbytes + (0 if self.mask is None else (self.mask.size + 7) // 8) + self.side_bytes_down)
+        """Bytes the server sends: the covered values plus the packed coverage mask when there is one."""
+        return int(4 * self.covered + (0 if self.mask is None else (self.mask.size + 7) // 8) + self.side_bytes_down)
 
 
 @dataclass

@@ -135,8 +135,9 @@ class Server:
         ev = RoundEvaluation(by_mode=by_mode, deployed=deployed)
         t_end = clock()
         eval_s = t_end - t_aggregated if evaluated else 0.0  # a round not evaluated spends nothing there
+        moved = getattr(self.backend, "moved", (0, 0))  # the Ray pool's count; nothing moves in-process
         times = PhaseTimes(train_s=t_trained - t_plans, eval_s=eval_s,
-                           server_s=(t_end - t0) - (t_trained - t_plans) - eval_s)
+                           server_s=(t_end - t0) - (t_trained - t_plans) - eval_s, moved_down=moved[0], moved_up=moved[1])
         return new_state, self.recorder.record(t, plans, results, out.records, ev, times, sim)
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:

@@ -39,3 +39,43 @@ def test_restrict_and_order_independence():
     assert np.array_equal(a[25:], old[25:])
     b = masked_weighted_average(old, contribs[::-1], restrict=restrict)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-7)
+
+
+# --- the chunked, threaded form against the plain one (issue 42) -----------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from fedsap_ray.aggregation import reference_average  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2 ** 31), n=st.integers(1, 700), clients=st.integers(1, 6),
+       chunk=st.sampled_from([1, 7, 64, 1 << 16]), threads=st.integers(1, 4), restricted=st.booleans())
+def test_chunked_threaded_average_is_bit_identical_to_the_plain_form(seed, n, clients, chunk, threads, restricted):
+    """Random masks (some shared by several clients, some full, some empty), weights (zero included) and
+    piece sizes: every bit equals the one-pass definition, so chunks and threads change only the speed."""
+    rng = np.random.default_rng(seed)
+    old = rng.normal(size=n).astype(np.float32)
+    shared = rng.random(n) < 0.5
+    contribs = []
+    for _ in range(clients):
+        kind = rng.integers(4)
+        mask = None if kind == 0 else shared if kind == 1 else rng.random(n) < rng.random()
+        size = n if mask is None else int(mask.sum())
+        values = (rng.normal(size=size) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+        contribs.append((mask, values, float(rng.choice([0.0, 1.0, 3.0, rng.random() * 100]))))
+    restrict = rng.random(n) < 0.7 if restricted else None
+    want = reference_average(old, contribs, restrict)
+    got = masked_weighted_average(old, contribs, restrict, chunk=chunk, threads=threads)
+    assert got.tobytes() == want.tobytes()
+
+
+def test_chunked_average_rejects_what_the_plain_form_rejects():
+    import pytest
+
+    old = np.zeros(10, np.float32)
+    with pytest.raises(ValueError, match="weight must be >= 0"):
+        masked_weighted_average(old, [(None, old, -1.0)])
+    with pytest.raises(ValueError, match="mask covers 3 coordinates but 2 values"):
+        masked_weighted_average(old, [(np.arange(10) < 3, np.zeros(2, np.float32), 1.0)])
+    with pytest.raises(ValueError, match="full update has 9 values"):
+        masked_weighted_average(old, [(None, np.zeros(9, np.float32), 1.0)])

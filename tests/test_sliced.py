@@ -58,9 +58,9 @@ def sensitivity(plan: ClientPlan, model, layout, data) -> tuple[float, dict[str,
     ref = train_client(dataclasses.replace(plan, submodel="masked"), copy.deepcopy(model), layout, data)
     worst, worst_stats = 0.0, dict.fromkeys(ref.stats, 0.0)
     for seed in range(3):
-        noise = np.random.default_rng(seed).standard_normal(plan.values.shape)
+        noise = np.random.default_rng(seed).standard_normal(plan.params.shape)
         moved = dataclasses.replace(plan, submodel="masked",
-                                    values=(plan.values * (1 + 1e-6 * noise)).astype(np.float32))
+                                    params=(plan.params * (1 + 1e-6 * noise)).astype(np.float32))
         out = train_client(moved, copy.deepcopy(model), layout, data)
         worst = max(worst, rel(ref.values, out.values))
         for k in ref.stats:
@@ -161,7 +161,7 @@ def test_non_channel_mask_falls_back_to_masked(fed):
     plan = next(p for p in strat.configure_round(strat.init_state(), 1).values() if p.mask is not None)
     mask = plan.mask.copy()
     mask[np.flatnonzero(mask)[3]] = False
-    odd = dataclasses.replace(plan, mask=mask, values=plan.values[np.delete(np.arange(plan.values.size), 3)])
+    odd = dataclasses.replace(plan, mask=mask)
     assert sliced_model(copy.deepcopy(ctx.model), ctx.layout, mask) is None
     data = fed.client_data(plan.client_id)
     a = train_client(odd, copy.deepcopy(ctx.model), ctx.layout, data)
@@ -229,7 +229,7 @@ def test_sliced_client_matches_masked_with_every_term(name, single_thread):
     full = layout.flatten(model)
     rng = np.random.default_rng(2)
     dga = "conv1" if name.startswith(("cnn", "resnet")) else ("fc1" if name == "mlp" else "lstm0")
-    plan = ClientPlan(client_id=0, round=1, values=full[mask], mask=mask, local_epochs=2, batch_size=8, lr=0.05,
+    plan = ClientPlan(client_id=0, round=1, params=full, mask=mask, local_epochs=2, batch_size=8, lr=0.05,
                       momentum=0.9, weight_decay=5e-4, grad_clip=1.0, seed=3,
                       hooks=(call(RepresentationNorm, gamma=0.01), call(ProximalTerm, mu=0.1),
                              call(ControlCorrection, control=(0.01 * rng.standard_normal(layout.size)).astype(np.float32)),
@@ -257,7 +257,7 @@ def test_submodel_option_is_validated_and_hashed():
     with pytest.raises(ConfigError, match="training.submodel"):
         build_config(preset="smoke", overrides=["training.submodel=dense"])
     with pytest.raises(ValueError, match="submodel"):
-        ClientPlan(client_id=0, round=1, values=np.zeros(1, np.float32), mask=None, local_epochs=1, batch_size=1,
+        ClientPlan(client_id=0, round=1, params=np.zeros(1, np.float32), mask=None, local_epochs=1, batch_size=1,
                    lr=0.1, submodel="dense")
 
 
@@ -268,7 +268,7 @@ def test_model_without_build_spec_trains_masked():
     space = model.channel_space()
     mask = param_mask(space, layout, _random_channels(space, np.random.default_rng(0)))
     assert sliced_model(model, layout, mask) is None
-    plan = ClientPlan(client_id=0, round=1, values=layout.flatten(model)[mask], mask=mask, local_epochs=1,
+    plan = ClientPlan(client_id=0, round=1, params=layout.flatten(model), mask=mask, local_epochs=1,
                       batch_size=8, lr=0.1)
     a = train_client(plan, copy.deepcopy(model), layout, data)
     b = train_client(dataclasses.replace(plan, submodel="masked"), copy.deepcopy(model), layout, data)
@@ -311,7 +311,7 @@ def test_supports_sliced_decides_which_model_the_hooks_get(probe_hooks):
     assert n_sub < n_full
 
     def plan(*hooks: str, submodel: str = "sliced") -> ClientPlan:
-        return ClientPlan(client_id=0, round=1, values=layout.flatten(model)[mask], mask=mask, local_epochs=1,
+        return ClientPlan(client_id=0, round=1, params=layout.flatten(model), mask=mask, local_epochs=1,
                           batch_size=8, lr=0.1, seed=1, submodel=submodel,
                           hooks=tuple(HookCall(h, NoPayload()) for h in hooks))
 

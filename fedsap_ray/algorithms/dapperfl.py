@@ -316,7 +316,7 @@ class DapperFL(Strategy):
             active = sum(nested_count(keep, layer.channels) for layer in space.layers)
             n = self.ctx.federation.clients[cid].n_samples
             plans[cid] = ClientPlan(
-                values=state.params, mask=None, capacity_used=active / total,  # values shared, never mutated
+                params=state.params, mask=None, capacity_used=active / total,  # shared, never mutated
                 hooks=(call(RepresentationNorm, gamma=float(self.opts.gamma), form=self.opts.dar_form),
                        call(ModelFusionPruning, alpha=float(alpha), keep_ratio=keep,
                             prune_after_steps=first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),

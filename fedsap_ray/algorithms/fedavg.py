@@ -94,9 +94,8 @@ class FedAvg(Strategy):
         plans: dict[int, ClientPlan] = {}
         for cid in self.sample_clients(t):
             mask, _, used = self.sub_model(state, cid, t)
-            values = state.params if mask is None else state.params[mask]  # full: shared, never mutated
             plans[cid] = ClientPlan(
-                values=values, mask=mask, capacity_used=float(used),
+                params=state.params, mask=mask, capacity_used=float(used),  # params: shared by every plan, never mutated
                 **self.plan_kwargs(t, cid), **self.extra_plan_fields(state, cid, t),
             )
         return plans

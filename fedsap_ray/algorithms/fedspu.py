@@ -165,12 +165,10 @@ class FedSPU(Strategy):
         plans: dict[int, ClientPlan] = {}
         for cid in self.sample_clients(t):
             mask, active = self.trained_mask(t, cid)
-            if mask is None:
-                values, frozen = state.params, np.zeros(0, dtype=np.float32)
-            else:
-                values, frozen = state.params[mask], self.personal_model(state, cid)[~mask]
+            frozen = (np.zeros(0, dtype=np.float32) if mask is None
+                      else self.personal_model(state, cid)[~mask])
             plans[cid] = ClientPlan(
-                values=values, mask=mask, capacity_used=active / total,
+                params=state.params, mask=mask, capacity_used=active / total,
                 hooks=(call(FrozenNeurons, frozen_values=frozen),), **self.plan_kwargs(t, cid),
             )
         return plans

@@ -73,7 +73,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
@@ -121,7 +120,7 @@ class MoonObjective(ClientHook):
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device) -> None:
         super().__init__(plan, model, layout, device)
         self.mu, self.tau = self.payload.mu, self.payload.tau
-        start = scatter(plan.values, plan.mask, layout.size)
+        start = plan.start_vector()
         self.glob = _frozen_copy(model, layout, start).to(device)
         prev = self.payload.prev
         if prev is None:  # first participation: the global model is the previous one (module docstring)

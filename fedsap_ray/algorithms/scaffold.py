@@ -150,7 +150,7 @@ class Scaffold(Strategy):
         for cid in self.sample_clients(t):
             control = self.control_for(state, cid)  # sent down; the client would send Delta c_i back up
             plans[cid] = ClientPlan(
-                values=state.params, mask=None, capacity_used=1.0,  # shared, never mutated
+                params=state.params, mask=None, capacity_used=1.0,  # shared, never mutated
                 hooks=(call(ControlCorrection, control=control),), side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
                 **self.plan_kwargs(t, cid),
             )

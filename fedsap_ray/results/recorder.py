@@ -39,6 +39,9 @@ class PhaseTimes:
     train_s: float = 0.0
     eval_s: float = 0.0
     server_s: float = 0.0
+    # and what the backend's training call moved between processes (``rounds.backend_bytes_down``/``_up``)
+    moved_down: int = 0
+    moved_up: int = 0
 
     @property
     def total(self) -> float:
@@ -117,8 +120,13 @@ class Recorder:
 
     def cover(self, plans: Mapping[int, ClientPlan]) -> None:
         """Add the round's plan coverage to each client's domain (``domain_coverage``, ``frozen_params``)."""
+        done: set[tuple[str, int]] = set()  # (domain, mask object): clients of one width share their mask
         for plan in plans.values():
-            dom = self.domain_covered[self.ctx.federation.clients[plan.client_id].domain]
+            domain = self.ctx.federation.clients[plan.client_id].domain
+            if (domain, id(plan.mask)) in done:
+                continue
+            done.add((domain, id(plan.mask)))
+            dom = self.domain_covered[domain]
             if plan.mask is None:
                 dom[:] = True
             else:
@@ -234,7 +242,8 @@ class Recorder:
                                       n_clients=cost["n_clients"], bytes_up=cost["bytes_up"],
                                       bytes_down=cost["bytes_down"], train_loss=cost["train_loss"],
                                       round_wall_s=times.total, train_s=times.train_s, eval_s=times.eval_s,
-                                      server_s=times.server_s, sim_round_s=cost["sim_round_s"],
+                                      server_s=times.server_s, backend_bytes_down=times.moved_down,
+                                      backend_bytes_up=times.moved_up, sim_round_s=cost["sim_round_s"],
                                       sim_elapsed_s=cost["sim_elapsed_s"], n_stragglers=cost["n_stragglers"], **columns)
         rows = []
         primary = next(iter(by_mode), None)

@@ -17,15 +17,18 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 8  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 9  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
 # sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
-# 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against)
+# 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against); 9: rounds.backend_bytes_down,
+# backend_bytes_up (what the backend moved between processes)
 GLOBAL_DOMAIN = "__global__"
-# Columns that hold wall-clock readings: never reproducible, so never compared between runs (the golden
-# check, the tests of determinism and resume).
-WALL_CLOCK = ("started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s")
+# Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible) and
+# the bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count), so
+# never compared between runs (the golden check, the tests of determinism, resume and Ray == local).
+WALL_CLOCK = ("started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s",
+              "backend_bytes_down", "backend_bytes_up")
 
 # (column, arrow type, description): the core columns, filled by the recording side for every strategy.
 # (column, arrow type, description): the single place the columns are documented.
@@ -92,6 +95,11 @@ ROUNDS_COLUMNS: list[Column] = [
     Column("eval_s", pa.float64(),
            "seconds of the round evaluating the server's models and the deployed ones (0 on rounds not evaluated)"),
     Column("server_s", pa.float64(), "seconds of the round in the server's own work: client plans and aggregation"),
+    Column("backend_bytes_down", pa.int64(), "bytes the backend moved to its workers this round (Ray: each distinct "
+           "parameter vector and packed mask once per worker, plus the plans' own parts; 0 in-process), not the "
+           "simulated protocol's bytes_down"),
+    Column("backend_bytes_up", pa.int64(), "bytes the backend moved back from its workers this round (the results; "
+           "0 in-process), not the simulated protocol's bytes_up"),
     Column("sim_round_s", pa.float64(), "simulated device seconds of the round under devices.policy (wait_all: its "
            "slowest client's sim_time_s; deadline: deadline_s if a client missed it; over_select: the k-th to finish)"),
     Column("sim_elapsed_s", pa.float64(), "simulated device seconds of rounds 1..this one (sum of sim_round_s)"),

@@ -49,6 +49,7 @@ class LocalBackend:
         self._pool: ThreadPoolExecutor | None = None
         self._data: PreparedData | None = None  # each client's prepared data, built once per run
         self.node = "local"
+        self.moved = (0, 0)  # nothing crosses a process boundary: plans hand their vectors over by reference
 
     def start(self, ctx: RunContext) -> None:
         self.ctx = ctx

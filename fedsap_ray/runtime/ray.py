@@ -15,18 +15,20 @@
   once per run (:class:`~fedsap_ray.client.PreparedData`, within its memory budget) and pays
   torch's optimizer start-up when it starts (:func:`~fedsap_ray.client.warm_torch`), not in
   round 1 (issue 27; measured in :mod:`fedsap_ray.client`'s docstring).
-- Dispatch and fault tolerance: each worker has ``PIPELINE`` plans in flight (the next
-  one is queued while a result travels back); a worker that dies is replaced once and
-  every client it held re-runs from its plan (plans are pure data, so the numbers are
-  those of an uninterrupted run). A client that raises stops the run
-  with a :class:`~fedsap_ray.client.ClientError` naming the round and client.
+- Dispatch and fault tolerance (issue 42): a round's plans are shared among the workers longest
+  first by expected work (:func:`~fedsap_ray.runtime.wire.longest_first`) and each worker gets its
+  share in one call, as a :class:`~fedsap_ray.runtime.wire.Batch`: every distinct parameter vector
+  and mask of the round goes into the object store once and reaches a worker once, beside the plans'
+  own parts; the results come back together. ``rounds.backend_bytes_down``/``backend_bytes_up``
+  record what moved. A worker that dies is replaced once and every client of its batch re-runs from
+  its plan (plans are pure data, so the numbers are those of an uninterrupted run). A client that
+  raises stops the run with a :class:`~fedsap_ray.client.ClientError` naming the round and client.
 """
 from __future__ import annotations
 
 import math
 import os
 import uuid
-from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,7 +46,7 @@ from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.errors import ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.runtime import reaper
+from fedsap_ray.runtime import reaper, wire
 from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.driver import DriverCallback, drive_one
@@ -52,7 +54,6 @@ from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInf
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 NODE_CHARS = 12  # a node id's first hex digits, as clients.node and the progress line show it
-PIPELINE = 2  # plans in flight per worker (measured: hides the result/plan transfer gap)
 # Plans and results of small models travel inline with the task instead of through the
 # object store (measured in benchmarks/: raylet CPU per round 0.15 s -> 0.01 s at 50 clients).
 _INLINE_BYTES = 1 << 20
@@ -179,6 +180,11 @@ class ClientWorker:
         result.worker, result.gpu_id, result.node = self.name, self.gpu_id, self.node
         return result
 
+    def train_batch(self, batch: wire.Batch, *arrays: np.ndarray) -> list[ClientResult]:
+        """The worker's share of a round, in the batch's order; ``arrays`` are the batch's shared vectors and
+        packed masks (object-store references resolved by Ray, zero-copy on this node)."""
+        return [self.train(plan) for plan in batch.plans(arrays)]
+
 
 def _loss_line(node: str) -> str:
     """One line for a dead worker, naming its node: ``node X lost`` when the cluster has marked the node dead
@@ -199,6 +205,8 @@ class RayWorkerPool:
         self._spawned = 0
         self.nodes: list[str] = []  # the node of each worker slot, once it has started
         self._losses: list[str] = []  # what was lost since the last take_losses(), one line each
+        self.moved = (0, 0)  # bytes the last train() sent to the workers and got back (rounds.backend_bytes_*)
+        self._samples: dict[int, int] = {}
 
     def start(self, ctx: RunContext) -> None:
         fed: Federation = ctx.federation
@@ -209,6 +217,7 @@ class RayWorkerPool:
         n = pool_size(self.cfg, len(fed.clients))
         self.workers = [self._spawn() for _ in range(n)]
         self.nodes = [i.node for i in ray.get([w.info.remote() for w in self.workers])]  # fail fast if one cannot start
+        self._samples = {c.client_id: c.n_samples for c in fed.clients}
 
     def _spawn(self) -> Any:
         r = self.cfg.resources
@@ -229,41 +238,60 @@ class RayWorkerPool:
         return out
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
-        """Dispatch plans to idle worker slots (``PIPELINE`` per worker, so the next plan is queued
-        while a result travels back); a dead worker is replaced once and its clients re-run."""
-        todo = deque(sorted(plans))
-        slots = deque(w for _ in range(PIPELINE) for w in range(len(self.workers)))
+        """One call per worker with its share of the round (module docstring); a dead worker is replaced once
+        and its whole batch re-runs on the replacement. ``moved`` holds the round's bytes each way."""
+        ordered = [plans[cid] for cid in sorted(plans)]
+        shares = wire.longest_first(ordered, [self._work(p) for p in ordered], len(self.workers))
+        shared = wire.RoundArrays()
+        batches = {w: wire.pack(share, shared) for w, share in enumerate(shares) if share}
+        refs = [ray.put(a) for a in shared.arrays]  # each distinct array in the object store once
+        down = up = 0
         generation = [0] * len(self.workers)
-        inflight: dict[Any, tuple[int, int, int]] = {}  # ref -> (worker, generation, client)
+        inflight: dict[Any, tuple[int, int]] = {}  # ref -> (worker, generation)
         results: dict[int, ClientResult] = {}
-        while todo or inflight:
-            while todo and slots:
-                w, cid = slots.popleft(), todo.popleft()
-                inflight[self.workers[w].train.remote(plans[cid])] = (w, generation[w], cid)
+
+        def send(w: int) -> None:
+            nonlocal down
+            batch = batches[w]
+            down += wire.batch_bytes(batch, shared)
+            inflight[self.workers[w].train_batch.remote(batch, *[refs[k] for k in batch.keys])] = (w, generation[w])
+
+        for w in batches:
+            send(w)
+        while inflight:
             ready, _ = ray.wait(list(inflight), num_returns=1)
             for ref in ready:
-                w, gen, cid = inflight.pop(ref)
+                w, gen = inflight.pop(ref)
                 try:
-                    results[cid] = ray.get(ref)
-                    if w < len(self.nodes):
-                        self.nodes[w] = results[cid].node  # a replacement's node is known from its first result
-                    slots.append(w)
-                except _DEAD:  # the worker died: replace it (once) and re-run its clients from their plans
-                    todo.appendleft(cid)
+                    got = ray.get(ref)
+                except _DEAD:  # the worker died: replace it (once) and re-run its batch from its plans
                     if gen == generation[w]:
                         self._losses.append(_loss_line(self.nodes[w] if w < len(self.nodes) else "?"))
                         self.workers[w] = self._spawn()
                         generation[w] += 1
                         self.restarts += 1
-                        slots.extend([w] * PIPELINE)
+                    send(w)
+                    continue
                 except ray.exceptions.RayTaskError as e:
                     cause = e.cause if getattr(e, "cause", None) is not None else e
                     msg = str(cause) if isinstance(cause, ClientError) else (
-                        f"client {cid} failed in round {plans[cid].round}: {cause.__class__.__name__}: {cause}")
+                        f"a client of worker {w} failed in round {ordered[0].round}: {cause.__class__.__name__}: {cause}")
                     for other in inflight:
                         ray.cancel(other, force=False)
                     raise ClientError(msg) from None
+                up += wire.payload_bytes(got)
+                for r in got:
+                    results[r.client_id] = r
+                if got and w < len(self.nodes):
+                    self.nodes[w] = got[-1].node  # a replacement's node is known from its first results
+        self.moved = (down, up)
         return [results[cid] for cid in sorted(results)]
+
+    def _work(self, plan: ClientPlan) -> float:
+        """A plan's expected training work, to share a round evenly: samples x epochs x the fraction of the
+        model it trains (what its compute grows with)."""
+        n = self._samples.get(plan.client_id, 1)
+        return float(n * plan.local_epochs * (plan.covered / max(1, plan.params.size)))
 
     def close(self) -> None:
         for w in self.workers:

@@ -134,7 +134,7 @@ def test_hooks() -> Iterator[None]:
 
 
 def _plan(layout: ParamLayout, model: torch.nn.Module, *hooks: str) -> ClientPlan:
-    return ClientPlan(client_id=1, round=4, values=layout.flatten(model), mask=None, local_epochs=2, batch_size=6,
+    return ClientPlan(client_id=1, round=4, params=layout.flatten(model), mask=None, local_epochs=2, batch_size=6,
                       lr=0.1, momentum=0.0, weight_decay=0.0, grad_clip=CLIP, seed=7,
                       hooks=tuple(HookCall(n, NoPayload()) for n in hooks))
 

@@ -15,7 +15,7 @@ fed = federation_fixture(tiny_overrides("fedavg", *BASE))
 
 
 def _plan(values: np.ndarray, batch: int, max_steps: int | None, epochs: int = 1) -> ClientPlan:
-    return ClientPlan(client_id=0, round=1, values=values, mask=None, local_epochs=epochs, batch_size=batch, lr=0.05,
+    return ClientPlan(client_id=0, round=1, params=values, mask=None, local_epochs=epochs, batch_size=batch, lr=0.05,
                       max_steps_per_epoch=max_steps, seed=3)
 
 

@@ -120,7 +120,7 @@ def _plan(values: np.ndarray, epochs: int, gamma: float = 0.01, form: str = "squ
     hooks = (call(RepresentationNorm, gamma=gamma, form=form),)
     if mfp is not None:
         hooks += (call(ModelFusionPruning, **mfp),)
-    return ClientPlan(client_id=0, round=3, values=values, mask=None, local_epochs=epochs, batch_size=6, lr=0.1,
+    return ClientPlan(client_id=0, round=3, params=values, mask=None, local_epochs=epochs, batch_size=6, lr=0.1,
                       momentum=0.9, weight_decay=1e-3, seed=7, hooks=hooks)
 
 

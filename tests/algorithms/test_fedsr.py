@@ -64,7 +64,7 @@ def _extras(model, rng: np.random.Generator | None = None, rho: float | None = N
 
 def _plan(layout: ParamLayout, model, **payload) -> ClientPlan:
     """A plan with the fedsr hook when a payload is given (:func:`_extras`), else a plain one."""
-    return ClientPlan(client_id=0, round=1, values=layout.flatten(model), mask=None, local_epochs=2, batch_size=6,
+    return ClientPlan(client_id=0, round=1, params=layout.flatten(model), mask=None, local_epochs=2, batch_size=6,
                       lr=0.1, momentum=0.9, weight_decay=1e-3, seed=7,
                       hooks=(call(FedSRObjective, **payload),) if payload else ())
 

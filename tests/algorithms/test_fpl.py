@@ -94,7 +94,7 @@ def _mlp_objective(extra: dict, collect_from: int = 0):
     torch.manual_seed(0)
     model = build_model("mlp", num_classes=3, input_shape=(6,), width_mult=1 / 32)
     layout = ParamLayout.from_model(model)
-    plan = ClientPlan(client_id=0, round=2, values=layout.flatten(model), mask=None, local_epochs=1, batch_size=4,
+    plan = ClientPlan(client_id=0, round=2, params=layout.flatten(model), mask=None, local_epochs=1, batch_size=4,
                       lr=0.1, hooks=(call(FPLObjective, tau=0.02, num_classes=3, collect_from=collect_from,
                                           **{k.removeprefix("fpl_"): v for k, v in extra.items()}),))
     return model, FPLObjective(plan, model, layout, torch.device("cpu"))

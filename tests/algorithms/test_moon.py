@@ -51,7 +51,7 @@ def test_contrastive_loss_equals_closed_form():
 
 def _plan(layout: ParamLayout, values: np.ndarray, **payload) -> ClientPlan:
     """A plan with the moon hook when a payload is given, else a plain one."""
-    return ClientPlan(client_id=0, round=2, values=values, mask=None, local_epochs=2, batch_size=6, lr=0.1,
+    return ClientPlan(client_id=0, round=2, params=values, mask=None, local_epochs=2, batch_size=6, lr=0.1,
                       momentum=0.9, weight_decay=1e-3, seed=7,
                       hooks=(call(MoonObjective, **payload),) if payload else ())
 

@@ -99,7 +99,7 @@ def test_control_variates_match_hand_computation(tiny_fed):
 
 
 def _mlp_plan(layout: ParamLayout, model: torch.nn.Module, **extra) -> ClientPlan:
-    return ClientPlan(client_id=0, round=1, values=layout.flatten(model), mask=None, local_epochs=1, batch_size=6,
+    return ClientPlan(client_id=0, round=1, params=layout.flatten(model), mask=None, local_epochs=1, batch_size=6,
                       lr=0.1, momentum=0.0, weight_decay=1e-2, grad_clip=0.05, seed=7,
                       hooks=(call(ControlCorrection, **extra),) if "control" in extra else ())
 

@@ -199,7 +199,7 @@ class FedSAP(Strategy):
                 missing = probe_mask & ~(active & ~take_private)
                 side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
-                values=model[active], mask=active, capacity_used=float((states != DROPPED).mean()),
+                params=model, mask=active, capacity_used=float((states != DROPPED).mean()),  # params: W_i (Eq. 9), not copied
                 hooks=tuple(hooks), side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )

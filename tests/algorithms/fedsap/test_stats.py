@@ -50,12 +50,11 @@ def make_plan(model: nn.Module, layout: ParamLayout, mask: np.ndarray | None = N
     flat = layout.flatten(model)
     if mask is not None:
         flat = np.where(mask, flat, 0).astype(np.float32)  # what the server sends: zeros outside the mask
-    values = flat if mask is None else flat[mask]
     stats = kw.pop("stats", ())
     dga_layer = kw.pop("dga_layer", "conv1")
     # FedSAP's channel_stats client hook (fedsap_ray.algorithms.fedsap.hooks)
     hooks = (call(fedsap_hooks.ChannelStatsHook, keys=tuple(stats), dga_layer=dga_layer),) if stats else ()
-    args = dict(client_id=3, round=7, values=np.ascontiguousarray(values), mask=mask, local_epochs=1,
+    args = dict(client_id=3, round=7, params=np.ascontiguousarray(flat), mask=mask, local_epochs=1,
                 batch_size=4, lr=0.05, momentum=0.9, weight_decay=1e-3, seed=11, hooks=hooks)
     args.update(kw)
     return ClientPlan(**args)
