@@ -12,9 +12,18 @@ process, one after the other:
   line each; ratios divide by the fastest of them (the best a plain single-process loop
   did on this machine in this invocation).
 - ``local``: ``run_experiment`` with ``resources.backend=local`` (clients in threads,
-  ``resources.torch_threads=1`` each, ``num_workers`` = CPU count).
+  ``resources.torch_threads=1`` each, ``num_workers`` = each of ``--workers``).
 - ``ray``: ``run_experiment`` with ``resources.backend=ray`` (one ``ClientWorker`` actor
-  per CPU, ``cpus_per_worker=1``, ``torch_threads=1``; the ServerActor aggregates).
+  per worker, ``cpus_per_worker=1``, ``torch_threads=1``; the ServerActor aggregates).
+
+The limit (issue 42): a framework line with W workers trains W clients at once, one thread each, so
+the most it could do is what the plain loop does with W threads on the same cores; ``ratio_to_limit``
+divides by the reference run with ``threads == W`` (``limit_threads``; the fastest reference when
+that one was not run). The framework evaluates only the global model, on the last round
+(``training.eval_deployed=false``: the reference evaluates nothing, and the deployed models'
+evaluation is measured on its own by benchmarks/deployed_bn.py). ``--width`` scales the model
+(``model.width_mult``: 0.25 is the laptop preset's ResNet10). ``backend_bytes_down``/``_up`` are
+what the backend moved per timed round (``rounds.backend_bytes_*``: 0 in-process).
 
 Same model, same seeded initial weights, same synthetic data, same per-round seeds for
 the batch order, FedAvg over the full model (lr 0.01, momentum 0.9, no weight decay).
@@ -110,10 +119,11 @@ def make_config(args, n_clients: int, backend: str, workers: int):
         "study": "round_overhead", "seed": args.seed, "preset": "custom",
         "data": {"num_clients": n_clients, "partition": "iid"},
         "capacity": {"scheme": "full"},
-        "model": {"name": args.model},
+        "model": {"name": args.model, "width_mult": args.width},
         "training": {"rounds": args.rounds, "local_epochs": args.local_epochs, "batch_size": args.batch_size,
                      "lr": LR, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY,
-                     "eval_every": 10 ** 9},  # only the last round evaluates (the framework always does)
+                     "eval_every": 10 ** 9,  # only the last round evaluates (the framework always does)
+                     "eval_deployed": False},  # the global model only (module docstring)
         "algorithm": {"name": "fedavg", "options": {"width": "full"}},
         "resources": {"backend": backend, "device": "cpu", "num_workers": workers, "cpus_per_worker": 1.0,
                       "torch_threads": 1},
@@ -124,7 +134,7 @@ def initial_model(args):
     """The framework's initial model, built the same way (seed_for(seed, 0, -1, "model-init"))."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed_for(args.seed, 0, -1, "model-init"))
-        return build_model(args.model, num_classes=NUM_CLASSES, input_shape=INPUT_SHAPE)
+        return build_model(args.model, num_classes=NUM_CLASSES, input_shape=INPUT_SHAPE, width_mult=args.width)
 
 
 # ----------------------------------------------------------------------------------------
@@ -222,10 +232,13 @@ def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
                                  federation=fed)
         if outcome.status != "finished":
             raise RuntimeError(f"{backend} run ended with status {outcome.status}")
-        clients = results.load(out).clients
+        res = results.load(out)
+    clients, rounds = res.clients, res.rounds
     compute = clients.groupby("round")["wall_s"].sum().sort_index().tolist()
+    moved = rounds[rounds["round"] > 1].groupby("round")[["backend_bytes_down", "backend_bytes_up"]].first()
     return {"ends": ends, "train_loss": losses, "client_compute": compute,
-            "workers_seen": int(clients["worker"].nunique())}
+            "workers_seen": int(clients["worker"].nunique()),
+            "bytes_down": int(moved["backend_bytes_down"].mean()), "bytes_up": int(moved["backend_bytes_up"].mean())}
 
 
 # ----------------------------------------------------------------------------------------
@@ -243,6 +256,7 @@ def summarise(args, backend: str, n_clients: int, run: dict, threads: int, worke
         "local_epochs": args.local_epochs,
         "batch_size": args.batch_size,
         "model": args.model,
+        "width": args.width,
         "rounds": args.rounds,
         "timed_rounds": timed,
         "per_round_s": round(float((ends[-1] - ends[0]) / timed), 4),
@@ -252,6 +266,8 @@ def summarise(args, backend: str, n_clients: int, run: dict, threads: int, worke
         "train_loss_last": round(float(run["train_loss"][-1]), 5),
         "threads": threads,  # torch intra-op threads of each training thread/process
         "workers": workers,  # clients trained concurrently
+        "backend_bytes_down": run.get("bytes_down"),  # per timed round (framework lines)
+        "backend_bytes_up": run.get("bytes_up"),
         "torch": torch.__version__,
         "fedsap_ray": fedsap_ray.__version__,
         "cpu_count": os.cpu_count(),
@@ -271,11 +287,12 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=5, help="rounds per run (>= 2; round 1 is warm-up, not timed)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--model", default="cnn_small", choices=IMAGE_MODELS)
+    p.add_argument("--width", type=float, default=1.0, help="model.width_mult (0.25: the laptop preset's ResNet10)")
     p.add_argument("--backends", default="reference,local,ray",
                    help="comma-separated subset of " + ",".join(BACKENDS))
     p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="concurrent clients of the local and Ray backends (each with 1 torch thread)")
+    p.add_argument("--workers", type=int, nargs="+", default=[os.cpu_count() or 1],
+                   help="concurrent clients of the local and Ray backends (each with 1 torch thread), one line each")
     default_threads = sorted({torch.get_num_threads(), 1}, reverse=True)
     p.add_argument("--reference-threads", type=int, nargs="+", default=default_threads,
                    help="torch intra-op thread counts to run the reference loop with, one JSON line each "
@@ -290,9 +307,13 @@ def parse_args(argv=None):
     args.backends = [b for b in BACKENDS if b in backends]  # the reference first: the others divide by it
     if args.rounds < 2:
         p.error("--rounds must be >= 2 (round 1 is not timed)")
-    for name in ("samples_per_client", "local_epochs", "batch_size", "workers", "test_samples"):
+    for name in ("samples_per_client", "local_epochs", "batch_size", "test_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if any(w < 1 for w in args.workers):
+        p.error("--workers: every count must be >= 1")
+    if not 0 < args.width <= 4:
+        p.error("--width must be in (0, 4]")
     if any(t < 1 for t in args.reference_threads):
         p.error("--reference-threads: every count must be >= 1")
     args.reference_threads = list(dict.fromkeys(args.reference_threads))
@@ -321,16 +342,16 @@ def main(argv=None) -> int:
         for n in args.clients:
             fed = make_federation(n, args.samples_per_client, args.test_samples, args.seed)
             jobs = [("reference", t) for t in args.reference_threads] if "reference" in args.backends else []
-            jobs += [(b, 1) for b in args.backends if b != "reference"]
+            jobs += [(b, w) for w in args.workers for b in args.backends if b != "reference"]
             rows = []
-            for backend, threads in jobs:
+            for backend, count in jobs:
                 before = load1()
                 t0 = time.perf_counter()
                 if backend == "reference":
+                    threads, workers = count, 1
                     run = run_reference(args, fed, threads)
-                    workers = 1
                 else:
-                    workers = min(args.workers, n)
+                    threads, workers = 1, min(count, n)
                     run = run_framework(args, fed, backend, workers)
                 row = summarise(args, backend, n, run, threads, workers, before)
                 rows.append(row)
@@ -345,10 +366,13 @@ def main(argv=None) -> int:
                     row["reference_threads"] = min(refs, key=refs.get)  # the reference the ratio divides by
                     row["ratio_by_reference_threads"] = {str(t): round(row["per_round_s"] / s, 3)
                                                          for t, s in refs.items()}
+                    at = row["workers"] if row["backend"] != "reference" else row["threads"]
+                    row["limit_threads"] = at if at in refs else row["reference_threads"]
+                    row["ratio_to_limit"] = round(row["per_round_s"] / refs[row["limit_threads"]], 3)
                 emit(row, sink)
             if best:
-                log("  ratios vs the fastest reference: " + ", ".join(
-                    f"{r['backend']}({r['threads']}t x {r['workers']}w) {r['ratio_vs_reference']}" for r in rows))
+                log("  ratios to the limit (the plain loop on as many threads as workers): " + ", ".join(
+                    f"{r['backend']}({r['threads']}t x {r['workers']}w) {r['ratio_to_limit']}" for r in rows))
     finally:
         if sink:
             sink.close()

@@ -53,6 +53,13 @@ def test_ray_reproduces_local_tables_exactly(tmp_path, fed, local_run, workers):
     _same(local_run, res)
     assert res.runs.loc[0, "backend"] == "ray"
     assert res.clients["worker"].nunique() == workers  # clients really were spread over the workers
+    # what the backend moved (issue 42): each worker receives one copy of the round's vector and of each distinct
+    # packed mask it needs, beside the plans' own small parts; one copy of the covered values per client before
+    size = make_strategy(build_config(preset="smoke", overrides=TINY), fed)[0].layout.size
+    widths = len({c.capacity for c in fed.clients})
+    down = res.rounds.groupby("round")["backend_bytes_down"].first()
+    assert (down > 4 * size).all() and (down <= workers * (4 * size + widths * (size + 7) // 8) + 4096 * len(fed.clients)).all()
+    assert (res.rounds["backend_bytes_up"] > 0).all() and (local_run.rounds["backend_bytes_down"] == 0).all()
 
 
 def test_worker_killed_mid_round_is_replaced(tmp_path, fed, local_run):

@@ -1,0 +1,82 @@
+"""What a round's plans weigh on the wire (fedsap_ray.runtime.wire, issue 42): each worker receives one copy of
+each distinct vector and packed mask of its share plus the plans' own small parts, and gets the plans back
+exactly; a round is shared longest first."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from fedsap_ray.algorithms.hooks import HookCall
+from fedsap_ray.messages import ClientPlan
+from fedsap_ray.runtime import wire
+
+P = 200_003  # odd, so a packed mask has a partial last byte
+
+
+def _plans(n: int = 20) -> tuple[list[ClientPlan], np.ndarray, list[np.ndarray]]:
+    rng = np.random.default_rng(0)
+    server = rng.normal(size=P).astype(np.float32)
+    group = rng.normal(size=P).astype(np.float32)  # a second vector (a group's view)
+    masks = [np.arange(P) < P // k for k in (2, 3, 4)]  # three widths, shared by their clients
+    plans = []
+    for cid in range(n):
+        mask = None if cid % 4 == 0 else masks[cid % 3]
+        plans.append(ClientPlan(client_id=cid, round=3, params=group if cid == 7 else server, mask=mask,
+                                local_epochs=1, batch_size=8, lr=0.1, seed=cid,
+                                hooks=(HookCall("x", {"own": np.full(5, cid, np.float32)}),)))
+    return plans, server, masks
+
+
+def _old_bytes(p: ClientPlan) -> int:
+    """What one plan weighed before batches: its own copy of the covered values and a full bool mask."""
+    return 4 * p.covered + (0 if p.mask is None else p.mask.size)
+
+
+def test_a_batch_carries_each_distinct_vector_and_mask_once_and_gives_the_plans_back():
+    plans, server, masks = _plans()
+    shared = wire.RoundArrays()
+    shares = wire.longest_first(plans, [float(p.covered) for p in plans], 2)
+    batches = [wire.pack(s, shared) for s in shares]
+    assert len(shared.arrays) == 2 + 3  # two vectors, three masks: each registered once for the whole round
+    for batch, share in zip(batches, shares):
+        got = batch.plans([shared.arrays[k] for k in batch.keys])
+        assert [p.client_id for p in got] == [p.client_id for p in share]
+        for a, b in zip(got, share):
+            assert a.params.tobytes() == b.params.tobytes()
+            assert (a.mask is None) == (b.mask is None) and (a.mask is None or np.array_equal(a.mask, b.mask))
+            assert a.values.tobytes() == b.values.tobytes()
+            plain = [f.name for f in dataclasses.fields(ClientPlan) if f.name not in ("params", "mask", "hooks")]
+            assert [getattr(a, f) for f in plain] == [getattr(b, f) for f in plain]
+            assert a.hooks[0].name == b.hooks[0].name
+            assert np.array_equal(a.hooks[0].payload["own"], b.hooks[0].payload["own"])
+        # what the worker receives: one copy of each distinct vector and packed mask it uses, plus small parts
+        vectors = {id(p.params): p.params.nbytes for p in share}
+        packed = {id(p.mask): (P + 7) // 8 for p in share if p.mask is not None}
+        own = sum(wire.payload_bytes(p.hooks) for p in share)
+        received = wire.batch_bytes(batch, shared)
+        assert received <= sum(vectors.values()) + sum(packed.values()) + own + 1024 * len(share)
+        assert received < sum(_old_bytes(p) for p in share) / 3  # 10 plans: 10 copies before, 1-2 now
+
+
+def test_payload_bytes_counts_numpy_buffers_without_copying_them():
+    arr = np.zeros(1_000_000, np.float32)
+    n = wire.payload_bytes({"a": arr, "b": arr[:10]})
+    assert arr.nbytes + 40 <= n <= arr.nbytes + 40 + 1024
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3, 5])
+def test_longest_first_balances_and_is_deterministic(workers):
+    plans, _, _ = _plans(23)
+    work = [float((p.client_id * 7919) % 13 + 1) for p in plans]
+    shares = wire.longest_first(plans, work, workers)
+    assert sorted(p.client_id for s in shares for p in s) == list(range(23))
+    load = [sum(work[p.client_id] for p in s) for s in shares]
+    # Graham's bound for longest-processing-time-first: the busiest worker ends within max(work) of the mean
+    assert max(load) <= sum(work) / workers + max(work)
+    for s in shares:  # each worker's clients in dispatch order: longest first
+        ws = [work[p.client_id] for p in s]
+        assert ws == sorted(ws, reverse=True)
+    assert [[p.client_id for p in s] for s in shares] == [[p.client_id for p in s]
+                                                           for s in wire.longest_first(plans, work, workers)]
