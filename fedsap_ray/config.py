@@ -27,7 +27,7 @@ import yaml
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DEVICES, INT64_MAX, PARTITIONS, SEED_ALLOWED, SEED_MAX,
                                SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig, ExperimentConfig, ModelConfig,
-                               ResourcesConfig, TrainingConfig, _fail, clip, construct, path_text, short)
+                               ResourcesConfig, TrainingConfig, fail, clip, construct, path_text, short)
 
 __all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.schema
     "BACKENDS", "CAPACITY_SCHEMES", "DEVICES", "INT64_MAX", "PARTITIONS", "SEED_ALLOWED",
@@ -382,13 +382,13 @@ def build_config(
     allowed = "allowed values are " + ", ".join([*PRESETS, "custom"])
     in_file = (file_data or {}).get("preset")
     if in_file is not None and (not isinstance(in_file, str) or in_file not in PRESETS and in_file != "custom"):
-        _fail("preset", in_file, allowed + " (the preset key of a config file chooses the preset)")
+        fail("preset", in_file, allowed + " (the preset key of a config file chooses the preset)")
     if preset is not None and in_file is not None and in_file != preset:
-        _fail("preset", in_file, f"the config file asks for preset {in_file} but --preset {preset} was given; "
+        fail("preset", in_file, f"the config file asks for preset {in_file} but --preset {preset} was given; "
                                  "drop one of them")
     preset = preset or in_file or DEFAULT_PRESET
     if preset not in PRESETS and preset != "custom":
-        _fail("preset", preset, allowed)
+        fail("preset", preset, allowed)
     merged: dict[str, Any] = deep_merge({}, PRESETS.get(preset, {}))
     merged["preset"] = preset
     if file_data:
@@ -398,7 +398,7 @@ def build_config(
         path, value = parse_override(text)
         _null_section(_nest(path, value), f" (--set {clip(text, 60)})")
         if path[0] == "preset":  # the recorded preset must be the one the config was built from
-            _fail("--set preset", value, "the preset is chosen with --preset NAME (or preset: NAME in a config file), "
+            fail("--set preset", value, "the preset is chosen with --preset NAME (or preset: NAME in a config file), "
                                          "before the overrides; " + allowed)
         if path[0] == "algorithm" and len(path) >= 2 and path[1] not in ("name", "options"):
             path = ["algorithm", "options", *path[1:]]  # --set algorithm.mu=0.01 is an option
@@ -431,7 +431,7 @@ def apply_algorithm_defaults(merged: dict[str, Any]) -> dict[str, Any]:
     defaults = preset_option_defaults(merged.get("preset"))
     raw = merged.get("algorithm") or {}
     if isinstance(raw, str):  # --set algorithm=fedprox: the user meant the method's name
-        _fail("algorithm", raw, f"must be a mapping; the method is chosen with algorithm.name={raw}")
+        fail("algorithm", raw, f"must be a mapping; the method is chosen with algorithm.name={raw}")
     if not isinstance(raw, Mapping):
         return merged  # a bad value, which the schema names
     algo = dict(raw)

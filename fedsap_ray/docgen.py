@@ -18,7 +18,14 @@ Pages and where their content comes from:
 - ``cli.md``: the argument parsers of ``fedsap-ray`` and of the study scripts in ``sweeps/``,
   with every study's variants.
 
-``tests/docs/test_docs.py`` regenerates every page in memory and fails when a checked-in page differs.
+Hand-written pages hold generated regions where they restate the code (:data:`REGIONS`), between
+``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``: the round of ``Server.round``
+(``docs/architecture.md``, from :mod:`fedsap_ray.server`'s docstring), the golden cases and the columns
+they leave out (``docs/guides/development.md``, from :mod:`fedsap_ray.golden`) and the dataset table
+(``docs/guides/data.md``, from the dataset registry). The command rewrites them; ``--check`` names a page
+whose regions are stale.
+
+``tests/docs/test_docs.py`` regenerates every page and region in memory and fails when a checked-in one differs.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ import dataclasses
 import inspect
 import io
 import json
+import re
 import sys
 import textwrap
 import tokenize
@@ -439,6 +447,124 @@ def _sweeps_section() -> str:
     return "".join(out)
 
 
+# ----------------------------------------------------------------------------- regions of hand-written pages
+# A hand-written page may hold generated regions: the lines between
+#     <!-- generated: NAME (python -m fedsap_ray.docgen, from SOURCE; do not edit) -->
+#     <!-- end generated: NAME -->
+# are what REGIONS[NAME] returns, rewritten by the command and compared by --check, like a reference page.
+
+REGION = re.compile(r"^(<!-- generated: (?P<name>[\w-]+) [^\n]*-->\n)(?P<body>.*?)^(<!-- end generated: (?P=name) -->)$",
+                    re.S | re.M)
+REGION_OPEN = re.compile(r"^<!-- (end )?generated: ([\w-]+)", re.M)
+
+
+def server_round() -> str:
+    """The round as pseudo-code: the indented block of :mod:`fedsap_ray.server`'s docstring (tests/docs
+    checks that block names the calls ``Server.round`` makes, in their order)."""
+    from fedsap_ray import server
+
+    return "```text\n" + round_pseudocode(inspect.getdoc(server) or "") + "```\n"
+
+
+def round_pseudocode(doc: str) -> str:
+    """The first indented block of ``doc`` (a module docstring), dedented, one line per step."""
+    block: list[str] = []
+    for line in doc.splitlines():
+        if line.startswith("    "):
+            block.append(line)
+        elif block:
+            break
+    return textwrap.dedent("\n".join(block)) + "\n"
+
+
+def golden_cases() -> str:
+    """The golden cases by kind, counted from :func:`fedsap_ray.golden.all_cases`."""
+    from fedsap_ray import golden
+
+    cases = list(golden.all_cases().values())
+    plain = [c for c in cases if c.variant == "local" and c.name not in golden.EXTRA]
+    rows = [[code("NAME"), "every registered algorithm", len(plain), len(plain)],
+            [cell(", ".join(code(n) for n in golden.EXTRA)), "option cases: " + cell(
+                "; ".join(" ".join(code(o) for o in ov if not o.startswith("algorithm.name=")) for ov in
+                          golden.EXTRA.values())), len(golden.EXTRA), len(golden.EXTRA)]]
+    for variant, what in (("masked", "`training.submodel=masked`"), ("ray", "the Ray backend"),
+                          ("resume", "interrupted after round 2, resumed to round 3")):
+        these = [c for c in cases if c.variant == variant]
+        by_default = [c for c in these if not c.full_only]
+        rows.append([code(f"NAME@{variant}"), what + (f" (by default only {', '.join(code(n.name.split('@')[0]) for n in by_default)})"
+                                                     if len(by_default) < len(these) else ""),
+                     len(these), len(by_default)])
+    rows.append(["all", "", len(cases), sum(not c.full_only for c in cases)])
+    return table(["case", "what", "cases", "without `--full`"], rows)
+
+
+def golden_dropped() -> str:
+    """The columns ``golden check`` leaves out, by why (:data:`fedsap_ray.golden.DROP_GROUPS`)."""
+    from fedsap_ray import golden
+
+    groups = "; ".join(f"{cell(why)} ({', '.join(code(c) for c in cols)})" for why, cols in golden.DROP_GROUPS.items())
+    return (f"Dropped, by name only (`golden.DROP`; no pattern, so no number goes by accident), "
+            f"{len(golden.DROP)} columns: {groups}.\n")
+
+
+def dataset_table() -> str:
+    """Every registered dataset: what it is, how to get its files, what the config allows for it."""
+    from fedsap_ray.data.registry import dataset_names, get_source
+
+    from fedsap_ray.schema import PARTITIONS
+
+    rows = []
+    for name in dataset_names():
+        src = get_source(name)
+        # what the config accepts (fedsap_ray.schema.ExperimentConfig): no domain split of one domain, no
+        # natural split without natural clients
+        allowed = [p for p in PARTITIONS if not (p == "domain" and src.single_domain)
+                   and not (p == "natural" and not src.natural_partition)]
+        rows.append([code(name), cell(src.description), cell(src.how_to_obtain), ", ".join(code(p) for p in allowed)])
+    return table(["name", "what it is", "files", "`data.partition`"], rows)
+
+
+REGIONS: dict[str, tuple[str, Callable[[], str]]] = {  # name -> (page, what writes the region)
+    "server-round": ("docs/architecture.md", server_round),
+    "golden-cases": ("docs/guides/development.md", golden_cases),
+    "golden-dropped": ("docs/guides/development.md", golden_dropped),
+    "dataset-table": ("docs/guides/data.md", dataset_table),
+}
+
+
+def fill_regions(text: str, page: str) -> str:
+    """``text`` (the page ``page``) with every generated region rewritten; a region that is unknown, unclosed,
+    on another page than REGIONS says, or missing from its page is a ValueError naming it."""
+    found: list[str] = []
+
+    def fill(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in REGIONS or REGIONS[name][0] != page:
+            raise ValueError(f"{page}: generated region {name!r} is not one of docgen.REGIONS for this page")
+        found.append(name)
+        return m.group(1) + "\n" + REGIONS[name][1]() + "\n" + m.group(4)
+
+    out = REGION.sub(fill, text)
+    opened = [m.group(2) for m in REGION_OPEN.finditer(text)]
+    if sorted(opened) != sorted(found * 2):
+        raise ValueError(f"{page}: generated regions without their end marker: {sorted(set(opened) - set(found))}")
+    missing = sorted(n for n, (pg, _) in REGIONS.items() if pg == page and n not in found)
+    if missing:
+        raise ValueError(f"{page}: lost its generated regions {missing} (restore the markers)")
+    return out
+
+
+def region_pages(root: Path = REPO) -> dict[str, tuple[str, str]]:
+    """Each page that holds generated regions: relative path -> (text now, text with the regions rewritten)."""
+    out = {}
+    for page in sorted({pg for pg, _ in REGIONS.values()}):
+        if not (root / page).is_file():  # a --root with the reference pages only
+            continue
+        text = (root / page).read_text(encoding="utf-8")
+        out[page] = (text, fill_regions(text, page))
+    return out
+
+
 # ----------------------------------------------------------------------------- driver
 
 PAGES: dict[str, Callable[[], str]] = {
@@ -462,6 +588,11 @@ def stale_pages(root: Path = REPO) -> list[str]:
             if not (folder / name).is_file() or (folder / name).read_text(encoding="utf-8") != text]
 
 
+def stale_regions(root: Path = REPO) -> list[str]:
+    """Hand-written pages (relative paths) whose generated regions differ from what the code generates."""
+    return [page for page, (now, filled) in region_pages(root).items() if now != filled]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedsap_ray.docgen", description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 when a page is stale")
@@ -469,9 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     folder = args.root / REFERENCE
     if args.check:
-        stale = stale_pages(args.root)
-        for name in stale:
-            print(f"stale: {folder / name} (regenerate with: {COMMAND})", file=sys.stderr)
+        stale = [folder / name for name in stale_pages(args.root)]
+        stale += [args.root / page for page in stale_regions(args.root)]
+        for path in stale:
+            print(f"stale: {path} (regenerate with: {COMMAND})", file=sys.stderr)
         return 1 if stale else 0
     folder.mkdir(parents=True, exist_ok=True)
     for name, text in render_all().items():
@@ -480,6 +612,10 @@ def main(argv: list[str] | None = None) -> int:
         if old != text:
             path.write_text(text, encoding="utf-8")
             print(f"wrote {path}")
+    for page, (now, filled) in region_pages(args.root).items():
+        if now != filled:
+            (args.root / page).write_text(filled, encoding="utf-8")
+            print(f"wrote {args.root / page} (its generated regions)")
     return 0
 
 

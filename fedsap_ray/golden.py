@@ -64,20 +64,24 @@ EXTRA = {"fedsap-probe": ["algorithm.name=fedsap", "algorithm.dga_source=probe"]
 VARIANTS = ("local", "masked", "ray", "resume")
 BACKENDS = ("local", "ray")
 TABLES = ("runs", "rounds", "clients", "layers", "allocations")
-# Not compared, by name (never by pattern, so no number is dropped by accident): the run id,
-# wall-clock times, where a client ran (worker, GPU, node) and what the backend moved, and provenance that differs between
-# checkouts (the config as JSON text, whose every leaf is also a config.* column; the package and results
-# schema versions; the torch version and CPU kernels, which name the machine: check says so when a baseline's
-# kernels are not this machine's, as every trained number may then differ in its last bits).
-# (results.WALL_CLOCK names the same times; spelled out here, as this file must run against checkouts that
-# predate it)
-DROP = frozenset({"run_id", "started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s",
-                  "config_json", "package_version", "schema_version", "worker", "gpu_id", "node",
-                  "backend_bytes_down", "backend_bytes_up",
-                  "torch_version", "cpu_kernels"})
+# Not compared, by name (never by pattern, so no number is dropped by accident), grouped by why (the
+# development guide's list is generated from these groups: python -m fedsap_ray.docgen). The torch version and
+# CPU kernels name the machine: check says so when a baseline's kernels are not this machine's, as every trained
+# number may then differ in its last bits. (results.WALL_CLOCK names the same times; spelled out here, as this
+# file must run against checkouts that predate it)
+DROP_GROUPS: dict[str, tuple[str, ...]] = {
+    "the run id": ("run_id",),
+    "wall-clock times": ("started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s"),
+    "where a client ran and what the backend moved": ("worker", "gpu_id", "node", "backend_bytes_down",
+                                                      "backend_bytes_up"),
+    # the config as JSON text (its every leaf is also a config.* column), versions, the CPU kernels
+    "provenance that differs between checkouts or machines":
+        ("config_json", "package_version", "schema_version", "torch_version", "cpu_kernels"),
+}
+DROP = frozenset(c for cols in DROP_GROUPS.values() for c in cols)
 # the Ray cases run without --full: the plain strategy and those with state kept between rounds on the
 # server (FedSAP's groups and masks, SCAFFOLD's control variates) or per client (MOON's previous model);
-# each Ray case costs 4-5 local ones (actor start-up), so all 18 run only with --full
+# each Ray case costs 4-5 local ones (actor start-up), so all of them run only with --full
 RAY_DEFAULT = ("fedavg", "fedsap", "scaffold", "moon")
 SORT_KEYS = ("round", "eval_mode", "domain", "client_id", "layer")
 SHOW = 3  # differing values shown per column

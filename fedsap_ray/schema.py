@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import math
+import numbers
 import re
 import reprlib
 import types
@@ -73,26 +74,70 @@ def key_text(k: Any) -> str:
     return k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]{1,60}", k) else short(k, 60)
 
 
-def _fail(field_name: str, value: Any, allowed: str) -> typing.NoReturn:
-    raise ConfigError(f"invalid {field_name}={short(value)}: {allowed}")
+# ----------------------------------------------------------------------------- checks
+# The one place for the checks behind every "invalid FIELD=VALUE: ALLOWED" line: the sections below and
+# every strategy's ``Options`` (fedsap_ray/algorithms) use them, so one kind of value is refused in one
+# wording. ``name`` is the field as the user writes it (``training.lr``, ``algorithm.mu``).
+
+def fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
+    """Raise the one-line :class:`ConfigError` naming the field, the offending value (quoted short) and what
+    is allowed: the message every check here sends and docgen quotes in the reference pages."""
+    raise ConfigError(f"invalid {name}={short(value)}: {allowed}")
 
 
-def _check_ratio(name: str, v: float, *, low_open: bool = False) -> None:
+def is_number(v: Any) -> bool:
+    """An int or float that is not a bool (YAML's ``true`` is no number) and not NaN."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)  # numbers: numpy's too
+
+
+def check_ratio(name: str, v: float, *, low_open: bool = False) -> None:
+    """``v`` in [0, 1] (or (0, 1] with ``low_open``): a share or probability of the config's sections."""
     if not isinstance(v, (int, float)) or math.isnan(v) or v > 1 or v < 0 or (low_open and v == 0):
-        _fail(name, v, "must be a number in " + ("(0, 1]" if low_open else "[0, 1]"))
+        fail(name, v, "must be a number in " + ("(0, 1]" if low_open else "[0, 1]"))
 
 
-def _check_pos(name: str, v: Any, *, allow_zero: bool = False) -> None:
+def check_positive(name: str, v: Any, *, allow_zero: bool = False) -> None:
+    """``v`` finite and > 0 (>= 0 with ``allow_zero``): a rate, size or resource of the config's sections."""
     ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
           and (v >= 0 if allow_zero else v > 0))  # isfinite first: comparisons are never true for NaN
     if not ok:
-        _fail(name, v, "must be " + ("a non-negative finite number" if allow_zero else "a positive finite number"))
+        fail(name, v, "must be " + ("a non-negative finite number" if allow_zero else "a positive finite number"))
 
 
-def _check_choice(name: str, v: Any, choices: typing.Iterable[str]) -> None:
+def check_choice(name: str, v: Any, choices: typing.Iterable[Any]) -> None:
+    """``v`` one of ``choices`` (the message lists them in their order)."""
     choices = list(choices)
     if v not in choices:
-        _fail(name, v, "allowed values are " + ", ".join(choices))
+        fail(name, v, "allowed values are " + ", ".join(map(str, choices)))
+
+
+def check_number(name: str, v: Any, low: float, high: float | None = None, *, low_open: bool = False,
+                 high_open: bool = False, nullable: bool = False, note: str = "") -> None:
+    """``v`` a number >= ``low`` (> with ``low_open``) and, with ``high``, <= ``high`` (< with ``high_open``), or
+    None when ``nullable``: "must be a number >= 0", "must be null or a number in (0, 1]", ... and ``note`` (why
+    the range) after it."""
+    if nullable and v is None:
+        return
+    ok = is_number(v) and (v > low if low_open else v >= low)
+    if high is None:
+        bounds = f"{'>' if low_open else '>='} {low:g}"
+    else:
+        ok = ok and (v < high if high_open else v <= high)
+        bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if not ok:
+        fail(name, v, f"must be {'null or ' if nullable else ''}a number {bounds}{note}")
+
+
+def check_int(name: str, v: Any, low: int) -> None:
+    """``v`` an integer (not a bool) >= ``low``: a count of rounds, samples or steps."""
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < low:
+        fail(name, v, f"must be an integer >= {low}")
+
+
+def check_bool(name: str, v: Any) -> None:
+    """``v`` a bool (YAML's true/false), not a truthy number or string."""
+    if not isinstance(v, bool):
+        fail(name, v, "must be true or false")
 
 
 SEED_MAX = 2**32 - 1  # the seed range every numpy/torch seeding API accepts
@@ -124,7 +169,7 @@ def check_ray_address(field_name: str, v: Any) -> None:
         return
     m = _RAY_ADDRESS.fullmatch(v) if isinstance(v, str) else None
     if m is None or not 1 <= int(m.group(1)) <= 65535:
-        _fail(field_name, v, RAY_ADDRESS_ALLOWED)
+        fail(field_name, v, RAY_ADDRESS_ALLOWED)
 
 
 @dataclass(frozen=True)
@@ -144,17 +189,17 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         registry.DATASETS.get(self.name)  # a registered dataset (fedsap_ray.registry)
-        _check_choice("data.partition", self.partition, PARTITIONS)
+        check_choice("data.partition", self.partition, PARTITIONS)
         if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
-            _fail("data.num_clients", self.num_clients, "must be an integer >= 1")
-        _check_ratio("data.client_fraction", self.client_fraction, low_open=True)
-        _check_pos("data.alpha", self.alpha)
+            fail("data.num_clients", self.num_clients, "must be an integer >= 1")
+        check_ratio("data.client_fraction", self.client_fraction, low_open=True)
+        check_positive("data.alpha", self.alpha)
         if not isinstance(self.min_samples, int) or self.min_samples < 1:
-            _fail("data.min_samples", self.min_samples, "must be an integer >= 1")
+            fail("data.min_samples", self.min_samples, "must be an integer >= 1")
         for f in ("max_test_per_domain", "max_train_per_domain"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or v < 1):
-                _fail(f"data.{f}", v, "must be null or an integer >= 1")
+                fail(f"data.{f}", v, "must be null or an integer >= 1")
         if self.root is not None:
             try:
                 root = Path(self.root).expanduser()
@@ -162,9 +207,9 @@ class DataConfig:
             except (ValueError, RuntimeError, OSError):  # a NUL byte, ~unknown_user, a name too long
                 kind = None
             if kind is None:
-                _fail("data.root", self.root, "the directory does not exist (point it at the dataset files, or leave it null)")
+                fail("data.root", self.root, "the directory does not exist (point it at the dataset files, or leave it null)")
             if kind == "file":
-                _fail("data.root", self.root, "it is a file; data.root is the folder that holds the dataset's files")
+                fail("data.root", self.root, "it is a file; data.root is the folder that holds the dataset's files")
 
 
 @dataclass(frozen=True)
@@ -179,30 +224,30 @@ class CapacityConfig:
     keep_ratios: tuple[float, ...] | None = None  # explicit per-client keep ratio / p_max
 
     def __post_init__(self) -> None:
-        _check_choice("capacity.scheme", self.scheme, CAPACITY_SCHEMES)
+        check_choice("capacity.scheme", self.scheme, CAPACITY_SCHEMES)
         if not self.pruning_ratios:
-            _fail("capacity.pruning_ratios", self.pruning_ratios, "must be a non-empty list")
+            fail("capacity.pruning_ratios", self.pruning_ratios, "must be a non-empty list")
         for r in self.pruning_ratios:
             if not isinstance(r, (int, float)) or not 0 <= r < 1:
-                _fail("capacity.pruning_ratios", list(self.pruning_ratios), "every ratio must be in [0, 1)")
+                fail("capacity.pruning_ratios", list(self.pruning_ratios), "every ratio must be in [0, 1)")
         for p in self.tiers:
-            _check_ratio("capacity.tiers", p, low_open=True)
+            check_ratio("capacity.tiers", p, low_open=True)
         if len(self.tiers) != len(self.tier_shares) or not self.tiers:
-            _fail("capacity.tier_shares", list(self.tier_shares), f"must have one entry per tier ({len(self.tiers)} tiers)")
+            fail("capacity.tier_shares", list(self.tier_shares), f"must have one entry per tier ({len(self.tiers)} tiers)")
         for s in self.tier_shares:
-            _check_pos("capacity.tier_shares", s, allow_zero=True)
+            check_positive("capacity.tier_shares", s, allow_zero=True)
         if not 0 < sum(float(s) for s in self.tier_shares) < math.inf:
-            _fail("capacity.tier_shares", [float(s) for s in self.tier_shares],
+            fail("capacity.tier_shares", [float(s) for s in self.tier_shares],
                   "the shares (relative client counts per tier) must have a finite sum > 0")
         if self.keep_ratios is not None:
             for p in self.keep_ratios:
-                _check_ratio("capacity.keep_ratios", p, low_open=True)
+                check_ratio("capacity.keep_ratios", p, low_open=True)
             if self.scheme != "explicit":  # ignored by every other scheme, yet part of the config hash
-                _fail("capacity.keep_ratios", list(self.keep_ratios),
+                fail("capacity.keep_ratios", list(self.keep_ratios),
                       f"used only by capacity.scheme=explicit (the scheme is {self.scheme}); set capacity.scheme=explicit "
                       "or leave keep_ratios null")
         if self.scheme == "explicit" and self.keep_ratios is None:
-            _fail("capacity.keep_ratios", None, "capacity.scheme=explicit needs a list with one keep ratio per client")
+            fail("capacity.keep_ratios", None, "capacity.scheme=explicit needs a list with one keep ratio per client")
 
 
 @dataclass(frozen=True)
@@ -214,9 +259,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         registry.MODELS.get(self.name)  # a registered model (fedsap_ray.registry)
-        _check_pos("model.width_mult", self.width_mult)
+        check_positive("model.width_mult", self.width_mult)
         if self.width_mult > 4:
-            _fail("model.width_mult", self.width_mult, "must be in (0, 4]")
+            fail("model.width_mult", self.width_mult, "must be in (0, 4]")
 
 
 @dataclass(frozen=True)
@@ -252,24 +297,24 @@ class TrainingConfig:
     submodel: str = "sliced"
 
     def __post_init__(self) -> None:
-        _check_choice("training.submodel", self.submodel, SUBMODELS)
+        check_choice("training.submodel", self.submodel, SUBMODELS)
         if not isinstance(self.eval_deployed, bool):
-            _fail("training.eval_deployed", self.eval_deployed, "must be true or false")
+            fail("training.eval_deployed", self.eval_deployed, "must be true or false")
         if self.deployed_bn not in ("client", "aggregated"):
-            _fail("training.deployed_bn", self.deployed_bn, "allowed values are client, aggregated")
+            fail("training.deployed_bn", self.deployed_bn, "allowed values are client, aggregated")
         for f in ("rounds", "local_epochs", "batch_size", "eval_every", "eval_clients", "deployed_every"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                _fail(f"training.{f}", v, "must be an integer >= 1")
-        _check_pos("training.lr", self.lr)
-        _check_ratio("training.momentum", self.momentum)
-        _check_pos("training.weight_decay", self.weight_decay, allow_zero=True)
-        _check_ratio("training.lr_decay", self.lr_decay, low_open=True)
+                fail(f"training.{f}", v, "must be an integer >= 1")
+        check_positive("training.lr", self.lr)
+        check_ratio("training.momentum", self.momentum)
+        check_positive("training.weight_decay", self.weight_decay, allow_zero=True)
+        check_ratio("training.lr_decay", self.lr_decay, low_open=True)
         if self.grad_clip is not None:
-            _check_pos("training.grad_clip", self.grad_clip)
-        _check_ratio("training.participation", self.participation, low_open=True)
+            check_positive("training.grad_clip", self.grad_clip)
+        check_ratio("training.participation", self.participation, low_open=True)
         if self.max_steps_per_epoch is not None and (not isinstance(self.max_steps_per_epoch, int) or self.max_steps_per_epoch < 1):
-            _fail("training.max_steps_per_epoch", self.max_steps_per_epoch, "must be null or an integer >= 1")
+            fail("training.max_steps_per_epoch", self.max_steps_per_epoch, "must be null or an integer >= 1")
 
 
 @dataclass(frozen=True)
@@ -286,9 +331,9 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
-            _fail("algorithm.name", self.name, "must be a string")
+            fail("algorithm.name", self.name, "must be a string")
         if not isinstance(self.options, Mapping):
-            _fail("algorithm.options", self.options, "must be a mapping")
+            fail("algorithm.options", self.options, "must be a mapping")
         object.__setattr__(self, "_opts", parse_options(self.name, self.options))
 
     @property
@@ -330,14 +375,14 @@ class ResourcesConfig:
     torch_threads: int = 1
 
     def __post_init__(self) -> None:
-        _check_choice("resources.backend", self.backend, BACKENDS)
-        _check_choice("resources.device", self.device, DEVICES)
+        check_choice("resources.backend", self.backend, BACKENDS)
+        check_choice("resources.device", self.device, DEVICES)
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
-            _fail("resources.num_workers", self.num_workers, "must be null or an integer >= 1")
-        _check_pos("resources.cpus_per_worker", self.cpus_per_worker)
-        _check_pos("resources.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
+            fail("resources.num_workers", self.num_workers, "must be null or an integer >= 1")
+        check_positive("resources.cpus_per_worker", self.cpus_per_worker)
+        check_positive("resources.gpus_per_worker", self.gpus_per_worker, allow_zero=True)
         if not isinstance(self.torch_threads, int) or self.torch_threads < 1:
-            _fail("resources.torch_threads", self.torch_threads, "must be an integer >= 1")
+            fail("resources.torch_threads", self.torch_threads, "must be an integer >= 1")
         check_ray_address("resources.address", self.address)
 
 
@@ -384,21 +429,21 @@ class DevicesConfig:
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high):  # NaN: False
                 why = DEVICE_RANGE_WHY if f != "over_select" else "so that the sample ceil(k * (1 + over_select)) is finite"
-                _fail(f"devices.{f}", v, f"must be a number in [{low:g}, {high:g}] ({why})")
-        _check_choice("devices.policy", self.policy, DEVICE_POLICIES)
+                fail(f"devices.{f}", v, f"must be a number in [{low:g}, {high:g}] ({why})")
+        check_choice("devices.policy", self.policy, DEVICE_POLICIES)
         if self.deadline_s is not None:
-            _check_pos("devices.deadline_s", self.deadline_s)
+            check_positive("devices.deadline_s", self.deadline_s)
         if self.policy == "deadline" and self.deadline_s is None:
-            _fail("devices.deadline_s", None, "must be a number of seconds > 0 with devices.policy=deadline")
-        _check_ratio("devices.availability", self.availability, low_open=True)
+            fail("devices.deadline_s", None, "must be a number of seconds > 0 with devices.policy=deadline")
+        check_ratio("devices.availability", self.availability, low_open=True)
         if self.trace is not None and not str(self.trace).endswith((".csv", ".parquet")):
-            _fail("devices.trace", self.trace, "must be a .csv or .parquet file")
+            fail("devices.trace", self.trace, "must be a .csv or .parquet file")
         if self.trace_sha256 is not None:
             if not isinstance(self.trace_sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.trace_sha256):
-                _fail("devices.trace_sha256", self.trace_sha256, "must be 64 lowercase hex digits (recorded by the "
+                fail("devices.trace_sha256", self.trace_sha256, "must be 64 lowercase hex digits (recorded by the "
                                                                  "config builder from the trace file)")
             if self.trace is None:
-                _fail("devices.trace_sha256", self.trace_sha256, "is the hash of devices.trace, which is not set")
+                fail("devices.trace_sha256", self.trace_sha256, "is the hash of devices.trace, which is not set")
 
 
 @dataclass(frozen=True)
@@ -425,24 +470,24 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
-            _fail("seed", self.seed, SEED_ALLOWED)
+            fail("seed", self.seed, SEED_ALLOWED)
         if not isinstance(self.study, str) or not self.study:
-            _fail("study", self.study, "must be a non-empty string")
+            fail("study", self.study, "must be a non-empty string")
         kr = self.capacity.keep_ratios
         if kr is not None and len(kr) != self.data.num_clients:
-            _fail("capacity.keep_ratios", list(kr), f"needs exactly data.num_clients={self.data.num_clients} entries, got {len(kr)}")
+            fail("capacity.keep_ratios", list(kr), f"needs exactly data.num_clients={self.data.num_clients} entries, got {len(kr)}")
         source = registry.DATASETS.get(self.data.name)  # what the dataset declares where it is registered
         if self.data.partition == "domain" and source.single_domain:
-            _fail("data.partition", self.data.partition, f"data.name={self.data.name} has one domain: use dirichlet, natural or iid")
+            fail("data.partition", self.data.partition, f"data.name={self.data.name} has one domain: use dirichlet, natural or iid")
         sampled = int(round(self.training.participation * self.data.num_clients))
         if sampled < 1:
-            _fail("training.participation", self.training.participation,
+            fail("training.participation", self.training.participation,
                   f"with data.num_clients={self.data.num_clients} it samples round({self.training.participation} * "
                   f"{self.data.num_clients}) = 0 clients a round; must be > {0.5 / self.data.num_clients:g} "
                   "(at least one client a round)")
         if self.data.partition == "natural" and not source.natural_partition:
             natural = [n for n in registry.DATASETS.names() if registry.DATASETS.get(n).natural_partition]
-            _fail("data.partition", self.data.partition,
+            fail("data.partition", self.data.partition,
                   "natural partitions exist only for " + ", ".join(f"data.name={n}" for n in natural))
 
     # --- serialisation -------------------------------------------------------------
@@ -496,13 +541,13 @@ def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> An
     of type ``t`` as soon as it is built (how the config layer checks algorithm options, which this
     module cannot know), so errors come in the order of the mapping's keys."""
     if not isinstance(d, Mapping):
-        _fail(prefix.rstrip(".") or "config", d, "must be a mapping")
+        fail(prefix.rstrip(".") or "config", d, "must be a mapping")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = [k for k in d if k not in fields]
     if unknown:
         k = unknown[0]  # any YAML key (an int, a null, ''), named as written: quoted unless it is a plain word
         key = key_text(k)
-        _fail(f"{prefix}{key}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
+        fail(f"{prefix}{key}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for k, v in d.items():
@@ -541,14 +586,14 @@ def _scalar(tp: type, v: Any, name: str) -> Any:
     from pydantic import ValidationError
 
     if isinstance(v, bool):  # a bool is an int to Python, never a number to a config
-        _fail(name, v, "must be a number" if tp is float else "must be an integer")
+        fail(name, v, "must be a number" if tp is float else "must be an integer")
     try:
         return _adapter(tp).validate_python(v)
     except ValidationError as e:
         kind = e.errors()[0]["type"]
         if name == "seed" and kind in _SCALAR_ERRORS[int]:
-            _fail(name, v, SEED_ALLOWED)
-        _fail(name, v, _SCALAR_ERRORS[tp].get(kind, "must be a number" if tp is float else "must be an integer"))
+            fail(name, v, SEED_ALLOWED)
+        fail(name, v, _SCALAR_ERRORS[tp].get(kind, "must be a number" if tp is float else "must be an integer"))
 
 
 def coerce(tp: Any, v: Any, name: str, checks: Checks | None = None) -> Any:
@@ -565,11 +610,11 @@ def coerce(tp: Any, v: Any, name: str, checks: Checks | None = None) -> Any:
         return coerce(inner[0], v, name, checks)
     if origin is tuple:
         if not isinstance(v, (list, tuple)):
-            _fail(name, v, "must be a list")
+            fail(name, v, "must be a list")
         return tuple(coerce(args[0], x, name, checks) for x in v)
     if origin in (Mapping, dict) or tp is Mapping:
         if not isinstance(v, Mapping):
-            _fail(name, v, "must be a mapping")
+            fail(name, v, "must be a mapping")
         return dict(v)
     if tp is float:
         return _scalar(float, v, name)
@@ -579,10 +624,10 @@ def coerce(tp: Any, v: Any, name: str, checks: Checks | None = None) -> Any:
         return _scalar(int, v, name)
     if tp is bool:
         if not isinstance(v, bool):
-            _fail(name, v, "must be true or false")
+            fail(name, v, "must be true or false")
         return v
     if tp is str:
         if not isinstance(v, str):
-            _fail(name, v, "must be a string")
+            fail(name, v, "must be a string")
         return v
     return v

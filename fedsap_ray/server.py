@@ -1,10 +1,15 @@
 """The round loop (docs/architecture.md#one-round), pure and backend-agnostic.
 
-    plans          = strategy.configure_round(state, t)
-    results        = backend.train(plans)                      # any order, any worker
-    sim            = clock.round(t, train_macs and bytes of each result)  # simulated device time, stragglers
-    state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput; stragglers left out
-    evaluation     = evaluate_modes(strategy.eval_sets(state, eval_domains)) (+ deployed models)
+    plans          = strategy.configure_round(state, t)        # ClientPlan per sampled client
+    results        = backend.train(plans)                      # ClientResult per client, any order, any worker
+    sim            = clock.round(t, strategy.train_macs and the bytes of each result)  # simulated device time
+    recorder.cover(the plans of the clients not in sim.stragglers)  # coverage: updates that reach the model
+    if sim.stragglers:                                         # past the deadline (devices.policy)
+        state, records = strategy.aggregate(state, plans, results, t) of the others  # none: state unchanged
+        records.clients += strategy.spent(plan, result) of each straggler           # what it spent, recorded
+    else:
+        state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: ServerState + RoundRecords
+    evaluation     = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
     summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
 Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.messages.RoundOutput`

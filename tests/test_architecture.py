@@ -178,3 +178,31 @@ def test_fedsap_lives_in_its_own_package() -> None:
                 offenders.append(f"{path.relative_to(ROOT.parent)}:{line} imports {target}")
     assert seen_inside > 20, "the vocabulary no longer matches FedSAP's own code: update FEDSAP_NAMES"
     assert not offenders, "FedSAP concepts outside algorithms/fedsap/:\n" + "\n".join(offenders)
+
+
+def private_imports(root: Path = ROOT, package: str = PACKAGE) -> list[str]:
+    """``file:line: module.name`` of every import of a private name (``_x``, not a dunder) from another
+    module of the package: a helper two modules share is public API and belongs in a shared module
+    under a public name (issue 43: ``data.digits._check_labels`` was imported by other loaders)."""
+    mods = module_files(root, package)
+    hits = []
+    for mod, (path, _) in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package) and node.module != mod:
+                hits += [f"{path.relative_to(root.parent).as_posix()}:{node.lineno}: {node.module}.{a.name}"
+                         for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return hits
+
+
+def test_no_module_imports_another_modules_private_helper() -> None:
+    hits = private_imports()
+    assert not hits, "private names imported across modules (make them public in a shared module):\n" + "\n".join(hits)
+
+
+def test_the_private_import_check_finds_one(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def _helper():\n    pass\n")
+    (pkg / "b.py").write_text("from pkg.a import _helper\nfrom pkg.a import __doc__\n")
+    assert private_imports(pkg, "pkg") == ["pkg/b.py:1: pkg.a._helper"]

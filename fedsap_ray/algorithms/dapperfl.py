@@ -77,7 +77,7 @@ from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_bool, check_choice, check_number, fail
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
                               nested_count, param_mask)
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
@@ -260,10 +260,6 @@ class ModelFusionPruning(ClientHook):
 
 # --- server side ---------------------------------------------------------------------------------
 
-def _unit(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0.0 <= x <= 1.0
-
-
 @register("dapperfl")
 class DapperFL(Strategy):
     summary = "fuse global + 1-epoch local model, l1-prune the fusion to kappa_i, DAR loss, refill pruned from global"
@@ -281,19 +277,12 @@ class DapperFL(Strategy):
 
         def __post_init__(self) -> None:
             for name in ("alpha_0", "alpha_min", "epsilon"):
-                v = getattr(self, name)
-                if not _unit(v):
-                    raise ConfigError(f"invalid algorithm.{name}={v!r}: must be a number in [0, 1]")
+                check_number(f"algorithm.{name}", getattr(self, name), 0, 1)
             if self.alpha_min > self.alpha_0:
-                raise ConfigError(f"invalid algorithm.alpha_min={self.alpha_min!r}: must be <= "
-                                  f"algorithm.alpha_0={self.alpha_0!r}")
-            if not isinstance(self.gamma, (int, float)) or isinstance(self.gamma, bool) or self.gamma < 0:
-                raise ConfigError(f"invalid algorithm.gamma={self.gamma!r}: must be a number >= 0")
-            if self.dar_form not in DAR_FORMS:
-                raise ConfigError(f"invalid algorithm.dar_form={self.dar_form!r}: allowed values are "
-                                  f"{', '.join(DAR_FORMS)}")
-            if not isinstance(self.full_first_epoch, bool):
-                raise ConfigError(f"invalid algorithm.full_first_epoch={self.full_first_epoch!r}: must be true or false")
+                fail("algorithm.alpha_min", self.alpha_min, f"must be <= algorithm.alpha_0={self.alpha_0!r}")
+            check_number("algorithm.gamma", self.gamma, 0)
+            check_choice("algorithm.dar_form", self.dar_form, DAR_FORMS)
+            check_bool("algorithm.full_first_epoch", self.full_first_epoch)
 
     def alpha_at(self, t: int) -> float:
         """The fusion weight of the global model in round t (0 in round 1: no fusion with the random init)."""

@@ -32,7 +32,7 @@ from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_choice
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs
@@ -58,8 +58,7 @@ class FedAvg(Strategy):
         width: str = "full"  # full: every client trains the whole model; capacity: the nested sub-model at its capacity
 
         def __post_init__(self) -> None:
-            if self.width not in WIDTHS:
-                raise ConfigError(f"invalid algorithm.width={self.width!r}: allowed values are {', '.join(WIDTHS)}")
+            check_choice("algorithm.width", self.width, WIDTHS)
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)

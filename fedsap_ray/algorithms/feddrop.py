@@ -49,7 +49,7 @@ import numpy as np
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_choice
 from fedsap_ray.masks import ChannelMasks, nested_count
 from fedsap_ray.messages import ClientResult, ServerState
 from fedsap_ray.seeding import rng_for
@@ -66,9 +66,7 @@ class FedDrop(SubModelStrategy):
         selection: str = "random"  # random: plain FD (Caldas et al. 2018); afd: our unvalidated AFD reading
 
         def __post_init__(self) -> None:
-            if self.selection not in SELECTIONS:
-                raise ConfigError(f"invalid algorithm.selection={self.selection!r}: allowed values are "
-                                  f"{', '.join(SELECTIONS)}")
+            check_choice("algorithm.selection", self.selection, SELECTIONS)
 
     def init_state(self) -> ServerState:
         state = super().init_state()

@@ -40,7 +40,7 @@ from fedsap_ray.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_choice
 from fedsap_ray.masks import ChannelMasks
 from fedsap_ray.messages import ClientResult, ServerState
 
@@ -56,9 +56,7 @@ class FedMP(SubModelStrategy):
         aggregation: str = "r2sp"  # r2sp | coordinate (module docstring)
 
         def __post_init__(self) -> None:
-            if self.aggregation not in AGGREGATIONS:
-                raise ConfigError(f"invalid algorithm.aggregation={self.aggregation!r}: allowed values are "
-                                  f"{', '.join(AGGREGATIONS)}")
+            check_choice("algorithm.aggregation", self.aggregation, AGGREGATIONS)
 
     def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
         kappa = float(self.ctx.federation.clients[client_id].capacity)

@@ -16,7 +16,7 @@ import torch
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan, ServerState
 from fedsap_ray.models.space import MaskableModel
@@ -67,8 +67,7 @@ class FedProx(FedAvg):
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            if not isinstance(self.mu, (int, float)) or self.mu < 0:
-                raise ConfigError(f"invalid algorithm.mu={self.mu!r}: must be a number >= 0")
+            check_number("algorithm.mu", self.mu, 0)
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         return {"hooks": (call(ProximalTerm, mu=float(self.opts.mu)),)}

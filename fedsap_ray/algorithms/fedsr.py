@@ -83,7 +83,7 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_choice, check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -202,15 +202,10 @@ class FedSR(FedAvg):
         reference: str = "client"  # client: r(z|y) per client (official code); averaged: shared, FedAvg'd
 
         def __post_init__(self) -> None:
-            if self.scale not in SCALES:
-                raise ConfigError(f"invalid algorithm.scale={self.scale!r}: allowed values are {', '.join(SCALES)}")
-            if self.reference not in REFERENCES:
-                raise ConfigError(f"invalid algorithm.reference={self.reference!r}: allowed values are "
-                                  f"{', '.join(REFERENCES)}")
+            check_choice("algorithm.scale", self.scale, SCALES)
+            check_choice("algorithm.reference", self.reference, REFERENCES)
             for name in ("alpha_l2r", "alpha_cmi"):
-                v = getattr(self, name)
-                if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
-                    raise ConfigError(f"invalid algorithm.{name}={v!r}: must be a number >= 0")
+                check_number(f"algorithm.{name}", getattr(self, name), 0)
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)

@@ -61,7 +61,7 @@ from fedsap_ray.grouping import canonical_labels
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -277,8 +277,7 @@ class FPL(FedAvg):
         tau: float = 0.02  # InfoNCE temperature (RethinkFL main.py --infoNCET)
 
         def __post_init__(self) -> None:
-            if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not self.tau > 0:
-                raise ConfigError(f"invalid algorithm.tau={self.tau!r}: must be a number > 0")
+            check_number("algorithm.tau", self.tau, 0, low_open=True)
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         tr = self.cfg.training

@@ -34,7 +34,7 @@ from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.widths import WidthRule
 from fedsap_ray.columns import Column
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_bool, check_int, check_number
 from fedsap_ray.messages import ClientResult, ServerState
 
 
@@ -103,15 +103,14 @@ class HasFL(FedAvg):
         eps: float = 1e-8  # numerical stability in Eqs. 4 and 6
 
         def __post_init__(self) -> None:
-            _check(0 < self.p_min <= 1, "p_min", self.p_min, "a number in (0, 1]")
-            _check(self.gamma >= 0, "gamma", self.gamma, "a number >= 0")
-            _check(0 <= self.beta < 1, "beta", self.beta, "a number in [0, 1)")
+            check_number("algorithm.p_min", self.p_min, 0, 1, low_open=True)
+            check_number("algorithm.gamma", self.gamma, 0)
+            check_number("algorithm.beta", self.beta, 0, 1, high_open=True)
             for name in ("t_adapt", "t_norm"):
-                v = getattr(self, name)
-                _check(isinstance(v, int) and v >= 1, name, v, "an integer >= 1")
-            _check(isinstance(self.warmup, int) and self.warmup >= 0, "warmup", self.warmup, "an integer >= 0")
-            _check(isinstance(self.coverage, bool), "coverage", self.coverage, "true or false")
-            _check(self.eps > 0, "eps", self.eps, "a number > 0")
+                check_int(f"algorithm.{name}", getattr(self, name), 1)
+            check_int("algorithm.warmup", self.warmup, 0)
+            check_bool("algorithm.coverage", self.coverage)
+            check_number("algorithm.eps", self.eps, 0, low_open=True)
 
     # --- state -------------------------------------------------------------------
     def p_max(self) -> np.ndarray:
@@ -164,7 +163,3 @@ class HasFL(FedAvg):
         return {"h_hat": None if np.isnan(raw) else raw, "h_tilde": float(state.strategy_state.h_tilde[client_id])}
 
 
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"invalid algorithm.{name}={value!r}: must be {allowed}")

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -162,10 +162,8 @@ class Moon(FedAvg):
         tau: float = 0.5  # temperature (MOON Section 4.1)
 
         def __post_init__(self) -> None:
-            if not isinstance(self.mu, (int, float)) or isinstance(self.mu, bool) or not self.mu >= 0:
-                raise ConfigError(f"invalid algorithm.mu={self.mu!r}: must be a number >= 0")
-            if not isinstance(self.tau, (int, float)) or isinstance(self.tau, bool) or not self.tau > 0:
-                raise ConfigError(f"invalid algorithm.tau={self.tau!r}: must be a number > 0")
+            check_number("algorithm.mu", self.mu, 0)
+            check_number("algorithm.tau", self.tau, 0, low_open=True)
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """samples_seen x (full forward + k frozen encoder forwards), k = 2, or 1 with no previous model

@@ -70,7 +70,7 @@ import numpy as np
 
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_bool, check_number
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models.resnet import BasicBlock
@@ -96,11 +96,8 @@ class NeFL(SubModelStrategy):
         depth_share: float = 0.5  # with depth=true: gamma_D ~ gamma^depth_share (module docstring)
 
         def __post_init__(self) -> None:
-            if not isinstance(self.depth, bool):
-                raise ConfigError(f"invalid algorithm.depth={self.depth!r}: must be true or false")
-            v = self.depth_share
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
-                raise ConfigError(f"invalid algorithm.depth_share={v!r}: must be a number in [0, 1]")
+            check_bool("algorithm.depth", self.depth)
+            check_number("algorithm.depth_share", self.depth_share, 0, 1)
 
     # --- the sub-model ----------------------------------------------------------------
     def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:

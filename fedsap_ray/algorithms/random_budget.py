@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsap_ray.algorithms.hasfl import HasFL, _check
+from fedsap_ray.algorithms.hasfl import HasFL
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.schema import check_number
 from fedsap_ray.seeding import rng_for
 
 
@@ -65,8 +66,8 @@ class RandomBudget(HasFL):
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            _check(0 < self.p_low <= 1, "p_low", self.p_low, "a number in (0, 1]")
-            _check(self.target is None or 0 < self.target <= 1, "target", self.target, "null or a number in (0, 1]")
+            check_number("algorithm.p_low", self.p_low, 0, 1, low_open=True)
+            check_number("algorithm.target", self.target, 0, 1, low_open=True, nullable=True)
 
     def budget(self, h_tilde: np.ndarray, t: int) -> float:
         """The mean allocation to match: HAS-FL's rule on this run's estimates, or ``target``."""

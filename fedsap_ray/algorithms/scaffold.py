@@ -17,7 +17,7 @@ paper's unweighted means over S (not FedAvg's sample-size weights).
 
 Clients are stateless here (any worker may run any client), so the server keeps every
 c_i in ``ServerState.strategy_state["c_i"]`` (client id -> float32 [n_params], only for clients
-that have participated) next to ``extra["c"]``; a plan carries the correction c - c_i as
+that have participated) next to c in ``strategy_state["c"]``; a plan carries the correction c - c_i as
 the ``scaffold`` hook's payload (``control``) and the client's ``scaffold`` hook (:class:`ControlCorrection`) adds it
 to every step's gradient after clipping (:mod:`fedsap_ray.algorithms.hooks`). Because the server knows x, eta and K_i it recomputes
 c_i+ from y_i itself, so nothing but the trained model comes back.
@@ -51,7 +51,7 @@ from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.context import RunContext
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
 from fedsap_ray.models.space import MaskableModel
@@ -115,8 +115,7 @@ class Scaffold(Strategy):
         global_lr: float = 1.0  # eta_g, the server step size (Algorithm 1 line 16)
 
         def __post_init__(self) -> None:
-            if not isinstance(self.global_lr, (int, float)) or not self.global_lr > 0:
-                raise ConfigError(f"invalid algorithm.global_lr={self.global_lr!r}: must be a number > 0")
+            check_number("algorithm.global_lr", self.global_lr, 0, low_open=True)
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)

@@ -12,7 +12,7 @@ from typing import Any
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.widths import Capped
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_number
 from fedsap_ray.context import RunContext
 
 
@@ -24,8 +24,7 @@ class Uniform(FedAvg):
         p: float = 0.5  # papers/003 section 4.1
 
         def __post_init__(self) -> None:
-            if not isinstance(self.p, (int, float)) or not 0 < self.p <= 1:
-                raise ConfigError(f"invalid algorithm.p={self.p!r}: must be a number in (0, 1]")
+            check_number("algorithm.p", self.p, 0, 1, low_open=True)
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)

@@ -6,11 +6,15 @@ Ray object store once. Feature datasets are float32 [N, F]; text datasets int64 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
+
+from fedsap_ray.errors import DatasetUnreadable
 
 InputKind = Literal["image", "features", "text"]
 
@@ -32,6 +36,19 @@ class DomainData:
     def subset(self, idx: np.ndarray | torch.Tensor) -> DomainData:
         idx_t = torch.as_tensor(np.asarray(idx), dtype=torch.long)
         return DomainData(self.x[idx_t], self.y[idx_t])
+
+
+def check_labels(dataset: str, domain: str, labels: np.ndarray | torch.Tensor, num_classes: int,
+                 files: Iterable[Path] = ()) -> None:
+    """Every loader's check of the labels it read: a label outside 0..num_classes-1 means a damaged file or
+    another dataset, so it is bad input (:class:`~fedsap_ray.errors.DatasetUnreadable`, exit 2) naming the
+    ``files`` read, never a run that fails later on an index error."""
+    y = np.asarray(labels)
+    if len(y) and (y.min() < 0 or y.max() >= num_classes):
+        names = [str(p) for p in files]
+        where = f" in {', '.join(names)}" if names else ""
+        raise DatasetUnreadable(f"{dataset}: domain {domain!r} has labels outside 0..{num_classes - 1} (min {y.min()}, "
+                                f"max {y.max()}){where}; the file is damaged or holds another dataset: fetch it again")
 
 
 def as_input(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from fedsap_ray.data.digits import Split, _check_labels, resize_nchw
+from fedsap_ray.data.base import check_labels
+from fedsap_ray.data.digits import Split, resize_nchw
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.source import FileSource, one_domain
 from fedsap_ray.data.status import atomic_save_npz, cache_home, first_present
@@ -245,6 +246,6 @@ class Cifar10Source(FileSource):
         if len(classes) != 10:
             raise ValueError(f"cifar10: expected 10 classes, found {len(classes)}: {classes}")
         for split in ("train", "test"):
-            _check_labels(self.name, "cifar10", sp[split], 10)
+            check_labels(self.name, "cifar10", sp[split][1], 10)
         return one_domain(self.name, "cifar10", sp["train"], sp["test"], num_classes=10, notes=notes,
                           domain_note=f"{len(sp['train'][1])} train / {len(sp['test'][1])} test; classes {', '.join(classes)}")

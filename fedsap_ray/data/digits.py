@@ -36,11 +36,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray.data.base import DomainData
+from fedsap_ray.data.base import DomainData, check_labels
 from fedsap_ray.data.partition import office_split
 from fedsap_ray.data.registry import DomainSplits, FileStatus, corrupt_file_errors, register_dataset, unreadable
 from fedsap_ray.data.status import atomic_save_npz, cache_home, default_root, shared_data_root, unavailable
-from fedsap_ray.errors import DatasetUnreadable
 
 IMAGE_SIZE = 32
 IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"})
@@ -278,14 +277,9 @@ def load_digit_domain(domain: str, layout: Layout | None, root: Path, download: 
     return _folder_domain(layout)
 
 
-def _check_labels(dataset: str, domain: str, split: Split, num_classes: int, layout: Layout | None = None) -> None:
-    """Labels outside 0..num_classes-1 mean a damaged file or another dataset: bad input (exit 2) naming
-    the file(s) read (``layout``), never a run that fails later on an index error."""
-    y = split[1]
-    if len(y) and (y.min() < 0 or y.max() >= num_classes):
-        where = f" in {', '.join(str(p) for p in layout.paths)}" if layout is not None else ""
-        raise DatasetUnreadable(f"{dataset}: domain {domain!r} has labels outside 0..{num_classes - 1} (min {y.min()}, "
-                                f"max {y.max()}){where}; the file is damaged or holds another dataset: fetch it again")
+def layout_files(layout: Layout | None) -> tuple[Path, ...]:
+    """The files a domain was read from (none for a torchvision download), for the errors that name them."""
+    return layout.paths if layout is not None else ()
 
 
 # ----------------------------------------------------------------------------- sources
@@ -324,7 +318,7 @@ class DigitsSource:
         for d in self.domains:
             tr, te = load_digit_domain(d, plan[d], root, download)
             for s in (tr, te):
-                _check_labels(self.name, d, s, 10, plan[d])
+                check_labels(self.name, d, s[1], 10, layout_files(plan[d]))
             train[d], test[d] = to_domain(tr), to_domain(te)
             found = plan[d]
             kind = found.kind if found is not None else "torchvision download"
@@ -428,8 +422,8 @@ class DigitsOfflineSource:
             ),
         }
         for d, (tr, te) in splits.items():
-            _check_labels(self.name, d, tr, 10)
-            _check_labels(self.name, d, te, 10)
+            check_labels(self.name, d, tr[1], 10)
+            check_labels(self.name, d, te[1], 10)
         return DomainSplits(
             dataset=self.name,
             domains=list(self.domains),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsap_ray.data.base import check_labels
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.source import FileSource, one_domain
 
@@ -61,8 +62,7 @@ class EmnistSource(FileSource):
         for split in ("train", "test"):
             ds = tvd.EMNIST(str(root), split=EMNIST_SPLIT, train=split == "train", download=download)
             y = ds.targets.numpy().astype(np.int64)
-            if len(y) and (y.min() < 0 or y.max() >= EMNIST_CLASSES):
-                raise ValueError(f"emnist: labels outside 0..{EMNIST_CLASSES - 1} in {split} (min {y.min()}, max {y.max()})")
+            check_labels(self.name, "emnist", y, EMNIST_CLASSES, paths)
             sp[split] = (pad_upright_rgb(ds.data.numpy()), y)
         return one_domain(self.name, "emnist", sp["train"], sp["test"], num_classes=EMNIST_CLASSES,
                           notes="EMNIST ByClass (real), upright, zero-padded 28->32, grey repeated to 3 channels",

@@ -17,12 +17,13 @@ from pathlib import Path
 
 from fedsap_ray.data.digits import (
     IMAGE_SIZE,
-    _check_labels,
+    layout_files,
     layout_status,
     load_digit_domain,
     plan_domains,
     to_domain,
 )
+from fedsap_ray.data.base import check_labels
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.status import default_root
 
@@ -53,7 +54,7 @@ class MnistSource:
         plan = plan_domains(self.name, (DOMAIN,), root, download)
         tr, te = load_digit_domain(DOMAIN, plan[DOMAIN], root, download)
         for split in (tr, te):
-            _check_labels(self.name, DOMAIN, split, MNIST_CLASSES, plan[DOMAIN])
+            check_labels(self.name, DOMAIN, split[1], MNIST_CLASSES, layout_files(plan[DOMAIN]))
         found = plan[DOMAIN]
         kind = found.kind if found is not None else "torchvision download"
         return DomainSplits(

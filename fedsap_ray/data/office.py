@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedsap_ray.data.base import DomainData
+from fedsap_ray.data.base import DomainData, check_labels
 from fedsap_ray.data.digits import read_image_folder, to_domain
 from fedsap_ray.data.partition import office_split
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
@@ -73,7 +73,8 @@ def standardise_surf(train: dict[str, np.ndarray], test: dict[str, np.ndarray]) 
 
 
 def read_surf(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """One GFK ``.mat`` file -> (raw counts [N, 800], int64 labels 0..9)."""
+    """One GFK ``.mat`` file -> (raw counts [N, 800], int64 labels: the file's 1..10 less one; the loader checks
+    them with :func:`~fedsap_ray.data.base.check_labels`)."""
     import scipy.io as sio
 
     m = sio.loadmat(str(path))
@@ -83,8 +84,6 @@ def read_surf(path: Path) -> tuple[np.ndarray, np.ndarray]:
     y = np.asarray(m["labels"]).ravel().astype(np.int64) - 1
     if x.ndim != 2 or len(x) != len(y):
         raise ValueError(f"{path}: fts shape {x.shape} does not match {len(y)} labels")
-    if y.min() < 0 or y.max() > 9:
-        raise ValueError(f"{path}: labels should be 1..10, got {y.min() + 1}..{y.max() + 1}")
     return x, y
 
 
@@ -177,6 +176,7 @@ class OfficeCaltechSource:
             path = surf_file(root, d)
             assert path is not None
             x, y = read_surf(path)
+            check_labels(self.name, d, y, 10, (path,))
             tr, te = office_split(len(y))
             raw_tr[d], raw_te[d] = x[tr], x[te]
             labels[d] = (y[tr], y[te])

@@ -22,7 +22,6 @@ Everything is pure numpy/scipy/sklearn and deterministic (``random`` only throug
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 from collections.abc import Sequence
 
@@ -31,7 +30,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
 from fedsap_ray.grouping import agreement, canonical_labels
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_choice, check_number
 
 DGA_MODES = ("gradient", "none", "oracle", "random")
 DGA_METHODS = ("components", "agglomerative")
@@ -80,9 +79,7 @@ def cosine_similarity_matrix(grads: np.ndarray) -> np.ndarray:
 
 
 def _check_tau(tau_sim: Any) -> float:
-    if isinstance(tau_sim, bool) or not isinstance(tau_sim, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(float(tau_sim)) or not -1.0 <= float(tau_sim) <= 1.0:
-        raise ConfigError(f"invalid algorithm.tau_sim={tau_sim!r}: must be a number in [-1, 1]")
+    check_number("algorithm.tau_sim", tau_sim, -1, 1)
     return float(tau_sim)
 
 
@@ -120,8 +117,7 @@ def groups_from_similarity(S: np.ndarray, tau_sim: float = DEFAULT_TAU_SIM,
     tau = _check_tau(tau_sim)
     S = _check_similarity(S)
     n = S.shape[0]
-    if method not in DGA_METHODS:
-        raise ConfigError(f"invalid algorithm.dga_method={method!r}: allowed values are " + ", ".join(DGA_METHODS))
+    check_choice("algorithm.dga_method", method, DGA_METHODS)
     if n <= 1:
         return np.zeros(n, dtype=np.int64)
     if method == "components":
@@ -197,8 +193,7 @@ def assign_groups(mode: str, *, grads: np.ndarray | None = None, domains: Sequen
     Returns canonical int64 labels. Unknown modes or missing inputs raise ``ValueError``
     (``ConfigError`` for bad config values) naming the field.
     """
-    if mode not in DGA_MODES:
-        raise ConfigError(f"invalid algorithm.dga={mode!r}: allowed values are " + ", ".join(DGA_MODES))
+    check_choice("algorithm.dga", mode, DGA_MODES)
     if mode == "gradient":
         if grads is None:
             raise ValueError("algorithm.dga='gradient' needs grads (first-layer gradient per client)")

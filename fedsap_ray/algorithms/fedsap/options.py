@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import check_choice, check_int, check_number
 
 MASK_MODES = ("dynamic", "fixed")
 SMOOTHING = ("dispersion", "statistics")
@@ -52,34 +52,19 @@ class FedSAPOptions(Strategy.Options):
     ranking: str = "pooled"  # pooled: one shared ranking (the federation estimate); client: own utilities where held
 
     def __post_init__(self) -> None:
-        def bad(field: str, allowed: str) -> None:
-            raise ConfigError(f"invalid algorithm.{field}={getattr(self, field)!r}: {allowed}")
-
-        if self.adaptive_layer_budget not in (0, 1):
-            bad("adaptive_layer_budget", "allowed values are 0, 1")
-        for f in ("g_target", "beta_ema"):
-            if not 0 <= getattr(self, f) <= 1:
-                bad(f, "must be in [0, 1]")
-        if self.beta_ema == 1:
-            bad("beta_ema", "must be in [0, 1)")
-        for f in ("temperature",):
-            if getattr(self, f) <= 0:
-                bad(f, "must be > 0")
+        check_choice("algorithm.adaptive_layer_budget", self.adaptive_layer_budget, (0, 1))
+        check_number("algorithm.g_target", self.g_target, 0, 1)
+        check_number("algorithm.beta_ema", self.beta_ema, 0, 1, high_open=True)
+        check_number("algorithm.temperature", self.temperature, 0, low_open=True)
         for f in ("lambda_a", "lambda_g", "tau_var", "gamma", "margin"):
-            if getattr(self, f) < 0:
-                bad(f, "must be >= 0")
-        if not -1 <= self.tau_sim <= 1:
-            bad("tau_sim", "must be in [-1, 1] (a cosine similarity)")
+            check_number(f"algorithm.{f}", getattr(self, f), 0)
+        check_number("algorithm.tau_sim", self.tau_sim, -1, 1, note=" (a cosine similarity)")
         for f, choices in (("masks", MASK_MODES), ("dga", DGA_MODES), ("dga_layer", DGA_LAYERS),
                            ("dga_method", DGA_METHODS), ("dga_source", DGA_SOURCES), ("smoothing", SMOOTHING),
                            ("stability", STABILITY), ("ranking", RANKINGS)):
-            if getattr(self, f) not in choices:
-                bad(f, "allowed values are " + ", ".join(choices))
-        if self.warmup < 0:
-            bad("warmup", "must be an integer >= 0")
-        if self.regroup_every < 1:
-            bad("regroup_every", "must be an integer >= 1")
-        if not 0 < self.swap_budget <= 1:
-            bad("swap_budget", "must be in (0, 1] (a share of the client's active channels)")
-        if self.probe_samples < 2:
-            bad("probe_samples", "must be an integer >= 2")
+            check_choice(f"algorithm.{f}", getattr(self, f), choices)
+        check_int("algorithm.warmup", self.warmup, 0)
+        check_int("algorithm.regroup_every", self.regroup_every, 1)
+        check_number("algorithm.swap_budget", self.swap_budget, 0, 1, low_open=True,
+                     note=" (a share of the client's active channels)")
+        check_int("algorithm.probe_samples", self.probe_samples, 2)
