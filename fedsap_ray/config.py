@@ -346,7 +346,7 @@ def load_file(path: str | Path) -> dict[str, Any]:
 # whole section with the defaults. An empty mapping (``training: {}``) is accepted: merged over the preset it
 # changes nothing, which is what it says.
 SECTION_PATHS = (("data",), ("capacity",), ("model",), ("training",), ("algorithm",), ("resources",),
-                 ("devices",), ("algorithm", "options"))
+                 ("devices",), ("asynchronous",), ("algorithm", "options"))
 
 
 def _null_section(tree: Mapping[str, Any], where: str) -> None:

@@ -149,6 +149,8 @@ BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
 SUBMODELS = ("sliced", "masked")
 DEVICE_POLICIES = ("wait_all", "deadline", "over_select")
+DEVICE_MODES = ("sync", "async")  # devices.mode: synchronous rounds, or asynchronous server steps (fedsap_ray.asyncmode)
+STALENESS_RULES = ("constant", "polynomial", "hinge")  # asynchronous.staleness (fedsap_ray.staleness)
 # [low, high] of the device model's numbers (and of a trace's columns): with train_macs and bytes up to
 # 1e15 and any lognormal draw, (1 + backward_factor) * macs / (speed * factor) + bytes / bandwidth is then a
 # finite float64 > 0 (a speed or bandwidth of 1e-300 or a backward_factor of 1e308 gave infinite times,
@@ -423,8 +425,13 @@ class DevicesConfig:
     # SHA-256 of the trace file's bytes, recorded when the config is built (never set it by hand): part of
     # the config hash, so a run refuses to start or resume on a trace edited since
     trace_sha256: str | None = None
+    # sync: synchronous rounds under devices.policy; async: asynchronous training on the simulated clock
+    # (FedBuff, Nguyen et al. 2022), a rounds row per server step, settings in the asynchronous section
+    # (docs/guides/device-time.md#asynchronous-training)
+    mode: str = "sync"
 
     def __post_init__(self) -> None:
+        _check_choice("devices.mode", self.mode, DEVICE_MODES)
         for f, (low, high) in DEVICE_RANGES.items():
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high):  # NaN: False
@@ -444,6 +451,75 @@ class DevicesConfig:
                                                                  "config builder from the trace file)")
             if self.trace is None:
                 fail("devices.trace_sha256", self.trace_sha256, "is the hash of devices.trace, which is not set")
+
+
+@dataclass(frozen=True)
+class AsyncConfig:
+    """Asynchronous training on the simulated device clock (``devices.mode=async``; docs/guides/device-time.md):
+    ``concurrency`` clients train at once, each finishing at its simulated time; the server applies the
+    buffered updates as deltas every ``buffer_size`` arrivals (FedBuff, Nguyen et al. 2022, Algorithm 1;
+    ``buffer_size=1`` is FedAsync, Xie et al. 2019), each weighted by a function of its staleness. One
+    ``training.rounds`` is one server step; ``training.eval_every`` counts server steps. Only read with
+    ``devices.mode=async`` (a field set otherwise is refused)."""
+
+    # clients training at once; null: round(training.participation x data.num_clients), a synchronous round's clients
+    concurrency: int | None = None
+    # arrivals per server step (FedBuff's K); null: concurrency; 1: FedAsync
+    buffer_size: int | None = None
+    # weight of an update of staleness s: constant 1, polynomial (1 + s)^-a, hinge 1 if s <= b else 1/(a(s - b) + 1)
+    # (FedAsync, Xie et al. 2019, section 5.2)
+    staleness: str = "constant"
+    # a of the polynomial and hinge rules; null: FedAsync's experimental values, 0.5 (polynomial), 10 (hinge)
+    staleness_a: float | None = None
+    # b of the hinge rule (staleness steps before the weight falls); FedAsync's experiments use 4
+    staleness_b: float = 4.0
+    # server learning rate eta_g: the step moves the model by eta_g x the weighted mean delta (FedBuff Alg. 1)
+    server_lr: float = 1.0
+    # updates staler than this many server steps are discarded (clients.straggler); null: none is discarded
+    max_staleness: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("concurrency", "buffer_size"):
+            v = getattr(self, f)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                _fail(f"asynchronous.{f}", v, "must be null or an integer >= 1")
+        _check_choice("asynchronous.staleness", self.staleness, STALENESS_RULES)
+        if self.staleness_a is not None:
+            _check_pos("asynchronous.staleness_a", self.staleness_a)
+        _check_pos("asynchronous.staleness_b", self.staleness_b, allow_zero=True)
+        _check_pos("asynchronous.server_lr", self.server_lr)
+        if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
+                                               or isinstance(self.max_staleness, bool) or self.max_staleness < 0):
+            _fail("asynchronous.max_staleness", self.max_staleness, "must be null or an integer >= 0")
+
+
+def check_async(cfg: ExperimentConfig) -> None:
+    """The checks across sections of an asynchronous config (``devices.mode``): the asynchronous fields are
+    read only in that mode, the concurrency and buffer fit the federation, the policy is wait_all (no round
+    to wait for), and the strategy declares an asynchronous reading (``Strategy.async_support``)."""
+    a, n = cfg.asynchronous, cfg.data.num_clients
+    if cfg.devices.mode != "async":
+        default = AsyncConfig()
+        for f in dataclasses.fields(AsyncConfig):
+            if getattr(a, f.name) != getattr(default, f.name):
+                _fail(f"asynchronous.{f.name}", getattr(a, f.name),
+                      f"read only with devices.mode=async (the mode is {cfg.devices.mode}); set devices.mode=async "
+                      "or leave it out")
+        return
+    if cfg.devices.policy != "wait_all":
+        _fail("devices.policy", cfg.devices.policy, "devices.mode=async has no rounds to wait for: use wait_all "
+                                                    "(stale updates are bounded by asynchronous.max_staleness)")
+    for name in ("concurrency", "buffer_size"):
+        v = getattr(a, name)
+        if v is not None and v > n:
+            _fail(f"asynchronous.{name}", v, f"must be at most data.num_clients={n} (a client trains one update at a time)")
+    strategy = registry.STRATEGIES.get(cfg.algorithm.name)
+    refusal = strategy.async_support(cfg.algorithm.opts)
+    if refusal is not None:
+        supported = [m for m in registry.STRATEGIES.names()
+                     if registry.STRATEGIES.get(m).async_support(registry.STRATEGIES.get(m).Options()) is None]
+        _fail("algorithm.name", cfg.algorithm.name, f"devices.mode=async does not support {cfg.algorithm.name}: "
+                                                    f"{refusal}; supported: {', '.join(supported)}")
 
 
 @dataclass(frozen=True)
@@ -467,6 +543,7 @@ class ExperimentConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
+    asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
@@ -489,6 +566,7 @@ class ExperimentConfig:
             natural = [n for n in registry.DATASETS.names() if registry.DATASETS.get(n).natural_partition]
             fail("data.partition", self.data.partition,
                   "natural partitions exist only for " + ", ".join(f"data.name={n}" for n in natural))
+        check_async(self)
 
     # --- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -504,13 +582,17 @@ class ExperimentConfig:
         d.pop("preset", None)
         if isinstance(d.get("devices"), dict) and d["devices"].get("trace_sha256") is None:
             d["devices"].pop("trace_sha256", None)  # no trace: hashed as before the field existed
+        if isinstance(d.get("devices"), dict) and d["devices"].get("mode") == "sync":
+            d["devices"].pop("mode")  # synchronous runs keep the hash they had before devices.mode existed
+        if d.get("asynchronous") == _to_plain(dataclasses.asdict(AsyncConfig())):
+            d.pop("asynchronous")  # ... and before the asynchronous section existed
         if d.get("devices") == _without_sha(_to_plain(dataclasses.asdict(DevicesConfig()))):
             d.pop("devices")  # the default device model adds columns only: runs keep the hash they had before it
         return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def _without_sha(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if k != "trace_sha256"}
+    return {k: v for k, v in d.items() if k not in ("trace_sha256", "mode")}
 
 
 def _canonical(x: Any) -> Any:

@@ -147,8 +147,17 @@ class RunSession:
         self.ctx = build_context(cfg, federation)
         self.strategy = algorithms.get(cfg.algorithm.name)(self.ctx, cfg.algorithm.opts)  # options typed once, by the config
         self.backend = backend
-        self.server = Server(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
-                             device=pick_device(cfg.resources.device))
+        server_cls = Server
+        if cfg.devices.mode == "async":  # asynchronous server steps on the simulated clock (issue 44)
+            from fedsap_ray.asyncmode import AsyncServer
+
+            if resume:
+                raise ConfigError(f"invalid --resume={run_id!r}: a run with devices.mode=async cannot be resumed yet "
+                                  "(its event queue and in-flight clients are not in the checkpoint); start it again "
+                                  f"with --run-id {run_id} --overwrite")
+            server_cls = AsyncServer
+        self.server = server_cls(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
+                                 device=pick_device(cfg.resources.device))
         fed = self.ctx.federation
         if cfg.devices.availability < 1 or cfg.devices.trace is not None:  # a round no client can train: refused now
             empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))

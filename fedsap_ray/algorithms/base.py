@@ -101,6 +101,20 @@ class Strategy(ABC):
         it formed, its part of the progress line). ``plans`` are the round's plans, as
         :meth:`configure_round` returned them for ``state``."""
 
+    # Whether this class has an asynchronous reading (devices.mode=async, fedsap_ray.asyncmode; docs/readings.md):
+    # read from the class's own body only, never inherited, so a subclass with round-synchronous state
+    # (MOON's previous models, HAS-FL's adaptation steps) is refused until it declares a reading of its own
+    supports_async: ClassVar[bool] = False
+
+    @classmethod
+    def async_support(cls, options: Any) -> str | None:
+        """None when a run with ``options`` can train asynchronously, else why not (one clause, for the
+        refusal that names the method). The default reads :attr:`supports_async` from the class's own body."""
+        if vars(cls).get("supports_async", False):
+            return None
+        return ("its server state is round-synchronous or its asynchronous reading is not written "
+                "(docs/readings.md#asynchronous-training)")
+
     @classmethod
     def needs_oracle(cls, options: Any) -> bool:
         """Whether a run with ``options`` is a control that uses ground truth (it then gets

@@ -52,6 +52,7 @@ class FedAvg(Strategy):
         ),
     }
     width: WidthRule = FULL  # the composed width rule (module docstring); a subclass holds its own
+    supports_async = True  # stateless: docs/readings.md#asynchronous-training
 
     @dataclass(frozen=True)
     class Options:
@@ -90,8 +91,13 @@ class FedAvg(Strategy):
         return {}
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        return self.configure_clients(state, t, self.sample_clients(t))
+
+    def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]:
+        """The round-t plans of ``clients`` from ``state`` (what :meth:`configure_round` gives its sample; the
+        asynchronous mode, :mod:`fedsap_ray.asyncmode`, asks for the clients it starts)."""
         plans: dict[int, ClientPlan] = {}
-        for cid in self.sample_clients(t):
+        for cid in clients:
             mask, _, used = self.sub_model(state, cid, t)
             plans[cid] = ClientPlan(
                 params=state.params, mask=mask, capacity_used=float(used),  # params: shared by every plan, never mutated

@@ -60,6 +60,7 @@ SELECTIONS = ("random", "afd")
 @register("feddrop")
 class FedDrop(SubModelStrategy):
     summary = "plain Federated Dropout (FD): random channel subsets at kappa_i every round (selection=afd: unvalidated AFD)"
+    supports_async = True  # docs/readings.md#asynchronous-training
 
     @dataclass(frozen=True)
     class Options:
@@ -67,6 +68,13 @@ class FedDrop(SubModelStrategy):
 
         def __post_init__(self) -> None:
             check_choice("algorithm.selection", self.selection, SELECTIONS)
+
+    @classmethod
+    def async_support(cls, options: Any) -> str | None:
+        """Plain FD redraws from (seed, round, client) alone; AFD's score maps are updated per round."""
+        if getattr(options, "selection", "random") == "afd":
+            return "selection=afd keeps per-round score maps (use selection=random)"
+        return super().async_support(options)
 
     def init_state(self) -> ServerState:
         state = super().init_state()

@@ -50,6 +50,7 @@ AGGREGATIONS = ("r2sp", "coordinate")
 @register("fedmp")
 class FedMP(SubModelStrategy):
     summary = "server keeps each client's largest-L1 filters at its keep ratio; R2SP residual-recovery aggregation"
+    supports_async = True  # docs/readings.md#asynchronous-training
 
     @dataclass(frozen=True)
     class Options:

@@ -61,6 +61,7 @@ class ProximalTerm(ClientHook):
 @register("fedprox")
 class FedProx(FedAvg):
     summary = "FedAvg plus the proximal term (mu/2)||w - w^t||^2 in the local objective"
+    supports_async = True  # docs/readings.md#asynchronous-training
     @dataclass(frozen=True)
     class Options(FedAvg.Options):
         mu: float = 0.01  # weight of the proximal term (mu/2)||w - w^t||^2

@@ -89,6 +89,7 @@ class SkippableBlock:
 @register("nefl")
 class NeFL(SubModelStrategy):
     summary = "nested width-only sub-models at kappa_i (depth=true: also skip identity blocks, deepest first)"
+    supports_async = True  # docs/readings.md#asynchronous-training
 
     @dataclass(frozen=True)
     class Options:

@@ -19,6 +19,7 @@ from fedsap_ray.context import RunContext
 @register("uniform")
 class Uniform(FedAvg):
     summary = "p_i = min(0.5, p_max): every client capped at half width (no coverage)"
+    supports_async = True  # docs/readings.md#asynchronous-training
     @dataclass(frozen=True)
     class Options:
         p: float = 0.5  # papers/003 section 4.1

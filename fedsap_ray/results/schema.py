@@ -17,12 +17,14 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 9  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 10  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
 # sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
-# 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against); 9: rounds.backend_bytes_down,
-# backend_bytes_up (what the backend moved between processes)
+# 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against); 9: asynchronous training
+# (rounds.updates_applied, staleness_mean, staleness_max; clients.version_trained, version_applied, staleness,
+# sim_arrival_s, staleness_weight); 10: rounds.backend_bytes_down, backend_bytes_up (what the backend moved
+# between processes)
 GLOBAL_DOMAIN = "__global__"
 # Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible) and
 # the bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count), so
@@ -104,6 +106,11 @@ ROUNDS_COLUMNS: list[Column] = [
            "slowest client's sim_time_s; deadline: deadline_s if a client missed it; over_select: the k-th to finish)"),
     Column("sim_elapsed_s", pa.float64(), "simulated device seconds of rounds 1..this one (sum of sim_round_s)"),
     Column("n_stragglers", pa.int64(), "clients that trained but were left out of aggregation by devices.policy"),
+    Column("updates_applied", pa.int64(), "devices.mode=async: updates this server step applied (null in sync runs)"),
+    Column("staleness_mean", pa.float64(), "devices.mode=async: mean staleness (server steps between the version a "
+           "client trained on and the one its update was applied to) of the step's applied updates (null in sync runs)"),
+    Column("staleness_max", pa.int64(), "devices.mode=async: largest staleness among the step's applied updates "
+           "(null in sync runs)"),
     Column("ari_domain", pa.float64(),
            "adjusted Rand index of the strategy's client groups (RoundRecords.groups) vs. the true domains, on "
            "the rounds it forms them (FedSAP: DGA rounds); recorded from ground truth, never by the strategy"),
@@ -147,6 +154,16 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.devices): "
            "(1 + devices.backward_factor) x train_macs / speed + bytes_down / down + bytes_up / up"),
     Column("straggler", pa.bool_(), "trained but left out of aggregation by devices.policy (its compute counted)"),
+    Column("version_trained", pa.int64(), "devices.mode=async: the model version (server steps done) the client "
+           "downloaded and trained on (null in sync runs)"),
+    Column("version_applied", pa.int64(), "devices.mode=async: the model version its update was applied to (this row's "
+           "round - 1); null for an update discarded as too stale (straggler) and in sync runs"),
+    Column("staleness", pa.int64(), "devices.mode=async: server steps between the version trained on and the version "
+           "at arrival (null in sync runs)"),
+    Column("sim_arrival_s", pa.float64(), "devices.mode=async: simulated time the update arrived at the server (its "
+           "start + sim_time_s; null in sync runs)"),
+    Column("staleness_weight", pa.float64(), "devices.mode=async: s(staleness) of asynchronous.staleness, the factor on "
+           "the update's delta before asynchronous.server_lr (null for a discarded update and in sync runs)"),
 ]
 
 LAYERS_COLUMNS: list[Column] = [

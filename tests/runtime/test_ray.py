@@ -62,6 +62,20 @@ def test_ray_reproduces_local_tables_exactly(tmp_path, fed, local_run, workers):
     assert (res.rounds["backend_bytes_up"] > 0).all() and (local_run.rounds["backend_bytes_down"] == 0).all()
 
 
+def test_async_mode_on_ray_reproduces_local_tables(tmp_path, fed):
+    """devices.mode=async (issue 44): the clients started at one simulated instant go to the pool together and
+    the event queue orders arrivals by simulated time, so two Ray workers give the local backend's tables."""
+    extra = ["devices.mode=async", "asynchronous.concurrency=4", "asynchronous.buffer_size=2",
+             "asynchronous.staleness=polynomial"]
+    run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / "local", run_id="x",
+                   federation=fed)
+    outcome = _ray(tmp_path / "ray", fed, ["resources.num_workers=2", "resources.cpus_per_worker=0.5", *extra])
+    assert outcome.status == "finished"
+    local, remote = results.load(tmp_path / "local"), results.load(tmp_path / "ray")
+    assert remote.clients["staleness"].max() > 0  # stale updates were applied
+    _same(local, remote)
+
+
 def test_worker_killed_mid_round_is_replaced(tmp_path, fed, local_run):
     killed = {}
 

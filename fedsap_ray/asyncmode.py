@@ -1,0 +1,268 @@
+"""Asynchronous training on the simulated device clock (``devices.mode=async``; docs/guides/device-time.md).
+
+FedBuff (Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggregation", Algorithm 1) on
+the device model of :mod:`fedsap_ray.devices`, with sub-models; ``buffer_size=1`` is FedAsync (Xie et al.
+2019) with FedBuff's delta update. Pure, no Ray: the backend is asked only ``backend.train(plans)``.
+
+The engine (:class:`AsyncServer`, one :meth:`~AsyncServer.round` call per server step):
+
+- ``concurrency`` clients train at once (Algorithm 1 line 2, "run clients concurrently"). A client started
+  when the server holds model version v (v server steps done) downloads that model, trains the sub-model
+  its strategy gives it for round v + 1 (:meth:`FedAvg.configure_clients`, so its plan, seed, learning rate,
+  mask and jitter are those of round v + 1 of a synchronous run), and finishes at
+  start + :func:`fedsap_ray.devices.client_time` (its speed, bandwidths, jitter). Unavailable clients
+  (:func:`fedsap_ray.devices.available` for round v + 1) are not started.
+- An event queue on simulated time holds the clients in flight, ordered by (finish time, client id), so
+  ties are broken by client id. Each arrival joins the buffer (or is discarded when staler than
+  ``max_staleness``: recorded as a ``straggler``); at the ``buffer_size``-th buffered arrival the server
+  takes a step (Algorithm 1 lines 10-13, below) and the version becomes v + 1.
+- Once every arrival of a simulated instant is processed, the freed slots start new clients at that same
+  instant on the model of that moment (the steps taken at the instant included). A client is busy from
+  its start until its update is applied or discarded, so it has one update in flight or buffered at
+  most, and trains at most once on each version.
+- Clients started at one instant do not depend on each other and go to ``backend.train`` together, so
+  the tables are those of the local backend on any backend. Selection is seeded: the first start of
+  version v draws from ``rng_for(seed, v + 1, -1, "sample")``, exactly a synchronous round's draw
+  (:meth:`Strategy.sample_clients`), later ones from ``rng_for(seed, v + 1, j, "async-sample")``.
+
+The server step (FedBuff Algorithm 1 line 11: Delta_bar = sum of the buffered s(tau_i) Delta_i; line 12:
+x <- x + eta_g Delta_bar), our reading with sub-models and sample counts: with Delta_i = y_i - x_{v_i}
+on client i's covered coordinates m_i (what it trained minus what it downloaded) and tau_i = V - v_i its
+staleness at the server's version V,
+
+    x_j <- x_j + eta_g * sum_i n_i s(tau_i) [m_i]_j Delta_ij / sum_i n_i [m_i]_j
+
+for every coordinate some buffered client covered (others keep their value bit for bit). It is computed
+by the strategy's own :meth:`merge` (:func:`fedsap_ray.aggregation.masked_weighted_average`, sample
+weights n_i) over the "recovered" values z_i = x|m_i + eta_g s(tau_i) Delta_i, whose coordinate-wise
+weighted mean is the line above; FedMP's R2SP merge then averages over every buffered client as it does
+synchronously. An update trained on the current version with eta_g s(tau_i) = 1 contributes its trained
+values themselves (z_i = y_i), so with equal device times, ``concurrency`` = a round's clients and
+``buffer_size`` = ``concurrency`` every step is the synchronous round, bit for bit
+(tests/test_asyncmode.py). FedBuff averages the buffer with weight 1/K; the sample-weighted,
+coordinate-wise mean is this simulator's aggregation rule and equals it for equal sample counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import numpy as np
+
+from fedsap_ray.devices import SimRound, available, client_time, round_size
+from fedsap_ray.errors import ConfigError
+from fedsap_ray.evaluate import evaluate_modes
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords, ServerState
+from fedsap_ray.results.recorder import PhaseTimes, RoundEvaluation, RoundSummary
+from fedsap_ray.seeding import rng_for
+from fedsap_ray.server import Server, _due
+from fedsap_ray.staleness import weight_for
+
+__all__ = ["AsyncServer", "AsyncStrategy", "Update"]
+
+PROGRESS = "  step: {updates_applied} updates, staleness mean {staleness_mean:.2f} max {staleness_max}"
+
+
+class AsyncStrategy(Protocol):
+    """What the asynchronous engine asks of a strategy besides :class:`~fedsap_ray.server.RoundStrategy`
+    (:class:`~fedsap_ray.algorithms.fedavg.FedAvg` and its supported subclasses have it)."""
+
+    def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]: ...
+
+    def merge(self, state: ServerState, results: list[ClientResult],
+              masks: dict[int, np.ndarray | None]) -> np.ndarray: ...
+
+    def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
+                        masks: dict[int, np.ndarray | None], t: int) -> Any: ...
+
+    def records(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                t: int) -> RoundRecords: ...
+
+    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]: ...
+
+    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int: ...
+
+
+@dataclass(frozen=True)
+class Update:
+    """One client's update from its start to its arrival: the version it downloaded (``base``: that version's
+    full parameter vector, never mutated), its plan and result, and its simulated start and finish."""
+
+    client_id: int
+    version: int
+    start_s: float
+    finish_s: float
+    base: np.ndarray
+    plan: ClientPlan
+    result: ClientResult
+    sim_s: float  # its simulated seconds (clients.sim_time_s): fedsap_ray.devices.client_time; finish = start + sim_s
+
+    def downloaded(self) -> np.ndarray:
+        """The values it downloaded at its covered coordinates (what its delta is taken from)."""
+        return self.base if self.plan.mask is None else self.base[self.plan.mask]
+
+
+class AsyncServer(Server):
+    """The asynchronous engine (module docstring); ``round(state, t)`` runs until server step ``t`` and
+    records it as round ``t`` of every table."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = self.ctx.cfg
+        self.acfg = cfg.asynchronous
+        n = len(self.ctx.federation.clients)
+        self.concurrency = self.acfg.concurrency or round_size(cfg, n)
+        self.buffer_size = self.acfg.buffer_size or self.concurrency
+        self.astrategy = cast(AsyncStrategy, self.strategy)
+        self.now = 0.0  # the simulated clock: the instant of the last event
+        self.last_step_s = 0.0  # the instant of the last server step
+        self.flight: list[tuple[float, int, Update]] = []  # heap by (finish, client id)
+        self.buffer: list[Update] = []  # arrived since the last step, to be applied
+        self.discarded: list[Update] = []  # arrived since the last step, too stale (max_staleness)
+        self.dispatch_due = True  # start clients before the next arrival (the run's start, after a step)
+        self.dispatch_version, self.dispatch_index = -1, 0  # starts on one version so far (selection seeds)
+        self.train_s = 0.0  # wall seconds in backend.train since the last step
+
+    # --- the event loop --------------------------------------------------------------------------
+    def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
+        """Process arrivals in simulated-time order until the ``buffer_size``-th buffered one; take step ``t``."""
+        if state.round != t - 1:
+            raise RuntimeError(f"server step {t} from model version {state.round}")
+        t0 = time.perf_counter()
+        if self.dispatch_due:
+            self._dispatch(state)
+            self.dispatch_due = False
+        while True:
+            if not self.flight:
+                raise self._stalled(state)
+            _, _, u = heapq.heappop(self.flight)
+            self.now = u.finish_s
+            staleness = state.round - u.version
+            limit = self.acfg.max_staleness
+            (self.discarded if limit is not None and staleness > limit else self.buffer).append(u)
+            instant_done = not self.flight or self.flight[0][0] != self.now
+            if len(self.buffer) >= self.buffer_size:
+                # the instant's other arrivals come first in the next call; then the freed slots start
+                self.dispatch_due = instant_done
+                return self._step(state, t, t0)
+            if instant_done:
+                self._dispatch(state)
+
+    def _dispatch(self, state: ServerState) -> None:
+        """Start clients in the free slots, at ``self.now``, on ``state`` (module docstring: who, which seeds)."""
+        free = self.concurrency - len(self.flight)
+        if free <= 0:
+            return
+        cfg, v = self.ctx.cfg, state.round
+        t = v + 1
+        if v != self.dispatch_version:
+            self.dispatch_version, self.dispatch_index = v, 0
+        busy = {u.client_id for _, _, u in self.flight} | {u.client_id for u in self.buffer}
+        pool = [c for c in available(cfg, self.clock.devices, t) if c not in busy]
+        m = min(free, len(pool))
+        if m == 0:
+            return
+        if m >= len(pool):
+            chosen = pool
+        else:
+            j = self.dispatch_index
+            rng = rng_for(cfg.seed, t, -1, "sample") if j == 0 else rng_for(cfg.seed, t, j, "async-sample")
+            chosen = sorted(int(pool[i]) for i in rng.choice(len(pool), size=m, replace=False))
+        self.dispatch_index += 1
+        plans = self.astrategy.configure_clients(state, t, chosen)
+        t_train = time.perf_counter()
+        results = self.backend.train(plans)
+        self.train_s += time.perf_counter() - t_train
+        missing = set(plans) - {r.client_id for r in results}
+        if missing:
+            raise RuntimeError(f"server step {t}: no result from clients {sorted(missing)}")
+        for r in sorted(results, key=lambda r: r.client_id):
+            plan = plans[r.client_id]
+            sim_s = client_time(cfg, self.clock.devices[r.client_id], t, r.client_id,
+                                self.astrategy.train_macs(plan, r), plan.bytes_down, r.bytes_up + plan.side_bytes_up)
+            u = Update(r.client_id, v, self.now, self.now + sim_s, state.params, plan, r, sim_s)
+            heapq.heappush(self.flight, (u.finish_s, u.client_id, u))
+
+    def _stalled(self, state: ServerState) -> Exception:
+        """Nothing in flight and no client to start: only unavailable clients can cause it (buffer_size <=
+        data.num_clients, and a client whose update waits in the buffer is the only other idle one)."""
+        dev = self.ctx.cfg.devices
+        where = (f"at simulated time {self.now:.6g}s no client is in flight and none can start on model version "
+                 f"{state.round} (buffer {len(self.buffer)}/{self.buffer_size}: the other clients are unavailable)")
+        if dev.availability < 1 or dev.trace is not None:
+            return ConfigError(f"invalid devices.availability={dev.availability}: {where}; raise the availability "
+                               "(or the trace's), or lower asynchronous.buffer_size")
+        return RuntimeError(where)
+
+    # --- the server step -----------------------------------------------------------------------------
+    def _step(self, state: ServerState, t: int, t0: float) -> tuple[ServerState, RoundSummary]:
+        """Apply the buffer to ``state`` (module docstring), evaluate, record step ``t`` as round ``t``."""
+        applied = sorted(self.buffer, key=lambda u: u.client_id)
+        dropped = sorted(self.discarded, key=lambda u: u.client_id)
+        self.buffer, self.discarded = [], []
+        s = self.astrategy
+        eta = float(self.acfg.server_lr)
+        stal = {u.client_id: state.round - u.version for u in [*applied, *dropped]}
+        weight = {u.client_id: weight_for(self.acfg, stal[u.client_id]) for u in applied}
+        recovered = [dataclasses.replace(u.result, values=self._recovered(state, u, eta * weight[u.client_id]))
+                     for u in applied]
+        masks = {u.client_id: u.plan.mask for u in applied}
+        params = s.merge(state, recovered, masks)
+        new_state = ServerState(round=t, params=params,
+                                strategy_state=s.after_aggregate(state, params, recovered, masks, t))
+        plans = {u.client_id: u.plan for u in applied}
+        records = s.records(new_state, plans, [u.result for u in applied], t)
+        clients = {cid: dict(row) for cid, row in records.clients.items()}
+        for u in applied:
+            clients[u.client_id].update(version_trained=u.version, version_applied=state.round,
+                                        staleness=stal[u.client_id], sim_arrival_s=u.finish_s,
+                                        staleness_weight=weight[u.client_id])
+        for u in dropped:
+            clients[u.client_id] = {**s.spent(u.plan, u.result), "version_trained": u.version, "version_applied": None,
+                                    "staleness": stal[u.client_id], "sim_arrival_s": u.finish_s,
+                                    "staleness_weight": None}
+        applied_stal = [stal[u.client_id] for u in applied]
+        columns = dict(records.rounds, updates_applied=len(applied),
+                       staleness_mean=float(np.mean(applied_stal)) if applied_stal else None,
+                       staleness_max=max(applied_stal) if applied_stal else None)
+        records = dataclasses.replace(records, rounds=columns, clients=clients, progress=records.progress + PROGRESS)
+        self.recorder.cover(plans)  # coverage counts the updates that reached the model
+        every = [*applied, *dropped]
+        sim = SimRound({u.client_id: u.sim_s for u in every}, frozenset(u.client_id for u in dropped),
+                       self.now - self.last_step_s)
+        self.last_step_s = self.now
+        ev, eval_s = self._evaluate(new_state, t)
+        total = time.perf_counter() - t0
+        times = PhaseTimes(train_s=self.train_s, eval_s=eval_s, server_s=max(total - self.train_s - eval_s, 0.0))
+        self.train_s = 0.0
+        summary = self.recorder.record(t, {u.client_id: u.plan for u in every},
+                                       sorted((u.result for u in every), key=lambda r: r.client_id),
+                                       records, ev, times, sim)
+        return new_state, summary
+
+    @staticmethod
+    def _recovered(state: ServerState, u: Update, factor: float) -> np.ndarray:
+        """z = x|m + factor (y - x_v|m): the values whose weighted mean applies ``factor`` x the update's delta
+        to the current model; the trained values themselves when fresh with factor 1 (module docstring)."""
+        if u.version == state.round and factor == 1.0:
+            return u.result.values
+        current = state.params if u.plan.mask is None else state.params[u.plan.mask]
+        delta = u.result.values.astype(np.float64) - u.downloaded().astype(np.float64)
+        return (current.astype(np.float64) + factor * delta).astype(np.float32)
+
+    def _evaluate(self, state: ServerState, t: int) -> tuple[RoundEvaluation, float]:
+        """Server step ``t``'s evaluation (every ``training.eval_every`` steps and the last), as the synchronous
+        round evaluates: (the evaluation, its wall seconds)."""
+        cfg = self.ctx.cfg
+        if not _due(t, cfg.training.eval_every, cfg.training.rounds):
+            return RoundEvaluation(), 0.0
+        t0 = time.perf_counter()
+        by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout, self.strategy.eval_sets(state, self.eval_domains),
+                                 self.ctx.federation.test, self.device)
+        deployed = (self._evaluate_deployed(state)
+                    if _due(t, cfg.training.deployed_every, cfg.training.rounds) and cfg.training.eval_deployed else {})
+        return RoundEvaluation(by_mode=by_mode, deployed=deployed), time.perf_counter() - t0
