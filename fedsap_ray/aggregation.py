@@ -72,6 +72,7 @@ def masked_weighted_average(
                     a += weight * values[lo:hi].astype(np.float64)
                     w += weight
                 else:
+                    assert off is not None  # a masked contribution has its offsets (_offsets)
                     v = values[off[k]:off[k + 1]]
                     if v.size:
                         # the packed values spread over the piece, +0.0 elsewhere: adding weight * +0.0 leaves

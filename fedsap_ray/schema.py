@@ -431,7 +431,7 @@ class DevicesConfig:
     mode: str = "sync"
 
     def __post_init__(self) -> None:
-        _check_choice("devices.mode", self.mode, DEVICE_MODES)
+        check_choice("devices.mode", self.mode, DEVICE_MODES)
         for f, (low, high) in DEVICE_RANGES.items():
             v = getattr(self, f)
             if not (isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high):  # NaN: False
@@ -482,15 +482,15 @@ class AsyncConfig:
         for f in ("concurrency", "buffer_size"):
             v = getattr(self, f)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                _fail(f"asynchronous.{f}", v, "must be null or an integer >= 1")
-        _check_choice("asynchronous.staleness", self.staleness, STALENESS_RULES)
+                fail(f"asynchronous.{f}", v, "must be null or an integer >= 1")
+        check_choice("asynchronous.staleness", self.staleness, STALENESS_RULES)
         if self.staleness_a is not None:
-            _check_pos("asynchronous.staleness_a", self.staleness_a)
-        _check_pos("asynchronous.staleness_b", self.staleness_b, allow_zero=True)
-        _check_pos("asynchronous.server_lr", self.server_lr)
+            check_positive("asynchronous.staleness_a", self.staleness_a)
+        check_positive("asynchronous.staleness_b", self.staleness_b, allow_zero=True)
+        check_positive("asynchronous.server_lr", self.server_lr)
         if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
                                                or isinstance(self.max_staleness, bool) or self.max_staleness < 0):
-            _fail("asynchronous.max_staleness", self.max_staleness, "must be null or an integer >= 0")
+            fail("asynchronous.max_staleness", self.max_staleness, "must be null or an integer >= 0")
 
 
 def check_async(cfg: ExperimentConfig) -> None:
@@ -502,23 +502,23 @@ def check_async(cfg: ExperimentConfig) -> None:
         default = AsyncConfig()
         for f in dataclasses.fields(AsyncConfig):
             if getattr(a, f.name) != getattr(default, f.name):
-                _fail(f"asynchronous.{f.name}", getattr(a, f.name),
+                fail(f"asynchronous.{f.name}", getattr(a, f.name),
                       f"read only with devices.mode=async (the mode is {cfg.devices.mode}); set devices.mode=async "
                       "or leave it out")
         return
     if cfg.devices.policy != "wait_all":
-        _fail("devices.policy", cfg.devices.policy, "devices.mode=async has no rounds to wait for: use wait_all "
+        fail("devices.policy", cfg.devices.policy, "devices.mode=async has no rounds to wait for: use wait_all "
                                                     "(stale updates are bounded by asynchronous.max_staleness)")
     for name in ("concurrency", "buffer_size"):
         v = getattr(a, name)
         if v is not None and v > n:
-            _fail(f"asynchronous.{name}", v, f"must be at most data.num_clients={n} (a client trains one update at a time)")
+            fail(f"asynchronous.{name}", v, f"must be at most data.num_clients={n} (a client trains one update at a time)")
     strategy = registry.STRATEGIES.get(cfg.algorithm.name)
     refusal = strategy.async_support(cfg.algorithm.opts)
     if refusal is not None:
         supported = [m for m in registry.STRATEGIES.names()
                      if registry.STRATEGIES.get(m).async_support(registry.STRATEGIES.get(m).Options()) is None]
-        _fail("algorithm.name", cfg.algorithm.name, f"devices.mode=async does not support {cfg.algorithm.name}: "
+        fail("algorithm.name", cfg.algorithm.name, f"devices.mode=async does not support {cfg.algorithm.name}: "
                                                     f"{refusal}; supported: {', '.join(supported)}")
 
 

@@ -78,7 +78,9 @@ class RoundArrays:
 
 def pack(plans: Sequence[ClientPlan], shared: RoundArrays) -> Batch:
     """One worker's plans as a :class:`Batch` whose arrays are registered in ``shared`` (the round's)."""
-    stubs, keys, sizes = [], {}, {}
+    stubs: list[PlanStub] = []
+    keys: dict[int, None] = {}  # insertion-ordered set of the shared arrays used
+    sizes: dict[int, int] = {}
     for p in plans:
         v = shared.key(p.params)
         keys[v] = None
