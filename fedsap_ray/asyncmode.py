@@ -59,7 +59,7 @@ from fedsap_ray.evaluate import evaluate_modes
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords, ServerState
 from fedsap_ray.results.recorder import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.seeding import rng_for
-from fedsap_ray.server import Server, _due
+from fedsap_ray.server import Server, due
 from fedsap_ray.staleness import weight_for
 
 __all__ = ["AsyncServer", "AsyncStrategy", "Update"]
@@ -258,11 +258,11 @@ class AsyncServer(Server):
         """Server step ``t``'s evaluation (every ``training.eval_every`` steps and the last), as the synchronous
         round evaluates: (the evaluation, its wall seconds)."""
         cfg = self.ctx.cfg
-        if not _due(t, cfg.training.eval_every, cfg.training.rounds):
+        if not due(t, cfg.training.eval_every, cfg.training.rounds):
             return RoundEvaluation(), 0.0
         t0 = time.perf_counter()
         by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout, self.strategy.eval_sets(state, self.eval_domains),
                                  self.ctx.federation.test, self.device)
         deployed = (self._evaluate_deployed(state)
-                    if _due(t, cfg.training.deployed_every, cfg.training.rounds) and cfg.training.eval_deployed else {})
+                    if due(t, cfg.training.deployed_every, cfg.training.rounds) and cfg.training.eval_deployed else {})
         return RoundEvaluation(by_mode=by_mode, deployed=deployed), time.perf_counter() - t0

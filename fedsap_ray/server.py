@@ -37,7 +37,7 @@ from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEva
 from fedsap_ray.results.writer import RunWriter
 from fedsap_ray.seeding import rng_for
 
-__all__ = ["DEPLOYED", "Backend", "RoundStrategy", "RoundSummary", "Server", "deployed_sample"]
+__all__ = ["DEPLOYED", "Backend", "RoundStrategy", "RoundSummary", "Server", "deployed_sample", "due"]
 
 
 class RoundStrategy(Protocol):
@@ -128,13 +128,13 @@ class Server:
         new_state = out.state
         t_aggregated = clock()
         cfg = self.ctx.cfg
-        evaluated = _due(t, cfg.training.eval_every, cfg.training.rounds)
+        evaluated = due(t, cfg.training.eval_every, cfg.training.rounds)
         by_mode: dict[str, dict[str, tuple[float, float]]] = {}
         if evaluated:
             by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout,
                                      self.strategy.eval_sets(new_state, self.eval_domains),
                                      self.ctx.federation.test, self.device)
-        deployed_now = _due(t, cfg.training.deployed_every, cfg.training.rounds)
+        deployed_now = due(t, cfg.training.deployed_every, cfg.training.rounds)
         deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
                     else {})
         ev = RoundEvaluation(by_mode=by_mode, deployed=deployed)
@@ -159,7 +159,7 @@ class Server:
                                  fed.num_classes, weights, bn_data, sliced=self.ctx.cfg.training.submodel == "sliced")
 
 
-def _due(t: int, every: int, rounds: int) -> bool:
+def due(t: int, every: int, rounds: int) -> bool:
     """Whether round ``t`` is one of every ``every``-th rounds or the last (eval_every, deployed_every)."""
     return t % every == 0 or t == rounds
 
