@@ -9,7 +9,8 @@
         records.clients += strategy.spent(plan, result) of each straggler           # what it spent, recorded
     else:
         state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: ServerState + RoundRecords
-    evaluation     = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
+    if due(t, training.eval_every):                            # and always the last round
+        evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
     summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
 Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.messages.RoundOutput`
