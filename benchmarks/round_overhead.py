@@ -235,10 +235,11 @@ def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
         res = results.load(out)
     clients, rounds = res.clients, res.rounds
     compute = clients.groupby("round")["wall_s"].sum().sort_index().tolist()
-    moved = rounds[rounds["round"] > 1].groupby("round")[["backend_bytes_down", "backend_bytes_up"]].first()
-    return {"ends": ends, "train_loss": losses, "client_compute": compute,
-            "workers_seen": int(clients["worker"].nunique()),
-            "bytes_down": int(moved["backend_bytes_down"].mean()), "bytes_up": int(moved["backend_bytes_up"].mean())}
+    out = {"ends": ends, "train_loss": losses, "client_compute": compute, "workers_seen": int(clients["worker"].nunique())}
+    if "backend_bytes_down" in rounds:  # not in a checkout before issue 42 (this file can measure one: PYTHONPATH)
+        moved = rounds[rounds["round"] > 1].groupby("round")[["backend_bytes_down", "backend_bytes_up"]].first()
+        out.update(bytes_down=int(moved["backend_bytes_down"].mean()), bytes_up=int(moved["backend_bytes_up"].mean()))
+    return out
 
 
 # ----------------------------------------------------------------------------------------
