@@ -51,13 +51,29 @@ def test_a_falling_loss_above_chance_passes():
     assert learning.flagged_runs(res).empty
 
 
-@pytest.mark.parametrize("losses", [[2.3, 2.3, 2.31, 2.3, 2.3], [2.3, 2.0, 2.4, 2.6, 2.35], [2.3, 2.2, 2.25, 2.22, 2.2]])
+@pytest.mark.parametrize("losses", [[2.3, 2.3, 2.31, 2.3, 2.3], [2.3, 2.0, 2.4, 2.6, 2.35], [2.4, 2.3, 2.29, 2.27, 2.26],
+                                    [1.2, 2.3, 2.0, 2.2, 2.3]])
 def test_a_flat_or_rising_loss_is_flagged(losses):
-    """Flat, rising, or falling by less than 5% of round 1 (2.3 -> 2.2 is 4.3%): flagged, accuracy or not."""
+    """Flat, rising, or falling by less than 2% of round 2's (2.3 -> 2.26 is 1.7%): flagged, accuracy or not."""
     flagged = learning.flagged_runs(_res(_run("fedprox-s1", losses, [0.3] * 5, algorithm="fedprox", seed=1)))
     assert flagged.to_dict("records") == [dict(run_id="fedprox-s1", algorithm="fedprox", seed=1,
                                                reason=flagged.loc[0, "reason"])]
-    assert flagged.loc[0, "reason"].startswith("training loss does not fall: 2.300 at round 1")
+    assert flagged.loc[0, "reason"].startswith(f"training loss does not fall: {losses[1]:.3f} at round 2, "
+                                               f"{losses[-1]:.3f} at round 5 (must end at least 2% lower)")
+
+
+def test_the_loss_is_read_from_round_2():
+    """Round 2 is the reference: a loss that gains its method's extra terms in round 2 (FPL's prototypes) and falls
+    from there passes; one that fell only from round 1 to 2 (MOON's constant first-round term) and then stays is
+    flagged. ``from_round=1`` reads it from round 1."""
+    fpl = _res(_run("fpl-s0", [2.24, 4.47, 4.35, 4.09, 3.76], [0.3] * 5, algorithm="fpl"))
+    assert learning.flagged_runs(fpl).empty
+    assert "does not fall" in learning.flagged_runs(fpl, from_round=1).loc[0, "reason"]
+    moon = _res(_run("moon-s2", [5.75, 4.2, 4.52, 4.46, 4.23], [0.3] * 5, algorithm="moon", seed=2))
+    assert learning.flagged_runs(moon).loc[0, "reason"].startswith("training loss does not fall: 4.200 at round 2")
+    assert learning.flagged_runs(moon, from_round=1).empty
+    v = learning.run_verdicts(_res(_run("r", FALLING, [0.3] * 5)))
+    assert (v.loc[0, "first_loss"], v.loc[0, "last_loss"]) == (1.9, 1.0)
 
 
 def test_chance_accuracy_is_flagged_with_the_stated_margin():
@@ -95,7 +111,7 @@ def test_unfinished_nan_and_unevaluated_runs_are_flagged():
     assert reasons["a-s0"] == "status 'failed', not finished"
     assert reasons["b-s0"].startswith("training loss not finite")  # NaN rounds skipped, the last one is inf
     assert reasons["c-s0"] == "no evaluated round: accuracy unknown"
-    assert reasons["d-s0"].startswith("training loss recorded in 1 round(s)")
+    assert reasons["d-s0"].startswith("training loss recorded in 0 round(s) from round 2 on")
 
 
 def test_several_reasons_are_joined_and_every_run_is_named():
@@ -110,7 +126,7 @@ def test_several_reasons_are_joined_and_every_run_is_named():
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_classes=1), dict(num_classes=True), dict(margin=-0.1),
-                                    dict(margin=0.9), dict(min_drop=1.0)])
+                                    dict(margin=0.9), dict(min_drop=1.0), dict(from_round=0)])
 def test_bad_arguments_are_refused(kwargs):
     with pytest.raises(ValueError, match="invalid " + next(iter(kwargs))):
         learning.run_verdicts(_res(_run("r", FALLING, [0.5] * 5)), **kwargs)
@@ -127,22 +143,24 @@ def test_command_line_exit_codes(tmp_path, capsys):
     run_experiment(cfg, tmp_path / "out", run_id="fedavg-s0")
     v = learning.run_verdicts(tmp_path / "out")
     assert list(v["run_id"]) == ["fedavg-s0"] and list(v["algorithm"]) == ["fedavg"] and list(v["seed"]) == [cfg.seed]
-    lenient = ["--margin", "0", "--min-drop", "0", "--num-classes", "1000"]  # anything above 0.1% passes
+    lenient = ["--margin", "0", "--min-drop", "0", "--num-classes", "1000", "--from-round", "1"]  # above 0.1% passes
     code_lenient = learning.main([str(tmp_path / "out"), *lenient])
     out = capsys.readouterr().out
     assert (code_lenient == 0) == (not learning.run_verdicts(tmp_path / "out", num_classes=1000, margin=0.0,
-                                                             min_drop=0.0)["flagged"].any())
+                                                             min_drop=0.0, from_round=1)["flagged"].any())
     assert out.splitlines()[-1] in ("every run learns (1 runs)", "1 of 1 runs flagged")
     strict = learning.main([str(tmp_path / "out"), "--margin", "0.89"])  # must exceed 99%: flagged
     out = capsys.readouterr().out
     assert strict == 1 and out.startswith(f"FLAGGED fedavg-s0 (fedavg, seed {cfg.seed}): ") and "accuracy at chance" in out
     for argv in ([str(tmp_path / "missing")], [str(tmp_path / "out"), "--num-classes", "1"],
-                 [str(tmp_path / "out"), "--margin", "0.95"], [str(tmp_path / "out"), "--min-drop", "1"]):
+                 [str(tmp_path / "out"), "--margin", "0.95"], [str(tmp_path / "out"), "--min-drop", "1"],
+                 [str(tmp_path / "out"), "--from-round", "0"]):
         with pytest.raises(SystemExit) as e:
             learning.main(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no such folder" in err and "invalid --num-classes=1" in err and "invalid --min-drop=1.0" in err
+    assert "invalid --from-round=0" in err
     assert np.isfinite(v.loc[0, "first_loss"])
 
 
