@@ -102,6 +102,20 @@ def test_the_final_round_decides_and_the_best_model_counts():
     assert learning.run_verdicts(sparse).loc[0, "final_round"] == 4 and learning.flagged_runs(sparse).empty
 
 
+def test_upto_round_judges_a_long_run_on_its_first_rounds():
+    """MOON's collapsed device-time run in miniature: at chance for five rounds, then creeping to 21%: it passes at
+    its last round and is flagged on its first five (upto_round=5); upto_round must exceed from_round."""
+    losses = [5.75, 4.2, 4.52, 4.46, 4.23] + [4.1] * 19 + [4.06]
+    accs = [0.1] * 5 + [0.12] * 19 + [0.213]
+    res = _res(_run("moon-s2", losses, accs, algorithm="moon", seed=2))
+    assert learning.flagged_runs(res).empty
+    reason = learning.flagged_runs(res, upto_round=5).loc[0, "reason"]
+    assert reason.startswith("training loss does not fall: 4.200 at round 2, 4.230 at round 5")
+    assert "accuracy at chance: best model (global) 10.0% at round 5" in reason
+    with pytest.raises(ValueError, match="invalid upto_round=2"):
+        learning.run_verdicts(res, upto_round=2)
+
+
 def test_unfinished_nan_and_unevaluated_runs_are_flagged():
     res = _res(_run("a-s0", FALLING, [0.5] * 5, status="failed"),
                _run("b-s0", [2.3, 2.0, math.nan, 1.5, math.inf], [0.5] * 5, algorithm="b"),
@@ -154,13 +168,13 @@ def test_command_line_exit_codes(tmp_path, capsys):
     assert strict == 1 and out.startswith(f"FLAGGED fedavg-s0 (fedavg, seed {cfg.seed}): ") and "accuracy at chance" in out
     for argv in ([str(tmp_path / "missing")], [str(tmp_path / "out"), "--num-classes", "1"],
                  [str(tmp_path / "out"), "--margin", "0.95"], [str(tmp_path / "out"), "--min-drop", "1"],
-                 [str(tmp_path / "out"), "--from-round", "0"]):
+                 [str(tmp_path / "out"), "--from-round", "0"], [str(tmp_path / "out"), "--upto-round", "2"]):
         with pytest.raises(SystemExit) as e:
             learning.main(argv)
         assert e.value.code == 2
     err = capsys.readouterr().err
     assert "no such folder" in err and "invalid --num-classes=1" in err and "invalid --min-drop=1.0" in err
-    assert "invalid --from-round=0" in err
+    assert "invalid --from-round=0" in err and "invalid --upto-round=2" in err
     assert np.isfinite(v.loc[0, "first_loss"])
 
 
