@@ -24,12 +24,13 @@ model, with no gradients. How their BatchNorm layers normalise is ``algorithm.fr
 
 - ``train`` (default): with the statistics of the batch being contrasted, as a module in train
   mode does. This is what the code base papers/000 follows does: WenkeHuang/RethinkFL
-  ``models/moon.py`` (and jyzgh/DapperFL, built on it) deep-copies the global and previous nets
-  and never calls ``.eval()`` on them (``_train_net`` runs ``global_net.features`` and
-  ``prev_net.features`` as they are; ``utils/training.py`` ``global_evaluate`` puts the global net
-  back in its former mode, ``net.train(status)``, after testing), so they run in train mode
-  during local training. Each frozen copy is put in eval mode (no dropout; our models
-  have none) and its BatchNorm layers lose their running-statistics buffers
+  ``models/moon.py`` (the FPL code base the DapperFL code is built on; jyzgh/DapperFL ships no
+  MOON module of its own) deep-copies the global and previous nets and never calls ``.eval()`` on
+  them (``_train_net`` runs ``global_net.features`` and ``prev_net.features`` as they are;
+  ``utils/training.py`` ``global_evaluate`` puts the global net back in its former mode,
+  ``net.train(status)``, after testing), so they run in train mode during local training.
+  Each frozen copy is put in eval mode (no dropout; our models have none) and its BatchNorm
+  layers lose their running-statistics buffers
   (``running_mean``/``running_var``/``num_batches_tracked`` set to None): PyTorch's BatchNorm then
   normalises with the batch statistics (``torch.nn.modules.batchnorm._BatchNorm.forward``:
   ``bn_training`` is true when both running buffers are None) and has nothing to update, so no
