@@ -14,11 +14,13 @@ does not. Minutes on 2 CPU cores (a laptop-preset MOON round is about 30 s of on
     python benchmarks/moon_frozen_bn.py                        # seed 2, 5 rounds, both readings
     python benchmarks/moon_frozen_bn.py --seed 0 --rounds 10 --out runs/moon_bn
 
-Its numbers are not the recorded study run's to the digit (that one ran as a sweep trial, at an earlier commit,
-and round 1 already differs: 10.6% global here against 9.2%; we have not traced why), but the collapse is the
-same: on 2026-12-03, ``--readings eval --rounds 3`` gave global 10.6 / 10.4 / 9.8% and deployed 14.5 / 12.9 / 10.0%,
-held-out cross-entropy 2.33 / 2.35 / 2.40 (flagged), where ``train`` reached 32.8% global and 39.9% deployed
-at round 3 (the device-time rerun of seed 2).
+On 2026-12-03 (AVX2 kernels), ``--readings train --rounds 3`` gave global 10.3 / 17.6 / 32.8% and deployed
+14.0 / 23.6 / 39.9%, equal to the digit to the device-time study's rerun of seed 2 (a sweep trial of the same
+config), and ``--readings eval --rounds 3`` gave global 10.6 / 10.4 / 9.8% and deployed 14.5 / 12.9 / 10.0%,
+held-out cross-entropy 2.33 / 2.35 / 2.40 (flagged at chance). The eval rows are not the recorded
+pre-issue-43 run's to the digit (docs/studies/runs/device-time/moon_frozen_eval, an earlier commit on
+another machine: 9.2% global at round 1; we have not traced which change or machine difference it is), but
+the collapse is the same.
 """
 from __future__ import annotations
 
