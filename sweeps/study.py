@@ -63,11 +63,13 @@ def add_common_args(p: argparse.ArgumentParser, *, study: str, default_preset: s
                                                           "exit: no Ray, nothing trained, --out not read")
 
 
-def options_from(args: argparse.Namespace, smoke: Sequence[str]) -> SweepOptions:
+def options_from(args: argparse.Namespace, smoke: Sequence[str], smoke_seeds: int = 1) -> SweepOptions:
+    """The sweep's options; ``--smoke-test`` keeps the first ``smoke_seeds`` seeds (one, but for a study whose point
+    is several seeds: sweeps/learning_check.py) and adds SMOKE_BASE, then the study's ``smoke`` overrides."""
     preset, seeds, extra = args.preset, list(args.seeds), list(args.overrides)
     server_cpus = args.server_cpus
     if args.smoke_test:
-        preset, seeds, extra = "smoke", seeds[:1], [*SMOKE_BASE, *smoke, *extra]
+        preset, seeds, extra = "smoke", seeds[:smoke_seeds], [*SMOKE_BASE, *smoke, *extra]
         # a smoke trial with worker actors fits one CPU (its server bundle 0.5 + 0.5 a worker); one that trains
         # in its own process (--workers-per-trial 0) keeps the whole CPU it uses: at 0.5, two such trials
         # shared each core and the sweep took longer (main_comparison --smoke-test on 2 cores: 75.9 s against
@@ -266,11 +268,11 @@ def print_plan(trials: list[dict[str, Any]], opts: SweepOptions, study: str) -> 
 
 
 def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, Sequence[str]], study: str,
-               default_preset: str, smoke: Sequence[str], report: Callable[[str], str]) -> int:
+               default_preset: str, smoke: Sequence[str], report: Callable[[str], str], smoke_seeds: int = 1) -> int:
     """The command line of every grid study: parse, run what is missing under Tune, print the table."""
     args = study_parser(doc=doc, variants=variants, study=study, default_preset=default_preset).parse_args(argv)
     try:
-        opts = options_from(args, smoke)
+        opts = options_from(args, smoke, smoke_seeds)
         chosen = args.variants
         check_overrides(args.overrides, variant_sets({v: variants[v] for v in chosen}))
         trials = grid_trials({v: variants[v] for v in chosen}, opts, study)

@@ -19,8 +19,32 @@ also what the FPL code base, on which the DapperFL code the FedSAP paper follows
 does for its MOON baseline (WenkeHuang/RethinkFL ``models/moon.py`` contrasts ``net.features``).
 
 Frozen models: both are built on the client from plan data, as deep copies of the scratch
-model, with no gradients and in eval mode (BatchNorm uses running statistics), as in the
-official code (QinbinLi/MOON ``main.py``: ``global_model.eval()``, previous nets ``.eval()``).
+model, with no gradients. How their BatchNorm layers normalise is ``algorithm.frozen_bn``
+(docs/readings.md, "MOON's frozen models"; issue 43):
+
+- ``train`` (default): with the statistics of the batch being contrasted, as a module in train
+  mode does. This is what the code base papers/000 follows does: WenkeHuang/RethinkFL
+  ``models/moon.py`` (the FPL code base the DapperFL code is built on; jyzgh/DapperFL ships no
+  MOON module of its own) deep-copies the global and previous nets and never calls ``.eval()`` on
+  them (``_train_net`` runs ``global_net.features`` and ``prev_net.features`` as they are;
+  ``utils/training.py`` ``global_evaluate`` puts the global net back in its former mode,
+  ``net.train(status)``, after testing), so they run in train mode during local training.
+  Each frozen copy is put in eval mode (no dropout; our models have none) and its BatchNorm
+  layers lose their running-statistics buffers
+  (``running_mean``/``running_var``/``num_batches_tracked`` set to None): PyTorch's BatchNorm then
+  normalises with the batch statistics (``torch.nn.modules.batchnorm._BatchNorm.forward``:
+  ``bn_training`` is true when both running buffers are None) and has nothing to update, so no
+  forward pass of a frozen copy can write statistics anywhere, let alone into the trained model or
+  what is uploaded. The output equals train mode's (train-mode BatchNorm normalises with the batch
+  statistics too; updating running statistics does not change the current output) and is a
+  deterministic function of the weights and the batch.
+- ``eval``: with the running statistics the copies received, i.e. the server's sample-weighted
+  average over clients and domains (the frozen global model) or the client's own (previous model),
+  as the official code does (QinbinLi/MOON ``main.py``: ``global_model.eval()``, previous nets
+  ``.eval()``), whose CNN for CIFAR-10 at mu = 5 has no BatchNorm. Our reading before issue 43: on the
+  ``laptop`` preset (ResNet10 with BatchNorm, four digit domains, mu = 5) seed 2 collapses to chance
+  from round 2, the contrastive term pulling every client toward a representation normalised with
+  statistics averaged across domains (issue 43 has the diagnosis).
 
 Previous model: clients are stateless here (any worker may run any client), so the server
 keeps every client's last trained model in ``ServerState.strategy_state["prev"]`` (client id ->
@@ -54,6 +78,8 @@ Defaults (``--set algorithm.<name>=``):
   WenkeHuang/RethinkFL ``utils/best_args.py``) runs MOON with mu = 5 on both Digits and
   Office-Caltech.
 
+- ``frozen_bn = train``: see "Frozen models" above and docs/readings.md.
+
 The local optimiser, epochs and learning rate come from the config like every baseline's.
 
 Compute: ``macs_per_sample`` is one forward pass of the full model (what the client runs at
@@ -72,11 +98,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_number
+from fedsap_ray.schema import check_choice, check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
@@ -93,13 +120,25 @@ def model_contrastive_loss(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
 
 
-def _frozen_copy(model: MaskableModel, layout: ParamLayout, values: np.ndarray) -> MaskableModel:
-    """A gradient-free eval-mode copy of ``model`` holding ``values`` (a full flat vector)."""
+FROZEN_BN = ("train", "eval")  # algorithm.frozen_bn: how the frozen copies' BatchNorm normalises (module docstring)
+
+
+def _frozen_copy(model: MaskableModel, layout: ParamLayout, values: np.ndarray, bn: str) -> MaskableModel:
+    """A gradient-free eval-mode copy of ``model`` holding ``values`` (a full flat vector); with ``bn="train"``
+    its BatchNorm layers normalise with batch statistics and hold no running statistics (module docstring)."""
+    if bn not in FROZEN_BN:
+        raise ValueError(f"frozen_bn must be one of {', '.join(FROZEN_BN)}, got {bn!r}")
     frozen = copy.deepcopy(model)
     layout.load_into(frozen, values)
     frozen.eval()
     for p in frozen.parameters():
         p.requires_grad_(False)
+    if bn == "train":
+        for m in frozen.modules():
+            if isinstance(m, _BatchNorm):  # no running buffers: batch statistics, nothing to update
+                m.running_mean = None
+                m.running_var = None
+                m.num_batches_tracked = None
     return frozen
 
 
@@ -108,6 +147,7 @@ class MoonPayload:
     mu: float  # weight of l_con (algorithm.mu)
     tau: float  # temperature (algorithm.tau)
     prev: np.ndarray | None = None  # the client's previous local model (float32, full layout); None: first time
+    frozen_bn: str = "train"  # BatchNorm of the frozen copies (algorithm.frozen_bn)
 
 
 @register_hook(HOOK)
@@ -121,7 +161,7 @@ class MoonObjective(ClientHook):
         super().__init__(plan, model, layout, device)
         self.mu, self.tau = self.payload.mu, self.payload.tau
         start = plan.start_vector()
-        self.glob = _frozen_copy(model, layout, start).to(device)
+        self.glob = _frozen_copy(model, layout, start, self.payload.frozen_bn).to(device)
         prev = self.payload.prev
         if prev is None:  # first participation: the global model is the previous one (module docstring)
             self.prev = None
@@ -130,7 +170,7 @@ class MoonObjective(ClientHook):
             if prev.dtype != np.float32 or prev.shape != (layout.size,):  # wire check: an array that arrived
                 raise ValueError(f"the moon payload's prev must be float32 of shape ({layout.size},), "
                                  f"got {prev.dtype} {prev.shape}")
-            self.prev = _frozen_copy(model, layout, prev).to(device)
+            self.prev = _frozen_copy(model, layout, prev, self.payload.frozen_bn).to(device)
 
     def representations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(z_glob, z_prev) of a batch, without gradients."""
@@ -160,10 +200,12 @@ class Moon(FedAvg):
     class Options:
         mu: float = 5.0  # weight of l_con (MOON Eq. 3; 5 as in the DapperFL code for Digits/Office)
         tau: float = 0.5  # temperature (MOON Section 4.1)
+        frozen_bn: str = "train"  # train: frozen copies' BN on batch statistics (papers/000's code base); eval: running stats
 
         def __post_init__(self) -> None:
             check_number("algorithm.mu", self.mu, 0)
             check_number("algorithm.tau", self.tau, 0, low_open=True)
+            check_choice("algorithm.frozen_bn", self.frozen_bn, FROZEN_BN)
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """samples_seen x (full forward + k frozen encoder forwards), k = 2, or 1 with no previous model
@@ -181,7 +223,8 @@ class Moon(FedAvg):
         prev = state.strategy_state["prev"].get(client_id)  # shared with the state, never mutated
         # a real MOON client keeps its previous model on the device: shipping it is a simulation
         # artefact (clients are stateless here), so it is not counted in bytes_down
-        return {"hooks": (call(MoonObjective, mu=float(self.opts.mu), tau=float(self.opts.tau), prev=prev),)}
+        return {"hooks": (call(MoonObjective, mu=float(self.opts.mu), tau=float(self.opts.tau), prev=prev,
+                                frozen_bn=self.opts.frozen_bn),)}
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:

@@ -13,11 +13,14 @@ from conftest import (assert_finite_global_accuracy, assert_options_rejected, as
                       two_runs_fixture)
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.moon import HOOK, MoonObjective, model_contrastive_loss
+from fedsap_ray.data.base import DomainData
+from fedsap_ray.models import build_model
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.errors import ConfigError
+from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.messages import ClientPlan
 
 TINY = tiny_overrides("moon", "data.num_clients=4", "training.rounds=2")
@@ -154,7 +157,88 @@ def test_server_stores_and_sends_each_clients_previous_model(tiny_fed):
 
 
 def test_options_are_validated():
-    assert_options_rejected(TINY, "algorithm.tau=0", "algorithm.mu=-1")
+    assert_options_rejected(TINY, "algorithm.tau=0", "algorithm.mu=-1", "algorithm.frozen_bn=batch")
+    with pytest.raises(ConfigError, match=r"invalid algorithm\.frozen_bn='running': allowed values are train, eval"):
+        build_config(preset="smoke", overrides=[*TINY, "algorithm.frozen_bn=running"])
+
+
+def test_frozen_bn_reaches_the_plan(tiny_fed):
+    """algorithm.frozen_bn travels in the moon payload: train by default, eval when set."""
+    for extra, want in (([], "train"), (["algorithm.frozen_bn=eval"], "eval")):
+        cfg = build_config(preset="smoke", overrides=[*TINY, *extra, "training.rounds=1"])
+        _, _, _, plans, _ = run_rounds_with_plans(cfg, tiny_fed, 1)
+        assert {p.payload(HOOK).frozen_bn for p in plans[0].values()} == {want}
+
+
+# --- the frozen copies' BatchNorm (algorithm.frozen_bn; issue 43) ------------------------------------
+def _bn_model() -> tuple[torch.nn.Module, ParamLayout, DomainData]:
+    """A seeded ResNet10 at 1/16 width (BatchNorm after every convolution) whose running statistics are far
+    from any batch's (what cross-domain averaging does to the server's), and 12 seeded 3x32x32 images."""
+    torch.manual_seed(0)
+    model = build_model("resnet10", num_classes=10, input_shape=(3, 32, 32), width_mult=1 / 16)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.fill_(3.0)
+            m.running_var.fill_(40.0)
+    g = torch.Generator().manual_seed(0)
+    data = DomainData(torch.randint(0, 256, (12, 3, 32, 32), dtype=torch.uint8, generator=g),
+                      torch.randint(0, 10, (12,), generator=g))
+    return model, ParamLayout.from_model(model), data
+
+
+def _features(model: torch.nn.Module, layout: ParamLayout, values: np.ndarray, x: torch.Tensor, train: bool):
+    m = copy.deepcopy(model)
+    layout.load_into(m, values)
+    m.train(train)
+    with torch.no_grad():
+        return m.forward_features(x)
+
+
+@pytest.mark.parametrize("frozen_bn", ["train", "eval"])
+def test_frozen_copies_normalise_as_the_option_says_and_write_no_statistics(frozen_bn):
+    """train: z_glob and z_prev are what a train-mode copy computes (batch statistics), bit for bit, and the
+    copies hold no running statistics, so their forward passes can update none; eval: what an eval-mode copy
+    computes (the running statistics they received). Either way the scratch model and the plan's values are
+    untouched and the representations are deterministic."""
+    model, layout, data = _bn_model()
+    x = data.x.float() / 255
+    g = layout.flatten(model)
+    prev = (g + 0.05 * np.random.default_rng(1).standard_normal(g.size)).astype(np.float32)
+    plan = _plan(layout, g.copy(), mu=5.0, tau=0.5, prev=prev.copy(), frozen_bn=frozen_bn)
+    before = layout.flatten(model)
+    obj = MoonObjective(plan, model, layout, torch.device("cpu"))
+    z_glob, z_prev = obj.representations(x)
+    train = frozen_bn == "train"
+    torch.testing.assert_close(z_glob, _features(model, layout, g, x, train), rtol=0, atol=0)
+    torch.testing.assert_close(z_prev, _features(model, layout, prev, x, train), rtol=0, atol=0)
+    other = _features(model, layout, g, x, not train)
+    assert float((z_glob - other).abs().max()) > 1e-2  # the two modes differ on these statistics
+    for frozen in (obj.glob, obj.prev):
+        assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+        bn_buffers = [n for n, _ in frozen.named_buffers() if n.rsplit(".", 1)[-1].startswith(("running_", "num_"))]
+        assert (bn_buffers == []) if train else len(bn_buffers) == 3 * sum(
+            isinstance(m, torch.nn.BatchNorm2d) for m in frozen.modules())
+    for _ in range(3):  # repeated passes: the same numbers, nothing written back
+        again = obj.representations(x)
+        torch.testing.assert_close(again[0], z_glob, rtol=0, atol=0)
+        torch.testing.assert_close(again[1], z_prev, rtol=0, atol=0)
+    np.testing.assert_array_equal(layout.flatten(model), before)
+    np.testing.assert_array_equal(plan.values, g)
+    np.testing.assert_array_equal(plan.payload(HOOK).prev, prev)
+
+
+def test_frozen_copies_in_train_mode_add_nothing_to_the_uploaded_statistics():
+    """At mu = 0 (the loss is cross-entropy; both frozen copies still run forward on every batch) a client on a
+    BatchNorm model uploads exactly what plain training uploads, running statistics included: the frozen copies'
+    batch-statistics passes reach neither the trained model's statistics nor the upload."""
+    model, layout, data = _bn_model()
+    g = layout.flatten(model)
+    prev = (g + 0.05 * np.random.default_rng(1).standard_normal(g.size)).astype(np.float32)
+    plain = train_client(_plan(layout, g), copy.deepcopy(model), layout, data)
+    moon = train_client(_plan(layout, g, mu=0.0, tau=0.5, prev=prev, frozen_bn="train"), copy.deepcopy(model),
+                        layout, data)
+    assert (~trainable_mask(layout, model)).sum() > 0  # the layout holds running statistics
+    np.testing.assert_array_equal(moon.values, plain.values)
 
 
 # --- public path ------------------------------------------------------------------------------
