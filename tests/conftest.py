@@ -34,7 +34,7 @@ INTEGRATION_MODULES = frozenset({
     "tests/runtime/test_ray.py", "tests/runtime/test_multinode.py", "tests/runtime/test_gpu.py",  # Ray
     "tests/runtime/test_reaper.py",  # killed drivers and their process groups
     "tests/sweeps/test_sweeps.py", "tests/sweeps/test_mask_stability_study.py",  # study scripts under Tune
-    "tests/test_cli.py",  # the console script as a subprocess, a Ray run from the command line
+    "tests/test_cli_subprocess.py",  # the console script as a subprocess, a Ray run from the command line
 })
 INTEGRATION_FIXTURES = frozenset({"smoke_study"})
 
@@ -235,7 +235,68 @@ def steady(df: pd.DataFrame) -> pd.DataFrame:
 
 
 # --------------------------------------------------------------------------------------------------
-# Study scripts (sweeps/*.py) run as users run them: a subprocess, its own local Ray
+# One local Ray for the session
+# --------------------------------------------------------------------------------------------------
+# The session's local Ray: a new one (address "local": never a cluster that RAY_ADDRESS or Ray's
+# current-cluster file names), two logical CPUs and two logical GPUs (the GPU-pinning test), bound to
+# 127.0.0.1, no dashboard, worker logs off the console, plans and results inline as
+# fedsap_ray.runtime.ray.connect carries them, in its own namespace (a test finds the backend's named worker
+# actors there).
+SESSION_RAY = {"address": "local", "num_cpus": 2, "num_gpus": 2, "include_dashboard": False, "_node_ip_address": "127.0.0.1",
+               "log_to_driver": False, "namespace": "fedsap-tests"}
+
+
+@pytest.fixture(scope="session")
+def _session_ray_owner():
+    """Shuts the session's Ray down at the end of the session (if it is running then)."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+@pytest.fixture
+def session_ray(_session_ray_owner):
+    """The session's one local Ray (:func:`start_session_ray`): every test that needs a local Ray of these
+    arguments shares it (tests/runtime/test_ray.py, the in-process smoke sweeps), paying Ray's start-up (and
+    its workers' imports) once. A module that needs Ray to itself (the four-node cluster,
+    tests/runtime/test_multinode.py) shuts it down first (:func:`stop_session_ray`); the next test that asks
+    for it starts it again."""
+    return start_session_ray()
+
+
+def start_session_ray():
+    """Start the session's Ray (:data:`SESSION_RAY`) unless a Ray is running; return the ``ray`` module.
+
+    Its workers import ``sweeps`` from this checkout (``PYTHONPATH``, as ``fedsap_ray.runtime.ray.connect``
+    sets it for a sweep driver); no reaper watches it: this process ends it (``_session_ray_owner``)."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        from fedsap_ray.runtime.ray import _INLINE_BYTES
+
+        old = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [old])])  # the raylet's, its workers'
+        try:
+            ray.init(**SESSION_RAY, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+        finally:
+            if old is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = old
+    return ray
+
+
+def stop_session_ray() -> None:
+    """Shut down the session's Ray (if running) before a module starts a Ray of its own; :func:`session_ray`
+    starts it again when a later test needs it."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+# --------------------------------------------------------------------------------------------------
+# Study scripts (sweeps/*.py): as users run them (a subprocess, its own local Ray), or their main() in this
+# process on the session's Ray
 # --------------------------------------------------------------------------------------------------
 
 
@@ -244,6 +305,39 @@ def run_study(study: str, *args: str, timeout: float = 900, cwd: Path = REPO) ->
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, str(REPO / "sweeps" / f"{study}.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def load_study(study: str):
+    """The module of ``sweeps/<study>.py``, loaded from its file (as the scripts are run: not as a package)."""
+    import importlib.util
+
+    path = REPO / "sweeps" / f"{study}.py"
+    spec = importlib.util.spec_from_file_location(f"sweep_{study}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run_study_in_process(study: str, *args: str) -> subprocess.CompletedProcess:
+    """``sweeps/<study>.py``'s ``main(ARGS)`` in this process, on the Ray already running here (the script's
+    ``run_trials`` joins a running Ray and leaves it running); its stdout and stderr captured and returned,
+    with its exit code, as a CompletedProcess like :func:`run_study`'s. Tune's SIGINT/SIGUSR1 handlers (it
+    installs them in the main thread and leaves them) are put back afterwards."""
+    import contextlib
+    import io
+    import signal
+
+    out, err = io.StringIO(), io.StringIO()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGUSR1)}
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = load_study(study).main(list(args))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([f"sweeps/{study}.py", *args], code, out.getvalue(), err.getvalue())
 
 
 def sweep_statuses(out: Path) -> dict[str, str]:
@@ -272,7 +366,11 @@ def wait_part_way(proc: subprocess.Popen, out: Path, timeout: float = 600, finis
         st = sweep_statuses(out)
         done = [k for k, v in st.items() if v == "finished"]
         if (done or not finished) and any(v == "running" for v in st.values()):
-            rounds = results.load(out).rounds
+            try:
+                rounds = results.load(out).rounds
+            except OSError:  # a rounds file listed, then replaced by its writer before it was read: look again
+                time.sleep(0.2)
+                continue
             mid = rounds[~rounds["run_id"].isin(done)]
             if len(mid) and 1 <= mid["round"].max() <= 3:
                 return
@@ -295,9 +393,15 @@ def check_complete(out: Path, expected_ids: set[str], rounds: int) -> results.Re
 
 
 @pytest.fixture(scope="session")
-def smoke_study(tmp_path_factory):
+def smoke_study(tmp_path_factory, _session_ray_owner):
     """``smoke_study(study)``: the results folder of ``sweeps/<study>.py --smoke-test``, run once per session
-    (the sweep tests and the notebook tests read the same folders).
+    (the sweep tests, the notebook tests and the documented commands read the same folders).
+
+    Each study's ``main`` runs in this process on the session's Ray (:func:`start_session_ray`,
+    :func:`run_study_in_process`): the same trials under Tune, the same folder and printed table, without
+    an interpreter, torch and Ray start-up per study. The script run as users run it (a subprocess starting
+    its own Ray, its exit code) is tested by tests/sweeps/test_sweeps.py (a failing trial, the Optuna study
+    across invocations, a killed driver) and tests/runtime/test_multinode.py (a killed sweep resumed).
 
     Every study trains its clients in the trial process (``--workers-per-trial 0``, as the documented commands
     do in CI): the same numbers, without an actor start per trial (about 40% of a smoke sweep's time on 2
@@ -308,12 +412,13 @@ def smoke_study(tmp_path_factory):
     def get(study: str) -> Path:
         if study not in done:
             out = tmp_path_factory.mktemp(f"smoke-{study}") / "out"
-            proc = run_study(study, "--smoke-test", "--workers-per-trial", "0", "--out", str(out))
+            start_session_ray()
+            proc = run_study_in_process(study, "--smoke-test", "--workers-per-trial", "0", "--out", str(out))
             assert proc.returncode == 0, f"{study} --smoke-test failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
             done[study] = (out, proc)
         return done[study][0]
 
-    get.proc = lambda study: done[study][1]  # the finished process (stdout holds the printed table)
+    get.proc = lambda study: done[study][1]  # the finished run (stdout holds the printed table)
     return get
 
 

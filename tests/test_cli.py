@@ -1,8 +1,13 @@
-"""The command line: every bad input exits 2 with one line; the smoke run writes Parquet."""
+"""The command line: every bad input exits 2 with one line; the smoke run writes Parquet.
+
+Every test here calls ``fedsap_ray.cli.main`` in this process (the function the console script and
+``python -m fedsap_ray`` call), its exit code and captured output asserted as a subprocess's would be; what
+only a subprocess shows (the entry points, their exit status reaching the shell, a local Ray started from the
+command line) is tests/test_cli_subprocess.py, in the integration tier."""
 from __future__ import annotations
 
 import subprocess
-import sys
+from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -10,14 +15,23 @@ import pytest
 
 from faultkit import TINY, runs_row, sets, tiny_run
 from fedsap_ray import results
+from fedsap_ray.cli import main
 from faultkit import cli as in_process
 
 
-def cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fedsap_ray", *args], capture_output=True, text=True, timeout=timeout)
+def cli(capsys, *args) -> subprocess.CompletedProcess:
+    """``fedsap_ray.cli.main(ARGS)`` in this process, as a CompletedProcess: the exit code a subprocess would
+    give (argparse's ``SystemExit`` included), its captured stdout and stderr."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 2
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["fedsap-ray", *args], code, out.out, out.err)
 
 
-@pytest.mark.parametrize("args, needle", [
+BAD_INPUT = [
     (["--set", "training.rounds=-1"], "training.rounds=-1"),
     (["--set", "algorithm.name=fedmagic"], "algorithm.name='fedmagic'"),
     (["--set", "capacity.keep_ratios=[0.5,0.5]"], "capacity.keep_ratios"),
@@ -25,34 +39,38 @@ def cli(*args, timeout=300):
     (["--set", "nonsense"], "KEY=VALUE"),
     (["--config", "/no/such.yaml"], "--config"),
     (["--resume", "no-such-run"], "--resume='no-such-run'"),
-])
-def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
-    r = cli("run", "--preset", "smoke", "--out", str(tmp_path), *args)
+]
+
+
+def one_line_refusal(r, needle, out: Path) -> None:
     assert r.returncode == 2, r.stderr
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and needle in lines[0], r.stderr
-    assert not (tmp_path / "runs").exists()  # rejected before any work
+    assert not (out / "runs").exists()  # rejected before any work
 
 
-def test_missing_dataset_files_exit_2(tmp_path):
-    r = cli("run", "--preset", "smoke", "--out", str(tmp_path / "o"), "--set", "data.name=cifar10",
+@pytest.mark.parametrize("args, needle", BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(args, needle, tmp_path, capsys):
+    one_line_refusal(cli(capsys, "run", "--preset", "smoke", "--out", str(tmp_path), *args), needle, tmp_path)
+
+
+def test_missing_dataset_files_exit_2(tmp_path, capsys):
+    r = cli(capsys, "run", "--preset", "smoke", "--out", str(tmp_path / "o"), "--set", "data.name=cifar10",
             "--set", "data.partition=dirichlet", "--set", f"data.root={tmp_path}")
     assert r.returncode == 2 and str(tmp_path) in r.stderr
 
 
-def test_smoke_run_writes_rounds(tmp_path):
-    r = cli("run", "--preset", "smoke", "--out", str(tmp_path), "--set", "training.rounds=2")
+def test_smoke_run_writes_rounds(tmp_path, capsys):
+    r = cli(capsys, "run", "--preset", "smoke", "--out", str(tmp_path), "--set", "training.rounds=2")
     assert r.returncode == 0, r.stderr
     assert "round 2/2" in r.stderr and "global acc" in r.stderr
     rounds = pd.read_parquet(tmp_path / "rounds")
     assert sorted(rounds["round"].unique()) == [1, 2]
 
 
-def test_closing_line_names_every_table_written(tmp_path):
+def test_closing_line_names_every_table_written(tmp_path, capsys):
     """HAS-FL writes allocations and no layers: the closing line lists exactly the tables on disk."""
-    from fedsap_ray import results
-
-    r = cli("run", "--preset", "smoke", "--out", str(tmp_path), "--quiet", "--set", "algorithm.name=hasfl",
+    r = cli(capsys, "run", "--preset", "smoke", "--out", str(tmp_path), "--quiet", "--set", "algorithm.name=hasfl",
             "--set", "training.rounds=1", "--set", "model.width_mult=0.0625", "--set", "data.max_test_per_domain=40",
             "--set", "training.max_steps_per_epoch=2")
     assert r.returncode == 0, r.stderr
@@ -61,24 +79,22 @@ def test_closing_line_names_every_table_written(tmp_path):
     assert r.stdout.rstrip().endswith(f"results in {tmp_path}/{{{','.join(on_disk)}}}"), r.stdout
 
 
-def test_print_config_and_listings():
-    r = cli("run", "--preset", "paper", "--print-config")
+def test_print_config_and_listings(capsys):
+    r = cli(capsys, "run", "--preset", "paper", "--print-config")
     assert r.returncode == 0 and '"local_epochs": 10' in r.stdout
-    r = cli("algorithms")
+    r = cli(capsys, "algorithms")
     assert r.returncode == 0 and "fedprox" in r.stdout and "mu=" in r.stdout
     from fedsap_ray import algorithms
 
     for name in algorithms.names():  # every registered strategy is listed with its one-line summary
         summary = algorithms.get(name).summary
         assert summary and f"{name:<14} {summary}" in r.stdout
-    r = cli("datasets")
+    r = cli(capsys, "datasets")
     assert r.returncode == 0 and "embedded_digits" in r.stdout
 
 
-def test_interrupted_cli_run_resumes(tmp_path):
+def test_interrupted_cli_run_resumes(tmp_path, capsys):
     """Resume from the command line: the stored config is used and the run finishes."""
-    import pyarrow.parquet as pq
-
     from fedsap_ray.config import build_config
     from fedsap_ray.experiment import run_experiment
 
@@ -89,22 +105,11 @@ def test_interrupted_cli_run_resumes(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         run_experiment(cfg, tmp_path, run_id="cut", progress=stop)
-    r = cli("run", "--out", str(tmp_path), "--resume", "cut")
+    r = cli(capsys, "run", "--out", str(tmp_path), "--resume", "cut")
     assert r.returncode == 0, r.stderr
     assert "round 2/3" in r.stderr and "round 1/3" not in r.stderr
     assert pq.read_table(tmp_path / "runs" / "cut.parquet").to_pylist()[0]["status"] == "finished"
     assert sorted(pd.read_parquet(tmp_path / "rounds")["round"].unique()) == [1, 2, 3]
-
-
-def test_ray_backend_smoke_from_the_cli(tmp_path):
-    pytest.importorskip("ray")
-    r = cli("run", "--preset", "smoke", "--backend", "ray", "--out", str(tmp_path), "--set", "training.rounds=2",
-            "--set", "resources.cpus_per_worker=1", timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "round 2/2" in r.stderr
-    clients = pd.read_parquet(tmp_path / "clients")
-    assert clients["worker"].str.startswith("fedsap-").all()
-    assert pd.read_parquet(tmp_path / "runs").loc[0, "backend"] == "ray"
 
 
 def test_a_resume_keeps_the_stored_config_json_byte_for_byte(tmp_path, capsys):

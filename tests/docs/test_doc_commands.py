@@ -14,6 +14,15 @@ GitHub does not render); docs/guides/development.md#documented-commands-run-in-c
 session's ``smoke_study`` fixture, shared with the sweep and notebook tests) to PATH first;
 ``shared-data`` skips the block when ../shared/data is missing. The blocks of one page run in order
 in one temporary working directory that links the repository's code folders and sees ../shared.
+
+A command that is one call of this project's code (``fedsap-ray ...``, ``python -m MODULE ...``,
+``python -c CODE``, ``python FILE.py ...``, a ``python`` block, a study script's ``--dry-run``) runs in
+this process through the same ``main`` or ``__main__`` code the interpreter would run
+(:func:`run_in_process`: the page's working directory, its argv, captured output, the exit code a
+subprocess would give), which saves each command an interpreter and torch start-up (about 4.4 s). Shell
+pipelines, redirections, expansions, non-Python tools and anything that would start Ray (a sweep under
+Tune, a ``--backend ray`` run) run in ``bash`` as written. The console script itself (``fedsap-ray`` on
+PATH, its exit code) is tested as a subprocess in tests/test_cli_subprocess.py.
 """
 from __future__ import annotations
 
@@ -183,9 +192,9 @@ def rewrite(segment: list[str], mode: str, where: str) -> list[str] | None:
 
 
 def commands(b: Block) -> list[str | list[str]]:
-    """What CI runs for a bash block, in order: a shell command line (str) or, for a command that only
-    validates (``fedsap-ray`` without training, a study script with ``--dry-run``), its argv (list),
-    which :func:`run_in_process` calls through the same ``main`` the console script calls."""
+    """What CI runs for a bash block, in order: a shell command line (str) or, for a line that is one
+    call of this project's code (:func:`in_process`), its argv (list), which :func:`run_in_process` calls
+    through the same ``main`` or ``__main__`` code a subprocess would run."""
     out: list[str | list[str]] = []
     for kind, line in logical_lines(b.text):
         if kind == "raw":
@@ -204,46 +213,123 @@ def commands(b: Block) -> list[str | list[str]]:
                 segment = []
             else:
                 segment.append(tok)
-        if len(argvs) == 1 and in_process(argvs[0]):
+        if len(argvs) == 1 and in_process(argvs[0]) and not shell_only(line):
             out.append(argvs[0])
         elif parts:
             out.append(" ".join(parts[:-1]))
     return out
 
 
+# What only a shell does, outside single quotes: redirections, expansions, globs, subshells, background jobs.
+SHELL_ONLY = re.compile(r"[<>$`*?~(){}\\[\];|]|(?<!&)&(?!&)")
+
+
+def shell_only(line: str) -> bool:
+    """Whether ``line`` (its comment left out) needs a shell beyond running one command: it then runs in bash."""
+    lex = shlex.shlex(line, posix=False)
+    lex.whitespace_split, lex.commenters = True, "#"
+    return any(SHELL_ONLY.search(re.sub(r"'[^']*'", "", tok)) for tok in lex)
+
+
 def in_process(argv: list[str]) -> bool:
-    """Commands that validate or list without training: cheap to run inside the test process."""
+    """Commands that are one call of this project's code and start no Ray: the console script (but a Ray
+    run), ``python -m``/``-c``/a file, a study script only with ``--dry-run`` (a sweep starts Ray under Tune)."""
     if argv[:1] == ["fedsap-ray"]:
-        return argv[1] != "run" or "--print-config" in argv
-    return argv[:1] == ["python"] and argv[1].startswith("sweeps/") and "--dry-run" in argv
+        return not (len(argv) > 1 and argv[1] == "run" and "--print-config" not in argv and starts_ray(argv))
+    if argv[:1] != ["python"] or len(argv) < 2:
+        return False
+    if argv[1].startswith("sweeps/"):
+        return "--dry-run" in argv
+    return (argv[1] in ("-m", "-c") and len(argv) > 2) or argv[1].endswith(".py")
+
+
+def starts_ray(argv: list[str]) -> bool:
+    """A ``fedsap-ray run`` that says on its command line that it runs on Ray (``--backend ray``, ``--address``,
+    ``resources.backend``/``resources.address``): it runs as a subprocess, with a Ray of its own. (A run whose
+    config file says so would start one here; :func:`run_in_process` shuts it down after.)"""
+    text = " ".join(argv)
+    return "ray" in argv or "--address" in argv or "resources.backend" in text or "resources.address" in text
 
 
 def run_in_process(argv: list[str], cwd: Path) -> tuple[int, str]:
-    """``fedsap_ray.cli.main(argv[1:])`` or the study script's ``main(argv[2:])``, run from ``cwd``."""
+    """Run ``argv`` as :func:`in_process` allows, from ``cwd``, with stdout and stderr captured; return the
+    exit code a subprocess would give (``SystemExit``'s code, 1 for an uncaught exception, with its
+    traceback in the output) and the output.
+
+    ``fedsap-ray ARGS`` is ``fedsap_ray.cli.main(ARGS)``; a study script's ``--dry-run`` its ``main``;
+    ``python -m MODULE ARGS`` is ``runpy.run_module(MODULE, run_name="__main__")`` and ``python FILE ARGS``
+    ``runpy.run_path(FILE, run_name="__main__")``, with ``sys.argv`` as the interpreter sets it;
+    ``python -c CODE`` executes CODE as ``__main__``. What such a call may change in this process is put
+    back afterwards: the working directory, ``sys.argv``, torch's thread count (a run sets it), matplotlib's
+    open figures (drawn with the Agg backend, as ``MPLBACKEND=Agg`` gives the shell commands), and a Ray the
+    call started."""
     import contextlib
     import importlib.util
     import io
+    import runpy
+    import traceback
+    import warnings
+
+    import torch
+
+    import analysis  # noqa: F401  (imported from the repository before the working directory changes)
+    import sweeps  # noqa: F401
 
     buf = io.StringIO()
-    old = Path.cwd()
+    old_cwd, old_argv, threads = Path.cwd(), sys.argv[:], torch.get_num_threads()
+    ray_before = _ray_running()
+    os.environ["MPLBACKEND"] = "Agg"
+    if "matplotlib" in sys.modules:
+        sys.modules["matplotlib"].use("Agg")
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-            if argv[0] == "fedsap-ray":
-                from fedsap_ray import cli
+            try:
+                if argv[0] == "fedsap-ray":
+                    from fedsap_ray import cli
 
-                code = cli.main(argv[1:])
-            else:
-                path = REPO / argv[1]
-                spec = importlib.util.spec_from_file_location(f"doc_{path.stem}", path)
-                mod = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(mod)
-                code = mod.main(argv[2:])
-    except SystemExit as e:  # argparse rejected the command line
-        code = e.code if isinstance(e.code, int) else 2
+                    code = cli.main(argv[1:])
+                elif argv[1].startswith("sweeps/"):
+                    path = REPO / argv[1]
+                    spec = importlib.util.spec_from_file_location(f"doc_{path.stem}", path)
+                    mod = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(mod)
+                    code = mod.main(argv[2:])
+                elif argv[1] == "-m":
+                    sys.argv = [argv[2], *argv[3:]]  # runpy puts the module's file in argv[0]
+                    with warnings.catch_warnings():  # a fresh __main__ copy of a module imported here already
+                        warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+                        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+                    code = 0
+                elif argv[1] == "-c":
+                    sys.argv = ["-c", *argv[3:]]
+                    exec(compile(argv[2], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+                    code = 0
+                else:
+                    sys.argv = argv[1:]
+                    runpy.run_path(str(cwd / argv[1]), run_name="__main__")
+                    code = 0
+            except SystemExit as e:  # argparse, or the module's own `raise SystemExit(main())`
+                code = e.code if isinstance(e.code, int) or e.code is None else 1
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+            except Exception:  # what the interpreter would print before exiting 1
+                traceback.print_exc()
+                code = 1
     finally:
-        os.chdir(old)
+        os.chdir(old_cwd)
+        sys.argv = old_argv
+        torch.set_num_threads(threads)
+        if "matplotlib.pyplot" in sys.modules:
+            sys.modules["matplotlib.pyplot"].close("all")
+        if _ray_running() and not ray_before:
+            sys.modules["ray"].shutdown()
     return int(code or 0), buf.getvalue()
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and ray.is_initialized())
 
 
 def script(b: Block) -> str:
@@ -264,6 +350,34 @@ def test_rewrite_smoke_sizes_runs_and_checks_sweeps() -> None:
     assert "fedsap-ray run --set a.b=1 --print-config" in s and "--seeds 0 1 --dry-run" in s
     with pytest.raises(AssertionError, match="does not know"):
         script(Block(REPO / "README.md", 1, "bash", "ray up ray_cluster.yaml\n", None, mode="run"))
+
+
+def test_one_call_of_the_project_runs_in_process_and_the_rest_in_bash(tmp_path) -> None:
+    text = ("fedsap-ray run --out runs/a   # a run (x) in ~/runs\n"
+            "python -m analysis.confound runs/c --png 'runs/c/f.png'\n"
+            "python -c 'import sys; print(sys.argv[1:] == [], \"$HOME\")'\n"
+            "python sweeps/ablation.py --out runs/x\n"
+            "fedsap-ray run --backend ray --out runs/r\n"
+            "python -c 'print(1)' > out.txt\n"
+            "fedsap-ray algorithms | cat\n"
+            "python -m analysis.confound \"$OUT\"\n"
+            "ls runs/*\n")
+    got = commands(Block(REPO / "README.md", 1, "bash", text, None, mode="run"))
+    assert [isinstance(c, list) for c in got] == [True, True, True, False, False, False, False, False, False]
+    assert got[0] == ["fedsap-ray", "run", "--out", "runs/a", *SMOKE_RUN]
+    assert got[1] == ["python", "-m", "analysis.confound", "runs/c", "--png", "runs/c/f.png"]
+    # in-process as a subprocess would be: argv, exit codes, output, the working directory
+    assert run_in_process(["python", "-c", "import sys, os; print(sys.argv, os.getcwd())"], tmp_path) == \
+        (0, f"['-c'] {tmp_path}\n")
+    code, out = run_in_process(["python", "-c", "raise ValueError('no')"], tmp_path)
+    assert code == 1 and out.rstrip().endswith("ValueError: no")
+    assert run_in_process(["python", "-c", "raise SystemExit(3)"], tmp_path) == (3, "")
+    code, out = run_in_process(["python", "-m", "fedsap_ray.docgen", "--no-such-flag"], tmp_path)
+    assert code == 2 and "--no-such-flag" in out
+    assert run_in_process(["fedsap-ray", "run", "--set", "training.rounds=-1"], tmp_path)[0] == 2
+    (tmp_path / "b.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
+    assert run_in_process(["python", "b.py", "x"], tmp_path) == (0, "__main__ ['x']\n")
+    assert Path.cwd() != tmp_path
 
 
 # ----------------------------------------------------------------------------- running a page
@@ -314,7 +428,7 @@ def test_documented_commands_run(page: Path, tmp_path: Path, smoke_study) -> Non
         if b.lang == "python":
             f = cwd / f".block{n}.py"
             f.write_text(b.text)
-            steps: list[str | list[str]] = [shlex.join([sys.executable, str(f)])]
+            steps: list[str | list[str]] = [["python", f.name]]  # in-process, as `python .blockN.py`
         else:
             steps = commands(b)
         for step in steps:

@@ -29,7 +29,7 @@ from fedsap_ray import results  # noqa: E402
 from fedsap_ray.config import build_config  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402
 from fedsap_ray.progress import ProgressPrinter  # noqa: E402
-from tests.conftest import backend_fixtures  # noqa: E402
+from tests.conftest import backend_fixtures, stop_session_ray  # noqa: E402
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",
         "training.rounds=3", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3",
@@ -42,6 +42,7 @@ ABLATION_VARIANTS = ("full", "no-dga", "no-sgp", "uniform-budget", "fedavg-het")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    stop_session_ray()  # this driver joins the cluster; the session's local Ray starts again when next needed
     caches = tmp_path_factory.mktemp("node-caches")
     env = {name: {"FEDSAP_RAY_CACHE": str(caches / name)} for name in NODES}
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False,

@@ -20,12 +20,9 @@ TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain
 VOLATILE = [*results.WALL_CLOCK, "worker", "gpu_id", "node"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, namespace="fedsap-tests")
-    yield
-    ray.shutdown()
+# the session's local Ray (tests/conftest.py: 2 CPUs, 2 logical GPUs, namespace fedsap-tests), shared with the
+# in-process smoke sweeps
+pytestmark = pytest.mark.usefixtures("session_ray")
 
 
 fed, local_run = backend_fixtures(TINY)

@@ -17,7 +17,7 @@ import pytest
 from fedsap_ray import algorithms, results
 from fedsap_ray.config import ConfigError
 from fedsap_ray.runtime import reaper
-from conftest import REPO, check_complete, run_study, sweep_statuses, wait_part_way
+from conftest import REPO, check_complete, run_study, run_study_in_process, sweep_statuses, wait_part_way
 
 pytestmark = pytest.mark.slow
 
@@ -173,11 +173,13 @@ def test_main_comparison_table_matches_a_direct_computation(smoke_study):
 
 
 def test_a_finished_sweep_reruns_nothing_and_needs_resume(smoke_study):
+    """Both invocations stop before Ray starts (a refusal; nothing to run): the script's ``main`` in this process
+    (the script as a subprocess, its exit status: the failing-trial and Optuna tests below)."""
     out = smoke_study("capacity_confound")
     before = {f.name: f.stat().st_mtime_ns for f in (out / "rounds").iterdir()}
-    proc = run_study("capacity_confound", "--smoke-test", "--out", str(out))
+    proc = run_study_in_process("capacity_confound", "--smoke-test", "--out", str(out))
     assert proc.returncode == 2 and "--resume" in proc.stderr and "--out" in proc.stderr
-    proc = run_study("capacity_confound", "--smoke-test", "--out", str(out), "--resume")
+    proc = run_study_in_process("capacity_confound", "--smoke-test", "--out", str(out), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "0 to run" in proc.stderr and "Table 3" in proc.stdout
     assert before == {f.name: f.stat().st_mtime_ns for f in (out / "rounds").iterdir()}
@@ -274,7 +276,7 @@ def test_tune_smoke_resumes_its_optuna_study(tmp_path):
     study = optuna.load_study(study_name="fedsap-tune", storage=storage)
     done1 = [(t.number, t.params, t.value) for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done1) == 1
-    again = run_study("tune", "--smoke-test", "--out", str(out), "--num-samples", "1")
+    again = run_study_in_process("tune", "--smoke-test", "--out", str(out), "--num-samples", "1")  # refused before Ray
     assert again.returncode == 2 and "--resume" in again.stderr  # never silently mixed into an old study
     second = run_study("tune", "--smoke-test", "--out", str(out), "--num-samples", "2", "--resume")
     assert second.returncode == 0, second.stderr[-4000:]
