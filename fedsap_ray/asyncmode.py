@@ -73,8 +73,8 @@ class AsyncStrategy(Protocol):
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]: ...
 
-    def merge(self, state: ServerState, results: list[ClientResult],
-              masks: dict[int, np.ndarray | None]) -> np.ndarray: ...
+    def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+              t: int) -> np.ndarray: ...
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> Any: ...
@@ -210,8 +210,8 @@ class AsyncServer(Server):
         weight = {u.client_id: weight_for(self.acfg, stal[u.client_id]) for u in applied}
         recovered = [dataclasses.replace(u.result, values=self._recovered(state, u, eta * weight[u.client_id]))
                      for u in applied]
-        masks = {u.client_id: u.plan.mask for u in applied}
-        params = s.merge(state, recovered, masks)
+        masks = {u.client_id: u.result.mask for u in applied}
+        params = s.merge(state, {u.client_id: u.plan for u in applied}, recovered, t)
         new_state = ServerState(round=t, params=params,
                                 strategy_state=s.after_aggregate(state, params, recovered, masks, t))
         plans = {u.client_id: u.plan for u in applied}

@@ -228,7 +228,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
     return ClientResult(
         client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
         n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0, steps=steps,
-        samples_seen=seen,
+        samples_seen=seen, mask=upload,
     )
 
 

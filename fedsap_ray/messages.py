@@ -8,6 +8,13 @@ client holds (``mask``); the simulated protocol sends only those (``values`` is 
 backend moves each distinct vector once per worker and round, with each plan's own part beside it
 (:mod:`fedsap_ray.runtime.wire`, issue 42). A result returns only the coordinates it trained, in the
 same order, so byte counts are those of the real payload.
+
+What a result holds (issue 43), the one contract every consumer reads: ``ClientResult.values`` are the
+trained values at ``ClientResult.mask``'s coordinates, in coordinate order (``mask`` None: every
+coordinate). The client sets ``mask`` to the plan's own mask object unless a client hook chose the upload
+(DapperFL uploads its pruned model: ``ClientHook.upload_mask``); aggregation, the recorder, metrics,
+device time and coverage read a result's coordinates from its ``mask``, never from the plan, and
+:func:`check_results` checks the two agree at the boundary (``Server.round``, the backends' tests).
 """
 from __future__ import annotations
 
@@ -115,6 +122,9 @@ class ClientResult:
     node: str = "local"  # the Ray node the worker ran on (clients.node)
     steps: int = 0  # optimizer steps taken over all local epochs (SCAFFOLD's K)
     samples_seen: int = 0  # samples in the batches of those steps (train_macs: Strategy.train_macs)
+    # the coordinates ``values`` holds, in order (None: every coordinate): the plan's mask object, or the one a
+    # client hook chose for the upload (module docstring)
+    mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.values.dtype != np.float32 or self.values.ndim != 1:
@@ -125,6 +135,30 @@ class ClientResult:
     @property
     def bytes_up(self) -> int:
         return int(self.values.nbytes + sum(np.asarray(v).nbytes for v in self.stats.values()))
+
+
+def check_results(plans: Mapping[int, ClientPlan], results: Sequence[ClientResult], strategy: str) -> None:
+    """The boundary check of what a result holds (module docstring): each result answers a plan of the round, its
+    ``mask`` (if any) is a bool vector of the plan's model size, and ``values`` has one value per coordinate it
+    covers (every coordinate without one). A mismatch names the round, the client, the strategy and the field."""
+    for r in results:
+        plan = plans.get(r.client_id)
+        where = f"round {r.round}, client {r.client_id} ({strategy})"
+        if plan is None:
+            raise ValueError(f"{where}: a result for a client with no plan this round")
+        size = plan.params.size
+        if r.mask is None:
+            if r.values.size != size:
+                raise ValueError(f"{where}: ClientResult.values holds {r.values.size} values but ClientResult.mask is "
+                                 f"None (every coordinate: {size})")
+            continue
+        if r.mask.dtype != np.bool_ or r.mask.shape != (size,):
+            raise ValueError(f"{where}: ClientResult.mask must be a bool vector of the model's {size} coordinates, "
+                             f"got {r.mask.dtype} {r.mask.shape}")
+        covered = plan.covered if r.mask is plan.mask else int(np.count_nonzero(r.mask))
+        if r.values.size != covered:
+            raise ValueError(f"{where}: ClientResult.values holds {r.values.size} values but ClientResult.mask covers "
+                             f"{covered} coordinates")
 
 
 @dataclass

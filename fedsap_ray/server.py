@@ -33,7 +33,7 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.devices import Device, DeviceClock
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
 from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
 from fedsap_ray.results.writer import RunWriter
 from fedsap_ray.seeding import rng_for
@@ -106,6 +106,7 @@ class Server:
         missing = set(plans) - {r.client_id for r in results}
         if missing:
             raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
+        check_results(plans, results, type(self.strategy).__name__)  # what each result holds (messages.py)
         # aggregate's client_records asks for train_macs again: an O(parameters) count for a masked plan, 0.3 ms
         # at the paper's width (ResNet10, 4.9M parameters; measured), so no cache
         sim = self.clock.round(t, {r.client_id: (self.strategy.train_macs(plans[r.client_id], r),

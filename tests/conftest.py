@@ -19,6 +19,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.experiment import build_context, run_experiment
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.messages import check_results
 from fedsap_ray.models import build_model
 from fedsap_ray.runtime.local import LocalBackend
 
@@ -121,6 +122,7 @@ def aggregate(strat, state, results, t):
     plans = strat.configure_round(state, t)
     missing = {r.client_id for r in results} - set(plans)
     assert not missing, f"clients {sorted(missing)} are not sampled in round {t}"
+    check_results(plans, results, type(strat).__name__)  # hand-made results keep the contract too (messages.py)
     return strat.aggregate(state, {r.client_id: plans[r.client_id] for r in results}, results, t)
 
 

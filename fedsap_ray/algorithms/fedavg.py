@@ -108,17 +108,19 @@ class FedAvg(Strategy):
     # --- aggregation -------------------------------------------------------------------------
     def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                   t: int) -> RoundOutput:
-        """Algorithm 1 lines 17-19 (:meth:`merge`) over the masks the clients trained under, then
-        :meth:`after_aggregate` (the method's own state: HAS-FL's adaptation step, MOON's previous models)."""
+        """Algorithm 1 lines 17-19 (:meth:`merge`) over the coordinates the clients uploaded (``ClientResult.mask``,
+        messages.py), then :meth:`after_aggregate` (the method's own state: HAS-FL's adaptation step, MOON's previous
+        models)."""
         ordered = sorted(results, key=lambda r: r.client_id)
-        masks = {r.client_id: plans[r.client_id].mask for r in ordered}
-        params = self.merge(state, ordered, masks)
+        masks = {r.client_id: r.mask for r in ordered}
+        params = self.merge(state, plans, ordered, t)
         new = ServerState(round=t, params=params, strategy_state=self.after_aggregate(state, params, ordered, masks, t))
         return RoundOutput(new, self.records(new, plans, ordered, t))
 
-    def merge(self, state: ServerState, results: list[ClientResult], masks: dict[int, np.ndarray | None]) -> np.ndarray:
-        """Algorithm 1 line 18: each coordinate's sample-weighted mean over the clients that trained it."""
-        return masked_weighted_average(state.params, [(masks[r.client_id], r.values, float(r.n_samples)) for r in results])
+    def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult], t: int) -> np.ndarray:
+        """Algorithm 1 line 18: each coordinate's sample-weighted mean over the clients that trained it (each
+        result's ``mask``); ``plans`` and the round ``t`` are there for a method whose merge reads a plan's setting."""
+        return masked_weighted_average(state.params, [(r.mask, r.values, float(r.n_samples)) for r in results])
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> Any:

@@ -32,6 +32,7 @@ that bandit is replaced by the client's keep ratio kappa_i and not modelled.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +43,7 @@ from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_choice
 from fedsap_ray.masks import ChannelMasks
-from fedsap_ray.messages import ClientResult, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
 
 AGGREGATIONS = ("r2sp", "coordinate")
 
@@ -65,10 +66,10 @@ class FedMP(SubModelStrategy):
             return None
         return l1_channel_masks(self.ctx.space, self.ctx.layout, state.params, kappa)
 
-    def merge(self, state: ServerState, results: list[ClientResult], masks: dict[int, np.ndarray | None]) -> np.ndarray:
+    def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult], t: int) -> np.ndarray:
         if self.opts.aggregation == "coordinate":
-            return super().merge(state, results, masks)
+            return super().merge(state, plans, results, t)
         size = self.ctx.layout.size
-        recovered = [(None, scatter(r.values, masks[r.client_id], size, fill=state.params), float(r.n_samples))
+        recovered = [(None, scatter(r.values, r.mask, size, fill=state.params), float(r.n_samples))
                      for r in results]  # pruned model + residual = full-size model
         return masked_weighted_average(state.params, recovered)

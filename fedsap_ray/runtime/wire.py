@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.messages import ClientPlan, ClientResult
 
 _NO_PARAMS = np.zeros(0, dtype=np.float32)
 
@@ -91,6 +91,26 @@ def pack(plans: Sequence[ClientPlan], shared: RoundArrays) -> Batch:
             sizes[m] = p.mask.size
         stubs.append(PlanStub(dataclasses.replace(p, params=_NO_PARAMS, mask=None), v, m))
     return Batch(tuple(stubs), tuple(keys), sizes)
+
+
+_PLANS_MASK = np.zeros(0, dtype=np.bool_)  # on the wire: "the coordinates of my plan's mask" (restore)
+
+
+def strip_result(result: ClientResult, plan: ClientPlan) -> ClientResult:
+    """``result`` as it travels back: its ``mask`` (messages.py: the coordinates its values hold) replaced by a
+    marker when it is the plan's own (the pool has that one), else packed to bits (a hook's own choice)."""
+    if result.mask is not None:
+        result.mask = _PLANS_MASK if result.mask is plan.mask else np.packbits(result.mask)
+    return result
+
+
+def restore_result(result: ClientResult, plan: ClientPlan) -> ClientResult:
+    """The inverse of :func:`strip_result` on the pool's side, with the plan the result answers."""
+    m = result.mask
+    if m is not None:
+        result.mask = plan.mask if m.dtype == np.bool_ and m.size == 0 else np.unpackbits(
+            m, count=plan.params.size).view(np.bool_)
+    return result
 
 
 def payload_bytes(obj: Any) -> int:

@@ -93,7 +93,7 @@ def test_h_hat_is_restricted_to_the_clients_own_mask(fed):
     for cid, mask, n in ((0, full, 30), (1, half, 10)):
         start = state.params if mask is None else state.params[mask]
         res.append(ClientResult(client_id=cid, round=1, values=(start + rng.normal(0, 0.1, start.size)).astype(np.float32),
-                                n_samples=n, train_loss=1.0))
+                                n_samples=n, train_loss=1.0, mask=mask))
     new = aggregate(strat, state, res, 1).state
     trainable = trainable_mask(ctx.layout, ctx.model)
     dbar = new.params.astype(np.float64) - state.params
@@ -107,7 +107,7 @@ def test_h_hat_is_restricted_to_the_clients_own_mask(fed):
     # outside the half-width slice only, and client 1's H_hat stays bit-identical
     moved = res[0].values.copy()
     moved[~half] += 1.0
-    again = aggregate(strat, state, [ClientResult(client_id=0, round=1, values=moved, n_samples=30, train_loss=1.0), res[1]],
+    again = aggregate(strat, state, [ClientResult(client_id=0, round=1, values=moved, n_samples=30, train_loss=1.0, mask=None), res[1]],
                       1).state
     assert again.strategy_state.h_hat[1] == new.strategy_state.h_hat[1]
     assert again.strategy_state.h_hat[0] != new.strategy_state.h_hat[0]

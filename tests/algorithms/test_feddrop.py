@@ -92,7 +92,7 @@ def test_afd_score_map_keeps_improving_submodels_and_weights_the_next_draw(fed):
 
     def step(state, t, loss):
         mask = s.client_mask(state, 3, t)
-        r = ClientResult(client_id=3, round=t, values=state.params[mask].copy(), n_samples=10, train_loss=loss)
+        r = ClientResult(client_id=3, round=t, values=state.params[mask].copy(), n_samples=10, train_loss=loss, mask=mask)
         return aggregate(s, state, [r], t).state, _flat(s.channel_masks(state, 3, t), space)
 
     s1, m1 = step(state, 1, 2.0)

@@ -77,7 +77,7 @@ def test_r2sp_recovers_pruned_models_with_the_residual_before_averaging(fed):
     for cid, n in ((1, 30.0), (4, 10.0)):
         mask = s.client_mask(state, cid, 1)
         vals = (state.params[mask] + rng.normal(0, 0.1, int(mask.sum()))).astype(np.float32)
-        res.append(ClientResult(client_id=cid, round=1, values=vals, n_samples=int(n), train_loss=1.0))
+        res.append(ClientResult(client_id=cid, round=1, values=vals, n_samples=int(n), train_loss=1.0, mask=mask))
         x = state.params.astype(np.float64).copy()
         x[mask] = vals
         full.append((n, x, mask))

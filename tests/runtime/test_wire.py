@@ -80,3 +80,23 @@ def test_longest_first_balances_and_is_deterministic(workers):
         assert ws == sorted(ws, reverse=True)
     assert [[p.client_id for p in s] for s in shares] == [[p.client_id for p in s]
                                                            for s in wire.longest_first(plans, work, workers)]
+
+
+def test_a_result_travels_back_without_its_plans_mask_and_with_a_hooks_own_packed():
+    """A result's coordinates (ClientResult.mask, messages.py) on the way back: the plan's own mask object becomes
+    a marker and is restored as that very object; a mask a hook chose travels packed and comes back equal."""
+    from fedsap_ray.messages import ClientResult
+
+    plans, _, masks = _plans(4)
+    plan = plans[1]  # masked
+    same = ClientResult(client_id=1, round=3, values=plan.values.copy(), n_samples=4, train_loss=0.5, mask=plan.mask)
+    back = wire.restore_result(wire.strip_result(same, plan), plan)
+    assert back.mask is plan.mask
+    chosen = np.random.default_rng(5).random(P) < 0.4
+    own = ClientResult(client_id=1, round=3, values=np.zeros(int(chosen.sum()), np.float32), n_samples=4,
+                       train_loss=0.5, mask=chosen.copy())
+    sent = wire.strip_result(own, plan)
+    assert sent.mask.nbytes == (P + 7) // 8
+    assert np.array_equal(wire.restore_result(sent, plan).mask, chosen)
+    full = ClientResult(client_id=0, round=3, values=plans[0].values, n_samples=4, train_loss=0.5, mask=None)
+    assert wire.restore_result(wire.strip_result(full, plans[0]), plans[0]).mask is None
