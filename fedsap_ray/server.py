@@ -2,6 +2,7 @@
 
     plans          = strategy.configure_round(state, t)        # ClientPlan per sampled client
     results        = backend.train(plans)                      # ClientResult per client, any order, any worker
+    check_results(plans, results)                              # each holds its values at ClientResult.mask
     sim            = clock.round(t, strategy.train_macs and the bytes of each result)  # simulated device time
     recorder.cover(the plans of the clients not in sim.stragglers)  # coverage: updates that reach the model
     if sim.stragglers:                                         # past the deadline (devices.policy)

@@ -109,7 +109,7 @@ def test_type_matched_aggregation_hand_built(fed):
     for cid in range(3):
         g, p = strat._masks(sts[cid])
         full[cid] = rng.normal(size=ctx.layout.size).astype(np.float32)
-        res.append(ClientResult(client_id=cid, round=5, values=full[cid][g | p], n_samples=weights[cid], train_loss=0.0,
+        res.append(ClientResult(client_id=cid, round=5, values=full[cid][g | p], n_samples=weights[cid], train_loss=0.0, mask=g | p,
                                 stats={"channel_activation": np.ones(n, np.float32), "channel_gradient": np.ones(n, np.float32)}))
     old = state.params.copy()
     old_priv = {k: v.copy() for k, v in state.strategy_state.private.items()}

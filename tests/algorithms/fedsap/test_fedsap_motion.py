@@ -110,7 +110,7 @@ def test_server_brings_back_a_channel_the_federation_finds_useful(fed):
             a[off[-2]:off[-1]] = np.where(st[seg] != DROPPED, 0.1, 0.0)
         elif st[c] != DROPPED:
             a[c] = 5.0  # everyone who holds c finds it the best channel of its layer
-        res.append(ClientResult(client_id=cid, round=1, values=state.params[g | p], n_samples=10, train_loss=0.0,
+        res.append(ClientResult(client_id=cid, round=1, values=state.params[g | p], n_samples=10, train_loss=0.0, mask=g | p,
                                 stats=_stats(n, a)))
     out = aggregate(strat, state, res, 1)
     assert out.state.strategy_state.states[small][c] == GLOBAL  # back, in warm-up as Global
@@ -167,7 +167,7 @@ def test_stamps_follow_aggregation_and_a_new_private_channel_starts_from_w_g(fed
         state.strategy_state.states = {c: st.copy() for c in range(6)}
         g, p = strat._masks(st)
         res = [ClientResult(client_id=c, round=t, values=rng.normal(size=int((g | p).sum())).astype(np.float32),
-                            n_samples=10, train_loss=0.0, stats=_stats(n)) for c in range(6)]
+                            n_samples=10, train_loss=0.0, stats=_stats(n), mask=g | p) for c in range(6)]
         new = aggregate(strat, state, res, t).state
         return new, g, p
 
