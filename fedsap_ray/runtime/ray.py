@@ -17,7 +17,7 @@
   round 1 (issue 27; measured in :mod:`fedsap_ray.client`'s docstring).
 - Dispatch and fault tolerance (issue 42): a round's plans are shared among the workers longest
   first by expected work (:func:`~fedsap_ray.runtime.wire.longest_first`) and each worker gets its
-  share in ``PIECES`` calls (``PIPELINE`` in flight, so results travel while the next piece trains),
+  share in up to ``PIECES`` calls (``PIPELINE`` in flight, so results travel while the next piece trains),
   each a :class:`~fedsap_ray.runtime.wire.Batch`: every distinct parameter vector and mask of the
   round goes into the object store once and reaches a worker once, beside the plans' own parts
   (``rounds.backend_bytes_down``/``backend_bytes_up`` record what moved). A worker that dies is
@@ -55,10 +55,12 @@ from fedsap_ray.driver import DriverCallback, drive_one
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-# a worker's share of a round goes in PIECES calls, PIPELINE in flight: one piece's results travel back while the
-# next trains (one call per share measured 1.32x the local backend with 2 workers on ResNet10, 20 x 16: the whole
-# share's results, 200 MB, crossed at once at the end; issue 42)
+# a worker's share of a round goes in up to PIECES calls, one per PIECE_BYTES of results it will send back, PIPELINE
+# in flight: one piece's results travel while the next trains (one call per share measured 1.32x the local backend
+# with 2 workers on ResNet10, 20 x 16: the share's 200 MB of results crossed at once at the end); a share with
+# little to send back stays one call (4 pieces of cnn_small's 50 x 16 cost 1.34x local in call latency; issue 42)
 PIECES = 4
+PIECE_BYTES = 32 << 20
 PIPELINE = 2
 NODE_CHARS = 12  # a node id's first hex digits, as clients.node and the progress line show it
 # Plans and results of small models travel inline with the task instead of through the
@@ -245,7 +247,7 @@ class RayWorkerPool:
         return out
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
-        """Each worker's share of the round (longest first) in ``PIECES`` calls, ``PIPELINE`` of them in flight, so
+        """Each worker's share of the round (longest first) in up to ``PIECES`` calls, ``PIPELINE`` in flight, so
         one piece's results travel back while the next trains; each distinct shared array is put in the object
         store once and counted once per worker. A dead worker is replaced once and its pieces re-run on the
         replacement. ``moved`` holds the round's bytes each way."""
@@ -254,8 +256,7 @@ class RayWorkerPool:
         shared = wire.RoundArrays()
         todo: dict[int, deque[wire.Batch]] = {}
         for w, share in enumerate(shares):
-            size = max(1, math.ceil(len(share) / PIECES))
-            todo[w] = deque(wire.pack(share[i:i + size], shared) for i in range(0, len(share), size))
+            todo[w] = deque(wire.pack(piece, shared) for piece in wire.pieces(share, PIECES, PIECE_BYTES))
         refs = [ray.put(a) for a in shared.arrays]  # each distinct array in the object store once
         received: dict[int, set[int]] = {w: set() for w in todo}  # shared arrays a worker already holds
         down = up = 0

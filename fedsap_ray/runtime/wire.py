@@ -17,6 +17,7 @@ distinct from the simulated protocol's ``bytes_down``/``bytes_up``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,6 +129,15 @@ def payload_bytes(obj: Any) -> int:
 def batch_bytes(batch: Batch, shared: RoundArrays) -> int:
     """What a worker receives for ``batch``: its stubs and one copy of each shared array it uses."""
     return payload_bytes(batch) + sum(shared.arrays[k].nbytes for k in batch.keys)
+
+
+def pieces(share: Sequence[ClientPlan], most: int, piece_bytes: int) -> list[list[ClientPlan]]:
+    """A worker's ``share`` cut into consecutive pieces, one per ``piece_bytes`` of float32 values its results will
+    send back (``4 x covered`` a plan), at most ``most`` and at least one; equal sizes but the last."""
+    back = sum(4 * p.covered for p in share)
+    n = min(most, max(1, math.ceil(back / piece_bytes)), max(1, len(share)))
+    size = max(1, math.ceil(len(share) / n))
+    return [list(share[i:i + size]) for i in range(0, len(share), size)]
 
 
 def longest_first(plans: Sequence[ClientPlan], work: Sequence[float], workers: int) -> list[list[ClientPlan]]:

@@ -100,3 +100,14 @@ def test_a_result_travels_back_without_its_plans_mask_and_with_a_hooks_own_packe
     assert np.array_equal(wire.restore_result(sent, plan).mask, chosen)
     full = ClientResult(client_id=0, round=3, values=plans[0].values, n_samples=4, train_loss=0.5, mask=None)
     assert wire.restore_result(wire.strip_result(full, plans[0]), plans[0]).mask is None
+
+
+def test_a_share_is_cut_into_pieces_by_the_bytes_its_results_send_back():
+    plans, _, _ = _plans(10)  # 4 full plans of P coordinates, 6 masked (P/2 .. P/4)
+    back = sum(4 * p.covered for p in plans)
+    assert wire.pieces(plans, 4, back + 1) == [plans]  # little to send back: one call
+    cut = wire.pieces(plans, 4, back // 3)  # about three pieces' worth
+    assert len(cut) == 4 or len(cut) == 3
+    assert [p for piece in cut for p in piece] == plans  # consecutive, nothing lost or repeated
+    assert len(wire.pieces(plans, 4, 1)) == 4 and len(wire.pieces(plans[:2], 4, 1)) == 2  # at most `most`, one plan each
+    assert wire.pieces([], 4, 1) == []
