@@ -119,16 +119,21 @@ def reference_average(old: np.ndarray, contributions: Iterable[Contribution],
 
 
 def _checked(old: np.ndarray, contributions: Iterable[Contribution]) -> list[Contribution]:
-    """The contributions as a list, each checked: weight >= 0, values matching the model or the mask."""
+    """The contributions as a list, each checked: weight >= 0, values matching the model or the mask (each
+    distinct mask object counted once: the clients of one width share theirs)."""
     out = []
+    counts: dict[int, int] = {}
     for mask, values, weight in contributions:
         if weight < 0:
             raise ValueError(f"aggregation weight must be >= 0, got {weight}")
         if mask is None:
             if values.size != old.size:
                 raise ValueError(f"full update has {values.size} values, model has {old.size}")
-        elif int(np.count_nonzero(mask)) != values.size:
-            raise ValueError(f"mask covers {int(np.count_nonzero(mask))} coordinates but {values.size} values were sent")
+        else:
+            if id(mask) not in counts:
+                counts[id(mask)] = int(np.count_nonzero(mask))
+            if counts[id(mask)] != values.size:
+                raise ValueError(f"mask covers {counts[id(mask)]} coordinates but {values.size} values were sent")
         out.append((mask, values, weight))
     return out
 

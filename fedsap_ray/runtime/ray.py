@@ -266,8 +266,7 @@ class RayWorkerPool:
 
         def send(w: int, piece: wire.Batch) -> None:
             nonlocal down
-            down += wire.payload_bytes(piece) + sum(shared.arrays[k].nbytes for k in piece.keys if k not in received[w])
-            received[w].update(piece.keys)
+            down += wire.batch_bytes(piece, shared, received[w])
             ref = self.workers[w].train_batch.remote(piece, *[refs[k] for k in piece.keys])
             inflight[ref] = (w, generation[w], piece)
 

@@ -126,9 +126,13 @@ def payload_bytes(obj: Any) -> int:
     return len(pickle.dumps(obj, protocol=5, buffer_callback=count)) + sum(sizes)
 
 
-def batch_bytes(batch: Batch, shared: RoundArrays) -> int:
-    """What a worker receives for ``batch``: its stubs and one copy of each shared array it uses."""
-    return payload_bytes(batch) + sum(shared.arrays[k].nbytes for k in batch.keys)
+def batch_bytes(batch: Batch, shared: RoundArrays, held: set[int] | None = None) -> int:
+    """What a worker receives for ``batch``: its stubs and one copy of each shared array it uses that it does not
+    hold yet (``held``: the keys it received earlier this round, updated here; None: it holds none)."""
+    new = [k for k in batch.keys if held is None or k not in held]
+    if held is not None:
+        held.update(new)
+    return payload_bytes(batch) + sum(shared.arrays[k].nbytes for k in new)
 
 
 def pieces(share: Sequence[ClientPlan], most: int, piece_bytes: int) -> list[list[ClientPlan]]:

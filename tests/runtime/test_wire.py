@@ -111,3 +111,16 @@ def test_a_share_is_cut_into_pieces_by_the_bytes_its_results_send_back():
     assert [p for piece in cut for p in piece] == plans  # consecutive, nothing lost or repeated
     assert len(wire.pieces(plans, 4, 1)) == 4 and len(wire.pieces(plans[:2], 4, 1)) == 2  # at most `most`, one plan each
     assert wire.pieces([], 4, 1) == []
+
+
+def test_pieces_of_one_worker_count_each_shared_array_once():
+    """The Ray pool's count across a worker's pieces: an array the worker already holds this round is not
+    counted again (batch_bytes with ``held``)."""
+    plans, server, _ = _plans(8)
+    shared = wire.RoundArrays()
+    first, second = wire.pack(plans[:4], shared), wire.pack(plans[4:], shared)
+    held: set[int] = set()
+    a, b = wire.batch_bytes(first, shared, held), wire.batch_bytes(second, shared, held)
+    assert a == wire.batch_bytes(first, shared)  # nothing held before the first piece
+    assert b < wire.batch_bytes(second, shared) - server.nbytes + 1  # the server vector is not sent again
+    assert held == set(first.keys) | set(second.keys)
