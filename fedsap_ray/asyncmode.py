@@ -27,17 +27,19 @@ The engine (:class:`AsyncServer`, one :meth:`~AsyncServer.round` call per server
 
 The server step (FedBuff Algorithm 1 line 11: Delta_bar = sum of the buffered s(tau_i) Delta_i; line 12:
 x <- x + eta_g Delta_bar), our reading with sub-models and sample counts: with Delta_i = y_i - x_{v_i}
-on client i's covered coordinates m_i (what it trained minus what it downloaded) and tau_i = V - v_i its
-staleness at the server's version V,
+on the coordinates m_i client i uploaded (what it trained minus what it downloaded; m_i is its result's
+``ClientResult.mask``, the plan's mask or one a client hook chose, DapperFL's pruned model) and
+tau_i = V - v_i its staleness at the server's version V,
 
     x_j <- x_j + eta_g * sum_i n_i s(tau_i) [m_i]_j Delta_ij / sum_i n_i [m_i]_j
 
 for every coordinate some buffered client covered (others keep their value bit for bit). It is computed
 by the strategy's own :meth:`merge` (:func:`fedsap_ray.aggregation.masked_weighted_average`, sample
 weights n_i) over the "recovered" values z_i = x|m_i + eta_g s(tau_i) Delta_i, whose coordinate-wise
-weighted mean is the line above; FedMP's R2SP merge then averages over every buffered client as it does
-synchronously. An update trained on the current version with eta_g s(tau_i) = 1 contributes its trained
-values themselves (z_i = y_i), so with equal device times, ``concurrency`` = a round's clients and
+weighted mean is the line above; FedMP's R2SP merge and DapperFL's reconstruction (pruned coordinates
+refilled from the current model) then average over every buffered client as they do synchronously. An
+update trained on the current version with eta_g s(tau_i) = 1 contributes its trained values themselves
+(z_i = y_i), so with equal device times, ``concurrency`` = a round's clients and
 ``buffer_size`` = ``concurrency`` every step is the synchronous round, bit for bit
 (tests/test_asyncmode.py). FedBuff averages the buffer with weight 1/K; the sample-weighted,
 coordinate-wise mean is this simulator's aggregation rule and equals it for equal sample counts.
@@ -56,7 +58,7 @@ import numpy as np
 from fedsap_ray.devices import SimRound, available, client_time, round_size
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.evaluate import evaluate_modes
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
 from fedsap_ray.results.recorder import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.seeding import rng_for
 from fedsap_ray.server import Server, due
@@ -69,7 +71,8 @@ PROGRESS = "  step: {updates_applied} updates, staleness mean {staleness_mean:.2
 
 class AsyncStrategy(Protocol):
     """What the asynchronous engine asks of a strategy besides :class:`~fedsap_ray.server.RoundStrategy`
-    (:class:`~fedsap_ray.algorithms.fedavg.FedAvg` and its supported subclasses have it)."""
+    (:class:`~fedsap_ray.algorithms.fedavg.FedAvg` and its supported subclasses have it, and
+    :class:`~fedsap_ray.algorithms.dapperfl.DapperFL`)."""
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]: ...
 
@@ -102,8 +105,11 @@ class Update:
     sim_s: float  # its simulated seconds (clients.sim_time_s): fedsap_ray.devices.client_time; finish = start + sim_s
 
     def downloaded(self) -> np.ndarray:
-        """The values it downloaded at its covered coordinates (what its delta is taken from)."""
-        return self.base if self.plan.mask is None else self.base[self.plan.mask]
+        """The values it downloaded at the coordinates its result holds (what its delta is taken from):
+        ``ClientResult.mask``, the plan's own mask object or one a client hook chose within the download
+        (DapperFL's pruned model of the full model it received; messages.py)."""
+        m = self.result.mask
+        return self.base if m is None else self.base[m]
 
 
 class AsyncServer(Server):
@@ -180,6 +186,7 @@ class AsyncServer(Server):
         missing = set(plans) - {r.client_id for r in results}
         if missing:
             raise RuntimeError(f"server step {t}: no result from clients {sorted(missing)}")
+        check_results(plans, results, type(self.strategy).__name__)  # what each result holds (messages.py)
         for r in sorted(results, key=lambda r: r.client_id):
             plan = plans[r.client_id]
             sim_s = client_time(cfg, self.clock.devices[r.client_id], t, r.client_id,
@@ -250,7 +257,7 @@ class AsyncServer(Server):
         to the current model; the trained values themselves when fresh with factor 1 (module docstring)."""
         if u.version == state.round and factor == 1.0:
             return u.result.values
-        current = state.params if u.plan.mask is None else state.params[u.plan.mask]
+        current = state.params if u.result.mask is None else state.params[u.result.mask]
         delta = u.result.values.astype(np.float64) - u.downloaded().astype(np.float64)
         return (current.astype(np.float64) + factor * delta).astype(np.float32)
 

@@ -2,7 +2,9 @@
 update arrives after the fast ones and is applied with its hand-computed staleness weight (the parameters
 move by exactly server_lr x weight x its delta), one server step per buffer_size arrivals in simulated-time
 order, every client trains on the version of the moment it started, the mode with equal devices equals the
-synchronous round, and the config refuses what the mode does not support, by name."""
+synchronous round, and the config refuses what the mode does not support, by name. DapperFL, whose client
+chooses the coordinates it uploads, is applied on those (ClientResult.mask), divided by every buffered client's
+samples as its reconstruction does."""
 from __future__ import annotations
 
 import re
@@ -12,6 +14,7 @@ import pandas as pd
 import pytest
 
 from fedsap_ray import results
+from fedsap_ray.algorithms.dapperfl import MASK_KEY
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
@@ -29,6 +32,11 @@ fed = federation_fixture(TINY)
 # HeteroFL on cyclic capacities: sub-models of different widths on devices of different speeds
 HETERO = tiny_overrides("heterofl", "data.num_clients=6", "training.eval_deployed=false")
 fed_cyclic = federation_fixture(HETERO, name="fed_cyclic")
+# DapperFL: every client keeps 0.6 of each layer (one pruning ratio) and runs one batch of 16 per epoch, two epochs:
+# equal train_macs and bytes as in TINY, but a pruned upload (ClientResult.mask) under a full-model plan (mask None)
+DAPPER = tiny_overrides("dapperfl", "data.num_clients=6", "capacity.pruning_ratios=[0.4]", "training.local_epochs=2",
+                        "training.max_steps_per_epoch=1", "devices.down_bytes_s=1e6")
+fed_dapper = federation_fixture(DAPPER, name="fed_dapper")
 ASYNC_COLUMNS = {"rounds": ["updates_applied", "staleness_mean", "staleness_max"],
                  "clients": ["version_trained", "version_applied", "staleness", "sim_arrival_s", "staleness_weight"]}
 
@@ -102,6 +110,65 @@ def test_a_slow_clients_update_arrives_last_and_moves_the_model_by_its_staleness
     np.testing.assert_array_equal(states[11].params, expected)
 
 
+@pytest.mark.parametrize("full_first", ["false", "true"])
+def test_a_stale_dapperfl_update_moves_its_uploaded_coordinates_by_its_weighted_delta(tmp_path, fed_dapper, full_first):
+    # the schedule of the FedAvg case above (client 0 2.5x slower, FedAsync): client 0 trains on version 0 and is
+    # applied to version 10. DapperFL's plan sends the full model (mask None) and the client uploads its pruned model
+    # (ClientResult.mask, chosen by its hook): the delta is taken there, from what it downloaded, x_0
+    trace = _trace(tmp_path, [0.4e9] + [1e9] * 5)
+    states, calls, res = _session(tmp_path / "run", fed_dapper, f"devices.trace={trace}", "devices.mode=async",
+                                  "asynchronous.concurrency=6", "asynchronous.buffer_size=1",
+                                  "asynchronous.staleness=polynomial", "asynchronous.staleness_a=0.5",
+                                  "asynchronous.server_lr=0.8", "training.rounds=11", "training.eval_every=100",
+                                  base=[*DAPPER, f"algorithm.full_first_epoch={full_first}"])
+    slow = res.clients.set_index("round").loc[11]
+    assert (slow.client_id, slow.version_trained, slow.version_applied, slow.staleness) == (0, 0, 10, 10)
+    weight = (1 + 10) ** -0.5
+    assert slow.staleness_weight == pytest.approx(weight, rel=1e-15)
+    ((plan, r0),) = [(plans[0], r) for plans, out in calls for r in out if r.client_id == 0]
+    m = r0.mask
+    assert plan.mask is None and m is not None and 0 < m.sum() < m.size  # a pruned upload of a full download
+    # by hand: x_11 = x_10 + 0.8 s(10) (y_0 - x_0) on client 0's uploaded coordinates, x_10 on the others
+    x0, x10 = states[0].params, states[10].params
+    expected = x10.copy()
+    expected[m] = (x10[m].astype(np.float64)
+                   + 0.8 * weight * (r0.values.astype(np.float64) - x0[m].astype(np.float64))).astype(np.float32)
+    np.testing.assert_array_equal(states[11].params, expected)
+    assert (states[11].params[m] != x10[m]).mean() > 0.5
+    # its deployed model is the channels it kept, recorded when its update was applied
+    np.testing.assert_array_equal(states[11].strategy_state["kept"][0], r0.stats[MASK_KEY])
+    assert 0 not in states[10].strategy_state["kept"]
+
+
+def test_a_dapperfl_step_divides_by_every_buffered_clients_samples(tmp_path, fed_cyclic):
+    """DapperFL's reconstruction refills what a client pruned from the current model, so a step is
+    x_t = x_{t-1} + eta sum_i n_i s(tau_i) M_i (y_i - x_{v_i}) / sum_i n_i over the buffer (step 7 with the current
+    model as W^{t-1}), not the coordinate-wise mean of the other methods; checked on every step of a run where
+    clients with different keep ratios (HETERO's cyclic capacities) and stalenesses share a buffer."""
+    states, calls, res = _session(tmp_path, fed_cyclic, "devices.mode=async", "asynchronous.concurrency=4",
+                                  "asynchronous.buffer_size=2", "asynchronous.staleness=polynomial",
+                                  "asynchronous.server_lr=0.8", "training.rounds=6", "training.eval_every=100",
+                                  base=[*HETERO, "algorithm.name=dapperfl", "training.local_epochs=2"])
+    trained = {(r.client_id, r.round - 1): r for _, out in calls for r in out}
+    c = res.clients
+    assert c["staleness"].max() > 0 and (c.groupby("round").size() == 2).all()
+    gap = 0.0
+    for t, rows in c.groupby("round"):
+        x = states[t - 1].params.astype(np.float64)
+        step, n, covered = np.zeros_like(x), 0.0, np.zeros_like(x)
+        for row in rows.itertuples():
+            r = trained[(row.client_id, row.version_trained)]
+            delta = np.zeros_like(x)
+            delta[r.mask] = r.values.astype(np.float64) - states[row.version_trained].params[r.mask]
+            step += r.n_samples * 0.8 * row.staleness_weight * delta
+            n += r.n_samples
+            covered += r.n_samples * r.mask
+        np.testing.assert_allclose(states[t].params, x + step / n, rtol=1e-6, atol=1e-7)
+        coordinatewise = x + np.divide(step, covered, out=np.zeros_like(x), where=covered > 0)
+        gap = max(gap, float(np.abs(coordinatewise - (x + step / n)).max()))
+    assert gap > 1e-3  # the buffered masks differ, so the two rules are told apart
+
+
 def test_one_step_per_buffer_of_arrivals_in_time_order_each_on_the_version_it_started_from(tmp_path, fed_cyclic):
     states, calls, res = _session(tmp_path, fed_cyclic, "devices.mode=async", "asynchronous.concurrency=4",
                                   "asynchronous.buffer_size=2", "asynchronous.staleness=hinge",
@@ -133,10 +200,16 @@ def test_one_step_per_buffer_of_arrivals_in_time_order_each_on_the_version_it_st
     assert c["capacity_used"].nunique() > 1  # sub-models of several widths took part
 
 
-def test_with_equal_devices_the_async_mode_is_the_synchronous_round(tmp_path, fed):
+@pytest.mark.parametrize("base, federation", [
+    (TINY, "fed"),
+    ([*DAPPER, "algorithm.full_first_epoch=false"], "fed_dapper"),  # DapperFL's within-capacity reading
+    ([*DAPPER, "algorithm.full_first_epoch=true"], "fed_dapper"),  # the paper's: masks chosen after epoch 1
+], ids=["fedavg", "dapperfl-within-capacity", "dapperfl-full-first-epoch"])
+def test_with_equal_devices_the_async_mode_is_the_synchronous_round(tmp_path, request, base, federation):
     # equal times, concurrency = a round's clients (participation 0.5 of 6), buffer_size = concurrency (the
     # defaults): every step applies exactly the round's clients, fresh, on the same seeds
-    base = [*TINY, "training.rounds=3", "training.participation=0.5"]
+    fed = request.getfixturevalue(federation)
+    base = [*base, "training.rounds=3", "training.participation=0.5"]
     tables = []
     for name, extra in (("sync", []), ("async", ["devices.mode=async"])):
         cfg = build_config(preset="smoke", overrides=[*base, *extra])
@@ -168,7 +241,7 @@ def test_a_too_stale_update_is_discarded_and_not_counted_in_the_buffer(tmp_path,
     assert r["n_stragglers"].sum() == len(late)
 
 
-@pytest.mark.parametrize("name", ["fedsap", "scaffold", "hasfl", "moon", "dapperfl", "fedspu"])
+@pytest.mark.parametrize("name", ["fedsap", "scaffold", "hasfl", "moon", "fedspu"])
 def test_strategies_with_round_synchronous_state_are_refused_by_name(name):
     with pytest.raises(ConfigError, match=rf"invalid algorithm\.name='?{name}'?: devices\.mode=async does not support "
                                           rf"{name}: .*supported: .*heterofl"):

@@ -46,6 +46,12 @@ pruned weights refilled from the previous global model before the weighted avera
   W^{t-1} to kappa_i before training (:func:`fedsap_ray.algorithms.pruning.l1_channel_masks`), trains that
   pruned model in every epoch, and after the first epoch fuses it with W^{t-1} on the kept coordinates
   (w = alpha_t W^{t-1} + (1 - alpha_t) w_hat, pruned coordinates stay 0); the mask is not re-chosen.
+- Asynchronous training (``devices.mode=async``, :mod:`fedsap_ray.asyncmode`; both ``full_first_epoch``
+  readings, docs/readings.md#asynchronous-training): a client started on version v fuses with and prunes
+  the x_v it downloaded at alpha_{v+1}; the server applies w_i - x_v on the coordinates the client uploaded
+  (``ClientResult.mask``), staleness-weighted, and step 7 refills the rest from the current model, which
+  plays W^{t-1} (:meth:`DapperFL.merge`). Why it is faithful: synchronously too the server sees only the
+  pruned model and refills everything else, so the upload is a delta on M_i from what the client received.
 - Stateless clients: nothing a client trains is kept between rounds except the global model (DapperFL's
   local model of round t is built from W^{t-1} in round t). ``ServerState.strategy_state["kept"]`` only records
   each client's last kept channels, for the ``deployed`` evaluation of the pruned model it runs.
@@ -80,7 +86,7 @@ from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
 from fedsap_ray.schema import check_bool, check_choice, check_number, fail
 from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
                               nested_count, param_mask)
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs
 from fedsap_ray.models.space import ChannelSpace, MaskableModel
 
@@ -265,6 +271,7 @@ class DapperFL(Strategy):
     summary = "fuse global + 1-epoch local model, l1-prune the fusion to kappa_i, DAR loss, refill pruned from global"
     columns = {"clients": CHANNEL_COUNT_COLUMNS}
     state_keys = ("kept",)  # client -> the channel mask it kept, from its first round on
+    supports_async = True  # both full_first_epoch readings: docs/readings.md#asynchronous-training
 
     @dataclass(frozen=True)
     class Options:
@@ -295,12 +302,17 @@ class DapperFL(Strategy):
         return min(float(self.ctx.federation.clients[client_id].capacity), 1.0)
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
+        return self.configure_clients(state, t, self.sample_clients(t))
+
+    def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]:
+        """The round-t plans of ``clients`` from ``state`` (:meth:`configure_round`'s sample; the asynchronous
+        mode asks for the clients it starts on version t - 1, whose W^{t-1} they fuse with at alpha_t)."""
         tr = self.cfg.training
         space = self.ctx.space
         total = space.total_channels
         alpha = self.alpha_at(t)
         plans: dict[int, ClientPlan] = {}
-        for cid in self.sample_clients(t):
+        for cid in clients:
             keep = self.keep_ratio(cid)
             active = sum(nested_count(keep, layer.channels) for layer in space.layers)
             n = self.ctx.federation.clients[cid].n_samples
@@ -316,16 +328,36 @@ class DapperFL(Strategy):
 
     def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                   t: int) -> RoundOutput:
-        """Step 7 (:meth:`merge`); each client's kept channels are stored for its deployed model."""
-        params = self.merge(state, results, t)
+        """Step 7 (:meth:`merge`); each client's kept channels are stored for its deployed model
+        (:meth:`after_aggregate`). Split as FedAvg's is, so the asynchronous engine
+        (:class:`fedsap_ray.asyncmode.AsyncStrategy`) calls the same pieces on its buffer."""
+        params = self.merge(state, plans, results, t)
+        masks = {r.client_id: r.mask for r in results}
+        new = ServerState(round=t, params=params, strategy_state=self.after_aggregate(state, params, results, masks, t))
+        return RoundOutput(new, self.records(new, plans, results, t))
+
+    def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
+                        masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
+        """The next ``strategy_state``: each client's last kept channels, the mask of the pruned model it deploys
+        (:meth:`deployed_model`), from the results aggregated (asynchronously: the updates applied)."""
         extra = dict(state.strategy_state)
-        # each client's last kept channels: the mask of the pruned model it deploys (deployed_model)
         extra["kept"] = {**state.strategy_state.get("kept", {}),
                          **{r.client_id: np.asarray(r.stats[MASK_KEY], dtype=bool) for r in results}}
-        return self.output(ServerState(round=t, params=params, strategy_state=extra), plans, results)
+        return extra
 
-    def merge(self, state: ServerState, results: list[ClientResult], t: int) -> np.ndarray:
-        """Step 7: reconstruct every pruned model with W^{t-1}, then the sample-weighted mean (client-id order)."""
+    def records(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                t: int) -> RoundRecords:
+        """The clients' rows (:meth:`client_records`; ``state``: the state after round t)."""
+        return RoundRecords(clients=self.client_records(state, plans, results))
+
+    def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+              t: int) -> np.ndarray:
+        """Step 7: reconstruct every pruned model with W^{t-1}, then the sample-weighted mean (client-id order).
+
+        FedAvg's signature (``plans`` unread: each result's kept channels are in its ``stats``). Asynchronously
+        ``state`` is the current model x_V and ``results`` hold the recovered values z_i = x_V|M_i +
+        eta s(tau_i) (w_i - x_{v_i}|M_i) at the uploaded coordinates M_i, so the refill with x_V makes this
+        x_V + eta sum_i n_i s(tau_i) M_i (w_i - x_{v_i}) / sum_i n_i (docs/readings.md#asynchronous-training)."""
         if not results:
             raise ValueError(f"round {t}: DapperFL needs at least one client result")
         prev = state.params

@@ -255,7 +255,7 @@ def test_reconstruction_fills_pruned_coordinates_with_the_previous_global_model(
                         stats={MASK_KEY: pack_channel_masks(ctx.space, b)}),
            ClientResult(client_id=0, round=1, values=np.full(n_a, 1.0, np.float32), n_samples=1, train_loss=0.0,
                         stats={MASK_KEY: pack_channel_masks(ctx.space, a)})]
-    new = strat.merge(ServerState(round=0, params=prev), res, 1)
+    new = strat.merge(ServerState(round=0, params=prev), {}, res, 1)
     np.testing.assert_array_equal(layout.slice("fc1.weight", new), [[7.75, 7.75], [5.5, 5.5]])
     np.testing.assert_array_equal(layout.slice("fc1.bias", new), [7.75, 5.5])
     np.testing.assert_array_equal(layout.slice("fc2.weight", new), [[7.75, 5.5], [10, 10]])
