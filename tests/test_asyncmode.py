@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from fedsap_ray import results
+from fedsap_ray.asyncmode import crossed
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
@@ -204,6 +205,13 @@ def test_evaluation_every_t_simulated_seconds_is_at_the_steps_that_cross_its_mul
     both = res.rounds[res.rounds["evaluated"]].merge(every_res.rounds, on=keys, suffixes=("", "_every"))
     assert len(both) == res.rounds["evaluated"].sum()
     np.testing.assert_array_equal(both["accuracy"], both["accuracy_every"])
+
+
+def test_a_step_is_due_when_it_reaches_or_passes_a_multiple_once():
+    assert crossed(0.0, 0.5, 0.5) and crossed(0.4, 0.6, 0.5)  # reaching the multiple counts, as passing it
+    assert not crossed(0.5, 0.9, 0.5) and not crossed(0.0, 0.49, 0.5)  # 0.5 was counted by the step that reached it
+    assert crossed(0.1, 1.7, 0.5)  # three multiples in one step: one evaluation (a bool)
+    assert crossed(0.6, 1.1, 0.5, per=2) and not crossed(1.1, 1.9, 0.5, per=2)  # per: multiples of 1.0 only
 
 
 @pytest.mark.parametrize("name", ["fedsap", "scaffold", "hasfl", "moon", "dapperfl", "fedspu"])
