@@ -6,10 +6,18 @@ eval mode (``full_width``: the server's models, as the papers report) or of its 
 client's own model). Methods are the Table 1 row names (:func:`analysis.comparison.method_of`), and
 HeteroFL's and FjORD's (:data:`ROWS`); seeds are averaged round by round (every seed of a method runs
 the same rounds).
+
+Asynchronous runs (``devices.mode=async``, fedsap_ray.asyncmode) are read beside synchronous ones: a
+``rounds`` row is a server step at its simulated time (``sim_elapsed_s`` is the step's instant), an update
+discarded as staler than ``asynchronous.max_staleness`` is a straggler, and a method's async variants are
+told apart by name (:func:`async_variant`: buffer, concurrency, staleness rule), so two variants of one method
+in one folder are two methods, never pooled as seeds.
 """
 from __future__ import annotations
 
+import math
 import sys
+import textwrap
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +32,7 @@ from analysis.display import markdown
 from analysis.metrics import primary_rounds
 from fedsap_ray import results
 from fedsap_ray.cli import OneLineParser
+from fedsap_ray.staleness import DEFAULT_A
 
 GLOBAL = results.GLOBAL_DOMAIN
 MEASURES = ("full_width", "deployed")
@@ -31,16 +40,62 @@ MEASURES = ("full_width", "deployed")
 # study compares with them (issue 28)
 ROWS = {**CONFOUND_ROWS, **comparison.TABLE1_ROWS}
 PANEL_LINES = 8  # most lines one panel of plot_policies holds; more are split by sub-models / full model
+LEGEND_INSIDE = 30  # longest method name a legend inside a panel holds; longer (async variants) go below it
+
+
+def _config(run: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """A run's resolved config value ``key`` (``section.field``) from its ``config.*`` column; ``default`` when
+    null or absent (a run from before the field)."""
+    v = run.get(results.CONFIG_PREFIX + key)
+    return default if v is None or (isinstance(v, float) and math.isnan(v)) else v
+
+
+def is_async(run: Mapping[str, Any]) -> bool:
+    """Whether a run (a runs or :func:`analysis.runs.per_run` row) trained asynchronously (``devices.mode=async``)."""
+    return _config(run, "devices.mode") == "async"
+
+
+def async_variant(run: Mapping[str, Any]) -> str:
+    """What an asynchronous run's training was, as its row name says it ("" for a synchronous run): the resolved
+    buffer size and concurrency (nulls resolved as fedsap_ray.asyncmode resolves them), the staleness rule with its
+    parameters (FedAsync's defaults filled in, fedsap_ray.staleness), and ``max_staleness`` and ``server_lr``
+    where set away from their defaults. Every field that changes the training but the seed, so runs of one name
+    are seeds of one variant."""
+    if not is_async(run):
+        return ""
+    n = int(_config(run, "data.num_clients"))
+    k = max(1, int(round(float(_config(run, "training.participation", 1.0)) * n)))  # fedsap_ray.devices.round_size
+    concurrency = int(_config(run, "asynchronous.concurrency", k))
+    parts = [f"buffer {int(_config(run, 'asynchronous.buffer_size', concurrency))}", f"concurrency {concurrency}"]
+    rule = str(_config(run, "asynchronous.staleness", "constant"))
+    a = _config(run, "asynchronous.staleness_a", DEFAULT_A.get(rule))
+    if rule == "polynomial":
+        rule += f" a={a:g}"
+    elif rule == "hinge":
+        rule += f" a={a:g} b={_config(run, 'asynchronous.staleness_b', 4.0):g}"
+    parts.append(rule)
+    if _config(run, "asynchronous.max_staleness") is not None:
+        parts.append(f"max staleness {int(_config(run, 'asynchronous.max_staleness'))}")
+    if float(_config(run, "asynchronous.server_lr", 1.0)) != 1.0:
+        parts.append(f"server lr {float(_config(run, 'asynchronous.server_lr')):g}")
+    return "async: " + ", ".join(parts)
 
 
 def row_names(per_run: pd.DataFrame) -> dict[str, str]:
-    """Run id -> row name, from :func:`analysis.runs.per_run`."""
-    return {rid: ROWS.get(x, x) for rid, x in zip(per_run["run_id"], per_run["label"])}
+    """Run id -> row name, from :func:`analysis.runs.per_run`: the method's, and for an asynchronous run its
+    variant in brackets (:func:`async_variant`), e.g. ``HeteroFL [async: buffer 2, concurrency 4, constant]``."""
+    out = {}
+    for _, run in per_run.iterrows():
+        name, variant = ROWS.get(run["label"], run["label"]), async_variant(run)
+        out[run["run_id"]] = f"{name} [{variant}]" if variant else name
+    return out
 
 
 def elapsed(res: Any) -> pd.DataFrame:
-    """One row per (run, round): method, seed, ``hours`` (simulated elapsed), and the best-so-far
-    ``full_width`` and ``deployed`` accuracy up to that round (NaN before its first evaluation)."""
+    """One row per (run, round): method, seed, ``hours`` (simulated elapsed; an asynchronous run's round is a
+    server step, at its instant), and the best-so-far ``full_width`` and ``deployed`` accuracy up to that round
+    (NaN before its first evaluation; a round not evaluated, ``training.eval_every``, ``deployed_every`` or
+    ``asynchronous.eval_every_s``, holds the best of the evaluations before it)."""
     res = load_policy(res)
     rounds = runs.table(res, "rounds")
     if "sim_elapsed_s" not in rounds.columns:
@@ -57,6 +112,7 @@ def elapsed(res: Any) -> pd.DataFrame:
     out = out.sort_values(["run_id", "round"], kind="stable")
     for m in MEASURES:  # best so far: what a reader of the run at that hour could have deployed
         out[m] = out.groupby("run_id", sort=False)[m].cummax()
+        out[m] = out.groupby("run_id", sort=False)[m].ffill()  # cummax leaves the rounds not evaluated NaN
     pr = runs.per_run(res)
     out["method"] = out["run_id"].map(row_names(pr))
     pr = pr.set_index("run_id")
@@ -100,7 +156,7 @@ def plot_curves(res: Any, measure: str = "deployed", path: str | Path | None = N
     methods = list(dict.fromkeys(c["method"]))
     for i, m in enumerate(methods):
         g = c[c["method"] == m]
-        ax.plot(g["hours"], 100 * g["accuracy"], label=m, color=plots.color(i, len(methods)))
+        ax.plot(g["hours"], 100 * g["accuracy"], label=m, color=plots.color(i, len(methods)), drawstyle="steps-post")
     ax.set_xlabel("simulated device time (hours)")
     ax.set_ylabel(f"best-so-far {'deployed' if measure == 'deployed' else 'full-width'} accuracy (%)")
     ax.legend(fontsize=8)
@@ -108,8 +164,10 @@ def plot_curves(res: Any, measure: str = "deployed", path: str | Path | None = N
 
 
 def missed(res: Any) -> pd.DataFrame:
-    """Per method (rows) and keep ratio (columns ``keep 0.2`` ...): the share of a device's client-rounds
-    that missed the deadline (``clients.straggler``), over every client of that keep ratio, round and seed."""
+    """Per method (rows) and keep ratio (columns ``keep 0.2`` ..., ascending): the share of a device's
+    client-rounds that missed the deadline (``clients.straggler``), over every client of that keep ratio, round
+    and seed; for an asynchronous run, the share of its arrived updates discarded as staler than
+    ``asynchronous.max_staleness`` (its stragglers)."""
     res = load_policy(res)
     c = runs.table(res, "clients")
     if "straggler" not in c.columns:
@@ -117,8 +175,24 @@ def missed(res: Any) -> pd.DataFrame:
     c = c.assign(method=c["run_id"].map(row_names(runs.per_run(res))),
                  late=c["straggler"].astype(float))
     out = c.pivot_table(index="method", columns="capacity_max", values="late", aggfunc="mean", sort=False)
+    out = out[sorted(out.columns)]
     out.columns = [f"keep {k:g}" for k in out.columns]
     return out.reset_index()
+
+
+def updates(res: Any) -> pd.DataFrame:
+    """Per run (indexed by run id): ``method``, ``steps`` (rounds done: an asynchronous run's server steps),
+    ``updates_applied`` (client updates that reached the model: ``clients`` rows that are no straggler) and
+    ``staleness_mean`` (their mean ``clients.staleness``; NaN for a synchronous run, which has none)."""
+    res = load_policy(res)
+    c = runs.table(res, "clients")
+    applied = c[~c["straggler"].fillna(False).astype(bool)] if "straggler" in c.columns else c
+    stale = pd.to_numeric(applied["staleness"], errors="coerce") if "staleness" in applied.columns else np.nan
+    out = pd.DataFrame({"method": pd.Series(row_names(res.runs)),
+                        "steps": runs.table(res, "rounds").groupby("run_id")["round"].max(),
+                        "updates_applied": applied.groupby("run_id").size()})
+    out["staleness_mean"] = pd.Series(stale, index=applied.index).groupby(applied["run_id"]).mean().reindex(out.index)
+    return out
 
 
 def concat(parts: list[Any]) -> Any:
@@ -158,7 +232,9 @@ def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], li
         if policy == "wait_all" or "n_stragglers" not in rounds.columns:
             continue
         late = rounds.groupby("run_id")["n_stragglers"].max()
-        in_time = {rid: m for rid, m in row_names(runs.per_run(res)).items() if m not in have and late.get(rid, 1) == 0}
+        synchronous = {r["run_id"] for _, r in res.runs.iterrows() if not is_async(r)}  # an async run never waited
+        in_time = {rid: m for rid, m in row_names(runs.per_run(res)).items()
+                   if m not in have and late.get(rid, 1) == 0 and rid in synchronous}
         if in_time:
             borrowed.append(runs.only_runs(res, in_time))
             names |= set(in_time.values())
@@ -169,12 +245,15 @@ def in_time_as_wait_all(policies: Mapping[str, Any]) -> tuple[dict[str, Any], li
 
 def compare(policies: Mapping[str, Any], *, deployed: float, full_width: float | None = None) -> pd.DataFrame:
     """:func:`time_to_accuracy` of each policy's runs (``{"wait_all": folder, "deadline": folder}``), one row per
-    (method, policy), with the final best-so-far deployed accuracy (mean over seeds) beside it."""
+    (method, policy), with the final best-so-far deployed accuracy and :func:`updates`' ``steps``,
+    ``updates_applied`` and ``staleness_mean`` (means over seeds) beside it."""
     frames = []
     for policy, res in policies.items():
         t = time_to_accuracy(res, deployed=deployed, full_width=full_width)
         last = elapsed(res).sort_values("round").groupby("run_id").tail(1)
         t["deployed_final"] = t["method"].map(last.groupby("method")["deployed"].mean())
+        per_method = updates(res).groupby("method")[["steps", "updates_applied", "staleness_mean"]].mean()
+        t = t.join(per_method, on="method")
         frames.append(t.assign(policy=policy))
     out = pd.concat(frames, ignore_index=True)
     order = {m: i for i, m in enumerate(comparison.in_table1_order(out["method"].unique()))}
@@ -183,16 +262,21 @@ def compare(policies: Mapping[str, Any], *, deployed: float, full_width: float |
 
 
 def _minutes(hours: Any, std: Any = np.nan) -> str:
+    """Minutes with one decimal from a minute up, three significant digits below (a smoke run's 0.0123)."""
     if pd.isna(hours):
         return "–"
-    return f"{60 * hours:.1f}" + ("" if pd.isna(std) else f" ± {60 * std:.1f}")
+    fmt = ".1f" if 60 * hours >= 1 else ".3g"
+    return f"{60 * hours:{fmt}}" + ("" if pd.isna(std) else f" ± {60 * std:{fmt}}")
 
 
 def report(policies: Mapping[str, Any], *, deployed: float = 0.8, full_width: float | None = None) -> str:
     """The device-time study as markdown (simulated minutes): time to ``deployed`` accuracy (and to
     ``full_width`` accuracy of the server's model, when given) per method and policy, the run's total
-    simulated time and final deployed accuracy, and the deadline's missed rounds."""
+    simulated time and final deployed accuracy, and the deadline's missed rounds. With asynchronous runs, also
+    each method's steps, updates applied and mean staleness, and the share of updates discarded as too stale."""
+    policies = {p: load_policy(res) for p, res in policies.items()}
     t = compare(policies, deployed=deployed, full_width=full_width)
+    asynchronous = any(is_async(r) for res in policies.values() for _, r in res.runs.iterrows())
     cols: dict[str, Any] = {"method": t["method"], "policy": t["policy"]}
     for measure, target, name in (("deployed", deployed, "deployed"), ("full_width", full_width, "full-width")):
         if target is None:
@@ -203,14 +287,27 @@ def report(policies: Mapping[str, Any], *, deployed: float = 0.8, full_width: fl
     table = pd.DataFrame({
         **cols, "run total (min)": [_minutes(h) for h in t["total_hours"]],
         "deployed best (final round)": ["–" if pd.isna(v) else f"{100 * v:.1f}" for v in t["deployed_final"]]})
-    parts = ["Simulated minutes, mean ± std over the seeds that reached the target.", "", markdown(table)]
+    head = "Simulated minutes, mean ± std over the seeds that reached the target."
+    if asynchronous:  # what an asynchronous run's rows are, and the columns that compare it with rounds
+        table["rounds / steps"] = [f"{v:g}" for v in t["steps"]]
+        table["updates applied"] = [f"{v:g}" for v in t["updates_applied"]]
+        table["mean staleness"] = ["–" if pd.isna(v) else f"{v:.2f}" for v in t["staleness_mean"]]
+        head += (" An async method's time is that of its server steps (a step every buffer's worth of arrivals);"
+                 " updates applied: client updates that reached the model, mean over seeds.")
+    parts = [head, "", markdown(table)]
     for policy, res in policies.items():
-        if policy == "wait_all":
-            continue
-        late = missed(res)
-        late[late.columns[1:]] = (100 * late[late.columns[1:]]).round(1)
-        parts += ["", f"Share of client-rounds that missed the deadline ({policy}, %), per keep ratio:", "",
-                  markdown(late)]
+        kind = {r["run_id"]: is_async(r) for _, r in res.runs.iterrows()}
+        bounded = [r["run_id"] for _, r in res.runs.iterrows()
+                   if kind[r["run_id"]] and _config(r, "asynchronous.max_staleness") is not None]
+        for title, ids in ((f"Share of client-rounds that missed the deadline ({policy}, %), per keep ratio:",
+                            [] if policy == "wait_all" else [rid for rid, a in kind.items() if not a]),
+                           (f"Share of updates discarded as staler than asynchronous.max_staleness ({policy}, %), "
+                            "per keep ratio:", bounded)):
+            if not ids:
+                continue
+            late = missed(runs.only_runs(res, ids))
+            late[late.columns[1:]] = (100 * late[late.columns[1:]]).round(1)
+            parts += ["", title, "", markdown(late)]
     return "\n".join(parts)
 
 
@@ -250,15 +347,23 @@ def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: 
         for m in have:
             g = c[c["method"] == m]
             color, line = style[m]
-            ax.plot(60 * g["hours"], 100 * g["accuracy"], label=m, color=color, linestyle=line)
+            # best so far holds from one evaluation to the next: steps, not a slope between them
+            ax.plot(60 * g["hours"], 100 * g["accuracy"], label=m, color=color, linestyle=line, drawstyle="steps-post")
         ax.set_title(title)
         ax.set_xlabel("simulated device time (minutes)")
         ax.set_ylabel(f"best-so-far {'deployed' if measure == 'deployed' else 'full-width'} accuracy (%)")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if max(map(len, have), default=0) <= LEGEND_INSIDE:
+            ax.legend(fontsize=8)
+        else:  # an async variant's name: below the panel, wrapped, so it covers neither the lines nor the axis
+            handles = ax.get_lines()
+            ax.legend(handles, [textwrap.fill(h.get_label(), 60) for h in handles], fontsize=8, loc="upper left",
+                      bbox_to_anchor=(0.0, -0.2))
     lows, highs = zip(*(ax.get_ylim() for ax in axes))
-    for ax in axes:  # one accuracy scale, so panels compare at a glance
+    right = max(ax.get_xlim()[1] for ax in axes)
+    for ax in axes:  # one accuracy scale and one time axis from 0, so panels (a policy, the async mode) compare at a glance
         ax.set_ylim(min(lows), max(highs))
+        ax.set_xlim(0, right)
     return plots.finish(fig, path)
 
 
@@ -266,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--full-width F] [--png PATH]``: the study's tables."""
     p = OneLineParser(prog="python -m analysis.device_time", description=main.__doc__)
     p.add_argument("folders", nargs="+", metavar="POLICY=FOLDER", help="a results folder per policy, e.g. "
-                   "wait_all=runs/dt_wait deadline=runs/dt_deadline; several sweeps' folders of one policy "
-                   "separated by commas")
+                   "wait_all=runs/dt_wait deadline=runs/dt_deadline (asynchronous runs under a name of their own: "
+                   "async=runs/async); several sweeps' folders of one policy separated by commas")
     p.add_argument("--deployed", type=float, default=0.8, help="deployed accuracy target, 0-1 (default 0.8)")
     p.add_argument("--full-width", type=float, default=None,
                    help="also the time to this full-width accuracy (the server's model), 0-1")

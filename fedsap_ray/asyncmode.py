@@ -43,11 +43,15 @@ update trained on the current version with eta_g s(tau_i) = 1 contributes its tr
 ``buffer_size`` = ``concurrency`` every step is the synchronous round, bit for bit
 (tests/test_asyncmode.py). FedBuff averages the buffer with weight 1/K; the sample-weighted,
 coordinate-wise mean is this simulator's aggregation rule and equals it for equal sample counts.
+
+Evaluation: every ``training.eval_every`` steps, or with ``asynchronous.eval_every_s`` every t simulated
+seconds (:func:`crossed`), and always at the last step; evaluating never changes training.
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,7 +68,7 @@ from fedsap_ray.seeding import rng_for
 from fedsap_ray.server import Server, due
 from fedsap_ray.staleness import weight_for
 
-__all__ = ["AsyncServer", "AsyncStrategy", "Update"]
+__all__ = ["AsyncServer", "AsyncStrategy", "Update", "crossed"]
 
 PROGRESS = "  step: {updates_applied} updates, staleness mean {staleness_mean:.2f} max {staleness_max}"
 
@@ -110,6 +114,19 @@ class Update:
         (DapperFL's pruned model of the full model it received; messages.py)."""
         m = self.result.mask
         return self.base if m is None else self.base[m]
+
+
+def crossed(before_s: float, after_s: float, every_s: float, per: int = 1) -> bool:
+    """Whether a step that moves the simulated time from ``before_s`` to ``after_s`` (the previous and this step's
+    ``rounds.sim_elapsed_s``) reaches or passes a multiple of ``per`` x ``every_s`` seconds.
+
+    Our reading of "evaluate every t simulated seconds" (issue 44): the model changes only at server steps, so
+    the model of time k t is the one of the first step at or after k t; that step is evaluated, once, however
+    many multiples it passes. Periods are counted as floor(sim_elapsed_s / t), one float division of the recorded
+    times, and ``per`` periods (``training.deployed_every``) as whole numbers of them, so a step due for ``per``
+    is due for 1 as well (the deployed evaluation is always a subset of the evaluations), and the schedule is a
+    function of the recorded times alone (the same on a resume that restores ``sim_elapsed_s``)."""
+    return math.floor(after_s / every_s) // per > math.floor(before_s / every_s) // per
 
 
 class AsyncServer(Server):
@@ -242,7 +259,7 @@ class AsyncServer(Server):
         sim = SimRound({u.client_id: u.sim_s for u in every}, frozenset(u.client_id for u in dropped),
                        self.now - self.last_step_s)
         self.last_step_s = self.now
-        ev, eval_s = self._evaluate(new_state, t)
+        ev, eval_s = self._evaluate(new_state, t, sim.round_s)
         total = time.perf_counter() - t0
         times = PhaseTimes(train_s=self.train_s, eval_s=eval_s, server_s=max(total - self.train_s - eval_s, 0.0))
         self.train_s = 0.0
@@ -261,15 +278,23 @@ class AsyncServer(Server):
         delta = u.result.values.astype(np.float64) - u.downloaded().astype(np.float64)
         return (current.astype(np.float64) + factor * delta).astype(np.float32)
 
-    def _evaluate(self, state: ServerState, t: int) -> tuple[RoundEvaluation, float]:
-        """Server step ``t``'s evaluation (every ``training.eval_every`` steps and the last), as the synchronous
-        round evaluates: (the evaluation, its wall seconds)."""
+    def _evaluate(self, state: ServerState, t: int, round_s: float) -> tuple[RoundEvaluation, float]:
+        """Server step ``t``'s evaluation (every ``training.eval_every`` steps, or every
+        ``asynchronous.eval_every_s`` simulated seconds by :func:`crossed`, and the last), as the synchronous
+        round evaluates: (the evaluation, its wall seconds). ``round_s``: the step's ``sim_round_s``."""
         cfg = self.ctx.cfg
-        if not due(t, cfg.training.eval_every, cfg.training.rounds):
+        every_s, last = self.acfg.eval_every_s, cfg.training.rounds
+        if every_s is None:
+            evaluated = due(t, cfg.training.eval_every, last)
+            deployed_now = due(t, cfg.training.deployed_every, last)
+        else:  # before: the previous step's recorded sim_elapsed_s; after: this one's, as the recorder adds it
+            before = self.recorder.sim_elapsed_s
+            evaluated = crossed(before, before + round_s, every_s) or t == last
+            deployed_now = crossed(before, before + round_s, every_s, cfg.training.deployed_every) or t == last
+        if not evaluated:
             return RoundEvaluation(), 0.0
         t0 = time.perf_counter()
         by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout, self.strategy.eval_sets(state, self.eval_domains),
                                  self.ctx.federation.test, self.device)
-        deployed = (self._evaluate_deployed(state)
-                    if due(t, cfg.training.deployed_every, cfg.training.rounds) and cfg.training.eval_deployed else {})
+        deployed = self._evaluate_deployed(state) if deployed_now and cfg.training.eval_deployed else {}
         return RoundEvaluation(by_mode=by_mode, deployed=deployed), time.perf_counter() - t0

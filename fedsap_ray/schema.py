@@ -459,8 +459,9 @@ class AsyncConfig:
     ``concurrency`` clients train at once, each finishing at its simulated time; the server applies the
     buffered updates as deltas every ``buffer_size`` arrivals (FedBuff, Nguyen et al. 2022, Algorithm 1;
     ``buffer_size=1`` is FedAsync, Xie et al. 2019), each weighted by a function of its staleness. One
-    ``training.rounds`` is one server step; ``training.eval_every`` counts server steps. Only read with
-    ``devices.mode=async`` (a field set otherwise is refused)."""
+    ``training.rounds`` is one server step; ``training.eval_every`` counts server steps, unless
+    ``eval_every_s`` times the evaluation on the simulated clock. Only read with ``devices.mode=async`` (a
+    field set otherwise is refused)."""
 
     # clients training at once; null: round(training.participation x data.num_clients), a synchronous round's clients
     concurrency: int | None = None
@@ -477,6 +478,10 @@ class AsyncConfig:
     server_lr: float = 1.0
     # updates staler than this many server steps are discarded (clients.straggler); null: none is discarded
     max_staleness: int | None = None
+    # evaluate every this many simulated seconds instead of every training.eval_every steps: at the first step
+    # whose rounds.sim_elapsed_s reaches each multiple (once, however many multiples the step passes) and at the
+    # last step; training.deployed_every then counts these periods. null: by steps (training.eval_every)
+    eval_every_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in ("concurrency", "buffer_size"):
@@ -491,6 +496,10 @@ class AsyncConfig:
         if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
                                                or isinstance(self.max_staleness, bool) or self.max_staleness < 0):
             fail("asynchronous.max_staleness", self.max_staleness, "must be null or an integer >= 0")
+        if self.eval_every_s is not None and not (is_number(self.eval_every_s) and math.isfinite(self.eval_every_s)
+                                                  and self.eval_every_s > 0):
+            fail("asynchronous.eval_every_s", self.eval_every_s, "must be null or a positive finite number of "
+                                                                  "simulated seconds")
 
 
 def check_async(cfg: ExperimentConfig) -> None:
@@ -509,6 +518,10 @@ def check_async(cfg: ExperimentConfig) -> None:
     if cfg.devices.policy != "wait_all":
         fail("devices.policy", cfg.devices.policy, "devices.mode=async has no rounds to wait for: use wait_all "
                                                     "(stale updates are bounded by asynchronous.max_staleness)")
+    if a.eval_every_s is not None and cfg.training.eval_every != 1:
+        fail("training.eval_every", cfg.training.eval_every, f"is not read with asynchronous.eval_every_s="
+                                                             f"{a.eval_every_s:g} (the evaluation follows the simulated "
+                                                             "clock): leave it out (1)")
     for name in ("concurrency", "buffer_size"):
         v = getattr(a, name)
         if v is not None and v > n:
@@ -586,6 +599,8 @@ class ExperimentConfig:
             d["devices"].pop("mode")  # synchronous runs keep the hash they had before devices.mode existed
         if d.get("asynchronous") == _to_plain(dataclasses.asdict(AsyncConfig())):
             d.pop("asynchronous")  # ... and before the asynchronous section existed
+        if isinstance(d.get("asynchronous"), dict) and d["asynchronous"].get("eval_every_s") is None:
+            d["asynchronous"].pop("eval_every_s", None)  # asynchronous runs keep the hash they had before the field
         if d.get("devices") == _without_sha(_to_plain(dataclasses.asdict(DevicesConfig()))):
             d.pop("devices")  # the default device model adds columns only: runs keep the hash they had before it
         return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]

@@ -15,6 +15,7 @@ import pytest
 
 from fedsap_ray import results
 from fedsap_ray.algorithms.dapperfl import MASK_KEY
+from fedsap_ray.asyncmode import crossed
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
@@ -241,6 +242,51 @@ def test_a_too_stale_update_is_discarded_and_not_counted_in_the_buffer(tmp_path,
     assert r["n_stragglers"].sum() == len(late)
 
 
+def test_evaluation_every_t_simulated_seconds_is_at_the_steps_that_cross_its_multiples(tmp_path, fed):
+    # irregular steps: six devices of different speeds, four in flight, a step per arrival; t = 0.02 s is about
+    # a step's time, so some steps pass no multiple of t and some pass two (checked below, so the case is there)
+    trace = _trace(tmp_path, [0.4e9, 0.7e9, 1e9, 1.3e9, 0.55e9, 0.9e9])
+    common = [f"devices.trace={trace}", "devices.mode=async", "asynchronous.concurrency=4", "asynchronous.buffer_size=1",
+              "training.rounds=12", "training.eval_deployed=true"]
+    every, every_calls, every_res = _session(tmp_path / "every", fed, *common)  # every step evaluated
+    t = 0.02
+    timed, timed_calls, res = _session(tmp_path / "timed", fed, *common, f"asynchronous.eval_every_s={t}",
+                                       "training.deployed_every=2")
+    rows = res.rounds.set_index("round")
+    elapsed = rows["sim_elapsed_s"].groupby(level=0).first()
+
+    def first_steps(period):  # by hand: the first step whose recorded time reaches each multiple of the period
+        return {int(elapsed[elapsed >= k * period].index.min())
+                for k in range(1, int(elapsed.iloc[-1] / period) + 1)} | {12}
+
+    evaluated = set(rows.index[rows["evaluated"]])
+    assert evaluated == first_steps(t)
+    assert set(rows.index[rows["eval_mode"] == "deployed"]) == first_steps(2 * t)  # deployed_every counts periods
+    before = np.concatenate([[0.0], elapsed.to_numpy()[:-1]])
+    passed = np.floor(elapsed.to_numpy() / t) - np.floor(before / t)  # multiples of t each step passes
+    assert (passed == 0).any() and (passed >= 2).any() and 12 in evaluated
+    assert not rows.loc[~rows["evaluated"], "accuracy"].notna().any()
+    # evaluating never changes training: the same models, clients rows and step times as evaluating every step
+    for a, b in zip(every, timed):
+        np.testing.assert_array_equal(a.params, b.params)
+    pd.testing.assert_frame_equal(steady(every_res.clients), steady(res.clients))
+    steps = ["sim_elapsed_s", "sim_round_s", "train_loss", "updates_applied", "staleness_mean", "n_clients"]
+    pd.testing.assert_frame_equal(every_res.rounds.drop_duplicates("round")[steps].reset_index(drop=True),
+                                  res.rounds.drop_duplicates("round")[steps].reset_index(drop=True))
+    # ... and an evaluated step reads the model every step's evaluation read
+    keys = ["round", "eval_mode", "domain"]
+    both = res.rounds[res.rounds["evaluated"]].merge(every_res.rounds, on=keys, suffixes=("", "_every"))
+    assert len(both) == res.rounds["evaluated"].sum()
+    np.testing.assert_array_equal(both["accuracy"], both["accuracy_every"])
+
+
+def test_a_step_is_due_when_it_reaches_or_passes_a_multiple_once():
+    assert crossed(0.0, 0.5, 0.5) and crossed(0.4, 0.6, 0.5)  # reaching the multiple counts, as passing it
+    assert not crossed(0.5, 0.9, 0.5) and not crossed(0.0, 0.49, 0.5)  # 0.5 was counted by the step that reached it
+    assert crossed(0.1, 1.7, 0.5)  # three multiples in one step: one evaluation (a bool)
+    assert crossed(0.6, 1.1, 0.5, per=2) and not crossed(1.1, 1.9, 0.5, per=2)  # per: multiples of 1.0 only
+
+
 @pytest.mark.parametrize("name", ["fedsap", "scaffold", "hasfl", "moon", "fedspu"])
 def test_strategies_with_round_synchronous_state_are_refused_by_name(name):
     with pytest.raises(ConfigError, match=rf"invalid algorithm\.name='?{name}'?: devices\.mode=async does not support "
@@ -257,6 +303,12 @@ def test_async_settings_are_checked_and_named():
                        ("asynchronous.staleness_a=0", "asynchronous.staleness_a"),
                        ("asynchronous.server_lr=-1", "asynchronous.server_lr"),
                        ("asynchronous.max_staleness=-1", "asynchronous.max_staleness"),
+                       ("asynchronous.eval_every_s=0", "asynchronous.eval_every_s"),
+                       ("asynchronous.eval_every_s=-5", "asynchronous.eval_every_s"),
+                       ("asynchronous.eval_every_s=inf", "asynchronous.eval_every_s"),
+                       ("asynchronous.eval_every_s=nan", "asynchronous.eval_every_s"),
+                       ("asynchronous.eval_every_s=true", "asynchronous.eval_every_s"),
+                       ("asynchronous.eval_every_s=soon", "asynchronous.eval_every_s"),
                        ("devices.policy=over_select", "devices.policy"),
                        ("algorithm.selection=afd", "algorithm.name")]:
         overrides = [*base, bad] if "selection" not in bad else ["algorithm.name=feddrop", "devices.mode=async", bad]
@@ -267,6 +319,11 @@ def test_async_settings_are_checked_and_named():
     with pytest.raises(ConfigError, match=r"invalid asynchronous\.buffer_size=2: read only with devices\.mode=async"):
         build_config(preset="smoke", overrides=["algorithm.name=fedavg", "asynchronous.buffer_size=2"])
     build_config(preset="smoke", overrides=["algorithm.name=feddrop", "devices.mode=async"])  # plain FD is supported
+    with pytest.raises(ConfigError, match=r"invalid asynchronous\.eval_every_s=60\.0: read only with devices\.mode=async"):
+        build_config(preset="smoke", overrides=["algorithm.name=fedavg", "asynchronous.eval_every_s=60"])
+    with pytest.raises(ConfigError, match=r"invalid training\.eval_every=2: is not read with asynchronous\.eval_every_s=60"):
+        build_config(preset="smoke", overrides=[*base, "asynchronous.eval_every_s=60", "training.eval_every=2"])
+    assert build_config(preset="smoke", overrides=[*base, "asynchronous.eval_every_s=60"]).asynchronous.eval_every_s == 60
 
 
 def test_synchronous_configs_keep_their_hash():
@@ -276,6 +333,15 @@ def test_synchronous_configs_keep_their_hash():
     assert build_config(preset="smoke", overrides=["devices.policy=deadline", "devices.deadline_s=2.0"]
                         ).config_hash() == "b06ae037dd8c"
     assert build_config(preset="smoke", overrides=["devices.jitter=0.5"]).config_hash() == "af536ddb1fb5"
+
+
+def test_asynchronous_configs_keep_their_hash_without_eval_every_s():
+    """asynchronous.eval_every_s left null keeps an asynchronous run's id (values from the code before the field)."""
+    async_ = ["algorithm.name=heterofl", "devices.mode=async"]
+    assert build_config(preset="smoke", overrides=async_).config_hash() == "e565167ea979"
+    assert build_config(preset="smoke", overrides=[*async_, "asynchronous.buffer_size=2", "asynchronous.concurrency=4"]
+                        ).config_hash() == "226b0ab8f8e1"
+    assert build_config(preset="smoke", overrides=[*async_, "asynchronous.eval_every_s=60"]).config_hash() != "e565167ea979"
 
 
 def test_staleness_rules_are_fedasyncs():

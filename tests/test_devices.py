@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import comparison, device_time
+from analysis import comparison, device_time, runs
 from fedsap_ray import algorithms, devices, results
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
@@ -111,7 +111,8 @@ def test_a_client_past_the_deadline_is_left_out_and_comes_back_when_in_time(tmp_
     assert head[4:6] == ["to 0% full-width (min)", "seeds reached (full-width)"]
     for _, r in t.iterrows():
         row = next(x for x in printed if x.startswith(f"| {r['method']} | {r['policy']} |"))
-        assert row.strip("|").split("|")[4].strip() == f"{60 * r['full_width_hours']:.1f}"
+        minutes = 60 * r["full_width_hours"]  # one decimal from a minute up, three significant digits below
+        assert minutes < 1 and row.strip("|").split("|")[4].strip() == f"{minutes:.3g}" != "0"
     assert len(device_time.plot_policies(both, "full_width").axes) == 2
     with pytest.raises(SystemExit) as bad:
         device_time.main([str(tmp_path / "r")])
@@ -242,3 +243,62 @@ def test_the_curves_tell_sub_model_from_full_model_methods_and_split_a_crowded_p
     fig = device_time.plot_policies(both, "full_width")
     assert drawn(fig) == {"wait_all: sub-models": {"FedAvg (sub-models)": "-"}, "wait_all: full model": {"FedAvg": "--"}}
     assert len({ax.get_ylim() for ax in fig.axes}) == 1  # one accuracy scale
+
+
+def test_async_runs_are_read_beside_sync_ones_by_their_steps_time_and_told_apart_by_variant(tmp_path, fed):
+    """analysis.device_time on a synchronous folder and an asynchronous one holding two variants of one method:
+    the time to a target is the hand-computed sim_elapsed_s of the first step (round) whose best-so-far accuracy
+    reaches it, the variants are two named rows (never pooled as seeds), an async run is never borrowed as a
+    wait_all run, and its discarded updates are reported as such."""
+    def run(folder, run_id, *extra):
+        run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / folder, run_id=run_id,
+                       federation=fed)
+
+    run("sync", "s")
+    asyn = ["devices.mode=async", "asynchronous.concurrency=4", "training.rounds=6"]
+    run("async", "k1", *asyn, "asynchronous.buffer_size=1", "asynchronous.staleness=polynomial",
+        "asynchronous.max_staleness=1", "asynchronous.eval_every_s=0.05")  # evaluated at some steps only
+    run("async", "k2", *asyn, "asynchronous.buffer_size=2")
+    loaded = {p: device_time.load_policy(tmp_path / p) for p in ("sync", "async")}
+    names = device_time.row_names(pd.concat([runs.per_run(r) for r in loaded.values()]))
+    assert names == {"s": "FedAvg", "k1": "FedAvg [async: buffer 1, concurrency 4, polynomial a=0.5, max staleness 1]",
+                     "k2": "FedAvg [async: buffer 2, concurrency 4, constant]"}
+    # by hand from each run's rounds table: the first round (step) whose best-so-far global accuracy reaches the
+    # target, at its sim_elapsed_s (NaN: never), for every accuracy some run reached
+    best, hours = {}, {}
+    for rid, folder in (("s", "sync"), ("k1", "async"), ("k2", "async")):
+        r = results.load(tmp_path / folder).rounds
+        r = r[(r["run_id"] == rid) & (r["domain"] == results.GLOBAL_DOMAIN)]
+        best[rid] = r[r["eval_mode"] == "global"].set_index("round")["accuracy"].cummax()
+        hours[rid] = r.drop_duplicates("round").set_index("round")["sim_elapsed_s"] / 3600
+    assert not best["k1"].index.equals(hours["k1"].index)  # eval_every_s skipped steps
+    policies, borrowed = device_time.in_time_as_wait_all({"wait_all": tmp_path / "sync", "async": tmp_path / "async"})
+    assert borrowed == [] and set(policies["wait_all"].runs["run_id"]) == {"s"}  # no async run waited for a round
+    later = 0  # hits after a run's first evaluation: the case is there
+    for target in sorted({float(v) for b in best.values() for v in b}):
+        first = {rid: b[b >= target].index.min() for rid, b in best.items()}
+        by_hand = {names[rid]: np.nan if pd.isna(f) else hours[rid][int(f)] for rid, f in first.items()}
+        later += sum(int(f) > b.index[0] for f, b in zip(first.values(), best.values()) if not pd.isna(f))
+        t = device_time.compare(policies, deployed=1.01, full_width=target).set_index("method")
+        assert len(t) == 3
+        assert t["full_width_hours"].to_dict() == pytest.approx(by_hand, rel=1e-12, nan_ok=True)
+    assert later > 0
+    assert t["total_hours"].to_dict() == pytest.approx({names[rid]: h.iloc[-1] for rid, h in hours.items()})
+    # the async columns, by hand from the clients tables: updates that reached the model, their mean staleness
+    for rid, folder in (("s", "sync"), ("k1", "async"), ("k2", "async")):
+        c = results.load(tmp_path / folder).clients
+        c = c[(c["run_id"] == rid) & ~c["straggler"]]
+        row = t.loc[names[rid]]
+        assert row["updates_applied"] == len(c) and row["steps"] == hours[rid].index.max()
+        assert (np.isnan(row["staleness_mean"]) if rid == "s" else row["staleness_mean"] == c["staleness"].mean())
+    k1 = results.load(tmp_path / "async").clients
+    k1 = k1[k1["run_id"] == "k1"]
+    assert k1["straggler"].any()  # max_staleness 1 discarded some: reported as discarded, not as missed deadlines
+    printed = device_time.report(policies, deployed=1.01, full_width=0.0)
+    assert "discarded as staler than asynchronous.max_staleness (async, %)" in printed
+    assert "missed the deadline" not in printed and "| mean staleness |" in printed
+    shares = device_time.missed(runs.only_runs(policies["async"], ["k1"])).set_index("method").iloc[0]
+    assert shares.to_dict() == pytest.approx({f"keep {k:g}": v for k, v in k1.groupby("capacity_max")["straggler"].mean().items()})
+    fig = device_time.plot_policies(policies, "full_width")
+    assert [sorted(ln.get_label() for ln in ax.lines) for ax in fig.axes] == [["FedAvg"], sorted([names["k1"], names["k2"]])]
+    assert len({ax.get_xlim() for ax in fig.axes}) == 1 and fig.axes[0].get_xlim()[0] == 0  # one time axis
