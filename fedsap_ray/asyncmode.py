@@ -20,6 +20,9 @@ The engine (:class:`AsyncServer`, one :meth:`~AsyncServer.round` call per server
   instant on the model of that moment (the steps taken at the instant included). A client is busy from
   its start until its update is applied or discarded, so it has one update in flight or buffered at
   most, and trains at most once on each version.
+- The engine's state after a step (the event queue with each update's plan, result and downloaded model, the
+  buffer, the discarded arrivals, the clock, the dispatch counters) goes into the step's checkpoint
+  (:meth:`AsyncServer.state_dict`), so a resumed run continues exactly (:meth:`AsyncServer.load_state_dict`).
 - Clients started at one instant do not depend on each other and go to ``backend.train`` together, so
   the tables are those of the local backend on any backend. Selection is seeded: the first start of
   version v draws from ``rng_for(seed, v + 1, -1, "sample")``, exactly a synchronous round's draw
@@ -51,9 +54,10 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -63,12 +67,19 @@ from fedsap_ray.devices import SimRound, available, client_time, round_size
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.evaluate import evaluate_modes
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
+from fedsap_ray.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.results.recorder import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.seeding import rng_for
 from fedsap_ray.server import Server, due
 from fedsap_ray.staleness import weight_for
+from fedsap_ray.statecheck import BadCheckpoint, check_params
 
 __all__ = ["AsyncServer", "AsyncStrategy", "Update", "crossed"]
+
+#: The engine's part of a checkpoint (:meth:`AsyncServer.state_dict`): its format name and version. A checkpoint
+#: of another version (or none: an asynchronous run checkpointed before it could be resumed) is refused.
+ENGINE_FORMAT, ENGINE_VERSION = "fedbuff", 1
+UPDATE_FIELDS = ("client_id", "version", "start_s", "finish_s", "sim_s", "plan", "result")
 
 PROGRESS = "  step: {updates_applied} updates, staleness mean {staleness_mean:.2f} max {staleness_max}"
 
@@ -298,3 +309,129 @@ class AsyncServer(Server):
                                  self.ctx.federation.test, self.device)
         deployed = self._evaluate_deployed(state) if deployed_now and cfg.training.eval_deployed else {}
         return RoundEvaluation(by_mode=by_mode, deployed=deployed), time.perf_counter() - t0
+
+    # --- checkpoint state (the round's checkpoint holds it: fedsap_ray.session, fedsap_ray.messagetree) ------------
+    def state_dict(self) -> dict[str, Any]:
+        """The engine's state after a server step, as a checkpoint tree (:mod:`fedsap_ray.treecodec`): the clock,
+        the dispatch counters (selection seeds), the event queue (heap order) with every update in flight, the
+        buffer and the discarded arrivals, each update with its plan, its result and its version's downloaded
+        vector, stored once per version (``bases``) however many updates downloaded it. Wall time (``train_s``) is
+        not state. :meth:`load_state_dict` gives the engine back; the run then continues as if never stopped."""
+        lists = {"flight": [u for _, _, u in self.flight], "buffer": self.buffer, "discarded": self.discarded}
+        bases: dict[int, np.ndarray] = {}
+        for u in itertools.chain(*lists.values()):
+            known = bases.setdefault(u.version, u.base)
+            if known is not u.base and not np.array_equal(known, u.base):  # one model per version, never mutated
+                raise RuntimeError(f"two updates of model version {u.version} downloaded different vectors")
+        tree: dict[str, Any] = {"format": ENGINE_FORMAT, "version": ENGINE_VERSION, "now": self.now,
+                                "last_step_s": self.last_step_s, "dispatch_due": self.dispatch_due,
+                                "dispatch_version": self.dispatch_version, "dispatch_index": self.dispatch_index,
+                                "bases": bases}
+        for name, updates in lists.items():
+            tree[name] = [{"client_id": u.client_id, "version": u.version, "start_s": u.start_s, "finish_s": u.finish_s,
+                           "sim_s": u.sim_s, "plan": plan_tree(u.plan, u.base),
+                           "result": result_tree(u.result)} for u in updates]
+        return tree
+
+    def load_state_dict(self, tree: Any, state: ServerState, where: str) -> None:
+        """Restore :meth:`state_dict`'s ``tree``, written after server step ``state.round``. Everything is checked
+        before anything is set, each refusal a :class:`~fedsap_ray.statecheck.BadCheckpoint` (exit 2) that starts
+        with ``where`` and names the field (``engine.flight[2]: ...``)."""
+        if tree is None:
+            raise BadCheckpoint(f"{where} holds no asynchronous engine state (the event queue and the clients in "
+                                "flight): it was written before devices.mode=async runs could be resumed; start the run "
+                                "again (--run-id ID --overwrite)")
+
+        def bad(path: str, what: str) -> BadCheckpoint:
+            return BadCheckpoint(f"{where}: engine{path}{'' if what.startswith(':') else ' '}{what}")
+
+        if type(tree) is not dict:
+            raise bad("", f"is {type(tree).__name__}; a dict")
+        if (tree.get("format"), tree.get("version")) != (ENGINE_FORMAT, ENGINE_VERSION):
+            raise bad("", f"is format {tree.get('format')!r} version {tree.get('version')!r}; this fedsap_ray reads "
+                          f"{ENGINE_FORMAT!r} version {ENGINE_VERSION}: start the run again (--run-id ID --overwrite)")
+        keys = {"format", "version", "now", "last_step_s", "dispatch_due", "dispatch_version", "dispatch_index",
+                "bases", "flight", "buffer", "discarded"}
+        if set(tree) != keys:
+            raise bad("", f"has the fields {sorted(tree)}; the engine's are {sorted(keys)}")
+        now, last = tree["now"], tree["last_step_s"]
+        for name in ("now", "last_step_s"):
+            if not _is_float(tree[name]) or not 0 <= tree[name] < math.inf:
+                raise bad(f".{name}", f"is {tree[name]!r:.40}; a finite time >= 0")
+        if last > now:
+            raise bad(".last_step_s", f"is {last}, after the clock ({now})")
+        v = state.round
+        if type(tree["dispatch_due"]) is not bool:
+            raise bad(".dispatch_due", f"is {tree['dispatch_due']!r:.40}; true or false")
+        if not _is_int(tree["dispatch_version"]) or not -1 <= tree["dispatch_version"] <= v:
+            raise bad(".dispatch_version", f"is {tree['dispatch_version']!r:.40}; a model version in [-1, {v}]")
+        if not _is_int(tree["dispatch_index"]) or tree["dispatch_index"] < 0:
+            raise bad(".dispatch_index", f"is {tree['dispatch_index']!r:.40}; an integer >= 0")
+        bases = tree["bases"]
+        if type(bases) is not dict or not all(_is_int(k) and 0 <= k <= v for k in bases):
+            raise bad(".bases", f"is not a dict keyed by model versions 0-{v}")
+        n_params, n_clients = self.ctx.layout.size, len(self.ctx.federation.clients)
+        for k, x in bases.items():
+            check_params(x, n_params, f"{where}: engine.bases[{k}]")
+        if v in bases:  # the current version's download is the model itself (and shares its object again)
+            if not np.array_equal(bases[v], state.params):
+                raise bad(f".bases[{v}]", "differs from the checkpoint's model of that version")
+            bases = {**bases, v: state.params}
+        lists: dict[str, list[Update]] = {}
+        for name, limit in (("flight", self.concurrency), ("buffer", self.buffer_size - 1), ("discarded", n_clients)):
+            items = tree[name]
+            if type(items) is not list or len(items) > limit:
+                raise bad(f".{name}", f"is not a list of at most {limit} updates")
+            lists[name] = [self._update_from_tree(u, bases, f".{name}[{i}]", n_clients, bad)
+                           for i, u in enumerate(items)]
+        for u in lists["flight"]:
+            if u.finish_s < now:
+                raise bad(".flight", f"holds client {u.client_id} arriving at {u.finish_s}, before the clock ({now})")
+        for name in ("buffer", "discarded"):
+            for u in lists[name]:
+                if u.finish_s > now:
+                    raise bad(f".{name}", f"holds client {u.client_id} arriving at {u.finish_s}, after the clock ({now})")
+        ids = [u.client_id for u in itertools.chain(*lists.values())]
+        if len(set(ids)) != len(ids):
+            raise bad("", f"holds two updates of one client (clients {sorted(ids)}); a client has one at most")
+        self.flight = [(u.finish_s, u.client_id, u) for u in lists["flight"]]
+        heapq.heapify(self.flight)  # the stored heap order: a no-op
+        self.buffer, self.discarded = lists["buffer"], lists["discarded"]
+        self.now, self.last_step_s = now, last
+        self.dispatch_due, self.dispatch_version = tree["dispatch_due"], tree["dispatch_version"]
+        self.dispatch_index, self.train_s = tree["dispatch_index"], 0.0
+
+    def _update_from_tree(self, tree: Any, bases: Mapping[int, np.ndarray], path: str, n_clients: int,
+                          bad: Callable[[str, str], BadCheckpoint]) -> Update:
+        """One stored update, checked: its client, version (one of ``bases``), times, plan and result."""
+        if type(tree) is not dict or set(tree) != set(UPDATE_FIELDS):
+            raise bad(path, f"is not a dict of the fields {list(UPDATE_FIELDS)}")
+        cid, version = tree["client_id"], tree["version"]
+        if not _is_int(cid) or not 0 <= cid < n_clients:
+            raise bad(f"{path}.client_id", f"is {cid!r:.40}; a client id in [0, {n_clients})")
+        if not _is_int(version) or version not in bases:
+            raise bad(f"{path}.version", f"is {version!r:.40}; a version whose vector engine.bases holds")
+        start, finish, sim = tree["start_s"], tree["finish_s"], tree["sim_s"]
+        if not all(_is_float(x) and 0 <= x < math.inf for x in (start, finish, sim)) or start + sim != finish:
+            raise bad(path, f"has start_s {start!r:.30}, sim_s {sim!r:.30}, finish_s {finish!r:.30}; finite times "
+                            ">= 0 with finish_s = start_s + sim_s")
+        try:
+            plan = plan_from_tree(tree["plan"], bases[version])
+            result = result_from_tree(tree["result"])
+            if (plan.client_id, result.client_id) != (cid, cid) or (plan.round, result.round) != (version + 1,) * 2:
+                raise ValueError(f"plan and result are of client {plan.client_id}/{result.client_id}, round "
+                                 f"{plan.round}/{result.round}; the update's are client {cid}, round {version + 1}")
+            if plan.params.size != bases[version].size:
+                raise ValueError(f"plan.params holds {plan.params.size} values; the model {bases[version].size}")
+            check_results({cid: plan}, [result], type(self.strategy).__name__)
+        except (TypeError, ValueError) as e:
+            raise bad(path, f": {e}") from e
+        return Update(cid, version, start, finish, bases[version], plan, result, sim)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, (float, np.floating))

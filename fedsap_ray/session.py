@@ -16,6 +16,7 @@ import datetime as _dt
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -34,6 +35,9 @@ from fedsap_ray.results import DATA_TABLES, RunWriter
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import seed_for
 from fedsap_ray.server import Backend, RoundSummary, Server
+
+if TYPE_CHECKING:
+    from fedsap_ray.asyncmode import AsyncServer
 
 
 @dataclass
@@ -148,16 +152,15 @@ class RunSession:
         self.strategy = algorithms.get(cfg.algorithm.name)(self.ctx, cfg.algorithm.opts)  # options typed once, by the config
         self.backend = backend
         server_cls = Server
+        self.engine: AsyncServer | None = None  # the asynchronous engine: each checkpoint holds its state too
         if cfg.devices.mode == "async":  # asynchronous server steps on the simulated clock (issue 44)
             from fedsap_ray.asyncmode import AsyncServer
 
-            if resume:
-                raise ConfigError(f"invalid --resume={run_id!r}: a run with devices.mode=async cannot be resumed yet "
-                                  "(its event queue and in-flight clients are not in the checkpoint); start it again "
-                                  f"with --run-id {run_id} --overwrite")
             server_cls = AsyncServer
         self.server = server_cls(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
                                  device=pick_device(cfg.resources.device))
+        if cfg.devices.mode == "async":
+            self.engine = cast("AsyncServer", self.server)
         fed = self.ctx.federation
         if cfg.devices.availability < 1 or cfg.devices.trace is not None:  # a round no client can train: refused now
             empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))
@@ -187,6 +190,11 @@ class RunSession:
                 raise ConfigError(f"invalid resume={run_id!r}: the run was made with another config "
                                   f"(hash {old['config_hash']}, now {cfg.config_hash()})")
             self._resumed = ServerState(round=st.round, params=st.params, strategy_state=own)
+            if self.engine is not None:  # the event queue, the clients in flight, the clock: checked, then set
+                self.engine.load_state_dict(ck.get("engine"), self._resumed, where)
+            elif "engine" in ck:
+                raise statecheck.BadCheckpoint(f"{where} holds an asynchronous engine's state; this run has "
+                                               f"devices.mode={cfg.devices.mode}")
             self.recorder.restore_metrics(ck["server"])
             self.writer.restore(self._resumed.round)
             if old is not None:
@@ -213,7 +221,8 @@ class RunSession:
         tree = ServerState(round=state.round, params=state.params,
                            strategy_state=self.strategy.state_tree(state.strategy_state))
         checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),
-                        tables=self.writer.tables_written(), rows=self.writer.counts)
+                        tables=self.writer.tables_written(), rows=self.writer.counts,
+                        engine=None if self.engine is None else self.engine.state_dict())
         self.state, self.last_summary = state, summary  # only now is round t done: a resume can continue after it
         self.writer.set_run(self._row("running"))
         return summary

@@ -352,10 +352,3 @@ def test_staleness_rules_are_fedasyncs():
     assert staleness_weight("hinge", 6, 10.0, 4.0) == pytest.approx(1 / 21)
     assert staleness_weight("hinge", 6) == pytest.approx(1 / 21)  # FedAsync's a = 10, b = 4
 
-
-def test_resuming_an_async_run_is_refused_with_the_reason(tmp_path, fed):
-    """The checkpoint does not hold the event queue and the clients in flight, so a resume could not be exact:
-    refused (exit 2) before anything of the run is touched."""
-    cfg = build_config(preset="smoke", overrides=[*TINY, "devices.mode=async"])
-    with pytest.raises(ConfigError, match=r"invalid --resume='r': a run with devices\.mode=async cannot be resumed"):
-        RunSession(cfg, tmp_path, "r", backend=Recording(), federation=fed, resume=True)

@@ -1,17 +1,26 @@
 """The command line as a subprocess, what only a subprocess shows: the installed ``fedsap-ray`` console script
-(its entry point, exit status 0, a local Ray it starts itself) and ``python -m fedsap_ray`` (a refusal's exit
-status 2 and its one line reaching the shell). Everything else about the command line runs in-process, in the
+(its entry point, exit status 0, a local Ray it starts itself), ``python -m fedsap_ray`` (a refusal's exit
+status 2 and its one line reaching the shell) and a run killed with SIGKILL at any moment, then ``--resume``d.
+Everything else about the command line runs in-process, in the
 fast tier: tests/test_cli.py and the tests that use ``faultkit.cli``."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from conftest import steady, tiny_overrides
+from faultkit import runs_row, sets
+from fedsap_ray import checkpoint, results
+from fedsap_ray.config import build_config
+from fedsap_ray.experiment import run_experiment
 from test_cli import BAD_INPUT, one_line_refusal
 
 
@@ -44,3 +53,46 @@ def test_ray_backend_smoke_from_the_console_script(tmp_path):
     clients = pd.read_parquet(tmp_path / "clients")
     assert clients["worker"].str.startswith("fedsap-").all()
     assert pd.read_parquet(tmp_path / "runs").loc[0, "backend"] == "ray"
+
+
+def test_an_async_run_killed_mid_run_and_resumed_equals_the_run_never_killed(tmp_path):
+    """kill -9 of ``fedsap-ray run`` with ``devices.mode=async`` (issue 44) once it has checkpointed step 3 of 12:
+    wherever in a step the kill lands (training, writing rows, writing the checkpoint), ``--resume`` continues
+    from the last checkpoint, whose engine state holds the updates in flight, and every table equals the
+    uninterrupted run's (tests/test_asyncmode_resume.py checks the engine's state in-process)."""
+    trace = tmp_path / "trace.csv"
+    pd.DataFrame({"client_id": range(6), "speed": [0.5e9, 1e9, 0.6e9, 0.8e9, 0.45e9, 1e9], "down_bytes_s": 1e12,
+                  "up_bytes_s": 1e12}).to_csv(trace, index=False)
+    overrides = tiny_overrides("heterofl", "data.num_clients=6", "training.eval_deployed=false", "devices.mode=async",
+                               f"devices.trace={trace}", "asynchronous.concurrency=5", "asynchronous.buffer_size=2",
+                               "asynchronous.staleness=polynomial", "asynchronous.server_lr=0.7",
+                               "asynchronous.max_staleness=2", "training.rounds=12", "training.eval_every=3")
+    cut = tmp_path / "cut"
+    with open(tmp_path / "log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "fedsap_ray", "run", "--preset", "smoke", "--quiet", "--out",
+                                 str(cut), "--run-id", "r", *sets(overrides)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline, done = time.time() + 300, 0
+            while done < 3 and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.02)
+                try:
+                    done = checkpoint.load(cut, "r")["state"].round
+                except (FileNotFoundError, OSError, ValueError):  # not written yet
+                    pass
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert done >= 3 and proc.returncode == -signal.SIGKILL, (tmp_path / "log").read_text()[-3000:]
+    row = runs_row(cut, "r")
+    assert row["status"] == "running" and row["rounds_done"] < 12  # killed mid-run, its row says so
+    resumed = subprocess.run([sys.executable, "-m", "fedsap_ray", "run", "--quiet", "--out", str(cut), "--resume", "r"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run_experiment(build_config(preset="smoke", overrides=overrides), tmp_path / "whole", run_id="r")
+    a, b = results.load(cut), results.load(tmp_path / "whole")
+    assert a.runs.loc[0, "status"] == "finished" and a.clients["staleness"].max() > 0
+    placement = ["worker", "gpu_id", "node"]  # where it ran (this process's node is Ray's when a test started Ray)
+    for table in ("rounds", "clients", "layers", "allocations"):
+        pd.testing.assert_frame_equal(steady(getattr(a, table)).drop(columns=placement, errors="ignore"),
+                                      steady(getattr(b, table)).drop(columns=placement, errors="ignore"))
