@@ -235,7 +235,11 @@ def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
         res = results.load(out)
     clients, rounds = res.clients, res.rounds
     compute = clients.groupby("round")["wall_s"].sum().sort_index().tolist()
-    out = {"ends": ends, "train_loss": losses, "client_compute": compute, "workers_seen": int(clients["worker"].nunique())}
+    # per round, the training seconds of the busiest worker (its clients' wall_s summed): beside the round's time,
+    # it tells a slow worker (busiest ~ round) from an uneven share or idle gaps (busiest well under the round)
+    busiest = clients.groupby(["round", "worker"])["wall_s"].sum().groupby("round").max().sort_index().tolist()
+    out = {"ends": ends, "train_loss": losses, "client_compute": compute, "busiest_worker": busiest,
+           "workers_seen": int(clients["worker"].nunique())}
     if "backend_bytes_down" in rounds:  # not in a checkout before issue 42 (this file can measure one: PYTHONPATH)
         moved = rounds[rounds["round"] > 1].groupby("round")[["backend_bytes_down", "backend_bytes_up"]].first()
         out.update(bytes_down=int(moved["backend_bytes_down"].mean()), bytes_up=int(moved["backend_bytes_up"].mean()))
@@ -264,6 +268,7 @@ def summarise(args, backend: str, n_clients: int, run: dict, threads: int, worke
         "round_s": [round(float(s), 4) for s in round_s],  # rounds 2..R, one entry each
         "ratio_vs_reference": None,  # filled in once the reference of this client count is known
         "client_compute_s": round(float(np.mean(run["client_compute"][1:])), 4),  # per round, summed over clients
+        "busiest_worker_s": round(float(np.mean(run["busiest_worker"][1:])), 4) if "busiest_worker" in run else None,
         "train_loss_last": round(float(run["train_loss"][-1]), 5),
         "threads": threads,  # torch intra-op threads of each training thread/process
         "workers": workers,  # clients trained concurrently

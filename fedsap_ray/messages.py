@@ -6,8 +6,10 @@ Parameters travel as flat float32 numpy buffers laid out by
 client holds (``mask``); the simulated protocol sends only those (``values`` is ``params[mask]``,
 ``bytes_down`` counts them and the packed mask). Many plans of a round name the same vector, so a
 backend moves each distinct vector once per worker and round, with each plan's own part beside it
-(:mod:`fedsap_ray.runtime.wire`, issue 42). A result returns only the coordinates it trained, in the
-same order, so byte counts are those of the real payload.
+(:mod:`fedsap_ray.runtime.wire`, issue 42). Where a client's start mixes two shared vectors by a mask of its
+own (FedSAP's Eq. 9: W_G, and its group's Private vector where that is fresher), the plan names both and
+carries the mask (``overlay``), so neither the mix nor a copy of it travels per client. A result returns
+only the coordinates it trained, in the same order, so byte counts are those of the real payload.
 
 What a result holds (issue 43), the one contract every consumer reads: ``ClientResult.values`` are the
 trained values at ``ClientResult.mask``'s coordinates, in coordinate order (``mask`` None: every
@@ -35,6 +37,16 @@ class HookCall:
     payload: Any
 
 
+@dataclass(frozen=True)
+class Overlay:
+    """Coordinates a plan's start takes from a second shared vector: ``values[j]`` where ``where[j]``, the
+    plan's ``params[j]`` elsewhere. Both vectors are shared between plans and never mutated; ``where`` is
+    the client's own (it travels packed to bits, 1/32 of a vector)."""
+
+    values: np.ndarray  # float32 [n_params]
+    where: np.ndarray  # bool [n_params]
+
+
 @dataclass
 class ClientPlan:
     client_id: int
@@ -60,6 +72,8 @@ class ClientPlan:
     # variates c - c_i down and Delta c_i up), counted in bytes_down / the clients' bytes_up
     side_bytes_down: int = 0
     side_bytes_up: int = 0
+    # where the start takes coordinates from a second vector (Overlay; None: params alone)
+    overlay: Overlay | None = None
 
     def __post_init__(self) -> None:
         if self.params.dtype != np.float32 or self.params.ndim != 1:
@@ -71,6 +85,12 @@ class ClientPlan:
                 raise ValueError(
                     f"ClientPlan(client {self.client_id}, round {self.round}): mask has {self.mask.size} "
                     f"coordinates but params has {self.params.size}")
+        if self.overlay is not None:
+            o = self.overlay
+            if o.values.dtype != np.float32 or o.values.shape != self.params.shape or o.where.dtype != np.bool_ \
+                    or o.where.shape != self.params.shape:
+                raise TypeError(f"ClientPlan(client {self.client_id}, round {self.round}): overlay needs a float32 "
+                                f"vector and a bool mask of {self.params.size} coordinates each")
         if self.submodel not in ("sliced", "masked"):
             raise ValueError(f"ClientPlan(client {self.client_id}, round {self.round}): submodel must be "
                              f"'sliced' or 'masked', got {self.submodel!r}")
@@ -90,17 +110,24 @@ class ClientPlan:
         """How many coordinates the client holds (the size of :attr:`values`)."""
         return self.params.size if self.mask is None else int(np.count_nonzero(self.mask))
 
+    @cached_property
+    def source(self) -> np.ndarray:
+        """The full-size vector the client starts from: ``params``, with the overlay's coordinates where it
+        has one (computed once per plan; ``params`` itself, read only, without one)."""
+        o = self.overlay
+        return self.params if o is None else np.where(o.where, o.values, self.params)
+
     @property
     def values(self) -> np.ndarray:
-        """The coordinates the simulated server sends, ``params[mask]`` (``params`` itself, not a copy, for the
-        full model). A masked plan's values are a new array on every call: consumers that only need the
-        full-size start vector use :meth:`start_vector`."""
-        return self.params if self.mask is None else self.params[self.mask]
+        """The coordinates the simulated server sends, ``source[mask]`` (``params`` itself, not a copy, for the
+        full model without overlay). A masked plan's values are a new array on every call: consumers that only
+        need the full-size start vector use :meth:`start_vector`."""
+        return self.source if self.mask is None else self.source[self.mask]
 
     def start_vector(self) -> np.ndarray:
-        """The full-size vector the client loads: ``params`` at covered coordinates, 0 elsewhere (``params``
-        itself for the full model: read only, never written)."""
-        return self.params if self.mask is None else np.where(self.mask, self.params, np.float32(0.0))
+        """The full-size vector the client loads: ``source`` at covered coordinates, 0 elsewhere (``params``
+        itself for the full model without overlay: read only, never written)."""
+        return self.source if self.mask is None else np.where(self.mask, self.source, np.float32(0.0))
 
     @property
     def bytes_down(self) -> int:

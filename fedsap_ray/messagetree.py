@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.messages import ClientPlan, ClientResult, HookCall
+from fedsap_ray.messages import ClientPlan, ClientResult, HookCall, Overlay
 from fedsap_ray.registry import HOOKS
 
 __all__ = ["plan_from_tree", "plan_tree", "result_from_tree", "result_tree"]
@@ -46,6 +46,7 @@ def plan_tree(plan: ClientPlan, base: np.ndarray) -> dict[str, Any]:
     if plan.params is base:
         tree["params"] = BASE
     tree["hooks"] = [[c.name, _fields(c.payload)] for c in plan.hooks]
+    tree["overlay"] = None if plan.overlay is None else _fields(plan.overlay)
     return tree
 
 
@@ -58,6 +59,10 @@ def plan_from_tree(tree: Mapping[str, Any], base: np.ndarray) -> ClientPlan:
         kw["params"] = base
     kw["hooks"] = tuple(_hook(i, h) for i, h in enumerate(_list(kw.get("hooks", []), "plan.hooks")))
     _arrays(kw, ("params", "mask"), "plan")
+    if kw.get("overlay") is not None:
+        o = _known(kw["overlay"], Overlay, "plan.overlay")
+        _arrays(o, ("values", "where"), "plan.overlay")
+        kw["overlay"] = Overlay(**o)
     return ClientPlan(**kw)
 
 

@@ -22,7 +22,7 @@ from fedsap_ray.asyncmode import AsyncServer
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.messages import ClientPlan, ClientResult, Overlay, ServerState
 from fedsap_ray.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.runtime.local import LocalBackend
 from fedsap_ray.session import RunSession
@@ -178,13 +178,15 @@ def test_plans_and_results_come_back_field_for_field_with_their_hook_payloads_an
     plans = [ClientPlan(client_id=c, round=3, params=base, mask=mask, local_epochs=2, batch_size=8, lr=np.float64(0.05),
                         seed=11 + c, capacity_used=0.5, hooks=(call(ProximalTerm, mu=0.01),), side_bytes_up=8)
              for c in (1, 2)]
+    # a plan whose start mixes in a second shared vector (ClientPlan.overlay: FedSAP's Eq. 9) keeps it too
+    plans[1] = dataclasses.replace(plans[1], overlay=Overlay(rng.standard_normal(40).astype(np.float32), rng.random(40) < 0.3))
     result = ClientResult(client_id=1, round=3, values=rng.standard_normal(int(mask.sum())).astype(np.float32),
                           n_samples=30, train_loss=0.7, stats={"norm": np.arange(3.0)}, steps=4, samples_seen=32,
                           gpu_id=None, mask=mask)
     tree = {"base": base, "plans": [plan_tree(p, base) for p in plans], "result": result_tree(result)}
     skeleton, arrays = treecodec.encode(tree)
-    assert sum(a.shape == (40,) and a.dtype == np.float32 for a in arrays.values()) == 1  # the vector, once
-    assert sum(a.dtype == np.bool_ for a in arrays.values()) == 1  # the mask, once
+    assert sum(a.shape == (40,) and a.dtype == np.float32 for a in arrays.values()) == 2  # the vector once, the overlay's
+    assert sum(a.dtype == np.bool_ for a in arrays.values()) == 2  # the shared mask once, the overlay's
     back = treecodec.decode(skeleton, arrays)
     got = [plan_from_tree(t, back["base"]) for t in back["plans"]]
     res = result_from_tree(back["result"])
@@ -197,6 +199,9 @@ def test_plans_and_results_come_back_field_for_field_with_their_hook_payloads_an
                 np.testing.assert_array_equal(a, b)
             elif f.name == "stats":
                 assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+            elif f.name == "overlay" and a is not None:
+                assert np.array_equal(a.values, b.values) and np.array_equal(a.where, b.where)
+                assert new.values.tobytes() == old.values.tobytes()
             else:
                 assert a == b, f.name
     assert got[0].payload(ProximalTerm).mu == 0.01 and type(got[0].hooks[0].payload) is ProximalTerm.Payload

@@ -1,6 +1,7 @@
 """What a round's plans and results weigh on the wire, and how a batch of plans travels compactly (issue 42).
 
-A round's plans mostly name the same few full-size vectors (the server model; a group's view), and
+A round's plans mostly name the same few full-size vectors (the server model; a group's Private vector,
+which a plan's ``overlay`` mixes in by a mask of its own), and
 many share a mask object (every client of one width). Sent one plan at a time, each plan carried its
 own copy of both: 24.5 MB a client-round at ResNet10's width 1.0. A :class:`Batch` is one worker's
 share of a round: each distinct vector and each distinct mask once (a mask packed to one bit per
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.messages import ClientPlan, ClientResult, Overlay
 
 _NO_PARAMS = np.zeros(0, dtype=np.float32)
 
@@ -38,6 +39,7 @@ class PlanStub:
     plan: ClientPlan
     vector: int
     mask: int | None
+    overlay: tuple[int, int] | None = None  # (its vector, its packed mask) when the plan has an Overlay
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,8 @@ class Batch:
         """The plans again, from the shared arrays as received (``arrays[i]`` is the one of ``keys[i]``)."""
         got = dict(zip(self.keys, arrays))
         masks = {k: np.unpackbits(got[k], count=n).view(np.bool_) for k, n in self.mask_sizes.items()}
-        return [dataclasses.replace(s.plan, params=got[s.vector], mask=None if s.mask is None else masks[s.mask])
+        return [dataclasses.replace(s.plan, params=got[s.vector], mask=None if s.mask is None else masks[s.mask],
+                                    overlay=None if s.overlay is None else Overlay(got[s.overlay[0]], masks[s.overlay[1]]))
                 for s in self.stubs]
 
 
@@ -90,7 +93,12 @@ def pack(plans: Sequence[ClientPlan], shared: RoundArrays) -> Batch:
             m = shared.key(p.mask, pack=True)
             keys[m] = None
             sizes[m] = p.mask.size
-        stubs.append(PlanStub(dataclasses.replace(p, params=_NO_PARAMS, mask=None), v, m))
+        o = None
+        if p.overlay is not None:
+            o = (shared.key(p.overlay.values), shared.key(p.overlay.where, pack=True))
+            keys.update(dict.fromkeys(o))
+            sizes[o[1]] = p.overlay.where.size
+        stubs.append(PlanStub(dataclasses.replace(p, params=_NO_PARAMS, mask=None, overlay=None), v, m, o))
     return Batch(tuple(stubs), tuple(keys), sizes)
 
 

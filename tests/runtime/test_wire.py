@@ -124,3 +124,47 @@ def test_pieces_of_one_worker_count_each_shared_array_once():
     assert a == wire.batch_bytes(first, shared)  # nothing held before the first piece
     assert b < wire.batch_bytes(second, shared) - server.nbytes + 1  # the server vector is not sent again
     assert held == set(first.keys) | set(second.keys)
+
+
+# --- FedSAP's plans: W_G and each group's Private vector once, the client's mix as its own bits ----------------
+FEDSAP = ["algorithm.name=fedsap", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125",
+          "training.local_epochs=1", "training.max_steps_per_epoch=2"]
+
+
+def test_fedsaps_plans_name_shared_vectors_and_carry_only_their_own_mix():
+    """Eq. 9's W_i = W_G overlaid with the group's Private vector by the client's own mask (ClientPlan.overlay):
+    after warm-up the plans start from exactly client_view's W_i, a worker receives W_G and each Private vector
+    of its share once (no per-client copy of W_i), and the batch gives the plans back exactly."""
+    from fedsap_ray.algorithms.fedsap.state import client_view
+    from fedsap_ray.config import build_config
+    from fedsap_ray.data import build_federation
+    from conftest import run_rounds
+
+    cfg = build_config(preset="smoke", overrides=FEDSAP)
+    fed = build_federation(cfg)
+    ctx, strat, states = run_rounds(cfg, fed, 1)  # after round 1 of this federation, three clients hold Private channels
+    state = states[-1]
+    plans = strat.configure_round(state, 2)
+    private = state.strategy_state.private
+    with_overlay = [p for p in plans.values() if p.overlay is not None]
+    assert private and with_overlay, "the test needs groups with Private vectors and clients that read them"
+    for p in plans.values():
+        eq9, _, take = client_view(state, p.client_id, strat._masks)
+        assert p.params is state.params  # W_G itself, never a copy
+        assert p.values.tobytes() == eq9[p.mask].tobytes()  # the client starts from Eq. 9's W_i exactly
+        if p.overlay is not None:
+            assert any(p.overlay.values is v for v in private.values()) and np.array_equal(p.overlay.where, take)
+    shared = wire.RoundArrays()
+    share = list(plans.values())
+    batch = wire.pack(share, shared)
+    vectors = {id(p.params): p.params.nbytes for p in share} | {id(p.overlay.values): p.overlay.values.nbytes
+                                                               for p in with_overlay}
+    assert len(vectors) <= 1 + len(private)
+    packed = sum((state.params.size + 7) // 8 for _ in range(len(share) + len(with_overlay)))  # masks, at most
+    own = sum(wire.payload_bytes(p.hooks) for p in share)
+    received = wire.batch_bytes(batch, shared)
+    assert received <= sum(vectors.values()) + packed + own + 2048 * len(share)
+    assert received < sum(state.params.nbytes for _ in share)  # less than one W_i copy per client
+    for a, b in zip(batch.plans([shared.arrays[k] for k in batch.keys]), share):
+        assert a.values.tobytes() == b.values.tobytes() and a.start_vector().tobytes() == b.start_vector().tobytes()
+        assert (a.overlay is None) == (b.overlay is None)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsap_ray.messages import ServerState
+from fedsap_ray.messages import Overlay, ServerState
 
 # (Global, Private) parameter masks of a client's tri-state channel vector
 MaskPair = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -53,17 +53,35 @@ def private_is_fresher(pmask: np.ndarray, gmask: np.ndarray | None, stamp_p: np.
     return take if gmask is None else take | (gmask & (stamp_p > stamp_g))
 
 
+def private_take(state: ServerState, cid: int, masks: MaskPair) -> tuple[int, np.ndarray | None]:
+    """(client ``cid``'s group k, where Eq. 9's W_i reads k's Private vector: the client's Private coordinates
+    where that copy is the fresher; None when group k has no Private vector yet)."""
+    st: FedSAPState = state.strategy_state
+    gmask, pmask = masks(st.states[cid])
+    k = int(st.groups[cid])
+    if st.private.get(k) is None:
+        return k, None
+    return k, private_is_fresher(pmask, gmask, st.stamp_p[k], st.stamp_g)
+
+
 def client_view(state: ServerState, cid: int, masks: MaskPair) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Eq. 9 for client ``cid``: (W_i = M_G ⊙ W_G + M_P ⊙ W_{pi(i),P} full-size, the round each coordinate's
     value was last aggregated, where it comes from the group's Private vector); uncovered coordinates from W_G."""
     st: FedSAPState = state.strategy_state
-    gmask, pmask = masks(st.states[cid])
-    k = int(st.groups[cid])
-    private = st.private.get(k)
-    if private is None:
+    k, take = private_take(state, cid, masks)
+    if take is None:
         return state.params, st.stamp_g, np.zeros(st.stamp_g.size, dtype=bool)
-    stamp_p = st.stamp_p[k]
-    take = private_is_fresher(pmask, gmask, stamp_p, st.stamp_g)
     if not take.any():
         return state.params, st.stamp_g, take
-    return np.where(take, private, state.params), np.where(take, stamp_p, st.stamp_g), take
+    return np.where(take, st.private[k], state.params), np.where(take, st.stamp_p[k], st.stamp_g), take
+
+
+def client_overlay(state: ServerState, cid: int, masks: MaskPair) -> tuple[Overlay | None, np.ndarray]:
+    """Eq. 9's W_i as a plan names it (issue 42): the shared W_G (``state.params``) overlaid with the group's
+    shared Private vector where ``take`` (the client's own mask, :func:`private_take`), so no per-client copy
+    of W_i is built or sent: (the overlay, None when ``take`` is empty; ``take``)."""
+    st: FedSAPState = state.strategy_state
+    k, take = private_take(state, cid, masks)
+    if take is None:
+        return None, np.zeros(state.params.size, dtype=bool)
+    return (Overlay(st.private[k], take) if take.any() else None), take

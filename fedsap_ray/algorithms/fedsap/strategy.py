@@ -74,7 +74,7 @@ from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.fedsap import aggregation, budget, roles, schedule
 from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook, DGAProbe
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
-from fedsap_ray.algorithms.fedsap.state import FedSAPState, client_view, private_is_fresher
+from fedsap_ray.algorithms.fedsap.state import FedSAPState, client_overlay, client_view, private_is_fresher
 from fedsap_ray.algorithms.fedsap.stats import dga_param_names
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
 from fedsap_ray.algorithms.hooks import call
@@ -187,7 +187,7 @@ class FedSAP(Strategy):
             states = st.states[cid]
             gmask, pmask = self._masks(states)
             active = gmask | pmask
-            model, _, take_private = self._client_view(state, cid)
+            overlay, take_private = client_overlay(state, cid, self._masks)
             hooks = [call(RepresentationNorm, gamma=float(self.opts.gamma)),
                      call(ChannelStatsHook, keys=stats, dga_layer=self.opts.dga_layer)]
             side_down = 0
@@ -199,7 +199,8 @@ class FedSAP(Strategy):
                 missing = probe_mask & ~(active & ~take_private)
                 side_down = 4 * int(missing.sum()) + (probe_mask.size + 7) // 8
             plans[cid] = ClientPlan(
-                params=model, mask=active, capacity_used=float((states != DROPPED).mean()),  # params: W_i (Eq. 9), not copied
+                # Eq. 9's W_i: W_G overlaid with the group's Private vector (shared vectors, nothing copied)
+                params=state.params, overlay=overlay, mask=active, capacity_used=float((states != DROPPED).mean()),
                 hooks=tuple(hooks), side_bytes_down=side_down,
                 **self.plan_kwargs(t, cid),
             )
