@@ -210,10 +210,10 @@ def start_local_ray() -> None:
     """A local Ray with the same settings as fedsap-ray's own (runtime/ray.py connect), one CPU per core."""
     import ray
 
-    from fedsap_ray.runtime.ray import _INLINE_BYTES
+    from fedsap_ray.runtime.ray import SYSTEM_CONFIG
 
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+             log_to_driver=False, _system_config=SYSTEM_CONFIG)
 
 
 def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:

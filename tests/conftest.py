@@ -274,12 +274,12 @@ def start_session_ray():
     sets it for a sweep driver); no reaper watches it: this process ends it (``_session_ray_owner``)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        from fedsap_ray.runtime.ray import _INLINE_BYTES
+        from fedsap_ray.runtime.ray import SYSTEM_CONFIG
 
         old = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [old])])  # the raylet's, its workers'
         try:
-            ray.init(**SESSION_RAY, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+            ray.init(**SESSION_RAY, _system_config=SYSTEM_CONFIG)
         finally:
             if old is None:
                 del os.environ["PYTHONPATH"]

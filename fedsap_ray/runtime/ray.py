@@ -66,6 +66,13 @@ NODE_CHARS = 12  # a node id's first hex digits, as clients.node and the progres
 # Plans and results of small models travel inline with the task instead of through the
 # object store (measured in benchmarks/: raylet CPU per round 0.15 s -> 0.01 s at 50 clients).
 _INLINE_BYTES = 1 << 20
+#: The raylet settings of a Ray this project starts (``connect``, the tests' session Ray, the benchmarks; a
+#: cluster's ``ray start`` gets the same through ``RAY_worker_niceness`` in ray_cluster.yaml). Ray starts its
+#: worker processes at niceness 15 so that its control plane stays responsive; here the workers *are* the
+#: job, and at 15 anything else on the node at the default 0 takes the cores from them: ResNet10 at width
+#: 0.25, 10 x 300, 2 workers, beside other work, 8.0-11.3 s a round at 15 against 6.2 s at 0 (local backend
+#: 5.9 s; benchmarks/round_overhead.py, issue 42). The raylet and GCS keep their fair share at 0.
+SYSTEM_CONFIG = {"max_direct_call_object_size": _INLINE_BYTES, "worker_niceness": 0}
 
 
 def connect(address: str | None = None, *, dashboard: bool = False, log_to_driver: bool = True,
@@ -98,7 +105,7 @@ def connect(address: str | None = None, *, dashboard: bool = False, log_to_drive
     if import_paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([*import_paths, *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(include_dashboard=dashboard, _node_ip_address="127.0.0.1", dashboard_host="127.0.0.1",
-             log_to_driver=log_to_driver, _system_config={"max_direct_call_object_size": _INLINE_BYTES})
+             log_to_driver=log_to_driver, _system_config=SYSTEM_CONFIG)
     reaper.start()
 
 

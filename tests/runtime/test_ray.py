@@ -187,3 +187,25 @@ def test_every_strategy_runs_on_ray_with_the_same_numbers(tmp_path, fed, name, c
         assert a.clients["straggler"].sum() == 2  # one a round, on both backends (the tables are equal)
     pd.testing.assert_frame_equal(a.layers, b.layers)
     pd.testing.assert_frame_equal(a.allocations, b.allocations)
+
+
+def test_workers_of_the_projects_ray_run_at_niceness_zero(monkeypatch):
+    """Ray starts worker processes at niceness 15; at 15 anything else on the node takes the cores from the client
+    workers (fedsap_ray.runtime.ray.SYSTEM_CONFIG, measured there). connect() starts a local Ray with that config,
+    and a worker of a Ray started with it (the session's, tests/conftest.py) runs at the niceness of the process
+    that started it (0 unless the suite itself runs under nice)."""
+    import os
+
+    from fedsap_ray.runtime import ray as fray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == os.nice(0)  # the driver's (the raylet's): not raised by 15 (19 at most)
+    seen: dict = {}
+    monkeypatch.setattr(fray.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(fray.ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(fray.reaper, "start", lambda: None)
+    fray.connect(address="local")
+    assert seen["_system_config"]["worker_niceness"] == 0

@@ -331,6 +331,25 @@ def test_the_data_env_var_is_the_one_the_loaders_read():
     assert "FEDSAP_SHARED_DATA" in sources
 
 
+def niceness_problems(config: dict) -> list[str]:
+    """Every ``ray start`` runs Ray's workers at niceness 0, as the project's own local Ray does
+    (fedsap_ray.runtime.ray.SYSTEM_CONFIG: at Ray's default 15 anything else on a node takes the cores)."""
+    cmds = [c for c in config.get("head_start_ray_commands", []) + config.get("worker_start_ray_commands", [])
+            if "ray start" in c]
+    return [f"ray start without RAY_worker_niceness=0: {c}" for c in cmds
+            if not re.search(r"(^|[;\s])RAY_worker_niceness=0\s+ray start", c)] or ([] if cmds else ["no ray start"])
+
+
+@pytest.mark.parametrize("path", [AWS_FILE, LOCAL_FILE], ids=lambda p: p.name)
+def test_ray_workers_start_at_niceness_zero(path):
+    assert niceness_problems(load(path)) == []
+
+
+def test_niceness_check_finds_a_start_at_rays_default(aws):
+    aws["worker_start_ray_commands"] = [c.replace("RAY_worker_niceness=0 ", "") for c in aws["worker_start_ray_commands"]]
+    assert any("without RAY_worker_niceness=0" in p for p in niceness_problems(aws))
+
+
 @pytest.mark.parametrize("path", [AWS_FILE, LOCAL_FILE], ids=lambda p: p.name)
 def test_dashboard_bound_to_localhost(path):
     assert dashboard_problems(load(path)) == []
