@@ -4,8 +4,9 @@ Trains a strategy in-process on a preset for a few rounds (the default job's: Fe
 timing each round's training call, then times the round's evaluation as the server runs it: the
 server's models (``evaluate_modes``, every round) and the deployed models (``evaluate_deployed``
 with each client's own BN statistics, every ``training.deployed_every``-th round), once with the
-inference settings of :mod:`fedsap_ray.evaluate` (batches of ``INFER_BATCH``, channels-last) and once
-as before issue 42 (batches of 1024, contiguous), interleaved ``--repeats`` times so both see the
+inference settings of :mod:`fedsap_ray.evaluate` (batches of ``INFER_BATCH``, BN folded into the
+convolutions, channels-last: ``inference_module``) and once as before issue 42 (batches of 1024, the model
+as it is, contiguous), interleaved ``--repeats`` times so both see the
 same load. Prints per setting the median seconds, the figures (which must agree to float rounding),
 and the default job's projected round / training ratio:
 (rounds x train + rounds x server-model eval + rounds / deployed_every x deployed eval) / (rounds x train).
@@ -36,18 +37,18 @@ from fedsap_ray.session import _scratch
 
 @contextmanager
 def before_issue_42() -> Iterator[None]:
-    """Evaluation as it ran before: batches of 1024, every tensor contiguous."""
-    batch, layout = ev.INFER_BATCH, ev.inference_layout
+    """Evaluation as it ran before: batches of 1024, the model as it is (no BN folded), every tensor contiguous."""
+    batch, module = ev.INFER_BATCH, ev.inference_module
 
-    def contiguous(model: torch.nn.Module, device: torch.device) -> torch.memory_format:
+    def as_it_is(model: torch.nn.Module, device: torch.device) -> tuple[torch.nn.Module, torch.memory_format]:
         model.to(device).to(memory_format=torch.contiguous_format)
-        return torch.contiguous_format
+        return model, torch.contiguous_format
 
-    ev.INFER_BATCH, ev.inference_layout = 1024, contiguous  # type: ignore[assignment]
+    ev.INFER_BATCH, ev.inference_module = 1024, as_it_is  # type: ignore[assignment]
     try:
         yield
     finally:
-        ev.INFER_BATCH, ev.inference_layout = batch, layout  # type: ignore[assignment]
+        ev.INFER_BATCH, ev.inference_module = batch, module  # type: ignore[assignment]
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, object]:

@@ -21,7 +21,8 @@ and each repeat, every system once, in an order that rotates from repeat to repe
   all-reduced over gloo).
 
 The work is that of round_overhead.py: the ``cnn_small`` network (60,362 parameters; Flower and
-pfl run :class:`PlainCNNSmall`, the same layers as a bare ``nn.Module``), the same seeded initial
+pfl run :class:`PlainCNNSmall`, the same layers as a bare ``nn.Module``), or with ``--model resnet10
+--width W`` the papers' ResNet10 (Flower trains the framework's module; pfl is skipped), the same seeded initial
 weights and synthetic images (:func:`make_federation`), 1 local epoch, batch 32, SGD lr 0.01
 momentum 0.9, the same per-round batch order (``seed_for(seed, round, client, "train")``), no
 evaluation in the timed rounds (ours evaluate 32 test images on the last round, a few ms).
@@ -100,7 +101,10 @@ class PlainCNNSmall(nn.Module):
 
 
 def plain_initial_model(args, cls=PlainCNNSmall) -> nn.Module:
-    """The framework's seeded initial ``cnn_small`` weights in a :class:`PlainCNNSmall` (or subclass)."""
+    """The framework's seeded initial weights: ``cnn_small``'s in a :class:`PlainCNNSmall` (or subclass); any other
+    model (``--model resnet10``) is the framework's own module, which is a plain ``nn.Module`` to a peer."""
+    if args.model != "cnn_small":
+        return ro.initial_model(args)
     model = cls()
     model.load_state_dict(ro.initial_model(args).state_dict())  # strict: the same names and shapes
     n = sum(p.numel() for p in model.parameters())
@@ -123,7 +127,7 @@ def client_slice(x_all, y_all, spec):
 
 def worker_args(ns) -> argparse.Namespace:
     """The namespace round_overhead's functions read, for one configuration."""
-    return argparse.Namespace(seed=ns.seed, model="cnn_small", rounds=ns.rounds, local_epochs=1,
+    return argparse.Namespace(seed=ns.seed, model=ns.model, width=ns.width, rounds=ns.rounds, local_epochs=ns.local_epochs,
                               batch_size=ns.batch_size, samples_per_client=ns.samples, test_samples=TEST_SAMPLES)
 
 
@@ -139,7 +143,8 @@ def _flower_state(cfg: dict):
     if _ACTOR_CACHE.get("key") != key:
         torch.set_num_threads(1)  # like our actors (resources.torch_threads=1)
         _ACTOR_CACHE.clear()
-        _ACTOR_CACHE.update(key=key, data=client_data(*key), model=PlainCNNSmall())
+        shape = argparse.Namespace(model=str(cfg["model"]), width=float(cfg["width"]), seed=int(cfg["seed"]))
+        _ACTOR_CACHE.update(key=key, data=client_data(*key), model=plain_initial_model(shape))
     return _ACTOR_CACHE
 
 
@@ -177,7 +182,8 @@ def run_flower(ns) -> dict:
     args = worker_args(ns)
     init = [v.detach().numpy().copy() for v in plain_initial_model(args).state_dict().values()]
     ends, losses, steps = [], [], []
-    fit_config = {"clients": ns.clients, "samples": ns.samples, "seed": ns.seed, "epochs": 1, "batch_size": ns.batch_size}
+    fit_config = {"clients": ns.clients, "samples": ns.samples, "seed": ns.seed, "epochs": ns.local_epochs,
+                  "batch_size": ns.batch_size, "model": ns.model, "width": ns.width}
 
     class TimedFedAvg(FedAvg):
         def aggregate_fit(self, server_round, results, failures):
@@ -307,7 +313,7 @@ def run_ours(ns) -> dict:
         ro.start_local_ray()
     run = ro.run_framework(args, fed, ns.worker, workers)
     per_client = sum(1 for i in range(0, ns.samples, ns.batch_size) if min(ns.batch_size, ns.samples - i) >= 2)
-    run["steps"] = [per_client * ns.clients] * len(run["ends"])  # the framework's rule, not counted
+    run["steps"] = [ns.local_epochs * per_client * ns.clients] * len(run["ends"])  # the framework's rule, not counted
     version = torch.__version__
     if ns.worker == "ray":
         import ray
@@ -372,7 +378,8 @@ def parse_config(text: str) -> tuple[int, int]:
 
 def worker_command(system: str, python: str, ns, clients: int, samples: int, result: str) -> list[str]:
     tail = [str(Path(__file__).resolve()), "--worker", system, "--clients", str(clients), "--samples", str(samples),
-            "--rounds", str(ns.rounds), "--batch-size", str(ns.batch_size), "--seed", str(ns.seed), "--result", result]
+            "--rounds", str(ns.rounds), "--batch-size", str(ns.batch_size), "--seed", str(ns.seed), "--result", result,
+            "--model", ns.model, "--width", str(ns.width), "--local-epochs", str(ns.local_epochs)]
     if ns.threads:
         tail += ["--threads", str(ns.threads)]
     if system == "pfl-2p":
@@ -433,11 +440,17 @@ def make_row(system: str, ns, clients: int, samples: int, repeat: int, position:
         "steps_per_round": run["steps"][-1] if run.get("steps") else None,
         "threads": run["threads"], "workers": run["workers"], "processes": run["processes"],
         "version": run["version"],
-        "model": "cnn_small", "params": CNN_SMALL_PARAMS, "local_epochs": 1, "batch_size": ns.batch_size,
+        "model": ns.model, "width": ns.width, "params": model_params(ns), "local_epochs": ns.local_epochs,
+        "batch_size": ns.batch_size,
         "lr": ro.LR, "momentum": ro.MOMENTUM, "seed": ns.seed,
         "python": python, "torch": torch.__version__, "cpu_count": os.cpu_count(),
         "command": run["command"],
     }
+
+
+def model_params(ns) -> int:
+    """Parameters of the benchmarked model (``cnn_small``: 60,362; ResNet10 at width 1.0: 4,903,242)."""
+    return sum(p.numel() for p in ro.initial_model(worker_args(ns)).parameters())
 
 
 def emit(row: dict, sink) -> None:
@@ -456,6 +469,10 @@ def parse_args(argv=None):
                    help="interpreter that runs flower, pfl and pfl-2p (a venv with the bench extra)")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON lines to this file")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--model", default="cnn_small", choices=("cnn_small", "resnet10"),
+                   help="the network every system trains (resnet10: the papers'; pfl runs cnn_small only)")
+    p.add_argument("--width", type=float, default=1.0, help="model.width_mult (0.25: the laptop preset's ResNet10)")
+    p.add_argument("--local-epochs", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads of the one-process systems (reference, pfl); 0: torch's default "
@@ -476,8 +493,10 @@ def parse_args(argv=None):
     ns.configs = ns.configs or [parse_config(c) for c in DEFAULT_CONFIGS]
     if ns.rounds < 2:
         p.error("--rounds must be >= 2 (round 1 is not timed)")
-    if ns.repeats < 1 or ns.batch_size < 1 or ns.threads < 0:
-        p.error("--repeats and --batch-size must be >= 1, --threads >= 0")
+    if ns.repeats < 1 or ns.batch_size < 1 or ns.threads < 0 or ns.local_epochs < 1:
+        p.error("--repeats, --batch-size and --local-epochs must be >= 1, --threads >= 0")
+    if not 0 < ns.width <= 4:
+        p.error(f"--width must be in (0, 4], got {ns.width}")
     return ns
 
 
@@ -509,13 +528,16 @@ def main(argv=None) -> int:
             reason, versions = probe(pythons[system], NEEDS[system])
             if reason is None and system == "pfl-2p" and (os.cpu_count() or 1) < 2:
                 reason = "pfl-2p needs 2 CPUs"
+            if reason is None and system in ("pfl", "pfl-2p") and ns.model != "cnn_small":
+                reason = f"pfl runs cnn_small only here (its model wrapper PflCNNSmall), not {ns.model}"
             if reason:
                 log(f"peers: skipping {system}: {reason}")
                 emit({"system": system, "skipped": reason}, sink)
             else:
                 runnable.append(system)
                 log(f"peers: {system:9s} {DISTRIBUTION[system]} {versions.get(DISTRIBUTION[system])} ({pythons[system]})")
-        log(f"peers: configs {[f'{c}x{s}' for c, s in ns.configs]}, rounds {ns.rounds}, repeats {ns.repeats}, "
+        log(f"peers: {ns.model} width {ns.width}, {ns.local_epochs} local epoch(s), "
+            f"configs {[f'{c}x{s}' for c, s in ns.configs]}, rounds {ns.rounds}, repeats {ns.repeats}, "
             f"{os.cpu_count()} CPUs, load {ro.load1()}")
         for repeat in range(ns.repeats):
             for ci, (clients, samples) in enumerate(ns.configs):

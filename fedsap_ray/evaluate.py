@@ -32,6 +32,7 @@ accuracy on test class k, i.e. the expected accuracy on test data drawn like the
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import queue
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +44,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.sliced import sliced_model
 
 K = TypeVar("K")
@@ -59,16 +62,31 @@ V = TypeVar("V")
 #: order of the loss and the kernels' blocking), never an accuracy (golden-number check).
 INFER_BATCH = 128
 
+def inference_module(model: nn.Module, device: torch.device) -> tuple[nn.Module, torch.memory_format]:
+    """``model`` (parameters loaded, in eval mode) as evaluation runs its forward pass, and the memory format of
+    its inputs. Two changes, neither of which changes what is computed beyond float rounding:
 
-def inference_layout(model: nn.Module, device: torch.device) -> torch.memory_format:
-    """Put ``model`` on ``device`` in the memory format its forward pass is fastest in, and return it:
-    channels-last for a network with a 2-d convolution (the layout oneDNN and cuDNN convolve in without
-    a reorder per layer), contiguous otherwise. Idempotent: a module already converted is not copied."""
-    if any(isinstance(m, nn.Conv2d) for m in model.modules()):
-        model.to(device).to(memory_format=torch.channels_last)
-        return torch.channels_last
-    model.to(device)
-    return torch.contiguous_format
+    - each (convolution, BatchNorm) pair the model lists (``MaskableModel.conv_bn_pairs``) is folded into one
+      convolution (:func:`torch.nn.utils.fusion.fuse_conv_bn_eval`: W' = W g / sqrt(v + eps),
+      b' = (b - m) g / sqrt(v + eps) + beta, the eval-mode BN's affine map with running mean m and variance v),
+      on a copy, so the scratch model is untouched: it halves ResNet10's forward pass at width 0.25 on the CPU
+      (500 images, one thread, batches of 128 channels-last: 0.215 s -> 0.110 s; largest difference in the
+      logits 1e-8; ``benchmarks/eval_speed.py``);
+    - a network with a 2-d convolution runs channels-last (the layout oneDNN and cuDNN convolve in without a
+      reorder per layer), others contiguous.
+    """
+    pairs = model.conv_bn_pairs() if isinstance(model, MaskableModel) and not model.training else []
+    net = copy.deepcopy(model) if pairs else model
+    for conv_name, bn_name in pairs:
+        conv, bn = net.get_submodule(conv_name), net.get_submodule(bn_name)
+        assert isinstance(conv, nn.Conv2d) and isinstance(bn, nn.BatchNorm2d), (conv_name, bn_name)
+        net.set_submodule(conv_name, fuse_conv_bn_eval(conv, bn))
+        net.set_submodule(bn_name, nn.Identity())
+    net.to(device)
+    if any(isinstance(m, nn.Conv2d) for m in net.modules()):
+        net.to(memory_format=torch.channels_last)
+        return net, torch.channels_last
+    return net, torch.contiguous_format
 
 
 def _batch(x: torch.Tensor, device: torch.device, fmt: torch.memory_format) -> torch.Tensor:
@@ -83,14 +101,15 @@ def evaluate(model: nn.Module, layout: ParamLayout, params: np.ndarray, data: Do
     """(accuracy, loss) of ``params`` on ``data``; BatchNorm uses the aggregated running statistics
     (``batch_size``: images per forward pass, default :data:`INFER_BATCH`)."""
     batch_size = batch_size or INFER_BATCH
-    fmt = inference_layout(model, device)
+    model.to(device)
     layout.load_into(model, params)
     model.eval()
+    net, fmt = inference_module(model, device)
     correct, loss_sum, n = 0, 0.0, len(data)
     for i in range(0, n, batch_size):
         x = _batch(data.x[i:i + batch_size], device, fmt)
         y = data.y[i:i + batch_size].to(device)
-        out = model(x)
+        out = net(x)
         loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
         correct += int((out.argmax(1) == y).sum())
     return correct / max(n, 1), loss_sum / max(n, 1)
@@ -101,14 +120,15 @@ def evaluate_by_class(model: nn.Module, layout: ParamLayout, params: np.ndarray,
                       device: torch.device, num_classes: int, batch_size: int | None = None) -> np.ndarray:
     """Per test class: [n, correct, loss sum] (shape [num_classes, 3], float64) of ``params`` on ``data``."""
     batch_size = batch_size or INFER_BATCH
-    fmt = inference_layout(model, device)
+    model.to(device)
     layout.load_into(model, params)
     model.eval()
+    net, fmt = inference_module(model, device)
     out = torch.zeros(num_classes, 3, dtype=torch.float64)
     for i in range(0, len(data), batch_size):
         x = _batch(data.x[i:i + batch_size], device, fmt)
         y = data.y[i:i + batch_size].to(device)
-        logits = model(x)
+        logits = net(x)
         loss = F.cross_entropy(logits, y, reduction="none").double().cpu()
         hit = (logits.argmax(1) == y).double().cpu()
         yc = y.cpu()

@@ -103,3 +103,43 @@ def test_a_rounds_time_is_split_into_its_phases(tmp_path, capsys):
     assert r.loc[2, "eval_s"] > 0 and r.loc[3, "eval_s"] > 0
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("round ")]
     assert len(lines) == 3 and all(" (train " in ln and " eval " in ln and " server " in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("name", ["resnet10", "cnn_cifar"])
+def test_evaluation_folds_each_listed_bn_into_its_conv_and_computes_the_same_logits(name):
+    """inference_module: every (conv, BN) pair the model lists becomes one convolution (no BatchNorm runs), the
+    logits equal the model's own eval-mode logits to float rounding, and the scratch model is untouched. The BN
+    statistics and affine parameters are made non-trivial first, so a fold that dropped either would differ."""
+    from fedsap_ray.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=10, input_shape=(3, 32, 32), width_mult=0.25)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+            m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.uniform_(-0.3, 0.3)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    net, fmt = ev.inference_module(model, torch.device("cpu"))
+    assert net is not model and fmt == torch.channels_last
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules())
+    assert len(model.conv_bn_pairs()) == sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())
+    x = torch.rand(16, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        ref, got = model(x), net(x.contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the scratch model untouched
+
+
+def test_a_model_in_training_mode_or_without_pairs_is_evaluated_as_it_is():
+    """Nothing is folded in train mode (BN then normalises with the batch's statistics) nor for a model that lists
+    no pairs (cnn_small has no BatchNorm): the module itself is returned."""
+    from fedsap_ray.models import build_model
+
+    small = build_model("cnn_small", num_classes=10, input_shape=(3, 32, 32)).eval()
+    assert ev.inference_module(small, torch.device("cpu"))[0] is small
+    res = build_model("resnet10", num_classes=10, input_shape=(3, 32, 32), width_mult=0.125).train()
+    net, _ = ev.inference_module(res, torch.device("cpu"))
+    assert net is res and any(isinstance(m, torch.nn.BatchNorm2d) for m in net.modules())

@@ -113,6 +113,10 @@ class CNN6(MaskableModel):
         self.fc2 = nn.Linear(self.feature_dim, num_classes)
         self.classifier = "fc2"
 
+    def conv_bn_pairs(self) -> list[tuple[str, str]]:
+        """``convN`` -> ``bnN``: each BN reads its conv's output only."""
+        return [(f"conv{i + 1}", f"bn{i + 1}") for i in range(6)]
+
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         for i in range(6):
             x = F.relu(getattr(self, f"bn{i + 1}")(getattr(self, f"conv{i + 1}")(x)))

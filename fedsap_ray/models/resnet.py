@@ -105,6 +105,17 @@ class ResNet(MaskableModel):
         out = self.layer4(self.layer3(self.layer2(self.layer1(out))))
         return torch.flatten(F.adaptive_avg_pool2d(out, 1), 1)
 
+    def conv_bn_pairs(self) -> list[tuple[str, str]]:
+        """The stem, each block's two convs and each projection shortcut: every BN here reads one conv's output."""
+        pairs = [("conv1", "bn1")]
+        for s in range(1, 5):
+            for b, block in enumerate(getattr(self, f"layer{s}")):
+                p = f"layer{s}.{b}"
+                pairs += [(f"{p}.conv1", f"{p}.bn1"), (f"{p}.conv2", f"{p}.bn2")]
+                if len(block.shortcut):
+                    pairs.append((f"{p}.shortcut.0", f"{p}.shortcut.1"))
+        return pairs
+
     def activation_modules(self) -> dict[str, list[str]]:
         """Per channel layer, the submodules whose forward output carries its channels on dim 1.
 

@@ -199,6 +199,12 @@ class MaskableModel(nn.Module):
     def channel_counts(self) -> dict[str, int]:
         return dict(self._counts)
 
+    def conv_bn_pairs(self) -> list[tuple[str, str]]:
+        """(convolution, BatchNorm) submodule names where the BatchNorm is applied to that convolution's output
+        and nothing else reads it, so that evaluation may fold the two into one convolution
+        (:func:`fedsap_ray.evaluate.inference_module`). None by default: a model lists its own."""
+        return []
+
 
 def check_layer_values(space: ChannelSpace, values: Mapping[str, np.ndarray], what: str) -> None:
     """Per-layer values (channel masks, states) for ``space``: one entry of shape (C_l,) per layer and nothing
