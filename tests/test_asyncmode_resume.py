@@ -44,7 +44,11 @@ FEDASYNC = ["devices.mode=async", "asynchronous.concurrency=6", "asynchronous.bu
             "asynchronous.max_staleness=6", "training.rounds=12", "training.eval_every=4"]
 fed_cyclic = federation_fixture(HETERO, name="fed_cyclic")
 fed_full = federation_fixture(FULL, name="fed_full")
-CASES = {"heterofl-fedbuff": (HETERO, FEDBUFF, SPEEDS, 7), "fedavg-fedasync": (FULL, FEDASYNC, [0.4e9] + [1e9] * 5, 7)}
+# the same evaluated on the simulated clock (asynchronous.eval_every_s): its schedule reads the recorded time,
+# which the checkpoint restores, so a resumed run evaluates at the same steps
+TIMED = [*[o for o in FEDBUFF if not o.startswith("training.eval_every")], "asynchronous.eval_every_s=0.1"]
+CASES = {"heterofl-fedbuff": (HETERO, FEDBUFF, SPEEDS, 7), "fedavg-fedasync": (FULL, FEDASYNC, [0.4e9] + [1e9] * 5, 7),
+         "heterofl-fedbuff-timed": (HETERO, TIMED, SPEEDS, 6)}
 
 
 def _config(tmp_path: Path, case: str, *extra: str):
@@ -110,6 +114,9 @@ def test_a_resumed_async_run_equals_the_run_never_stopped(tmp_path, case, reques
     resumed = results.load(cut)
     _same_tables(resumed, whole)
     assert resumed.runs.loc[0, "rounds_done"] == cfg.training.rounds
+    if case.endswith("timed"):  # the clock's schedule evaluated some steps, not all, on both sides of the cut
+        evaluated = whole.rounds.drop_duplicates("round").set_index("round")["evaluated"]
+        assert evaluated[evaluated.index <= k].any() and evaluated[evaluated.index > k].any() and not evaluated.all()
 
     # the engine's state is what makes it exact: resumed with a fresh engine (nothing in flight) the tables differ
     monkeypatch.setattr(AsyncServer, "load_state_dict", lambda self, tree, state, where: None)
