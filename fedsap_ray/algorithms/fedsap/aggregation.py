@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedsap_ray.aggregation import masked_weighted_average, scatter
+from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.fedsap import roles
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
 from fedsap_ray.algorithms.fedsap.state import FedSAPState, MaskPair
@@ -23,16 +23,18 @@ def type_matched(params: np.ndarray, st: FedSAPState, results: list[ClientResult
                  t: int) -> tuple[np.ndarray, FedSAPState]:
     """Eq. 8 over ``results`` (client-id order): the new W_G, and ``st`` with the new Private vectors and
     the rounds each coordinate last moved (``stamp_g``, ``stamp_p``); ``st`` itself is not modified."""
-    size = params.size
     glob_contrib: list[tuple[np.ndarray, np.ndarray, float]] = []
     priv_contrib: dict[int, list[tuple[np.ndarray, np.ndarray, float]]] = {}
     for r in results:
         gmask, pmask = masks(st.states[r.client_id])
-        full = scatter(r.values, gmask | pmask, size)
+        # r.values hold the coordinates of r.mask (messages.py), here gmask | pmask in coordinate order, so the
+        # Global (Private) ones are r.values where gmask (pmask) is set within r.mask: no full-size scatter
+        held = r.mask
         w = float(r.n_samples)
-        glob_contrib.append((gmask, full[gmask], w))
+        glob_contrib.append((gmask, r.values[gmask if held is None else gmask[held]], w))
         if pmask.any():
-            priv_contrib.setdefault(int(st.groups[r.client_id]), []).append((pmask, full[pmask], w))
+            priv_contrib.setdefault(int(st.groups[r.client_id]), []).append(
+                (pmask, r.values[pmask if held is None else pmask[held]], w))
     new_params = masked_weighted_average(params, glob_contrib)  # Eq. 8, Global branch
     stamp_g = st.stamp_g.copy()
     stamp_g[np.logical_or.reduce([m for m, _, _ in glob_contrib])] = t
