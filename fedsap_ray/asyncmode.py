@@ -123,8 +123,8 @@ class Update:
         """The values it downloaded at the coordinates its result holds (what its delta is taken from):
         ``ClientResult.mask``, the plan's own mask object or one a client hook chose within the download
         (DapperFL's pruned model of the full model it received; messages.py)."""
-        m = self.result.mask
-        return self.base if m is None else self.base[m]
+        m, start = self.result.mask, self.plan.source  # the plan's start: ``base`` itself unless an overlay mixes in
+        return start if m is None else start[m]
 
 
 def crossed(before_s: float, after_s: float, every_s: float, per: int = 1) -> bool:
