@@ -63,10 +63,7 @@ def async_variant(run: Mapping[str, Any]) -> str:
     are seeds of one variant."""
     if not is_async(run):
         return ""
-    n = int(_config(run, "data.num_clients"))
-    k = max(1, int(round(float(_config(run, "training.participation", 1.0)) * n)))  # fedsap_ray.devices.round_size
-    concurrency = int(_config(run, "asynchronous.concurrency", k))
-    parts = [f"buffer {int(_config(run, 'asynchronous.buffer_size', concurrency))}", f"concurrency {concurrency}"]
+    parts = [f"buffer {updates_per_step(run)}", f"concurrency {_concurrency(run)}"]
     rule = str(_config(run, "asynchronous.staleness", "constant"))
     a = _config(run, "asynchronous.staleness_a", DEFAULT_A.get(rule))
     if rule == "polynomial":
@@ -79,6 +76,48 @@ def async_variant(run: Mapping[str, Any]) -> str:
     if float(_config(run, "asynchronous.server_lr", 1.0)) != 1.0:
         parts.append(f"server lr {float(_config(run, 'asynchronous.server_lr')):g}")
     return "async: " + ", ".join(parts)
+
+
+def _round_size(run: Mapping[str, Any]) -> int:
+    """A synchronous round's k: round(participation x N), at least 1 (fedsap_ray.devices.round_size)."""
+    return max(1, int(round(float(_config(run, "training.participation", 1.0)) * int(_config(run, "data.num_clients")))))
+
+
+def _concurrency(run: Mapping[str, Any]) -> int:
+    """An asynchronous run's clients in flight, null resolved to k as fedsap_ray.asyncmode resolves it."""
+    return int(_config(run, "asynchronous.concurrency", _round_size(run)))
+
+
+def updates_per_step(run: Mapping[str, Any]) -> int:
+    """The client updates one step of a run applies by design: a synchronous round's k (under ``over_select`` the
+    k aggregated of the sample), an asynchronous step's ``buffer_size`` (null resolved to the concurrency)."""
+    if not is_async(run):
+        return _round_size(run)
+    return int(_config(run, "asynchronous.buffer_size", _concurrency(run)))
+
+
+def to_horizon(res: Any, updates: int) -> Any:
+    """``res`` read to each run's first ``updates`` client updates by design: a synchronous run to round
+    floor(updates / k), an asynchronous one to step floor(updates / buffer_size) (:func:`updates_per_step`), in
+    every per-round table, so that runs of different lengths, and rounds beside server steps, compare at one
+    training budget. Exact for a synchronous run: nothing in rounds 1..r depends on how many follow (the
+    learning rate decays per round, never by the run's length). A deadline round counts its k though its
+    stragglers' updates never reach the model: the budget is the design's, the stragglers are reported apart."""
+    res = load_policy(res)
+    cap = {}
+    for _, run in runs.per_run(res).iterrows():
+        per = updates_per_step(run)
+        if updates < per:
+            raise ValueError(f"invalid --updates={updates}: run {run['run_id']} applies {per} updates a "
+                             f"{'step' if is_async(run) else 'round'}; give at least {per}")
+        cap[run["run_id"]] = updates // per
+    kept = {}
+    for name in runs.TABLES:
+        df = runs.table(res, name)
+        if "round" in df.columns:
+            df = df[df["round"].to_numpy() <= np.array([cap.get(r, np.inf) for r in df["run_id"]], dtype=float)]
+        kept[name] = df
+    return runs.replace_tables(res, **kept)
 
 
 def row_names(per_run: pd.DataFrame) -> dict[str, str]:
@@ -182,15 +221,21 @@ def missed(res: Any) -> pd.DataFrame:
 
 def updates(res: Any) -> pd.DataFrame:
     """Per run (indexed by run id): ``method``, ``steps`` (rounds done: an asynchronous run's server steps),
-    ``updates_applied`` (client updates that reached the model: ``clients`` rows that are no straggler) and
-    ``staleness_mean`` (their mean ``clients.staleness``; NaN for a synchronous run, which has none)."""
+    ``updates_applied`` (client updates that reached the model: ``clients`` rows that are no straggler),
+    ``trainings`` (every ``clients`` row: each a client's local training, applied or not) and ``not_applied``
+    (trained and never in the model: deadline stragglers, over-selected clients beyond the k fastest, updates
+    discarded as too stale), and ``staleness_mean`` (mean ``clients.staleness`` of the applied ones; NaN for a
+    synchronous run, which has none). An asynchronous run's updates still in flight when it stops (at most
+    ``concurrency``) have no row: trained, never applied, and not counted here."""
     res = load_policy(res)
     c = runs.table(res, "clients")
     applied = c[~c["straggler"].fillna(False).astype(bool)] if "straggler" in c.columns else c
     stale = pd.to_numeric(applied["staleness"], errors="coerce") if "staleness" in applied.columns else np.nan
     out = pd.DataFrame({"method": pd.Series(row_names(res.runs)),
                         "steps": runs.table(res, "rounds").groupby("run_id")["round"].max(),
-                        "updates_applied": applied.groupby("run_id").size()})
+                        "updates_applied": applied.groupby("run_id").size(),
+                        "trainings": c.groupby("run_id").size()})
+    out["not_applied"] = out["trainings"] - out["updates_applied"].fillna(0)
     out["staleness_mean"] = pd.Series(stale, index=applied.index).groupby(applied["run_id"]).mean().reindex(out.index)
     return out
 
@@ -252,7 +297,8 @@ def compare(policies: Mapping[str, Any], *, deployed: float, full_width: float |
         t = time_to_accuracy(res, deployed=deployed, full_width=full_width)
         last = elapsed(res).sort_values("round").groupby("run_id").tail(1)
         t["deployed_final"] = t["method"].map(last.groupby("method")["deployed"].mean())
-        per_method = updates(res).groupby("method")[["steps", "updates_applied", "staleness_mean"]].mean()
+        per_method = updates(res).groupby("method")[["steps", "updates_applied", "trainings", "not_applied",
+                                                      "staleness_mean"]].mean()
         t = t.join(per_method, on="method")
         frames.append(t.assign(policy=policy))
     out = pd.concat(frames, ignore_index=True)
@@ -286,8 +332,10 @@ def report(policies: Mapping[str, Any], *, deployed: float = 0.8, full_width: fl
         cols["seeds reached" if measure == "deployed" else "seeds reached (full-width)"] = t[f"{measure}_reached"]
     table = pd.DataFrame({
         **cols, "run total (min)": [_minutes(h) for h in t["total_hours"]],
-        "deployed best (final round)": ["–" if pd.isna(v) else f"{100 * v:.1f}" for v in t["deployed_final"]]})
-    head = "Simulated minutes, mean ± std over the seeds that reached the target."
+        "deployed best (final round)": ["–" if pd.isna(v) else f"{100 * v:.1f}" for v in t["deployed_final"]],
+        "trainings (not applied)": [f"{a:g} ({b:g})" for a, b in zip(t["trainings"], t["not_applied"])]})
+    head = ("Simulated minutes, mean ± std over the seeds that reached the target; trainings: clients' local "
+            "trainings a run spent (mean over seeds), in brackets those whose update never reached the model.")
     if asynchronous:  # what an asynchronous run's rows are, and the columns that compare it with rounds
         table["rounds / steps"] = [f"{v:g}" for v in t["steps"]]
         table["updates applied"] = [f"{v:g}" for v in t["updates_applied"]]
@@ -368,7 +416,8 @@ def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--full-width F] [--png PATH]``: the study's tables."""
+    """``python -m analysis.device_time POLICY=FOLDER ... [--deployed 0.8] [--full-width F] [--updates N] [--png PATH]``:
+    the study's tables."""
     p = OneLineParser(prog="python -m analysis.device_time", description=main.__doc__)
     p.add_argument("folders", nargs="+", metavar="POLICY=FOLDER", help="a results folder per policy, e.g. "
                    "wait_all=runs/dt_wait deadline=runs/dt_deadline (asynchronous runs under a name of their own: "
@@ -377,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full-width", type=float, default=None,
                    help="also the time to this full-width accuracy (the server's model), 0-1")
     p.add_argument("--png", default=None, help="also write the curves figure here")
+    p.add_argument("--updates", type=int, default=None, help="read every run to its first N client updates by design "
+                   "(a synchronous round applies k, an asynchronous step buffer_size): one training budget for all")
     args = p.parse_args(argv)
     bad = [f for f in args.folders if "=" not in f]
     if bad:
@@ -389,9 +440,13 @@ def main(argv: list[str] | None = None) -> int:
     # every folder opened once (one line and exit 2 for a missing, empty, foreign or damaged one); a policy's
     # several folders (commas) side by side
     given = dict(f.split("=", 1) for f in args.folders)
+    if args.updates is not None and args.updates < 1:
+        p.error(f"invalid --updates={args.updates}: a number of client updates, at least 1")
     try:
         loaded = {policy: concat([runs.open_or_exit(f, prog) for f in v.split(",")]) for policy, v in given.items()}
-    except ValueError as e:  # the folders of one policy share run ids
+        if args.updates is not None:
+            loaded = {policy: to_horizon(res, args.updates) for policy, res in loaded.items()}
+    except ValueError as e:  # the folders of one policy share run ids; --updates shorter than a step
         p.error(str(e))
     try:
         policies, borrowed = in_time_as_wait_all(loaded)

@@ -302,3 +302,42 @@ def test_async_runs_are_read_beside_sync_ones_by_their_steps_time_and_told_apart
     fig = device_time.plot_policies(policies, "full_width")
     assert [sorted(ln.get_label() for ln in ax.lines) for ax in fig.axes] == [["FedAvg"], sorted([names["k1"], names["k2"]])]
     assert len({ax.get_xlim() for ax in fig.axes}) == 1 and fig.axes[0].get_xlim()[0] == 0  # one time axis
+
+
+def test_a_horizon_reads_every_run_to_one_budget_of_updates_and_counts_the_trainings_never_applied(tmp_path, fed, capsys):
+    """``--updates N``: a synchronous run is read to round N // k, an asynchronous one to step N // buffer_size,
+    each kept row the run's own; the cut is where the shorter run of the same training stops (nothing in rounds
+    1..r depends on how many follow); trainings never applied (deadline stragglers) counted apart; a budget below
+    one step is refused on the command line, naming the run."""
+    def run(folder, run_id, *extra):
+        run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / folder, run_id=run_id,
+                       federation=fed)
+
+    run("sync", "long", "training.rounds=3")   # 6 clients a round (k = 6)
+    run("short", "long", "training.rounds=2")  # the same run, stopped at round 2
+    run("async", "a", "devices.mode=async", "asynchronous.concurrency=3", "asynchronous.buffer_size=2",
+        "training.rounds=6")
+    run("late", "d", "devices.policy=deadline", "devices.deadline_s=1e-9")  # every client misses it
+    cut = device_time.to_horizon(tmp_path / "sync", 13)  # 13 // 6 = 2 rounds
+    short = results.load(tmp_path / "short")
+    for table in ("rounds", "clients"):
+        got, want = cut[table], getattr(short, table)
+        assert got["round"].max() == 2
+        cols = [c for c in want.columns if not c.endswith("_s") and "wall" not in c]  # timings differ run to run
+        pd.testing.assert_frame_equal(got[cols].reset_index(drop=True), want[cols].reset_index(drop=True))
+    asy = device_time.to_horizon(tmp_path / "async", 9)  # 9 // 2 = 4 steps
+    assert asy.rounds["round"].max() == 4 and asy.clients["round"].max() == 4
+    t = device_time.compare({"sync": cut, "async": asy}, deployed=1.01).set_index("policy")
+    r = results.load(tmp_path / "async").rounds
+    assert t.loc["async", "total_hours"] == r[r["round"] == 4]["sim_elapsed_s"].iloc[0] / 3600
+    assert t.loc["async", "steps"] == 4 and t.loc["async", "updates_applied"] == 8  # 4 steps of 2
+    assert t.loc["sync", "trainings"] == 12 and t.loc["sync", "not_applied"] == 0
+    late = device_time.updates(tmp_path / "late").iloc[0]
+    assert late["trainings"] == 6 * 3 and late["not_applied"] == late["trainings"]  # 3 rounds of 6, none in time
+    with pytest.raises(ValueError, match=r"--updates=5: run long applies 6 updates a round"):
+        device_time.to_horizon(tmp_path / "sync", 5)
+    with pytest.raises(SystemExit) as e:
+        device_time.main([f"sync={tmp_path / 'sync'}", f"async={tmp_path / 'async'}", "--updates", "1"])
+    assert e.value.code == 2 and "invalid --updates=1: run" in capsys.readouterr().err
+    assert device_time.main([f"sync={tmp_path / 'sync'}", "--updates", "12"]) == 0
+    assert "| 12 (0) |" in capsys.readouterr().out
