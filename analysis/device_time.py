@@ -205,8 +205,9 @@ def plot_curves(res: Any, measure: str = "deployed", path: str | Path | None = N
 def missed(res: Any) -> pd.DataFrame:
     """Per method (rows) and keep ratio (columns ``keep 0.2`` ..., ascending): the share of a device's
     client-rounds that missed the deadline (``clients.straggler``), over every client of that keep ratio, round
-    and seed; for an asynchronous run, the share of its arrived updates discarded as staler than
-    ``asynchronous.max_staleness`` (its stragglers)."""
+    and seed; under ``over_select`` the share left out as slower than the round's k fastest; for an
+    asynchronous run, the share of its arrived updates discarded as staler than ``asynchronous.max_staleness``
+    (its stragglers)."""
     res = load_policy(res)
     c = runs.table(res, "clients")
     if "straggler" not in c.columns:
@@ -344,13 +345,19 @@ def report(policies: Mapping[str, Any], *, deployed: float = 0.8, full_width: fl
                  " updates applied: client updates that reached the model, mean over seeds.")
     parts = [head, "", markdown(table)]
     for policy, res in policies.items():
-        kind = {r["run_id"]: is_async(r) for _, r in res.runs.iterrows()}
-        bounded = [r["run_id"] for _, r in res.runs.iterrows()
-                   if kind[r["run_id"]] and _config(r, "asynchronous.max_staleness") is not None]
+        by_rule: dict[str, list[str]] = {}  # a synchronous run's devices.policy / an async run's staleness bound
+        for _, r in res.runs.iterrows():
+            if is_async(r):
+                rule = "bounded" if _config(r, "asynchronous.max_staleness") is not None else ""
+            else:
+                rule = "" if policy == "wait_all" else str(_config(r, "devices.policy", "deadline"))
+            by_rule.setdefault(rule, []).append(r["run_id"])
         for title, ids in ((f"Share of client-rounds that missed the deadline ({policy}, %), per keep ratio:",
-                            [] if policy == "wait_all" else [rid for rid, a in kind.items() if not a]),
+                            by_rule.get("deadline", [])),
+                           (f"Share of client-rounds over-selected and left out, slower than the round's k fastest "
+                            f"({policy}, %), per keep ratio:", by_rule.get("over_select", [])),
                            (f"Share of updates discarded as staler than asynchronous.max_staleness ({policy}, %), "
-                            "per keep ratio:", bounded)):
+                            "per keep ratio:", by_rule.get("bounded", []))):
             if not ids:
                 continue
             late = missed(runs.only_runs(res, ids))

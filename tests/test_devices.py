@@ -135,6 +135,12 @@ def test_over_selection_samples_more_and_aggregates_exactly_the_fastest_k(tmp_pa
         fastest = set(c.sort_values(["sim_time_s", "client_id"])["client_id"][:k])
         assert set(c[~c["straggler"]]["client_id"]) == fastest
         assert res.rounds[res.rounds["round"] == t]["sim_round_s"].iloc[0] == c[~c["straggler"]]["sim_time_s"].max()
+    # the study reports the left-out clients as over-selected, never as missing a deadline there was not
+    printed = device_time.report({"over_select": tmp_path / "r"}, deployed=0.5)
+    assert "over-selected and left out, slower than the round's k fastest (over_select, %)" in printed
+    assert "missed the deadline" not in printed
+    row = device_time.updates(tmp_path / "r").iloc[0]
+    assert row["trainings"] == len(res.clients) and row["not_applied"] == res.clients["straggler"].sum() > 0
 
 
 def test_an_unavailable_client_is_never_selected(tmp_path, fed):
