@@ -40,6 +40,7 @@ MEASURES = ("full_width", "deployed")
 # study compares with them (issue 28)
 ROWS = {**CONFOUND_ROWS, **comparison.TABLE1_ROWS}
 PANEL_LINES = 8  # most lines one panel of plot_policies holds; more are split by sub-models / full model
+PANEL_COLUMNS = 3  # panels a row of plot_policies' figure holds (six policies: two rows)
 LEGEND_INSIDE = 30  # longest method name a legend inside a panel holds; longer (async variants) go below it
 
 
@@ -378,17 +379,27 @@ def sub_model_methods(res: Any) -> set[str]:
     return {m for m, n in by_method.items() if comparison.sys_het(str(m), bool(n))}
 
 
+def _split_variant(name: str) -> tuple[str, str]:
+    """A row name's method and async variant: ``"HeteroFL [async: buffer 2, ...]"`` -> ("HeteroFL", "async: ...")."""
+    base, _, rest = name.partition(" [")
+    return (base, rest[:-1]) if rest.endswith("]") else (name, "")
+
+
 def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: str | Path | None = None) -> Any:
     """Best-so-far accuracy against simulated minutes, one panel per policy, one line per method: solid for a
     method that trains sub-models (:func:`sub_model_methods`), dashed for the others, each group coloured
-    from the ten-colour cycle, so a method has one look in every panel. A policy with more than
+    from the ten-colour cycle, so a method has one look in every panel (its async variants too). A panel whose
+    lines are all one async variant names it once, under its title, and its lines by method. A policy with more than
     :data:`PANEL_LINES` methods gets two panels, sub-models and full model (fourteen lines in one panel could
     not be told apart)."""
     cs = {p: curves(res, measure) for p, res in policies.items()}
     narrow = set().union(*(sub_model_methods(res) for res in policies.values()))
     methods = comparison.in_table1_order({m for c in cs.values() for m in c["method"]})
-    groups = {True: [m for m in methods if m in narrow], False: [m for m in methods if m not in narrow]}
-    style = {m: (plots.color(i, len(g)), "-" if sub else "--") for sub, g in groups.items() for i, m in enumerate(g)}
+    # one look per method, its async variants included (the variant is in the name after " [")
+    bases = list(dict.fromkeys(_split_variant(m)[0] for m in methods))
+    narrow_bases = {_split_variant(m)[0] for m in narrow}
+    groups = {True: [b for b in bases if b in narrow_bases], False: [b for b in bases if b not in narrow_bases]}
+    look = {b: (plots.color(i, len(g)), "-" if sub else "--") for sub, g in groups.items() for i, b in enumerate(g)}
     panels = []
     for policy, c in cs.items():
         have = [m for m in methods if m in set(c["method"])]
@@ -397,20 +408,24 @@ def plot_policies(policies: Mapping[str, Any], measure: str = "deployed", path: 
         else:
             panels += [(f"{policy}: {name}", c, [m for m in have if (m in narrow) == sub])
                        for sub, name in ((True, "sub-models"), (False, "full model"))]
-    fig, axes = plots.new_figure(len(panels), ncols=len(panels), panel=(5.0, 3.8))
+    fig, axes = plots.new_figure(len(panels), ncols=min(len(panels), PANEL_COLUMNS), panel=(5.0, 3.8))
     for ax, (title, c, have) in zip(axes, panels):
+        variants = {_split_variant(m)[1] for m in have}
+        shared = variants.pop() if len(variants) == 1 else ""  # one async variant: named once, in the title
         for m in have:
             g = c[c["method"] == m]
-            color, line = style[m]
+            color, line = look[_split_variant(m)[0]]
             # best so far holds from one evaluation to the next: steps, not a slope between them
-            ax.plot(60 * g["hours"], 100 * g["accuracy"], label=m, color=color, linestyle=line, drawstyle="steps-post")
-        ax.set_title(title)
+            ax.plot(60 * g["hours"], 100 * g["accuracy"], label=_split_variant(m)[0] if shared else m, color=color,
+                    linestyle=line, drawstyle="steps-post")
+        ax.set_title(title + (f"\n{textwrap.fill(shared, 50)}" if shared else ""), fontsize=10)
         ax.set_xlabel("simulated device time (minutes)")
         ax.set_ylabel(f"best-so-far {'deployed' if measure == 'deployed' else 'full-width'} accuracy (%)")
         ax.grid(True, alpha=0.3)
-        if max(map(len, have), default=0) <= LEGEND_INSIDE:
+        labels = [ln.get_label() for ln in ax.get_lines()]
+        if max(map(len, labels), default=0) <= LEGEND_INSIDE:
             ax.legend(fontsize=8)
-        else:  # an async variant's name: below the panel, wrapped, so it covers neither the lines nor the axis
+        else:  # several async variants' names: below the panel, wrapped, so they cover neither lines nor axis
             handles = ax.get_lines()
             ax.legend(handles, [textwrap.fill(h.get_label(), 60) for h in handles], fontsize=8, loc="upper left",
                       bbox_to_anchor=(0.0, -0.2))

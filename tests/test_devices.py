@@ -347,3 +347,8 @@ def test_a_horizon_reads_every_run_to_one_budget_of_updates_and_counts_the_train
     assert e.value.code == 2 and "invalid --updates=1: run" in capsys.readouterr().err
     assert device_time.main([f"sync={tmp_path / 'sync'}", "--updates", "12"]) == 0
     assert "| 12 (0) |" in capsys.readouterr().out
+    # a panel of one async variant names it once, in its title, and draws the method in the method's own look
+    fig = device_time.plot_policies({"sync": cut, "async": asy}, "full_width")
+    (s_line,), (a_line,) = (ax.get_lines() for ax in fig.axes)
+    assert a_line.get_label() == s_line.get_label() == "FedAvg" and a_line.get_color() == s_line.get_color()
+    assert fig.axes[1].get_title() == "async\nasync: buffer 2, concurrency 3, constant"
