@@ -304,9 +304,17 @@ def compare(policies: Mapping[str, Any], *, deployed: float, full_width: float |
         t = t.join(per_method, on="method")
         frames.append(t.assign(policy=policy))
     out = pd.concat(frames, ignore_index=True)
-    order = {m: i for i, m in enumerate(comparison.in_table1_order(out["method"].unique()))}
-    return out.sort_values(["method", "policy"], key=lambda s: s.map(order) if s.name == "method" else s,
+    # each method's rows together (its async variants too), in Table 1's order, policies in the order given
+    bases = comparison.in_table1_order(dict.fromkeys(_split_variant(m)[0] for m in out["method"]))
+    rank = {"method": {m: bases.index(_split_variant(m)[0]) for m in out["method"]},
+            "policy": {p: i for i, p in enumerate(policies)}}
+    return out.sort_values(["method", "policy"], key=lambda s: s.map(rank[str(s.name)]),
                            kind="stable").reset_index(drop=True)
+
+
+def _count(v: Any) -> str:
+    """A count averaged over seeds: whole when it is, else one decimal (67.3, not 67.3333)."""
+    return "–" if pd.isna(v) else f"{v:.0f}" if float(v).is_integer() else f"{v:.1f}"
 
 
 def _minutes(hours: Any, std: Any = np.nan) -> str:
@@ -335,12 +343,12 @@ def report(policies: Mapping[str, Any], *, deployed: float = 0.8, full_width: fl
     table = pd.DataFrame({
         **cols, "run total (min)": [_minutes(h) for h in t["total_hours"]],
         "deployed best (final round)": ["–" if pd.isna(v) else f"{100 * v:.1f}" for v in t["deployed_final"]],
-        "trainings (not applied)": [f"{a:g} ({b:g})" for a, b in zip(t["trainings"], t["not_applied"])]})
+        "trainings (not applied)": [f"{_count(a)} ({_count(b)})" for a, b in zip(t["trainings"], t["not_applied"])]})
     head = ("Simulated minutes, mean ± std over the seeds that reached the target; trainings: clients' local "
             "trainings a run spent (mean over seeds), in brackets those whose update never reached the model.")
     if asynchronous:  # what an asynchronous run's rows are, and the columns that compare it with rounds
-        table["rounds / steps"] = [f"{v:g}" for v in t["steps"]]
-        table["updates applied"] = [f"{v:g}" for v in t["updates_applied"]]
+        table["rounds / steps"] = [_count(v) for v in t["steps"]]
+        table["updates applied"] = [_count(v) for v in t["updates_applied"]]
         table["mean staleness"] = ["–" if pd.isna(v) else f"{v:.2f}" for v in t["staleness_mean"]]
         head += (" An async method's time is that of its server steps (a step every buffer's worth of arrivals);"
                  " updates applied: client updates that reached the model, mean over seeds.")
