@@ -66,6 +66,7 @@ import round_overhead as ro  # noqa: E402  (beside this file; imports fedsap_ray
 
 from fedsap_ray.data.base import as_input  # noqa: E402
 from fedsap_ray.seeding import seed_for  # noqa: E402
+from fedsap_ray.runtime.allocator import tune_malloc  # noqa: E402
 
 SYSTEMS = ("local", "ray", "reference", "flower", "pfl", "pfl-2p")
 PEERS = ("flower", "pfl", "pfl-2p")  # run by --peer-python
@@ -324,6 +325,8 @@ def run_ours(ns) -> dict:
 
 
 def worker_main(ns) -> int:
+    if ns.worker == "reference":
+        tune_malloc()  # the limit at its best: the allocator our backends run with (fedsap_ray.runtime.allocator)
     if ns.threads and ns.worker in ("reference", "pfl"):
         torch.set_num_threads(ns.threads)
     runner = {"flower": run_flower, "pfl": run_pfl, "pfl-2p": run_pfl}.get(ns.worker, run_ours)

@@ -62,6 +62,7 @@ from fedsap_ray.config import from_dict
 from fedsap_ray.data.base import ClientSpec, DomainData, Federation, as_input
 from fedsap_ray.models import build_model
 from fedsap_ray.seeding import seed_for
+from fedsap_ray.runtime.allocator import tune_malloc
 
 BACKENDS = ("reference", "local", "ray")
 IMAGE_MODELS = ("cnn_small", "cnn_cifar", "resnet10", "resnet18")
@@ -339,9 +340,14 @@ def emit(row: dict, sink) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     sink = args.out.open("w") if args.out else None
+    # the local backend tunes the C allocator of the process it runs in (fedsap_ray.runtime.allocator), which is
+    # this one: tune it before anything runs, so the reference loop runs with the same allocator whatever the
+    # order (FEDSAP_RAY_MALLOC=default: glibc's defaults for every system, the Ray workers included)
+    malloc = tune_malloc()
     if "ray" in args.backends:
         start_local_ray()
-    log(f"round_overhead: torch {torch.__version__}, {os.cpu_count()} CPUs, load {load1()}, "
+    log(f"round_overhead: malloc {'tuned' if malloc else 'glibc defaults'}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPUs, load {load1()}, "
         f"backends {','.join(args.backends)}, clients {args.clients}, rounds {args.rounds}, "
         f"reference threads {args.reference_threads}")
     try:

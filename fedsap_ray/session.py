@@ -61,6 +61,7 @@ class WorkerInfo:
     device: str
     placement_group: str | None  # hex id, None outside a placement group
     node: str = "local"  # Ray node id, first 12 hex digits
+    malloc_tuned: bool = False  # whether the worker fixed glibc malloc's thresholds (fedsap_ray.runtime.allocator)
 
 
 @dataclass(frozen=True)

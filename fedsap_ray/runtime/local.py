@@ -10,7 +10,9 @@ What a client would otherwise pay again every round is paid once per run here (i
 measured in :mod:`fedsap_ray.client`'s docstring): each client's data is prepared once
 (:class:`~fedsap_ray.client.PreparedData`: gathered, normalised, on the device; the GPU copy
 of issue 17 is part of it), the scratch models are put on the device at start, and
-:func:`~fedsap_ray.client.warm_torch` pays torch's optimizer start-up at start, not in round 1.
+:func:`~fedsap_ray.client.warm_torch` pays torch's optimizer start-up at start, not in round 1, and
+:func:`~fedsap_ray.runtime.allocator.tune_malloc` keeps the C allocator from returning a round's memory to
+the OS only to fault it in again.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import PreparedData, default_workers, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.runtime.allocator import tune_malloc
 
 
 def ray_node() -> str:
@@ -54,6 +57,7 @@ class LocalBackend:
     def start(self, ctx: RunContext) -> None:
         self.ctx = ctx
         self.node = ray_node()
+        tune_malloc()  # keep freed memory in the process: a round's blocks are not faulted in again (allocator.py)
         torch.set_num_threads(self.torch_threads)
         warm_torch()
         self._data = PreparedData(ctx.federation.client_data, self.device)

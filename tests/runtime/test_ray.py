@@ -12,6 +12,7 @@ from fedsap_ray.client import ClientError  # noqa: E402
 from fedsap_ray.config import build_config  # noqa: E402
 from fedsap_ray.data import DomainData, build_federation  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402
+from fedsap_ray.runtime.allocator import tune_malloc  # noqa: E402
 from tests.conftest import backend_fixtures, make_strategy  # noqa: E402
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=3",
@@ -87,12 +88,15 @@ def test_worker_killed_mid_round_is_replaced(tmp_path, fed, local_run):
         if summary.round != 1:
             return
         names = sorted(worker0_names() - earlier)
-        ray.kill(ray.get_actor(names[0], namespace="fedsap-tests"))
+        actor = ray.get_actor(names[0], namespace="fedsap-tests")
+        killed["malloc_tuned"] = ray.get(actor.info.remote()).malloc_tuned  # fedsap_ray.runtime.allocator
+        ray.kill(actor)
         killed["name"] = names[0]
 
     outcome = _ray(tmp_path, fed, ["resources.num_workers=2", "resources.cpus_per_worker=0.5"],
                    progress=kill_a_worker_during_round_2)
     assert killed and outcome.worker_restarts >= 1
+    assert killed["malloc_tuned"] is (tune_malloc() is not None)  # as this process, whose environment it inherits
     _same(local_run, results.load(tmp_path))
 
 
