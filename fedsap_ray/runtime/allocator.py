@@ -16,8 +16,9 @@ What. :func:`tune_malloc` sets, with ``mallopt`` (which also turns the adaptatio
 keeps up to ``TRIM_THRESHOLD`` free at its heap's top instead of returning it. Nothing computed changes
 (where a block lives is not what it holds; the golden-number check found every table identical).
 
-When not. Off glibc (macOS, musl), when any ``MALLOC_*_`` variable of glibc's own is set (the user has
-chosen), or with ``FEDSAP_RAY_MALLOC=default``, nothing is changed.
+When not. Off glibc (macOS, musl), when the user has chosen the allocator's settings (glibc's
+``MALLOC_TRIM_THRESHOLD_``, ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_`` or ``MALLOC_MMAP_MAX_``, or a
+``glibc.malloc`` tunable in ``GLIBC_TUNABLES``), or with ``FEDSAP_RAY_MALLOC=default``, nothing is changed.
 """
 from __future__ import annotations
 
@@ -36,11 +37,12 @@ _applied: dict[str, int] | None = None
 
 def tune_malloc() -> dict[str, int] | None:
     """Fix glibc malloc's thresholds in this process (module docstring); the settings applied, or None where
-    nothing was changed. Idempotent: a process tunes once, every later call returns the first answer."""
+    nothing was changed. Once applied, later calls change nothing and return the same settings."""
     global _applied
     if _applied is not None:
         return _applied
-    if os.environ.get(ENV, "") == "default" or any(v in os.environ for v in _GLIBC_VARS):
+    chosen = any(v in os.environ for v in _GLIBC_VARS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+    if os.environ.get(ENV, "") == "default" or chosen:
         return None
     if not sys.platform.startswith("linux"):
         return None

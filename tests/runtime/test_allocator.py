@@ -38,7 +38,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 
 def _churn(how: str, **env: str) -> tuple[bool, int]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "FEDSAP_RAY_MALLOC"}
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("MALLOC_") and k not in ("FEDSAP_RAY_MALLOC", "GLIBC_TUNABLES")}
     out = subprocess.run([sys.executable, "-c", CHURN, how], env={**clean, **env}, check=True,
                          capture_output=True, text=True).stdout.split()
     return out[0] == "True", int(out[1])
@@ -58,7 +59,9 @@ def test_local_backend_tunes_its_process():
 
 
 def test_users_choice_is_left_alone():
-    """FEDSAP_RAY_MALLOC=default, or any of glibc's own MALLOC_*_ variables, and nothing is changed."""
-    for env in ({"FEDSAP_RAY_MALLOC": "default"}, {"MALLOC_TRIM_THRESHOLD_": "131072"}):
+    """FEDSAP_RAY_MALLOC=default, or glibc's own settings (a MALLOC_*_ variable, a malloc tunable), and nothing is
+    changed."""
+    for env in ({"FEDSAP_RAY_MALLOC": "default"}, {"MALLOC_TRIM_THRESHOLD_": "131072"},
+                {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}):
         tuned, faults = _churn("tune", **env)
         assert not tuned and faults > 20_000, env
