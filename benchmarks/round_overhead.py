@@ -36,11 +36,20 @@ dispatch, training, aggregation, the Parquet rewrite of the run's results). The
 framework evaluates the global model on the last round whatever ``eval_every`` says;
 the test set is ``--test-samples`` images (default 32), a few milliseconds.
 
-Output: one JSON line per (clients, backend[, reference threads]) on stdout (and in
-``--out``), written once every backend of that client count has run; progress on
-stderr. ``ratio_vs_reference`` = per_round_s / the fastest reference's per_round_s at
-the same client count, measured in the same invocation (``reference_threads`` names
-it; ``ratio_by_reference_threads`` gives the ratio against each). Same local training
+Output: one JSON line per (clients, backend[, reference threads], repeat) on stdout (and in
+``--out``), written once every backend of that client count and repeat has run; progress on
+stderr.
+
+Repeats: on shared cores one line's time moves by 10-30% between consecutive runs (docs/guides/performance.md),
+more than the differences between systems, so ``--repeats R`` runs every line R times, repeat r in the order
+rotated by r (each system in turn first and last), each repeat's ratios against that repeat's own references,
+and ends with a summary per system on stderr: the median of the R per-round times, the median and range of its
+R ratios to the limit, and for each framework line its ratio to local with the same workers (``ray`` /
+``local``, repeat by repeat). ``repeat`` (0-based) is in every JSON line.
+
+``ratio_vs_reference`` = per_round_s / the fastest reference's per_round_s at the same client count
+and repeat, measured in the same invocation (``reference_threads`` names it;
+``ratio_by_reference_threads`` gives the ratio against each). Same local training
 is checked by ``train_loss_last``, which agrees across backends. See benchmarks/README.md.
 """
 from __future__ import annotations
@@ -48,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -306,6 +316,8 @@ def parse_args(argv=None):
                         "(default: torch's default, i.e. all cores, and 1); ratios divide by the fastest")
     p.add_argument("--test-samples", type=int, default=32, help="held-out images (evaluated on the last round only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs of every line, interleaved with the order rotated each repeat; a median summary at the end")
     args = p.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
@@ -326,6 +338,8 @@ def parse_args(argv=None):
     args.reference_threads = list(dict.fromkeys(args.reference_threads))
     if any(c < 1 for c in args.clients):
         p.error("--clients: every count must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     return args
 
 
@@ -335,6 +349,58 @@ def emit(row: dict, sink) -> None:
     if sink:
         sink.write(line + "\n")
         sink.flush()
+
+
+def run_line(args, fed: Federation, n: int, backend: str, count: int, rep: int) -> dict:
+    """One measurement: the reference on ``count`` threads, or a framework backend with ``count`` workers."""
+    before = load1()
+    t0 = time.perf_counter()
+    if backend == "reference":
+        threads, workers = count, 1
+        run = run_reference(args, fed, threads)
+    else:
+        threads, workers = 1, min(count, n)
+        run = run_framework(args, fed, backend, workers)
+    row = summarise(args, backend, n, run, threads, workers, before)
+    row["repeat"] = rep
+    log(f"  clients {n:4d}  {backend:9s} threads {threads} workers {workers}  "
+        f"{row['per_round_s']:8.3f} s/round  loss {row['train_loss_last']:.4f}  "
+        f"(total {time.perf_counter() - t0:.1f}s, load {before} -> {row['load1_after']})"
+        + (f"  [repeat {rep + 1}/{args.repeats}]" if args.repeats > 1 else ""))
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Each line's ratios against the references of the same repeat (module docstring)."""
+    refs = {r["threads"]: r["per_round_s"] for r in rows if r["backend"] == "reference"}
+    if not refs:
+        return
+    best = min(refs.values())
+    for row in rows:
+        row["ratio_vs_reference"] = round(row["per_round_s"] / best, 3)
+        row["reference_threads"] = min(refs, key=refs.get)  # the reference the ratio divides by
+        row["ratio_by_reference_threads"] = {str(t): round(row["per_round_s"] / s, 3) for t, s in refs.items()}
+        at = row["workers"] if row["backend"] != "reference" else row["threads"]
+        row["limit_threads"] = at if at in refs else row["reference_threads"]
+        row["ratio_to_limit"] = round(row["per_round_s"] / refs[row["limit_threads"]], 3)
+
+
+def log_summary(lines: list[tuple[tuple[str, int], dict]], jobs: list[tuple[str, int]], n: int) -> None:
+    """Medians over the repeats, with each ratio's range (min-max): what a reader compares systems by.
+    ``lines``: (job, row) per measurement, a job being (backend, reference threads or workers)."""
+    log(f"  clients {n}: medians of {len(lines) // len(jobs)} repeats (range)")
+    for job in jobs:
+        mine = [r for j, r in lines if j == job]
+        line = (f"    {job[0]:9s} {'threads' if job[0] == 'reference' else 'workers'} {job[1]}  "
+                f"{statistics.median(r['per_round_s'] for r in mine):8.3f} s/round")
+        limits = [r["ratio_to_limit"] for r in mine if "ratio_to_limit" in r]
+        if limits:
+            line += f"  limit x{statistics.median(limits):.3f} ({min(limits):.3f}-{max(limits):.3f})"
+        if job[0] not in ("reference", "local") and ("local", job[1]) in jobs:
+            local = {r["repeat"]: r["per_round_s"] for j, r in lines if j == ("local", job[1])}
+            vs = [r["per_round_s"] / local[r["repeat"]] for r in mine]
+            line += f"  local x{statistics.median(vs):.3f} ({min(vs):.3f}-{max(vs):.3f})"
+        log(line)
 
 
 def main(argv=None) -> int:
@@ -355,36 +421,20 @@ def main(argv=None) -> int:
             fed = make_federation(n, args.samples_per_client, args.test_samples, args.seed)
             jobs = [("reference", t) for t in args.reference_threads] if "reference" in args.backends else []
             jobs += [(b, w) for w in args.workers for b in args.backends if b != "reference"]
-            rows = []
-            for backend, count in jobs:
-                before = load1()
-                t0 = time.perf_counter()
-                if backend == "reference":
-                    threads, workers = count, 1
-                    run = run_reference(args, fed, threads)
-                else:
-                    threads, workers = 1, min(count, n)
-                    run = run_framework(args, fed, backend, workers)
-                row = summarise(args, backend, n, run, threads, workers, before)
-                rows.append(row)
-                log(f"  clients {n:4d}  {backend:9s} threads {threads} workers {workers}  "
-                    f"{row['per_round_s']:8.3f} s/round  loss {row['train_loss_last']:.4f}  "
-                    f"(total {time.perf_counter() - t0:.1f}s, load {before} -> {row['load1_after']})")
-            refs = {r["threads"]: r["per_round_s"] for r in rows if r["backend"] == "reference"}
-            best = min(refs.values()) if refs else None
-            for row in rows:
-                if best:
-                    row["ratio_vs_reference"] = round(row["per_round_s"] / best, 3)
-                    row["reference_threads"] = min(refs, key=refs.get)  # the reference the ratio divides by
-                    row["ratio_by_reference_threads"] = {str(t): round(row["per_round_s"] / s, 3)
-                                                         for t, s in refs.items()}
-                    at = row["workers"] if row["backend"] != "reference" else row["threads"]
-                    row["limit_threads"] = at if at in refs else row["reference_threads"]
-                    row["ratio_to_limit"] = round(row["per_round_s"] / refs[row["limit_threads"]], 3)
-                emit(row, sink)
-            if best:
-                log("  ratios to the limit (the plain loop on as many threads as workers): " + ", ".join(
-                    f"{r['backend']}({r['threads']}t x {r['workers']}w) {r['ratio_to_limit']}" for r in rows))
+            every: list[tuple[tuple[str, int], dict]] = []
+            for rep in range(args.repeats):
+                order = jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]  # rotated: no system always first or last
+                done = {job: run_line(args, fed, n, *job, rep) for job in order}
+                rows = [done[job] for job in jobs]  # the lines in their usual order, whatever ran first
+                add_ratios(rows)
+                for row in rows:
+                    emit(row, sink)
+                if any(r["backend"] == "reference" for r in rows):
+                    log("  ratios to the limit (the plain loop on as many threads as workers): " + ", ".join(
+                        f"{r['backend']}({r['threads']}t x {r['workers']}w) {r['ratio_to_limit']}" for r in rows))
+                every += [(job, done[job]) for job in jobs]
+            if args.repeats > 1:
+                log_summary(every, jobs, n)
     finally:
         if sink:
             sink.close()
