@@ -331,6 +331,7 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if any(w < 1 for w in args.workers):
         p.error("--workers: every count must be >= 1")
+    args.workers = list(dict.fromkeys(args.workers))  # a count given twice is one line (per repeat)
     if not 0 < args.width <= 4:
         p.error("--width must be in (0, 4]")
     if any(t < 1 for t in args.reference_threads):
