@@ -26,6 +26,7 @@ import torch
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import PreparedData, default_workers, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.runtime import wire
 from fedsap_ray.runtime.allocator import tune_malloc
 
 
@@ -51,6 +52,7 @@ class LocalBackend:
         self.ctx: RunContext | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._data: PreparedData | None = None  # each client's prepared data, built once per run
+        self._samples: dict[int, int] = {}  # client id -> its training samples (the expected work of its plans)
         self.node = "local"
         self.moved = (0, 0)  # nothing crosses a process boundary: plans hand their vectors over by reference
 
@@ -69,6 +71,7 @@ class LocalBackend:
             self._models.put(model)
         if self.num_workers > 1:
             self._pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix="fedsap-client")
+        self._samples = {c.client_id: c.n_samples for c in ctx.federation.clients}
 
     def _one(self, plan: ClientPlan) -> ClientResult:
         assert self.ctx is not None and self._data is not None
@@ -81,12 +84,19 @@ class LocalBackend:
             self._models.put(model)
 
     def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
+        """The round's clients, the longest expected work first (:func:`wire.expected_work`; ties: the lower
+        client id): each free thread takes the next, so a long client never starts last while the other thread
+        idles (greedy longest-first, as the Ray pool shares a round). Results in client-id order; which thread
+        trained a client changes no number (module docstring)."""
         if self.ctx is None:
             raise RuntimeError("LocalBackend.train called before start()")
-        ordered = [plans[cid] for cid in sorted(plans)]
+        ordered = sorted(plans.values(), key=lambda p: (-wire.expected_work(p, self._samples.get(p.client_id, 1)),
+                                                        p.client_id))
         if self._pool is None:
-            return [self._one(p) for p in ordered]
-        return list(self._pool.map(self._one, ordered))
+            results = [self._one(p) for p in ordered]
+        else:
+            results = list(self._pool.map(self._one, ordered))
+        return sorted(results, key=lambda r: r.client_id)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -316,10 +316,7 @@ class RayWorkerPool:
         return [results[cid] for cid in sorted(results)]
 
     def _work(self, plan: ClientPlan) -> float:
-        """A plan's expected training work, to share a round evenly: samples x epochs x the fraction of the
-        model it trains (what its compute grows with)."""
-        n = self._samples.get(plan.client_id, 1)
-        return float(n * plan.local_epochs * (plan.covered / max(1, plan.params.size)))
+        return wire.expected_work(plan, self._samples.get(plan.client_id, 1))
 
     def close(self) -> None:
         for w in self.workers:

@@ -152,6 +152,12 @@ def pieces(share: Sequence[ClientPlan], most: int, piece_bytes: int) -> list[lis
     return [list(share[i:i + size]) for i in range(0, len(share), size)]
 
 
+def expected_work(plan: ClientPlan, n_samples: int) -> float:
+    """A plan's expected training work, to share a round evenly: samples x epochs x the fraction of the
+    model it trains (what its compute grows with)."""
+    return float(n_samples * plan.local_epochs * (plan.covered / max(1, plan.params.size)))
+
+
 def longest_first(plans: Sequence[ClientPlan], work: Sequence[float], workers: int) -> list[list[ClientPlan]]:
     """The plans shared among ``workers`` by expected ``work`` (one number per plan): longest first, each
     to the least-loaded worker so far (ties: the lower worker index, then the lower client id), so no

@@ -5,6 +5,8 @@ data with a fresh model, the way every client was trained before."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import types
 
 import numpy as np
 import pytest
@@ -14,6 +16,8 @@ from fedsap_ray import client as client_mod
 from fedsap_ray.client import PreparedData, to_device, train_client, warm_torch
 from fedsap_ray.config import build_config
 from fedsap_ray.data.base import DomainData, as_input
+from fedsap_ray.runtime import local as local_mod
+from fedsap_ray.runtime import wire
 from fedsap_ray.runtime.local import LocalBackend
 from tests.conftest import federation_fixture, make_strategy, tiny_overrides
 
@@ -139,3 +143,30 @@ def test_budget_default_is_the_module_constant(fed, monkeypatch):
     cache.get(0)
     cache.get(0)
     assert cache.builds == 2
+
+
+def test_the_local_backend_starts_the_longest_expected_work_first(fed, monkeypatch):
+    """Greedy longest-first, as the Ray pool shares a round: a long client never starts last while the other
+    thread idles; the results still come back in client-id order."""
+    cfg = build_config(preset="smoke", overrides=TINY)
+    ctx, strat = make_strategy(cfg, fed)
+    plans = strat.configure_round(strat.init_state(), 1)
+    epochs = {cid: 1 + i % 3 for i, cid in enumerate(sorted(plans))}  # unequal work: 1, 2, 3, 1, ... epochs
+    plans = {cid: dataclasses.replace(p, local_epochs=epochs[cid]) for cid, p in plans.items()}
+    started: list[int] = []
+
+    def fake_train(plan, *args, **kwargs):
+        started.append(plan.client_id)
+        return types.SimpleNamespace(client_id=plan.client_id, node=None)
+
+    monkeypatch.setattr(local_mod, "train_client", fake_train)
+    backend = LocalBackend("cpu", num_workers=1)
+    backend.start(ctx)
+    try:
+        results = backend.train(plans)
+    finally:
+        backend.close()
+    work = {cid: wire.expected_work(p, fed.clients[cid].n_samples) for cid, p in plans.items()}
+    assert started == sorted(plans, key=lambda c: (-work[c], c))
+    assert started != sorted(plans)  # the order really moved away from client ids
+    assert [r.client_id for r in results] == sorted(plans)
