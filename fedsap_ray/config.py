@@ -341,25 +341,38 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-# The config's sections (and algorithm.options): a mapping each. One given as null (``training:`` with
-# nothing under it in YAML, ``--set training=null``) is refused: merged over the preset it would replace the
-# whole section with the defaults. An empty mapping (``training: {}``) is accepted: merged over the preset it
-# changes nothing, which is what it says.
+# The config's sections (and algorithm.options): a mapping each, refused where given as anything else. One
+# given as null (``training:`` with nothing under it in YAML, ``--set training=null``) would replace the whole
+# section with the defaults when merged over the preset; one given as another value (``--set training=[]``)
+# would too, once a later ``--set training.rounds=2`` merged into it (a sweep's overrides always come after
+# the user's: ``training=[]`` took the smoke preset's batch size back to the default, silently). So both are
+# refused where they appear, before any merge. An empty mapping (``training: {}``) is accepted: merged over
+# the preset it changes nothing, which is what it says.
 SECTION_PATHS = (("data",), ("capacity",), ("model",), ("training",), ("algorithm",), ("resources",),
                  ("devices",), ("asynchronous",), ("algorithm", "options"))
 
 
-def _null_section(tree: Mapping[str, Any], where: str) -> None:
-    """Refuse a section given as null anywhere in ``tree`` (a config file, or one override nested)."""
+def _check_sections(tree: Mapping[str, Any], where: str) -> None:
+    """Refuse a section given as null or as anything but a mapping anywhere in ``tree`` (a config file, or one
+    override nested). ``algorithm`` given as a string keeps its own hint (the method's name goes in
+    ``algorithm.name``: :func:`apply_algorithm_defaults`)."""
     for path in SECTION_PATHS:
         node: Any = tree
         for p in path[:-1]:
             node = node.get(p) if isinstance(node, Mapping) else None
-        if isinstance(node, Mapping) and path[-1] in node and node[path[-1]] is None:
-            dotted = ".".join(path)
+        if not isinstance(node, Mapping) or path[-1] not in node:
+            continue
+        value, dotted = node[path[-1]], ".".join(path)
+        if value is None:
             raise ConfigError(f"invalid {dotted}=null{where}: a section cannot be null (merged over the preset it "
                               f"would silently replace all of {dotted} with the defaults); give its fields, "
                               f"e.g. {dotted}: {{...}}, or leave it out")
+        if isinstance(value, str) and path == ("algorithm",):
+            fail("algorithm", value, f"must be a mapping; the method is chosen with algorithm.name={value}")
+        if not isinstance(value, Mapping):
+            field = "algorithm" if path == ("algorithm", "options") else dotted
+            raise ConfigError(f"invalid {dotted}={short(value, 60)}{where}: must be a mapping of the section's fields; "
+                              f"set one with --set {field}.FIELD=VALUE")
 
 
 def trace_sha256(path: str) -> str:
@@ -392,11 +405,11 @@ def build_config(
     merged: dict[str, Any] = deep_merge({}, PRESETS.get(preset, {}))
     merged["preset"] = preset
     if file_data:
-        _null_section(file_data, "")
+        _check_sections(file_data, "")
         merged = deep_merge(merged, file_data)
     for text in overrides:
         path, value = parse_override(text)
-        _null_section(_nest(path, value), f" (--set {clip(text, 60)})")
+        _check_sections(_nest(path, value), f" (--set {clip(text, 60)})")
         if path[0] == "preset":  # the recorded preset must be the one the config was built from
             fail("--set preset", value, "the preset is chosen with --preset NAME (or preset: NAME in a config file), "
                                          "before the overrides; " + allowed)

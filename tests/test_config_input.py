@@ -86,6 +86,22 @@ def test_a_null_section_is_refused_naming_it(tmp_path, capsys, make_args, sectio
     _refused(capsys, *make_args(tmp_path), needles=(f"invalid {section}=null", "a section cannot be null"))
 
 
+@pytest.mark.parametrize("make_args, section, value", [
+    (lambda t: ["--set", "training=[]", "--set", "training.rounds=2"], "training", "[]"),  # a sweep's own sets follow
+    (lambda t: ["--set", "devices=5", "--set", "devices.policy=wait_all"], "devices", "5"),
+    (lambda t: ["--set", "algorithm.options=[]", "--set", "algorithm.mu=0.1"], "algorithm.options", "[]"),
+    (lambda t: ["--config", _write(t, "c.yaml", "model: [cnn]\n")], "model", "['cnn']"),
+    (lambda t: ["--config", _write(t, "c.json", '{"asynchronous": true}')], "asynchronous", "True"),
+])
+def test_a_section_given_as_anything_but_a_mapping_is_refused_before_later_overrides_merge(tmp_path, capsys, make_args,
+                                                                                          section, value):
+    """A non-mapping section used to be replaced by the next override's mapping: the preset's section was lost
+    (``training=[]`` then ``training.rounds=2`` ran with the default batch size, not the preset's)."""
+    _refused(capsys, *make_args(tmp_path), needles=(f"invalid {section}={value}", "must be a mapping"))
+    with pytest.raises(ConfigError, match="must be a mapping"):  # the sweeps' path: overrides, no command line
+        build_config(preset="smoke", overrides=["training=[]", "training.rounds=2"])
+
+
 def test_an_empty_section_changes_nothing_and_a_null_optional_leaf_is_legal(tmp_path):
     base = build_config(preset="smoke")
     assert build_config(preset="smoke", overrides=["training={}", "data={}", "algorithm.options={}"]) == base

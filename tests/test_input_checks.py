@@ -69,10 +69,10 @@ def _file(tmp_path, name: str, data: bytes) -> str:
 
 @pytest.mark.parametrize("make_args, needle", [
     # exit 1 with a traceback before
-    (lambda t: ["--set", "algorithm.options=[1,2]"], "invalid algorithm.options=[1, 2]: must be a mapping"),
+    (lambda t: ["--set", "algorithm.options=[1,2]"], "invalid algorithm.options=[1, 2] (--set algorithm.options=[1,2]): must be a mapping"),
     (lambda t: ["--set", "algorithm=fedprox"], "invalid algorithm='fedprox': must be a mapping; the method is chosen "
                                               "with algorithm.name=fedprox"),
-    (lambda t: ["--set", "algorithm.options=abc"], "invalid algorithm.options='abc': must be a mapping"),
+    (lambda t: ["--set", "algorithm.options=abc"], "invalid algorithm.options='abc' (--set algorithm.options=abc): must be a mapping"),
     (lambda t: ["--config", _file(t, "c.yaml", b"training:\n  rounds: 2\n  x: \"\xff\xfe\"\n")],
      "c.yaml': not UTF-8 text (byte 0xff at offset 28)"),
     (lambda t: ["--config", _file(t, "c.yaml", b"algorithm: {name: {a: 1}}\n")],
