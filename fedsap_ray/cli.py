@@ -199,6 +199,10 @@ def _compact(args) -> int:
     from fedsap_ray import results
 
     try:
+        if not results.is_uri(args.out):
+            from fedsap_ray.outdir import OutDir
+
+            OutDir(args.out)  # refuses a path the file system cannot hold before anything looks at it
         if not results.is_uri(args.out) and Path(args.out).is_dir():
             from fedsap_ray.guard import recover_abandoned
 

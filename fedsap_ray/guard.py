@@ -19,11 +19,11 @@ from collections.abc import Iterator
 import pyarrow.parquet as pq
 
 from fedsap_ray import checkpoint, results, statecheck
-from fedsap_ray.outdir import DIR, FILE, OutDir, lock_path
+from fedsap_ray.outdir import DIR, FILE, OutDir, check_name_lengths, lock_path
 from fedsap_ray.results import aside
 from fedsap_ray.results.store import check_tree
 from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.schema import ExperimentConfig, clip
 
 
 def check_out(out: Path) -> bool:
@@ -33,6 +33,7 @@ def check_out(out: Path) -> bool:
     permission bits do not refuse anything.
     """
     out = Path(out)
+    check_name_lengths(out.absolute(), f"--out={clip(str(out), 120)!r}")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"invalid --out={str(out)!r}: it is a file, not a folder")
     created = not out.exists()
@@ -61,6 +62,7 @@ def check_out_writable(out: Path, field: str = "--out") -> None:
     (``os.access``, which also reports a read-only filesystem for root).
     """
     out = Path(out)
+    check_name_lengths(out.absolute(), f"{field}={clip(str(out), 120)!r}")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"invalid {field}={str(out)!r}: it is a file, not a folder")
     probe = out.absolute()

@@ -39,6 +39,7 @@ import pyarrow.fs as pafs
 
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.errors import ConfigError
+from fedsap_ray.schema import clip
 
 FILE, DIR = "file", "dir"
 
@@ -62,6 +63,36 @@ def _kind(mode: int) -> str:
     return "a special file (FIFO, socket or device)"
 
 
+#: The longest path this package writes below a results folder, beyond the folder itself: a temporary part
+#: file of a run id of 128 characters (``/allocations/.<run_id>@r000001.parquet.<uuid8>.tmp``), with room to spare.
+DEEPEST_BELOW = 200
+
+
+def check_name_lengths(path: Path, field: str) -> None:
+    """A :class:`ConfigError` naming ``field`` (e.g. ``--out='runs/x'``) when ``path`` (absolute) has a component longer than its file
+    system allows, or is so long that the files a run writes below it would pass the system's path limit.
+
+    Why: the first write otherwise fails deep in a run with ``OSError: File name too long`` (exit 1, a
+    traceback); the limits are the file system's own (``os.pathconf`` of the nearest existing folder), 255
+    bytes a name and 4096 a path where it does not say."""
+    probe = path
+    while not os.path.lexists(probe) and probe != probe.parent:
+        probe = probe.parent
+    try:
+        name_max = os.pathconf(probe, "PC_NAME_MAX")
+        path_max = os.pathconf(probe, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    for part in path.parts:
+        if len(os.fsencode(part)) > name_max:
+            raise ConfigError(f"invalid {field}: its component {clip(part, 40)} is {len(os.fsencode(part))} bytes long; "
+                              f"the file system allows {name_max} bytes a name: choose a shorter folder name")
+    if len(os.fsencode(str(path))) + DEEPEST_BELOW > path_max:
+        raise ConfigError(f"invalid {field}: the path is {len(os.fsencode(str(path)))} bytes long; the files a run "
+                          f"writes below it would pass the system's limit of {path_max} bytes a path: choose a "
+                          "shorter path")
+
+
 class OutDir:
     """A results folder, addressed only through checked paths (module docstring).
 
@@ -73,6 +104,7 @@ class OutDir:
     def __init__(self, out: str | Path, field: str | None = None) -> None:
         self.given = str(out) if field is None else field
         self.abs = Path(os.path.abspath(out))
+        check_name_lengths(self.abs, f"results folder {clip(self.given, 120)}")
         self.root = Path(os.path.realpath(out))
 
     def __repr__(self) -> str:
