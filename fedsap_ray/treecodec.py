@@ -198,13 +198,13 @@ def write(f: BinaryIO, tree: Any, header: dict[str, Any] | None = None) -> None:
     """Write ``tree`` (and a small JSON ``header``) to the binary file ``f`` as an uncompressed npz.
 
     Everything is checked before the first byte is written, so a refused value leaves ``f`` empty. The
-    header's own keys may not be ``format``, ``version``, ``tree`` or ``digest`` (the codec's).
+    header's ``format``, ``version``, ``tree`` and ``digest`` are the codec's own: those of a header that
+    :func:`read` returned are replaced, never written back.
     """
-    clash = sorted(set(header or {}) & {"format", "version", "tree", DIGEST})
-    if clash:
-        raise ValueError(f"header keys {clash} are the codec's own")
     skeleton, arrays = encode(tree)
-    meta = {"format": FORMAT, "version": VERSION, **(header or {}), "tree": skeleton}
+    own = {"format", "version", "tree", DIGEST}
+    meta = {**{k: v for k, v in (header or {}).items() if k not in own}, "format": FORMAT, "version": VERSION,
+            "tree": skeleton}
     meta[DIGEST] = content_digest(meta, arrays)
     text = json.dumps(meta, allow_nan=False, separators=(",", ":")).encode()
     np.savez(f, allow_pickle=False, **{META: np.frombuffer(text, dtype=np.uint8), **arrays})
