@@ -10,7 +10,11 @@ Resuming (``--resume``): finished runs are skipped; every other trial runs again
 continues from its per-round checkpoint (``fedsap_ray.checkpoint``), whether the driver was
 stopped by Ctrl-C, killed, or a trial crashed. Tune retries a failed trial
 (``--max-failures``); a retry also resumes from the checkpoint. Trials that still fail are
-listed with their error and the script exits with status 1.
+listed with their error and the script exits with status 1. Before Ray starts, a resume checks
+what it skips and what it continues: a finished trial whose tables hold fewer rows than its runs
+row says it wrote runs again from the start (:func:`finished_gaps`, one line each); more rows than
+it wrote, a run with two runs rows, or a checkpoint the trial could not continue from
+(:func:`check_checkpoints`) is refused, exit 2, before anything in ``--out`` changes.
 """
 from __future__ import annotations
 
