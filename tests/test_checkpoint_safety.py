@@ -334,12 +334,23 @@ EDITS = {
 }
 
 
+@pytest.fixture(scope="module")
+def cut_run(tmp_path_factory) -> Path:
+    """A tiny run interrupted after round 2 (its checkpoint is there); tests edit copies of it."""
+    out = tmp_path_factory.mktemp("cut") / "o"
+    tiny_run(out, "k1", stop_after=2)
+    return out
+
+
 @pytest.mark.parametrize("edit", list(EDITS))
-def test_a_checkpoint_changed_after_it_was_written_is_refused_by_name(tmp_path, capsys, edit):
+def test_a_checkpoint_changed_after_it_was_written_is_refused_by_name(tmp_path, capsys, edit, cut_run):
     """A file that still opens (its zip CRCs were recomputed by the rewrite), keeps its shapes and dtypes and whose
     values the content checks would accept, but is not what the run wrote: one line, exit 2, nothing changed."""
+    import shutil
+
     change, needle = EDITS[edit]
-    tiny_run(tmp_path, "k1", stop_after=2)
+    tmp_path = tmp_path / "o"
+    shutil.copytree(cut_run, tmp_path)
     path = checkpoint.path_for(tmp_path, "k1")
     rewrite_keeping_digest(path, change)
     with pytest.raises(checkpoint.CheckpointUnreadable, match=rf"checkpoint {re.escape(str(path))} was changed after "

@@ -150,8 +150,9 @@ def _drop_round(r: int):
 def _forget_rows_written(out: Path, run_id: str) -> None:
     """The runs row as a writer before runs.rows_written left it (schema version 10: no such column)."""
     f = out / "runs" / f"{run_id}.parquet"
-    t = pq.read_table(f)
-    pq.write_table(t.drop_columns(["rows_written"]), f)
+    t = pq.read_table(f).drop_columns(["rows_written"])
+    i = t.schema.get_field_index("schema_version")
+    pq.write_table(t.set_column(i, t.schema.field(i), pa.array([10] * len(t), t.schema.field(i).type)), f)
 
 
 # a finished trial's tables, damaged the ways a folder loses rows: (the trial, the damage, the table named); each
