@@ -11,7 +11,9 @@ skeleton for everything else (:mod:`fedsap_ray.treecodec`, format version in the
 edited after it was written (without the digest recomputed) is refused by name, never resumed to other
 tables. A deliberate edit that recomputes the digest is taken on trust (its content is still checked
 against the run: :mod:`fedsap_ray.statecheck`); a checkpoint of format version 1, written before the
-digest, is read without one (docs/guides/running.md#resuming-an-interrupted-run). A results folder is often someone else's (a shared sweep, a bucket), and
+digest, is read without one (docs/guides/running.md#resuming-an-interrupted-run).
+
+A results folder is often someone else's (a shared sweep, a bucket), and
 reading a checkpoint must never run code from it, which unpickling would: the ``<run_id>.pkl``
 checkpoints of older versions are therefore never opened; a resume that finds one is refused
 and says how to start the run again.
