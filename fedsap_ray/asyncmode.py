@@ -339,8 +339,8 @@ class AsyncServer(Server):
         with ``where`` and names the field (``engine.flight[2]: ...``)."""
         if tree is None:
             raise BadCheckpoint(f"{where} holds no asynchronous engine state (the event queue and the clients in "
-                                "flight): it was written before devices.mode=async runs could be resumed; start the run "
-                                "again (--run-id ID --overwrite)")
+                                "flight) for this devices.mode=async run (written before such runs could be resumed, or "
+                                "edited); start the run again (--run-id ID --overwrite)")
 
         def bad(path: str, what: str) -> BadCheckpoint:
             return BadCheckpoint(f"{where}: engine{path}{'' if what.startswith(':') else ' '}{what}")
@@ -372,7 +372,7 @@ class AsyncServer(Server):
             raise bad(".bases", f"is not a dict keyed by model versions 0-{v}")
         n_params, n_clients = self.ctx.layout.size, len(self.ctx.federation.clients)
         for k, x in bases.items():
-            check_params(x, n_params, f"{where}: engine.bases[{k}]")
+            check_params(x, n_params, where, name=f"engine.bases[{k}]")
         if v in bases:  # the current version's download is the model itself (and shares its object again)
             if not np.array_equal(bases[v], state.params):
                 raise bad(f".bases[{v}]", "differs from the checkpoint's model of that version")

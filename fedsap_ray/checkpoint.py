@@ -7,7 +7,13 @@ finishes.
 
 Format: ``OUT/checkpoints/<run_id>.npz``, an uncompressed npz of the state's arrays plus a JSON
 skeleton for everything else (:mod:`fedsap_ray.treecodec`, format version in the file), read with
-``allow_pickle=False``. A results folder is often someone else's (a shared sweep, a bucket), and
+``allow_pickle=False``, and a content digest over both, compared on every load: a checkpoint damaged or
+edited after it was written (without the digest recomputed) is refused by name, never resumed to other
+tables. A deliberate edit that recomputes the digest is taken on trust (its content is still checked
+against the run: :mod:`fedsap_ray.statecheck`); a checkpoint of format version 1, written before the
+digest, is read without one (docs/guides/running.md#resuming-an-interrupted-run).
+
+A results folder is often someone else's (a shared sweep, a bucket), and
 reading a checkpoint must never run code from it, which unpickling would: the ``<run_id>.pkl``
 checkpoints of older versions are therefore never opened; a resume that finds one is refused
 and says how to start the run again.
@@ -111,6 +117,9 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
             raise treecodec.TreeFormatError("no server metrics or table list")
         if header.get("round", st["round"]) != st["round"]:
             raise treecodec.TreeFormatError(f"its header says round {header.get('round')!r}, its state round {st['round']!r}")
+    except treecodec.DigestMismatch as e:
+        raise CheckpointUnreadable(f"checkpoint {path} was changed after the run wrote it ({e}): damaged, or edited "
+                                   "without its digest, so the run cannot continue from it") from e
     except (treecodec.TreeFormatError, KeyError, TypeError) as e:
         why = (str(e).strip().splitlines() or [""])[0]
         why = why[:100] + ("..." if len(why) > 100 else "")

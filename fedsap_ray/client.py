@@ -151,6 +151,10 @@ class PreparedData:
             self.nbytes = 0
 
 
+#: The hint a diverged client's error ends with; the run's session names its own step sizes in it
+#: (:func:`fedsap_ray.session.diverged`: in ``devices.mode=async`` also ``asynchronous.server_lr``).
+DIVERGED_HINT = "diverged; lower training.lr?"
+
 PREPARED_BYTES = 512 << 20  # per backend / Ray worker: 200 x 16 CIFAR-sized clients take 39 MB
 
 
@@ -207,7 +211,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
     steps64 = torch.stack(losses).to("cpu", torch.float64).numpy()
     loss_mean = float(np.add.reduce(steps64) / steps64.size)
     if not np.isfinite(loss_mean):
-        raise FloatingPointError(f"training loss is {loss_mean} (diverged; lower training.lr?)")
+        raise FloatingPointError(f"training loss is {loss_mean} ({DIVERGED_HINT})")
     flat = tlayout.flatten(tmodel)
     if sliced is not None:
         flat = sliced.scatter_into(start, flat)

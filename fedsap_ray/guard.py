@@ -187,18 +187,59 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
     out = Path(out)
     field = f"--resume={run_id!r}"
     row = check_checkpoint_present(out, run_id, running=False)  # under our claim: nobody else runs it
-    try:
-        ck = checkpoint.load(out, run_id)
-    except CheckpointUnreadable as e:
-        raise ConfigError(f"invalid {field}: {e}") from e
+    ck = load_checkpoint(out, run_id, field)
     done = int(ck["state"].round)
     where = f"invalid {field}: checkpoint {checkpoint.path_for(out, run_id)}"
-    afresh = "; restore the file, or start the run afresh (--run-id ID --overwrite)"
     planned, recorded = row.get("rounds"), row.get("rounds_done")
     if done < 1 or (planned is not None and done > planned):
-        raise ConfigError(f"{where} holds round {done}; a checkpoint is written after rounds 1-{planned}{afresh}")
+        raise ConfigError(f"{where} holds round {done}; a checkpoint is written after rounds 1-{planned}{AFRESH}")
     if recorded is not None and done not in (recorded, recorded + 1):  # +1: killed between the two writes
-        raise ConfigError(f"{where} holds round {done}, but the runs table says {recorded} rounds were done{afresh}")
+        raise ConfigError(f"{where} holds round {done}, but the runs table says {recorded} rounds were done{AFRESH}")
+    check_tables(out, run_id, ck, field)
+    return ck
+
+
+AFRESH = "; restore the file, or start the run afresh (--run-id ID --overwrite)"
+
+
+def load_checkpoint(out: Path, run_id: str, field: str, hint: str = "") -> dict[str, Any]:
+    """The run's checkpoint (:func:`fedsap_ray.checkpoint.load`: its format and content digest checked), or a
+    ConfigError naming ``field`` and the file (``hint``: what to do, appended)."""
+    try:
+        return checkpoint.load(out, run_id)
+    except CheckpointUnreadable as e:
+        raise ConfigError(f"invalid {field}: {e}{hint}") from e
+
+
+def check_trial_checkpoint(out: Path, run_id: str, cfg: ExperimentConfig, field: str, afresh: str) -> dict[str, Any]:
+    """What a sweep checks of a trial's checkpoint in ``out`` before Ray starts the trial (which then continues
+    from it), each refusal one line naming ``field`` and the file and ending with ``afresh``: its format and
+    content digest; its round within the trial's rounds; an asynchronous engine's state exactly when the trial
+    has ``devices.mode=async``; and the run's tables against it (:func:`check_tables`). What needs the model
+    and the strategy built (:mod:`fedsap_ray.statecheck`) is left to the trial, which builds them. Returns it.
+
+    The ``runs`` row's ``rounds_done`` is not compared (unlike :func:`check_resumable`): a trial whose start
+    failed once (its data could not be loaded) has a ``failed`` row with no round, beside a good checkpoint."""
+    ck = load_checkpoint(out, run_id, field, afresh)
+    done = int(ck["state"].round)
+    where = f"invalid {field}: checkpoint {checkpoint.path_for(out, run_id)}"
+    if not 1 <= done <= cfg.training.rounds:
+        raise ConfigError(f"{where} holds round {done}; the trial's checkpoints are written after rounds "
+                          f"1-{cfg.training.rounds}{afresh}")
+    if (cfg.devices.mode == "async") != ("engine" in ck):
+        held = "holds an asynchronous engine's state" if "engine" in ck else "holds no asynchronous engine state"
+        raise ConfigError(f"{where} {held}; the trial has devices.mode={cfg.devices.mode}{afresh}")
+    check_tables(out, run_id, ck, field, afresh)
+    return ck
+
+
+def check_tables(out: Path, run_id: str, ck: dict[str, Any], field: str, afresh: str = AFRESH) -> None:
+    """The run's tables in ``out`` against its checkpoint ``ck``: the checkpoint's table list and row counts
+    well formed, every table it had written present and readable, no rows of rounds after it, and the rows
+    of each round it counted (a lost, truncated or added part). Each refusal names ``field`` and ends with
+    ``afresh`` (what to do)."""
+    done = int(ck["state"].round)
+    where = f"invalid {field}: checkpoint {checkpoint.path_for(out, run_id)}"
     statecheck.check_rows(ck["tables"], ck.get("rows"), results.DATA_TABLES, done, where)
     # older checkpoints do not list their tables: every run writes a rounds row per round
     expected = ck["tables"] if "tables" in ck else (["rounds"] if done > 0 else [])
@@ -221,7 +262,7 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
                               f"{table} table){afresh}")
         lost = sorted(set(range(1, done + 1)) - set(counts.get(table, {}))) if table == "rounds" else []
         if lost:
-            raise ConfigError(f"invalid {field}: {f} lacks rounds {_spans(lost)} of the {done} the checkpoint "
+            raise ConfigError(f"invalid {field}: {f} lacks rounds {spans(lost)} of the {done} the checkpoint "
                               f"holds{afresh}")
     for table, per in counts.items():
         beyond = sorted(r for r in per if r > done + 1)
@@ -234,7 +275,6 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
             if have.get(r, 0) != want.get(r, 0):
                 raise ConfigError(f"invalid {field}: {out / table} holds {have.get(r, 0)} rows of round {r}, the "
                                   f"checkpoint counted {want.get(r, 0)} (a part was deleted, truncated or added){afresh}")
-    return ck
 
 
 def check_checkpoint_present(out: Path, run_id: str, *, running: bool = True) -> dict[str, Any]:
@@ -279,7 +319,7 @@ def _read_first_row(out: Path, f: Path, field: str) -> dict[str, Any]:
     return rows[0]
 
 
-def _spans(xs: list[int]) -> str:
+def spans(xs: list[int]) -> str:
     """[1, 2, 3, 7] -> '1-3, 7'."""
     out: list[str] = []
     start: int | None = xs[0]

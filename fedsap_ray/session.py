@@ -24,10 +24,10 @@ import torch
 import fedsap_ray
 from fedsap_ray import algorithms, checkpoint, devices, statecheck
 from fedsap_ray.context import RunContext
-from fedsap_ray.client import default_workers, pick_device
+from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
-from fedsap_ray.errors import CheckpointUnreadable, ConfigError
+from fedsap_ray.errors import CheckpointUnreadable, ClientError, ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
@@ -188,7 +188,7 @@ class RunSession:
                                            f"{run_id} --overwrite") from e
             old = self.writer.previous_row()
             if old is not None and old["config_hash"] != cfg.config_hash():
-                raise ConfigError(f"invalid resume={run_id!r}: the run was made with another config "
+                raise ConfigError(f"invalid --resume={run_id!r}: the run was made with another config "
                                   f"(hash {old['config_hash']}, now {cfg.config_hash()})")
             self._resumed = ServerState(round=st.round, params=st.params, strategy_state=own)
             if self.engine is not None:  # the event queue, the clients in flight, the clock: checked, then set
@@ -214,7 +214,16 @@ class RunSession:
 
     def step(self, t: int) -> RoundSummary:
         assert self.state is not None, "RunSession.start() first"
-        state, summary = self.server.round(self.state, t)
+        try:
+            state, summary = self.server.round(self.state, t)
+        except ClientError as e:
+            if DIVERGED_HINT not in str(e):
+                raise
+            raise ClientError(str(e).replace(DIVERGED_HINT, diverged(self.cfg))) from e
+        bad = np.count_nonzero(~np.isfinite(state.params))
+        if bad:  # a server step that diverged: never checkpointed (a resume would refuse it) nor trained on
+            raise FloatingPointError(f"round {t}: the model holds {bad} non-finite value(s) after the server's step "
+                                     f"({diverged(self.cfg)})")
         take = getattr(self.backend, "take_losses", None)
         lost = tuple(take()) if take is not None else ()
         if lost:
@@ -260,6 +269,25 @@ class RunSession:
     def _rounds_done(self) -> int:
         state = self.state if self.state is not None else self._resumed
         return 0 if state is None else state.round
+
+
+def step_sizes(cfg: ExperimentConfig) -> dict[str, float]:
+    """The settings that scale this run's steps, by name: ``training.lr``, in ``devices.mode=async``
+    ``asynchronous.server_lr``, and the strategy's own (an option named ``*_lr``, e.g. SCAFFOLD's ``global_lr``)."""
+    sizes = {"training.lr": cfg.training.lr}
+    if cfg.devices.mode == "async":
+        sizes["asynchronous.server_lr"] = cfg.asynchronous.server_lr
+    opts = cfg.algorithm.opts
+    for f in dataclasses.fields(opts) if dataclasses.is_dataclass(opts) else ():
+        if f.name.endswith("_lr"):
+            sizes[f"algorithm.{f.name}"] = getattr(opts, f.name)
+    return sizes
+
+
+def diverged(cfg: ExperimentConfig) -> str:
+    """What a divergence message suggests: lower one of the run's step sizes (:func:`step_sizes`), each named
+    with its value, so the hint names the setting that matters in this run's mode."""
+    return "diverged; lower " + " or ".join(f"{k}={v:g}" for k, v in step_sizes(cfg).items()) + "?"
 
 
 def _scratch(ctx: RunContext) -> list:

@@ -139,15 +139,16 @@ class Checker:
             raise self.fail(path, f"is {_type_name(v)} {v!r:.40}; the run needs a {type(t).__name__}")
 
 
-def check_params(params: Any, n_params: int, where: str) -> None:
-    """The model's parameter vector: 1-D float32, ``n_params`` long, finite."""
+def check_params(params: Any, n_params: int, where: str, name: str = "params") -> None:
+    """A model's parameter vector: 1-D float32, ``n_params`` long, finite. ``name``: the checkpoint's field
+    that holds it (``params``, or e.g. ``engine.bases[3]``, a version's model the asynchronous engine keeps)."""
     if not isinstance(params, np.ndarray) or params.dtype != np.float32 or params.ndim != 1:
-        raise BadCheckpoint(f"{where}: params is {_type_name(params)}; the run needs a 1-D float32 vector")
+        raise BadCheckpoint(f"{where}: {name} is {_type_name(params)}; the run needs a 1-D float32 vector")
     if params.size != n_params:
-        raise BadCheckpoint(f"{where}: params holds {params.size} values; this run's model has {n_params}")
+        raise BadCheckpoint(f"{where}: {name} holds {params.size} values; this run's model has {n_params}")
     bad = np.flatnonzero(~np.isfinite(params))
     if bad.size:
-        raise BadCheckpoint(f"{where}: params holds {bad.size} non-finite value(s) (first at index {bad[0]}: "
+        raise BadCheckpoint(f"{where}: {name} holds {bad.size} non-finite value(s) (first at index {bad[0]}: "
                             f"{params[bad[0]]}); training never writes one")
 
 

@@ -15,6 +15,16 @@ Exact types only: a subclass (an ``OrderedDict``, a ``defaultdict``, an ``IntEnu
 would come back as something else, so it is refused at save time with an error naming its key path,
 as is any other type. The same array object reached twice is stored once and comes back as one
 object (as pickle would), so aliasing in a strategy's state survives a resume.
+
+Every file of format version 2 carries a content digest (:mod:`fedsap_ray.digest`: sha256 over the JSON
+header and skeleton and over every array's name, dtype, shape and bytes), written with the file and compared
+when it is read: flipped bytes inside an array (an uncompressed npz member has no checksum of its own the
+reader checks), a member or the skeleton rewritten by hand, a value nudged, an entry dropped, each without
+the digest recomputed, are a :class:`DigestMismatch`. A deliberate edit that recomputes the digest is taken
+on trust, like any file a user points a run at (docs/guides/running.md). Version 1 files (written before
+the digest) are read as they always were, without one: a checkpoint left by an interrupted run of an
+older fedsap_ray still resumes, and its content is still checked against the run
+(:mod:`fedsap_ray.statecheck`).
 """
 from __future__ import annotations
 
@@ -26,9 +36,13 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from fedsap_ray import digest
+
 FORMAT = "fedsap_ray.tree"
-VERSION = 1
+VERSION = 2  # 2: the content digest (module docstring)
+READS = (1, 2)  # version 1: the same layout without a digest, read as before
 META = "__tree__"  # the JSON skeleton, stored as a uint8 array beside the data arrays
+DIGEST = "digest"  # the header key of the content digest
 
 _KEY_TYPES = (type(None), bool, int, float, str)
 
@@ -39,6 +53,10 @@ class TreeTypeError(TypeError):
 
 class TreeFormatError(ValueError):
     """A file that is not a tree this version of the codec wrote (damaged, another format or version)."""
+
+
+class DigestMismatch(TreeFormatError):
+    """A well-formed file whose content is not what was written: its digest does not match (damaged or edited)."""
 
 
 def _path(path: tuple[Any, ...]) -> str:
@@ -179,10 +197,15 @@ def _tensor(arr: np.ndarray, dtype: Any) -> Any:
 def write(f: BinaryIO, tree: Any, header: dict[str, Any] | None = None) -> None:
     """Write ``tree`` (and a small JSON ``header``) to the binary file ``f`` as an uncompressed npz.
 
-    Everything is checked before the first byte is written, so a refused value leaves ``f`` empty.
+    Everything is checked before the first byte is written, so a refused value leaves ``f`` empty. The
+    header's ``format``, ``version``, ``tree`` and ``digest`` are the codec's own: those of a header that
+    :func:`read` returned are replaced, never written back.
     """
     skeleton, arrays = encode(tree)
-    meta = {"format": FORMAT, "version": VERSION, **(header or {}), "tree": skeleton}
+    own = {"format", "version", "tree", DIGEST}
+    meta = {**{k: v for k, v in (header or {}).items() if k not in own}, "format": FORMAT, "version": VERSION,
+            "tree": skeleton}
+    meta[DIGEST] = content_digest(meta, arrays)
     text = json.dumps(meta, allow_nan=False, separators=(",", ":")).encode()
     np.savez(f, allow_pickle=False, **{META: np.frombuffer(text, dtype=np.uint8), **arrays})
 
@@ -201,16 +224,35 @@ def read(path: Any) -> tuple[dict[str, Any], Any]:
             meta = json.loads(z[META].tobytes().decode())
             if not isinstance(meta, dict) or meta.get("format") != FORMAT:
                 raise TreeFormatError("not a fedsap_ray tree file")
-            if meta.get("version") != VERSION:
-                raise TreeFormatError(f"format version {meta.get('version')!r}; this fedsap_ray reads version {VERSION}")
+            if type(meta.get("version")) is not int or meta["version"] not in READS:
+                raise TreeFormatError(f"format version {meta.get('version')!r}; this fedsap_ray reads version "
+                                      f"{' or '.join(map(str, READS))}")
             arrays = {n: z[n] for n in _names(meta.get("tree"))}
+        check_digest(meta, arrays)
     except TreeFormatError:
         raise
     except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, UnicodeDecodeError, MemoryError,
             RecursionError) as e:
         raise TreeFormatError(f"{e.__class__.__name__}: {e}") from e
-    header = {k: v for k, v in meta.items() if k != "tree"}
+    header = {k: v for k, v in meta.items() if k not in ("tree", DIGEST)}
     return header, decode(meta.get("tree"), arrays)
+
+
+def content_digest(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
+    """The digest of a file's content: its JSON ``meta`` (header and skeleton, less the digest itself) and
+    the arrays the skeleton names (:func:`fedsap_ray.digest.arrays_digest`)."""
+    return digest.arrays_digest(arrays, meta={k: v for k, v in meta.items() if k != DIGEST})
+
+
+def check_digest(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+    """A version 2 file's content against the digest it carries (:class:`DigestMismatch`); version 1 has none."""
+    if meta.get("version") == 1:
+        return
+    stored = meta.get(DIGEST)
+    if not digest.is_digest(stored):
+        raise DigestMismatch(f"it carries no content digest ({DIGEST} is {str(stored)[:40]!r})")
+    if content_digest(meta, arrays) != stored:
+        raise DigestMismatch("its content does not match its digest")
 
 
 def _names(n: Any) -> Iterator[str]:

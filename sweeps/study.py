@@ -10,7 +10,11 @@ Resuming (``--resume``): finished runs are skipped; every other trial runs again
 continues from its per-round checkpoint (``fedsap_ray.checkpoint``), whether the driver was
 stopped by Ctrl-C, killed, or a trial crashed. Tune retries a failed trial
 (``--max-failures``); a retry also resumes from the checkpoint. Trials that still fail are
-listed with their error and the script exits with status 1.
+listed with their error and the script exits with status 1. Before Ray starts, a resume checks
+what it skips and what it continues: a finished trial whose tables hold fewer rows than its runs
+row says it wrote runs again from the start (:func:`finished_gaps`, one line each); more rows than
+it wrote, a run with two runs rows, or a checkpoint the trial could not continue from
+(:func:`check_checkpoints`) is refused, exit 2, before anything in ``--out`` changes.
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
 from fedsap_ray import checkpoint, guard, results
@@ -30,7 +35,7 @@ from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError, parse_override
 from fedsap_ray.outdir import OutDir
 from fedsap_ray.results.reader import read_arrow
-from fedsap_ray.results.store import is_dir
+from fedsap_ray.results.store import is_dir, list_table, run_ids
 from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.schema import check_ray_address
 from fedsap_ray.storage import ResultsDestination
@@ -167,16 +172,11 @@ def grid_trials(variants: Mapping[str, Sequence[str]], opts: SweepOptions, study
 def check_resume(trials: Sequence[Mapping[str, Any]], opts: SweepOptions) -> None:
     """``--resume``: the folder must exist, and every run in it with the id of a planned trial must be that
     trial's: the same study and the same config (``config_hash``); else the sweep would skip (or continue)
-    another study's or another config's run as if it were its own. One line naming the run and what differs."""
+    another study's or another config's run as if it were its own. One line naming the run and what differs.
+    A run with two rows in the runs table is refused too (:func:`read_runs`)."""
     refuse_missing_out(opts)
     planned = {i: c for t in trials for c, i in zip(*to_configs(t))}
-    fs, base = results.filesystem(opts.out)
-    try:
-        t = read_arrow(fs, base, "runs", columns=["run_id", "study", "config_hash"])
-    except (OSError, pa.ArrowException) as e:  # a truncated or damaged runs file
-        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
-        raise ConfigError(f"invalid --resume: the runs table in {opts.out} cannot be read ({first[:300]}); "
-                          "restore the file or remove it") from None
+    t = read_runs(opts, ["run_id", "study", "config_hash"])
     for run_id, study, digest in zip(*(t.column(c).to_pylist() for c in ("run_id", "study", "config_hash"))):
         cfg = planned.get(run_id)
         if cfg is None:
@@ -188,6 +188,122 @@ def check_resume(trials: Sequence[Mapping[str, Any]], opts: SweepOptions) -> Non
             raise ConfigError(f"invalid --resume: run {run_id} in {opts.out} was run with another config (config_hash "
                               f"{digest}, this sweep's {cfg.config_hash()}); give the --preset, --set and --smoke-test "
                               "it was started with, or choose another --out")
+
+
+def read_arrow_or_refuse(opts: SweepOptions, table: str, columns: list[str]) -> pa.Table:
+    """``columns`` of every run's rows of ``table`` in ``--out`` (each run once: :mod:`fedsap_ray.results`); a
+    file that cannot be read is one line naming it (exit 2), before Ray starts."""
+    fs, base = results.filesystem(opts.out)
+    try:
+        return read_arrow(fs, base, table, columns=columns)
+    except (OSError, pa.ArrowException) as e:  # a truncated or damaged file
+        first = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+        raise ConfigError(f"invalid --resume: the {table} table in {opts.out} cannot be read ({first[:300]}); "
+                          "restore the file or remove it") from None
+
+
+def read_runs(opts: SweepOptions, columns: list[str]) -> pa.Table:
+    """``columns`` of the runs table in ``--out``, one row per run: a run id with two rows (a copied runs file)
+    is refused, naming the run and the files that hold it, so the sweep never skips, continues or reports a
+    run twice."""
+    t = read_arrow_or_refuse(opts, "runs", sorted({"run_id", *columns}))
+    counts = [v for v in pc.value_counts(t.column("run_id")).to_pylist() if v["counts"] > 1]
+    if counts:
+        run_id, n = min((v["values"], v["counts"]) for v in counts)
+        fs, base = results.filesystem(opts.out)
+        listing = list_table(fs, base, "runs")
+        holders = [i.path for i in [*listing.per_run.values(), *listing.compacted] if run_id in run_ids(fs, i.path)]
+        shown = ", ".join(f"runs/{p.rsplit('/', 1)[-1]}" for p in holders) or "one file"
+        raise ConfigError(f"invalid --out={opts.out!r}: run {run_id} has {n} rows in its runs table ({shown}); a run "
+                          "has one: a runs file was copied or duplicated, so remove the copy")
+    return t.select(columns)
+
+
+def finished_gaps(opts: SweepOptions, only: Collection[str] | None = None) -> dict[str, str]:
+    """run id -> what its tables lack, for every finished run in ``--out`` (of ``only`` when given) whose tables
+    hold fewer rows than it wrote: the per-table counts its ``runs`` row records (``rows_written``), or, for a
+    run written before that column, every round 1..``rounds_done`` in its rounds table. A run whose tables hold
+    more rows than it wrote (a copied or duplicated file), or whose ``rows_written`` is not a count per table, is
+    refused (one line naming the run). Reads the run id (and the rounds table's round) column of each table once.
+
+    Why: a finished run is skipped by ``--resume``; without this check one whose rounds file was deleted would be
+    skipped as done, and its rows would be missing from every report."""
+    runs = read_runs(opts, ["run_id", "status", "rounds_done", "rows_written"]).to_pylist()
+    done = {r["run_id"]: r for r in runs if r["status"] == "finished" and (only is None or r["run_id"] in only)}
+    if not done:
+        return {}
+    ids = pa.array(sorted(done))
+    legacy = pa.array(sorted(i for i, r in done.items() if r["rows_written"] is None), pa.string())
+    held: dict[str, dict[str, int]] = {}  # table -> run id -> rows
+    rounds: dict[str, set[int]] = {}  # run id (written before rows_written) -> the rounds its rounds table holds
+    for table in results.DATA_TABLES:
+        t = read_arrow_or_refuse(opts, table, ["run_id", "round"] if table == "rounds" else ["run_id"])
+        t = t.filter(pc.is_in(t.column("run_id"), value_set=ids))
+        held[table] = {v["values"]: v["counts"] for v in pc.value_counts(t.column("run_id")).to_pylist()}
+        if table == "rounds" and len(legacy):
+            pairs = t.filter(pc.is_in(t.column("run_id"), value_set=legacy)).group_by(["run_id", "round"]).aggregate([])
+            for run_id, rnd in zip(pairs.column("run_id").to_pylist(), pairs.column("round").to_pylist()):
+                rounds.setdefault(run_id, set()).add(rnd)
+    gaps = {}
+    for run_id, row in done.items():
+        what = _gap(opts, run_id, row, {tb: held[tb].get(run_id, 0) for tb in held}, rounds.get(run_id, set()))
+        if what:
+            gaps[run_id] = what
+    return gaps
+
+
+def _gap(opts: SweepOptions, run_id: str, row: Mapping[str, Any], held: Mapping[str, int], rounds: set[int]) -> str:
+    """What finished run ``run_id``'s tables lack ('' when nothing); refuses more rows than it wrote."""
+    where = f"invalid --resume: run {run_id} in {opts.out} finished, but"
+    if row["rows_written"] is None:  # written before runs.rows_written: every run writes rounds rows every round
+        lost = sorted(set(range(1, int(row["rounds_done"] or 0) + 1)) - rounds)
+        return f"its rounds table lacks rounds {guard.spans(lost)} of the {row['rounds_done']} it ran" if lost else ""
+    try:
+        wrote = json.loads(row["rows_written"])
+        if not isinstance(wrote, dict) or not all(t in results.DATA_TABLES and type(n) is int and n >= 0
+                                                  for t, n in wrote.items()):
+            raise ValueError("not a count of rows per table")
+    except ValueError:
+        raise ConfigError(f"{where} its runs row holds rows_written={row['rows_written']!r:.60}, not a count of rows "
+                          "per table; restore its runs file") from None
+    for table in results.DATA_TABLES:
+        n, got = wrote.get(table, 0), held.get(table, 0)
+        if got > n:
+            raise ConfigError(f"{where} its {table} table holds {got} rows, {got - n} more than it wrote: a file was "
+                              "copied or rows duplicated; remove the copy")
+        if got < n:
+            return f"its {table} table holds {got} of the {n} rows it wrote"
+    return ""
+
+
+def rerun_incomplete(dest: ResultsDestination, gaps: Mapping[str, str], study: str) -> None:
+    """Remove every row of each run in ``gaps`` (a finished run whose tables lack rows) so its trial runs again
+    from its first round, saying so in one line each; a trial is deterministic, so the rows come back the same."""
+    for run_id, what in sorted(gaps.items()):
+        print(f"{study}: trial run {run_id} finished earlier, but {what}: its rows are removed and it runs again "
+              "from the start (same config and seed: the same numbers)", file=sys.stderr)
+        results.remove_run(dest.uri if dest.is_remote else dest.local, run_id)
+
+
+def check_checkpoints(dest: ResultsDestination, trials: Sequence[Mapping[str, Any]]) -> None:
+    """Before Ray starts: each run of ``trials`` that has a checkpoint (the trial will continue from it) has one
+    it can continue from (:func:`fedsap_ray.guard.check_trial_checkpoint`: format, content digest, round, engine,
+    and the run's tables against it); else one line naming the trial's run and the file, exit 2. A remote run's
+    files are brought to this node's staging folder first (:meth:`ResultsDestination.pull`)."""
+    for t in trials:
+        for cfg, run_id in zip(*to_configs(t)):
+            if dest.is_remote:
+                assert dest.fs is not None  # set whenever is_remote
+                found = dest.fs.get_file_info(f"{dest.base}/checkpoints/{run_id}{checkpoint.SUFFIX}").type \
+                    == pafs.FileType.File
+                if found:
+                    dest.pull(run_id)
+            else:
+                found = OutDir(dest.local).is_file(checkpoint.path_for(dest.local, run_id))
+            if found:
+                guard.check_trial_checkpoint(Path(dest.local), run_id, cfg, f"--resume (trial run {run_id})",
+                                             "; restore the file, or delete it to run the trial again from its "
+                                             "first round")
 
 
 def refuse_missing_out(opts: SweepOptions) -> None:
@@ -282,10 +398,17 @@ def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, S
         if opts.resume:
             check_resume(trials, opts)
         todo = pending(trials, opts)
-        left = {id(t) for t in todo}
         dest = ResultsDestination(opts.out)
         refuse_legacy_checkpoints(dest, [to_configs(t)[1][0] for t in todo])
-        drop_stale_checkpoints(dest, [to_configs(t)[1][0] for t in trials if id(t) not in left])
+        check_checkpoints(dest, todo)
+        done = [t for t in trials if all(t is not u for u in todo)]
+        gaps = finished_gaps(opts, {i for t in done for i in to_configs(t)[1]}) if opts.resume and done else {}
+        # every refusal above: nothing in --out has changed yet
+        drop_stale_checkpoints(dest, [i for t in done for i in to_configs(t)[1]])
+        rerun = [t for t in done if any(i in gaps for i in to_configs(t)[1])]
+        rerun_incomplete(dest, {i: gaps.get(i, "another run of its trial lacks rows") for t in rerun
+                                for i in to_configs(t)[1]}, study)
+        todo = [t for t in trials if any(t is u for u in [*todo, *rerun])]
     except ConfigError as e:
         print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
         return 2

@@ -42,7 +42,8 @@ from fedsap_ray import results  # noqa: E402
 from fedsap_ray.config import ConfigError  # noqa: E402
 from fedsap_ray.outdir import FILE, OutDir  # noqa: E402
 from fedsap_ray.storage import ResultsDestination  # noqa: E402
-from sweeps.study import add_common_args, check_overrides, options_from, refuse_missing_out, report_failures  # noqa: E402
+from sweeps.study import (add_common_args, check_overrides, finished_gaps, options_from, read_runs,  # noqa: E402
+                          refuse_missing_out, report_failures)
 from sweeps.trials import METRIC, flat_overrides, to_configs  # noqa: E402
 from sweeps.tuner import run_trials  # noqa: E402
 
@@ -187,6 +188,21 @@ def open_study(url: str, name: str, resume: bool) -> tuple[optuna.storages.BaseS
     return storage, done
 
 
+def refuse_incomplete(opts) -> None:
+    """``--resume``: every finished run of this study in ``--out`` holds the rows it wrote, and no run has two
+    runs rows (:func:`sweeps.study.finished_gaps`). A grid study runs such a trial again; here its Optuna trial is
+    complete and keeps its value, and the sampler would not propose it again, so the sweep refuses, naming the run
+    (exit 2) before Ray starts."""
+    t = read_runs(opts, ["run_id", "study"])
+    mine = {r for r, s in zip(t.column("run_id").to_pylist(), t.column("study").to_pylist()) if s == STUDY}
+    gaps = finished_gaps(opts, mine)
+    if gaps:
+        run_id, what = min(gaps.items())
+        raise ConfigError(f"invalid --resume: run {run_id} in {opts.out} finished, but {what}; its Optuna trial is "
+                          "complete, so the sweep does not run it again: restore the file, or remove the run's files "
+                          "from every table of the folder")
+
+
 def trials_table(study: optuna.Study) -> str:
     df = study.trials_dataframe(attrs=("number", "value", "state", "params"))
     if df.empty:
@@ -230,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         check_space(args, opts)
         if opts.resume:
             refuse_missing_out(opts)
+            refuse_incomplete(opts)
         url = storage_url(args, dest)
         storage, done = open_study(url, args.study_name, opts.resume)
     except ConfigError as e:

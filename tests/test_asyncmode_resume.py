@@ -227,6 +227,13 @@ def _set_flight(ck, field, value) -> None:
     ck["engine"]["flight"][0][field] = value
 
 
+def _nan_in_a_base(ck) -> None:
+    """A NaN in the model a version's clients downloaded (named as that field, not as the model's ``params``)."""
+    bases = ck["engine"]["bases"]
+    k = min(bases)
+    bases[k] = np.where(np.arange(bases[k].size) == 0, np.float32("nan"), bases[k]).astype(np.float32)
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda ck: ck.pop("engine"), r"holds no asynchronous engine state .* start the run again"),
     (lambda ck: ck["engine"].update(version=2), r"engine is format 'fedbuff' version 2; this fedsap_ray reads 'fedbuff' version 1"),
@@ -237,7 +244,8 @@ def _set_flight(ck, field, value) -> None:
     (lambda ck: ck["engine"]["flight"][0]["plan"]["hooks"].append(["no-such-hook", {}]),
      r"engine\.flight\[0\]: plan\.hooks\[0\] names the client hook 'no-such-hook'"),
     (lambda ck: ck["engine"]["flight"].append(ck["engine"]["flight"][0]), r"engine holds two updates of one client"),
-], ids=["old-checkpoint", "other-version", "unknown-version", "times", "values", "hook", "twice"])
+    (lambda ck: _nan_in_a_base(ck), r"engine\.bases\[\d+\] holds 1 non-finite value\(s\)"),
+], ids=["old-checkpoint", "other-version", "unknown-version", "times", "values", "hook", "twice", "base-nan"])
 def test_a_checkpoint_without_the_engine_state_or_with_an_edited_one_is_refused_by_name(tmp_path, fed_cyclic, edit,
                                                                                       message):
     cfg = _config(tmp_path, "heterofl-fedbuff", "training.rounds=4")
@@ -257,3 +265,50 @@ def test_a_synchronous_run_refuses_a_checkpoint_with_engine_state(tmp_path, fed_
     _edit(out, lambda ck: ck.update(engine={"format": "fedbuff"}))
     with pytest.raises(ConfigError, match=r"holds an asynchronous engine's state; this run has devices\.mode=sync"):
         run_experiment(cfg, out, run_id="r", federation=fed_cyclic, resume=True)
+
+
+def _keeping_digest(out: Path, edit) -> None:
+    """Run r's checkpoint in ``out`` with ``edit(tree)`` applied, written as the codec writes it but with the digest
+    it carried before: a consistent edit whose author did not recompute the digest."""
+    import json
+
+    path = checkpoint.path_for(out, "r")
+    with np.load(path) as z:
+        meta = json.loads(z[treecodec.META].tobytes())
+    header, tree = treecodec.read(path)
+    edit(tree)
+    skeleton, arrays = treecodec.encode(tree)
+    text = json.dumps({**meta, "tree": skeleton}, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        np.savez(f, **{treecodec.META: np.frombuffer(text, np.uint8), **arrays})
+
+
+def _shift_times(tree, by: float = 0.5) -> None:
+    engine = tree["engine"]
+    engine["now"] += by
+    engine["last_step_s"] += by
+    for u in engine["flight"]:
+        u["start_s"] += by
+        u["finish_s"] = u["start_s"] + u["sim_s"]
+
+
+def _nudge_a_base(tree) -> None:
+    bases = tree["engine"]["bases"]
+    k = min(bases)
+    bases[k] = bases[k] + np.float32(1e-3)
+
+
+@pytest.mark.parametrize("edit", [lambda tree: tree["engine"]["flight"].pop(), _shift_times, _nudge_a_base],
+                         ids=["a-client-in-flight-forgotten", "times-shifted", "a-stored-vector-nudged"])
+def test_an_async_checkpoint_edited_consistently_without_its_digest_is_refused(tmp_path, fed_cyclic, edit):
+    """Edits the engine's own checks accept (each keeps the state self-consistent) and that, before the digest,
+    resumed silently to other tables: without the digest recomputed they are refused, naming the file."""
+    cfg = _config(tmp_path, "heterofl-fedbuff", "training.rounds=4")
+    out = tmp_path / "cut"
+    _cut(cfg, out, fed_cyclic, 2)
+    _keeping_digest(out, edit)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ConfigError, match=r"invalid --resume='r': checkpoint .*r\.npz was changed after the run wrote "
+                                          r"it \(its content does not match its digest\)"):
+        run_experiment(cfg, out, run_id="r", federation=fed_cyclic, resume=True)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

@@ -287,3 +287,128 @@ def test_a_checkpoint_from_before_the_typed_round_flow_resumes_exactly(tmp_path,
         b = pq.read_table(cut / table / "k1.parquet").to_pandas()
         time_cols = [c for c in a.columns if c.endswith("_s") or "time" in c]
         assert a.drop(columns=time_cols).equals(b.drop(columns=time_cols)), table
+
+
+# ---------------------------------------------------------------------------------------------
+# The content digest: what changed after the run wrote it is refused; a recomputed digest is trusted
+# ---------------------------------------------------------------------------------------------
+def rewrite_keeping_digest(path: Path, change) -> None:
+    """The file at ``path`` with ``change(meta, arrays)`` applied to its JSON and its arrays, written whole again
+    (fresh zip CRCs) with the digest it carried before: an edit that did not recompute it."""
+    with np.load(path) as z:
+        arrays = {n: z[n] for n in z.files if n != treecodec.META}
+        meta = json.loads(z[treecodec.META].tobytes())
+    change(meta, arrays)
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    with open(path, "wb") as f:
+        np.savez(f, **{treecodec.META: np.frombuffer(text, np.uint8), **arrays})
+
+
+def _params_name(meta: dict) -> str:
+    """The array name of ``state.params`` in a checkpoint's skeleton."""
+    state = dict(meta["tree"]["d"])["state"]
+    return dict(state["d"])["params"]["a"]
+
+
+def _nudge_params(meta, arrays) -> None:
+    name = _params_name(meta)
+    arrays[name] = arrays[name] + np.float32(1e-3)
+
+
+def _set_skeleton_round(meta, arrays) -> None:
+    state = dict(meta["tree"]["d"])["state"]
+    for pair in state["d"]:
+        if pair[0] == "round":
+            pair[1] = 1
+    meta["round"] = 1
+
+
+EDITS = {
+    "params-nudged": (_nudge_params, "its content does not match its digest"),
+    "an-array-zeroed": (lambda meta, arrays: arrays.update({n: np.zeros_like(a) for n, a in list(arrays.items())[-1:]}),
+                        "its content does not match its digest"),
+    "round-edited": (_set_skeleton_round, "its content does not match its digest"),
+    "header-edited": (lambda meta, arrays: meta.update(kind="checkpoint", note="x"), "its content does not match"),
+    "digest-removed": (lambda meta, arrays: meta.pop("digest"), "it carries no content digest"),
+    "digest-garbled": (lambda meta, arrays: meta.update(digest="sha256:" + "0" * 63), "it carries no content digest"),
+}
+
+
+@pytest.fixture(scope="module")
+def cut_run(tmp_path_factory) -> Path:
+    """A tiny run interrupted after round 2 (its checkpoint is there); tests edit copies of it."""
+    out = tmp_path_factory.mktemp("cut") / "o"
+    tiny_run(out, "k1", stop_after=2)
+    return out
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_checkpoint_changed_after_it_was_written_is_refused_by_name(tmp_path, capsys, edit, cut_run):
+    """A file that still opens (its zip CRCs were recomputed by the rewrite), keeps its shapes and dtypes and whose
+    values the content checks would accept, but is not what the run wrote: one line, exit 2, nothing changed."""
+    import shutil
+
+    change, needle = EDITS[edit]
+    tmp_path = tmp_path / "o"
+    shutil.copytree(cut_run, tmp_path)
+    path = checkpoint.path_for(tmp_path, "k1")
+    rewrite_keeping_digest(path, change)
+    with pytest.raises(checkpoint.CheckpointUnreadable, match=rf"checkpoint {re.escape(str(path))} was changed after "
+                                                              rf"the run wrote it \({needle}"):
+        checkpoint.load(tmp_path, "k1")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    rc, lines = cli(capsys, "run", "--out", str(tmp_path), "--resume", "k1")
+    assert rc == 2 and len(lines) == 1 and "invalid --resume='k1'" in lines[0] and needle in lines[0], lines
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_consistent_edit_with_its_digest_recomputed_is_taken_on_trust(tmp_path):
+    """What docs/guides/running.md says: whoever rewrites a checkpoint with a new digest (the codec's own writer)
+    is trusted like any file a run is pointed at; the content checks still hold it to the run's shapes."""
+    tiny_run(tmp_path, "k1", stop_after=2)
+    path = checkpoint.path_for(tmp_path, "k1")
+    header, tree = treecodec.read(path)
+    tree["state"]["params"] = tree["state"]["params"] + np.float32(1e-3)
+    with open(path, "wb") as f:
+        treecodec.write(f, tree, header=header)
+    assert checkpoint.load(tmp_path, "k1")["state"].params[0] == tree["state"]["params"][0]
+    assert tiny_run(tmp_path, "k1", resume=True).status == "finished"
+
+
+def test_a_version_1_checkpoint_without_a_digest_still_resumes(tmp_path):
+    """Checkpoints an older fedsap_ray wrote (format version 1, before the digest) are read as before: a run it
+    interrupted continues to the tables of the run never stopped."""
+    import pandas as pd
+
+    from fedsap_ray import results
+    from tests.conftest import steady
+
+    tiny_run(tmp_path / "whole", "k1")
+    cut = tmp_path / "cut"
+    tiny_run(cut, "k1", stop_after=2)
+
+    def as_version_1(meta, arrays) -> None:
+        meta["version"] = 1
+        del meta["digest"]
+
+    rewrite_keeping_digest(checkpoint.path_for(cut, "k1"), as_version_1)
+    with np.load(checkpoint.path_for(cut, "k1")) as z:
+        assert json.loads(z[treecodec.META].tobytes())["version"] == 1
+    assert tiny_run(cut, "k1", resume=True).status == "finished"
+    for table in ("rounds", "clients"):
+        pd.testing.assert_frame_equal(steady(results.load(cut)[table]), steady(results.load(tmp_path / "whole")[table]))
+
+
+def test_the_digest_covers_every_array_the_skeleton_names_and_the_json_and_nothing_else():
+    """A version 2 file's digest is fedsap_ray.digest's over the JSON (less the digest) and the named arrays: an
+    array the skeleton does not name is never read, so it is no part of the content."""
+    from fedsap_ray import digest
+
+    buf = io.BytesIO()
+    treecodec.write(buf, {"a": np.arange(5), "b": (1.5, "x")}, header={"kind": "k"})
+    buf.seek(0)
+    with np.load(buf) as z:
+        meta = json.loads(z[treecodec.META].tobytes())
+        arrays = {n: z[n] for n in z.files if n != treecodec.META}
+    assert meta["version"] == 2 and digest.is_digest(meta["digest"])
+    assert meta["digest"] == digest.arrays_digest(arrays, meta={k: v for k, v in meta.items() if k != "digest"})

@@ -96,3 +96,35 @@ def test_an_async_run_killed_mid_run_and_resumed_equals_the_run_never_killed(tmp
     for table in ("rounds", "clients", "layers", "allocations"):
         pd.testing.assert_frame_equal(steady(getattr(a, table)).drop(columns=placement, errors="ignore"),
                                       steady(getattr(b, table)).drop(columns=placement, errors="ignore"))
+
+
+def test_a_refused_async_resume_on_ray_is_one_line_and_exit_2_with_no_abort(tmp_path):
+    """Issue 52: a resume the server's session refuses (here an asynchronous engine state of another version) was
+    the Ray actor's death (a traceback, ``ActorDiedError``, exit 1) and once a SIGABRT at the interpreter's exit
+    ("terminate called without an active exception"): the refusal comes back as itself, the command shuts down
+    the Ray it started and exits 2 with the one line, nothing in the folder changed."""
+    pytest.importorskip("ray")
+    from fedsap_ray.messages import ServerState
+
+    overrides = tiny_overrides("fedavg", "data.num_clients=4", "devices.mode=async", "asynchronous.concurrency=3",
+                               "asynchronous.buffer_size=2", "training.rounds=3")
+
+    def stop(summary):
+        if summary.round == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(build_config(preset="smoke", overrides=overrides), tmp_path, run_id="r", progress=stop)
+    ck = checkpoint.load(tmp_path, "r")
+    ck["engine"]["version"] = 2
+    st = ck["state"]
+    checkpoint.save(tmp_path, "r", ServerState(st.round, st.params, st.strategy_state), ck["server"],
+                    tables=ck["tables"], rows=ck["rows"], engine=ck["engine"])
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    r = cli_subprocess("run", "--quiet", "--out", str(tmp_path), "--resume", "r", "--backend", "ray", timeout=600)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("fedsap-ray")]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert len(ours) == 1 and ours[0].startswith("fedsap-ray: error: invalid --resume='r': checkpoint "), ours
+    assert "engine is format 'fedbuff' version 2" in ours[0]
+    assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr[-3000:]
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before

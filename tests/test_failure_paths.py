@@ -89,3 +89,46 @@ def test_a_disk_full_error_names_the_file_it_failed_on(tmp_path, monkeypatch):
         with atomic_write(target):
             raise FileNotFoundError(2, "No such file or directory", "/elsewhere")
     assert e.value.filename == "/elsewhere"
+
+
+def _losing(monkeypatch, lose) -> None:
+    """``fedsap-ray run``'s progress line, replaced by ``lose()`` after round 1 (something deleting files while the
+    run goes on: another user, a cleanup script, an ``rm -r`` of the wrong folder)."""
+    import fedsap_ray.progress
+
+    class Printer:
+        def __init__(self, rounds: int) -> None:
+            pass
+
+        def __call__(self, summary) -> None:
+            if summary.round == 1:
+                lose()
+
+    monkeypatch.setattr(fedsap_ray.progress, "ProgressPrinter", Printer)
+
+
+@pytest.mark.parametrize("what", ["the-folder", "a-table-folder", "a-part", "the-runs-file"])
+def test_a_run_whose_written_rows_are_gone_stops_with_exit_2_instead_of_finishing_incomplete(tmp_path, capsys,
+                                                                                            monkeypatch, what):
+    """Before, the folder was recreated and the run ended ``finished`` holding only rounds 2-3: the writer checks
+    that every file it wrote is still there before each round's write (results.writer.RowsLost). Nothing is
+    recreated; where the run's own runs file survived it says ``failed`` and why."""
+    import shutil
+
+    out = tmp_path / "o"
+    lose = {"the-folder": lambda: shutil.rmtree(out), "a-table-folder": lambda: shutil.rmtree(out / "clients"),
+            "a-part": lambda: (out / "rounds" / "x@r000001.parquet").unlink(),
+            "the-runs-file": lambda: (out / "runs" / "x.parquet").unlink()}[what]
+    _losing(monkeypatch, lose)
+    rc, lines = cli(capsys, "run", "--preset", "smoke", "--out", str(out), "--run-id", "x", *sets(TINY))
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("fedsap-ray: error: run x: "), lines
+    assert "the run stops rather than finish without those rows" in lines[0], lines
+    if what == "the-folder":
+        assert "its results folder" in lines[0] and not out.exists()  # not recreated
+        return
+    assert not any(p.name.startswith("x@r000002") for p in out.rglob("*")), "round 2 was written"
+    if what == "the-runs-file":
+        assert not (out / "runs" / "x.parquet").exists()  # not recreated either
+    else:
+        row = runs_row(out, "x")
+        assert row["status"] == "failed" and "RowsLost" in row["error"] and row["rounds_done"] == 1

@@ -17,14 +17,14 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 10  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 11  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
 # sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
 # 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against); 9: asynchronous training
 # (rounds.updates_applied, staleness_mean, staleness_max; clients.version_trained, version_applied, staleness,
 # sim_arrival_s, staleness_weight); 10: rounds.backend_bytes_down, backend_bytes_up (what the backend moved
-# between processes)
+# between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against)
 GLOBAL_DOMAIN = "__global__"
 # Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible) and
 # the bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count), so
@@ -62,6 +62,8 @@ RUNS_COLUMNS: list[Column] = [
     Column("final_global_accuracy", pa.float64(), "global accuracy at the last evaluated round"),
     Column("best_global_accuracy", pa.float64(), "best-so-far global accuracy"),
     Column("dataset_notes", pa.string(), "what the data is (real / rendered stand-in)"),
+    Column("rows_written", pa.string(), "rows the run had written when this row was written, per table, as JSON "
+           "(e.g. {\"clients\": 24, \"rounds\": 12}): a sweep's --resume checks a finished run's tables against it"),
 ]
 
 ROUNDS_COLUMNS: list[Column] = [

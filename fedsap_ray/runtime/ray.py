@@ -46,7 +46,7 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.runtime.allocator import tune_malloc
 from fedsap_ray.data.base import DomainData, Federation
-from fedsap_ray.errors import ClientError, ConfigError
+from fedsap_ray.errors import CheckpointUnreadable, ClientError, ConfigError
 from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper, wire
@@ -335,7 +335,15 @@ class ServerActor:
                  resume: bool = False) -> None:
         tune_malloc()  # the server's aggregation and evaluation allocate round-sized blocks too (allocator.py)
         self.pool = RayWorkerPool(cfg)
-        self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool, resume=resume)
+        self.refused: Exception | None = None
+        try:
+            self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool, resume=resume)
+        except (ConfigError, CheckpointUnreadable) as e:  # bad input (e.g. a resume's checkpoint): the driver's to raise
+            self.refused = e
+
+    def refusal(self) -> Exception | None:
+        """Why the session was refused when it was built (None: it was built), for the driver to raise as itself."""
+        return self.refused
 
     def start(self) -> int:
         return self.session.start()
@@ -379,11 +387,18 @@ def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, callbacks: Sequ
     from fedsap_ray.data import build_federation
 
     fed = federation if federation is not None else build_federation(cfg)
+    started = not ray.is_initialized()
     connect(cfg.resources.address, dashboard=cfg.resources.dashboard)
     check_cluster(cfg, len(fed.clients))
     here = ray.get_runtime_context().get_node_id()
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
     actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed, resume)
+    refused = ray.get(actor.refusal.remote())
+    if refused is not None:  # the session's own refusal, one line (exit 2), not the actor's death and a traceback
+        ray.kill(actor)
+        if started:  # a command that ends on this refusal leaves no Ray thread running into the interpreter's exit
+            ray.shutdown()
+        raise refused
     try:
         return drive_one(RemoteSession(actor), cfg.training.rounds, callbacks)
     finally:
