@@ -81,18 +81,13 @@ def table(res: Any, name: str) -> pd.DataFrame:
 
 
 def _allocations(folder: Path) -> pd.DataFrame | None:
-    """The ``allocations`` table read straight from its Parquet files (for a loader that does not expose it)."""
+    """The ``allocations`` table for a loader that does not expose it (read and checked as
+    :func:`fedsap_ray.results.read_table` reads it); None when the folder has no such table."""
     from fedsap_ray.outdir import OutDir
 
-    d = OutDir(folder)  # no link followed (fedsap_ray.outdir)
-    if not d.is_dir(folder / "allocations"):
+    if not OutDir(folder).is_dir(Path(folder) / "allocations"):  # no link followed (fedsap_ray.outdir)
         return None
-    files = [f for f in d.glob(folder / "allocations", "*.parquet") if not f.name.startswith((".", "_"))]
-    frames = []
-    for f in files:
-        with d.open_read(f) as fh:
-            frames.append(pd.read_parquet(fh))
-    return pd.concat(frames, ignore_index=True) if frames else None
+    return results.read_table(folder, "allocations")
 
 
 def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:

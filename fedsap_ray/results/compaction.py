@@ -10,7 +10,7 @@ import pyarrow.fs as pafs
 
 from fedsap_ray import checkpoint
 from fedsap_ray.outdir import OutDir, lock_path
-from fedsap_ray.results.reader import run_statuses
+from fedsap_ray.results.reader import check_folder, run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, check_tree, dataset, filesystem, is_dir, is_uri,
                                       list_table, raise_unreadable, readahead, run_ids, write_batches)
@@ -58,6 +58,10 @@ def compact(path: str | Path) -> dict[str, int]:
         raise FileNotFoundError(f"no results folder at {path}")
     check_tree(fs, base, str(path), (*DATA_TABLES, "runs", "checkpoints"))  # refused before anything changes
     statuses = run_statuses(path)
+    # every file's rows checked as results.load checks them (a copy under another run's name, a row twice, a newer
+    # schema, a column missing or of another type), before anything changes: compacted, a hostile file's rows
+    # would lose the name that tells them apart
+    check_folder(fs, base)
     resumable = _checkpointed(fs, base)
     # a finished run keeps no checkpoint: one left means the run was stopped between writing its final
     # status and removing it (while merging its parts); it can never be resumed, so it goes here (unless
