@@ -94,10 +94,14 @@ def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     """A results folder (``fedsap_ray.results.load``) with annotated runs (:func:`annotate_runs`) and every
     table present (a missing one empty).
 
-    ``path`` may also be an already loaded Results-like object. ``study`` keeps only the runs whose
-    ``runs.study`` is that name (for folders holding several studies)."""
+    ``path`` may also be an already loaded Results-like object (one holding a run twice, e.g. two loads put
+    together, is :class:`DuplicateRuns`). ``study`` keeps only the runs whose ``runs.study`` is that name (for
+    folders holding several studies). A folder that ``fedsap_ray.results.load`` refuses (a file copied under
+    another run's name, a row twice, a damaged ``config_json``, ...) raises its one-line
+    ``fedsap_ray.results.store.UnreadableFile``."""
     if hasattr(path, "runs"):
         res = path
+        check_unique_runs(table(res, "runs"))
     else:
         res = results.load(os.fspath(path))
         if getattr(res, "allocations", None) is None:
@@ -105,6 +109,22 @@ def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     if "label" not in res.runs.columns:
         res = replace_tables(res, runs=annotate_runs(table(res, "runs")))
     return _study(res, study)
+
+
+class DuplicateRuns(ValueError):
+    """A loaded results object whose runs table holds a run more than once (a folder's load never does: two
+    loads concatenated); every per-run figure would count it twice. The message is one line."""
+
+
+def check_unique_runs(runs: pd.DataFrame) -> None:
+    """:class:`DuplicateRuns` unless every run id of ``runs`` is there once."""
+    if "run_id" not in runs.columns or runs["run_id"].is_unique:
+        return
+    counts = runs["run_id"].value_counts()
+    twice = counts[counts > 1]
+    raise DuplicateRuns(f"the runs table holds run {twice.index[0]} {int(twice.iloc[0])} times"
+                        f"{f' (and {len(twice) - 1} more runs more than once)' if len(twice) > 1 else ''}: put results "
+                        "objects together only when their run ids differ")
 
 
 class Unreadable(ValueError):

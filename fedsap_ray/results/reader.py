@@ -67,27 +67,16 @@ def read_arrow(fs: pafs.FileSystem, base: str, table: str, columns: list[str] | 
     listing = list_table(fs, base, table)
     whole, partial = sources(fs, listing, table)
     scan = None if columns is None else list(dict.fromkeys([*columns, *checked_columns(table)]))
-    kw: dict[str, Any] = {"columns": scan, "fragment_readahead": readahead(fs)}
     pieces: list[pa.Table] = []
     files: list[tuple[str, int]] = []  # (path, rows read from it), in the order of the rows
     names: dict[str, list[str]] = {}  # path -> its columns
     try:
-        if whole:
-            d = dataset(fs, whole, table)
-            frags = list(d.get_fragments())
-            counts = [_checked_schema(f, table, names) for f in frags]
-            pieces.append(d.to_table(**kw))
-            if sum(counts) != pieces[-1].num_rows:  # a footer that miscounts its rows: count them one by one
-                counts = [f.count_rows() for f in frags]
-            files.extend(zip((f.path for f in frags), counts))
-        for path, skip in partial:
-            d = dataset(fs, [path], table)
-            for f in d.get_fragments():
-                _checked_schema(f, table, names)
-            pieces.append(d.to_table(filter=~pc.field("run_id").isin(sorted(skip)), **kw))
-            files.append((path, pieces[-1].num_rows))
+        for paths, skip in [(whole, None)] * bool(whole) + [([p], s) for p, s in partial]:
+            pieces.append(_scan(dataset(fs, paths, table), table, scan, skip, files, names, readahead(fs)))
     except (OSError, pa.ArrowException) as e:  # a truncated or damaged file: named, in one line
-        raise_unreadable(fs, [*whole, *(p for p, _ in partial)], table, e)
+        paths = [*whole, *(p for p, _ in partial)]
+        _refuse_schemas(fs, paths, table)
+        raise_unreadable(fs, paths, table, e)
     if not pieces:
         empty = schema(table).empty_table()
         return empty.select(columns) if columns is not None else empty
@@ -96,17 +85,40 @@ def read_arrow(fs: pafs.FileSystem, base: str, table: str, columns: list[str] | 
     return t.select(columns) if columns is not None else t
 
 
+def _scan(d: ds.FileSystemDataset, table: str, columns: list[str] | None, skip: set[str] | None,
+          files: list[tuple[str, int]], names: dict[str, list[str]], readahead: int) -> pa.Table:
+    """Scan ``d`` (without the runs ``skip``), adding to ``files`` the rows each file gave, and check each file's
+    schema: the footer the scan read (cached in its fragment, so a file a writer replaced meanwhile is never
+    judged by another version of it than the one read)."""
+    kw: dict[str, Any] = {"columns": columns, "fragment_readahead": readahead}
+    if skip is not None:
+        kw["filter"] = ~pc.field("run_id").isin(sorted(skip))
+    scanner = d.scanner(**kw)
+    batches, rows = [], Counter[str]()
+    for tagged in scanner.scan_batches():  # in order: file by file, as to_table gives them
+        batches.append(tagged.record_batch)
+        rows[tagged.fragment.path] += tagged.record_batch.num_rows
+    for frag in d.get_fragments():
+        check_file_schema(frag.path, frag.physical_schema, table)
+        names[frag.path] = frag.physical_schema.names
+        files.append((frag.path, rows[frag.path]))
+    return pa.Table.from_batches(batches, schema=scanner.projected_schema)
+
+
 def checked_columns(table: str) -> list[str]:
     """The columns :func:`check_rows` reads: the version, the row keys and (a part's) the round."""
     return list(dict.fromkeys(["schema_version", *ROW_KEYS[table], *(["round"] if table in DATA_TABLES else [])]))
 
 
-def _checked_schema(frag: ds.ParquetFileFragment, table: str, names: dict[str, list[str]]) -> int:
-    """Check a file's schema (its footer, read once: the scan reuses it); return its row count."""
-    check_file_schema(frag.path, frag.physical_schema, table)
-    names[frag.path] = frag.physical_schema.names
-    meta = frag.metadata
-    return sum(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+def _refuse_schemas(fs: pafs.FileSystem, paths: list[str], table: str) -> None:
+    """After a failed scan: a file whose schema breaks a rule is named for that (text where a number belongs
+    fails the scan's cast), before :func:`raise_unreadable` looks for the file that cannot be read."""
+    for p in paths:
+        try:
+            sch = next(iter(dataset(fs, [p], table).get_fragments())).physical_schema
+        except (OSError, pa.ArrowException):
+            continue
+        check_file_schema(p, sch, table)
 
 
 # ----------------------------------------------------------------------------- a file's schema

@@ -16,7 +16,7 @@ import re
 import typing
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.outdir import LOCAL_TYPE, OutDir
-from fedsap_ray.results.schema import CORE_TABLES, KEY_COLUMNS, schema
+from fedsap_ray.results.schema import CORE_TABLES, KEY_COLUMNS, TABLES, schema
 
 # ----------------------------------------------------------------------------- run ids
 
@@ -130,40 +130,45 @@ class Listing:
         return out
 
 
-def foreign_reason(names: list[str], table: str) -> str | None:
-    """Why a file with columns ``names`` is not a file of ``table`` (None: it is one).
+def foreign_reason(names: list[str], table: str, columns: Mapping[str, set[str]] | None = None) -> str | None:
+    """Why a file with columns ``names`` is not a file of ``table`` (None: it is one); ``columns``: each table's
+    column names (:data:`~fedsap_ray.results.schema.TABLES`), when the caller has them.
 
-    A file of this table (any schema version) has the table's key columns; a file of another table
-    placed in the folder lacks one, or has every key column of that other table and more of its core
-    columns than of this one's (a layers file among the clients: it has the clients' keys too). Reading
-    either would give rows that are null in almost every column. A column outside the table's schema
-    alone (a newer writer's, a strategy's this process has not registered, one added by hand) does not
-    make a file foreign: the readers ignore such columns.
+    A file of another table placed in the folder has every key column of that table, which explains
+    more of the file's columns (a layers file among the clients has the clients' keys too, but only
+    the layers table has all its columns), or it lacks a key column of this table, which explains
+    fewer than half of its columns (a runs file among the rounds, a Parquet file of anything else).
+    Reading it would give rows that are null in almost every column. A file of this table that lost a
+    column is not foreign: the readers refuse it by name. Nor is one with a column outside the schema
+    (a newer writer's, a strategy's this process has not registered, one added by hand): the readers
+    ignore such a column.
     """
-    missing = [k for k in KEY_COLUMNS[table] if k not in names]
-    if missing:
-        return f"lacks the key column(s) {', '.join(missing)}"
     have = set(names)
+    known = columns if columns is not None else {t: {c.name for c in TABLES[t]} for t in TABLES}
 
-    def share(t: str) -> float:
+    def fit(t: str) -> tuple[float, float]:  # (share of the file's columns the table has, of the table's core it has)
         core = {c.name for c in CORE_TABLES[t]}
-        return len(have & core) / len(core)
+        return len(have & known[t]) / max(len(have), 1), len(have & core) / len(core)
 
-    rivals = [t for t in KEY_COLUMNS if t != table and set(KEY_COLUMNS[t]) <= have and share(t) > share(table)]
+    rivals = [t for t in KEY_COLUMNS if t != table and set(KEY_COLUMNS[t]) <= have and fit(t) > fit(table)]
     if rivals:
-        other = max(rivals, key=share)
-        return f"is a file of the {other} table (its key columns {', '.join(KEY_COLUMNS[other])} and more of its columns)"
+        other = max(rivals, key=fit)
+        return f"is a file of the {other} table (its key columns {', '.join(KEY_COLUMNS[other])}, and more of its columns)"
+    missing = [k for k in KEY_COLUMNS[table] if k not in have]
+    if missing and fit(table)[0] < 0.5:
+        return f"lacks the key column(s) {', '.join(missing)}, and most of its columns are not the table's"
     return None
 
 
-def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str) -> tuple[str | None, float]:
+def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str, columns: Mapping[str, set[str]]
+             ) -> tuple[str | None, float]:
     """(why the file is not one of ``table``, or None; the round up to which it holds its run's parts)."""
     try:
         with fs.open_input_file(info.path) as f:
             sch = pq.read_schema(f)
     except (OSError, pa.ArrowException):
         return None, float("inf")  # unreadable: let the reader report it, naming the file
-    return foreign_reason(sch.names, table), upto_round(sch.metadata)
+    return foreign_reason(sch.names, table, columns), upto_round(sch.metadata)
 
 
 def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
@@ -177,6 +182,7 @@ def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
     compacted: list[pafs.FileInfo] = []
     parts: dict[str, list[tuple[int, pafs.FileInfo]]] = {}
     upto: dict[str, float] = {}
+    columns: dict[str, set[str]] = {}  # each table's column names, once a file is opened
     for info in sorted(infos, key=lambda i: i.path):
         name = info.base_name
         if info.type != pafs.FileType.File or name.startswith((".", "_")) or not name.endswith(".parquet"):
@@ -186,7 +192,8 @@ def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
         if part is not None:  # written by this package under its own name: not opened for a schema check
             parts.setdefault(part[0], []).append((part[1], info))
             continue
-        reason, file_upto = _foreign(fs, info, table)
+        columns = columns or {t: {c.name for c in TABLES[t]} for t in TABLES}
+        reason, file_upto = _foreign(fs, info, table, columns)
         if reason is not None:
             warnings.warn(f"skipped {info.path}: not a file of the {table} table: it {reason}", stacklevel=3)
             continue
