@@ -230,9 +230,17 @@ def run_files_in(fs: pafs.FileSystem, base: str, table: str, run_id: str
 
 
 def run_ids(fs: pafs.FileSystem, path: str) -> set[str]:
-    with fs.open_input_file(path) as f:
-        col = pq.ParquetFile(f).read(columns=["run_id"]).column("run_id")
-    return set(pc.unique(col).to_pylist())
+    """The run ids a (compacted) file holds rows of; :class:`UnreadableFile` when it has no readable ``run_id``."""
+    try:
+        with fs.open_input_file(path) as f:
+            t = pq.ParquetFile(f).read(columns=["run_id"])
+    except (OSError, pa.ArrowException) as e:
+        raise UnreadableFile(f"results file {path} cannot be read ({_first_line(e)}); restore it from a copy or "
+                             "remove it (its runs' rows in it are lost)") from e
+    if "run_id" not in t.column_names:
+        raise UnreadableFile(f"results file {path} lacks the column run_id: its rows belong to no run; restore it "
+                             "from a copy or remove it")
+    return set(pc.unique(t.column("run_id")).to_pylist())
 
 
 def dataset(fs: pafs.FileSystem, paths: list[str], table: str) -> ds.FileSystemDataset:
