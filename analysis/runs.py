@@ -145,8 +145,9 @@ def open_folder(path: str | os.PathLike) -> Any:
 def _open_folder(path: str | os.PathLike) -> Any:
     """:func:`load_sweep` of a results folder (a local path or a URI such as ``file:///...``, ``s3://...``) for a
     command line, or :class:`Unreadable` with one line saying what is wrong: an empty path, a URI pyarrow cannot
-    open, a missing folder, an empty one, one without a ``runs`` table (not a results folder), or a Parquet file
-    that cannot be read (truncated, damaged)."""
+    open, a missing folder, an empty one, one without a ``runs`` table (not a results folder), a Parquet file
+    that cannot be read (truncated, damaged) or one the readers refuse (``fedsap_ray.results.UnreadableFile``,
+    a ConfigError: :func:`open_folder` turns it into this one line)."""
     import warnings
 
     import pyarrow as pa

@@ -16,15 +16,27 @@ of ``done``, ``fedsap-ray compact``, or ``results.load``. Each ends in one of tw
 
 and in every case nothing outside ``--out`` changed; never a traceback, never exit 1.
 
+Tables (issue 52): the same base folder, first laid out another legitimate way or not (a run's files split
+into the parts a killed run leaves; compacted), then one or two table files made hostile (copied under
+another run's name or as a part, rows repeated, ``schema_version`` changed, a column added, dropped or
+retyped, a ``config_json`` damaged, a file put in another table's folder: fuzzkit.HOSTILE). Each action says
+what a reader must then do (fuzzkit.Expect). ``results.load``, ``fedsap-ray compact`` and one analysis
+command in turn (``python -m analysis.X`` in this process) read every run once, equal to the intact folder
+up to the columns the actions changed, or refuse in one line naming a file the actions changed, changing
+nothing; ``compact`` refuses what ``results.load`` refuses (but a damaged ``config_json``, which it moves
+unread) and otherwise keeps every row.
+
 Configs: YAML and JSON documents with duplicate keys at any depth, null and empty sections, anchors and
 aliases (shared values, merge keys, alias bombs under or over the loader's limit) through
 ``fedsap-ray run --config F --print-config``: exit 0 printing exactly what the document says, or exit 2
 with one short line naming the problem; each document in well under a second.
 
 Bounded in time and deterministic (each search has a fixed seed; CI sees the same examples every run): 60
-folder examples (one search per command: resume 21, compact 12, load 12, overwrite 9, new 6) and 180 config
-documents. Measured on 2 busy cores (``--durations``): the module in 33 s, of which the base fixture 6 s,
-the folder searches 22 s, the configs 1 s and the finding reproductions 3 s.
+folder examples (one search per command: resume 21, compact 12, load 12, overwrite 9, new 6), 31 table
+examples (load 14, compact 9, analysis 8) and 180 config documents. Measured on 2 busy cores
+(``--durations``): the module in 33 s, of which the base fixture 6 s, the folder searches 22 s, the configs
+1 s and the finding reproductions 3 s; the table searches added 2.5 s (and 1-4 s for the analysis commands'
+first import and their outputs on the intact folder), measured on 2 cores shared with two other test runs.
 
 More examples locally: ``FEDSAP_FUZZ_EXAMPLES=400 pytest tests/test_folder_fuzz.py`` (folder examples in all;
 configs get 3x), ``FEDSAP_FUZZ_SEED=N`` for other examples than CI's, and ``FEDSAP_FUZZ_REPORT=findings.txt``

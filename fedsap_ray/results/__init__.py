@@ -32,8 +32,12 @@ is written through a temporary file whose name starts with ``.`` (which pyarrow 
 :func:`os.replace`, so a run killed at any moment leaves only complete files: the rounds
 finished so far and a ``runs`` row (one small file, rewritten every round) whose status says
 what happened.
-``schema_version`` lets later versions read old folders (:func:`load` adds columns
-that an older file lacks as nulls).
+``schema_version`` lets later versions read old folders (:func:`load` adds the columns of later
+versions that an older file lacks as nulls, and ignores columns outside the schema). Every file is
+checked as it is read (:mod:`~fedsap_ray.results.reader`): a run's rows under another run's name, a row
+key (:data:`ROW_KEYS`) twice, an unknown version, a column its version had (:data:`COLUMNS_SINCE`)
+missing or of a type that cannot hold the schema's values, a ``config_json`` that is no JSON object:
+:class:`UnreadableFile`, one line naming the file.
 """
 from __future__ import annotations
 

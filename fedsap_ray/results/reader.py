@@ -98,9 +98,16 @@ def _scan(d: ds.FileSystemDataset, table: str, columns: list[str] | None, skip: 
     for tagged in scanner.scan_batches():  # in order: file by file, as to_table gives them
         batches.append(tagged.record_batch)
         rows[tagged.fragment.path] += tagged.record_batch.num_rows
+    want = schema(table)
+    seen: list[tuple[pa.Schema, list[str]]] = []  # the schemas checked already and their columns (most files share one)
     for frag in d.get_fragments():
-        check_file_schema(frag.path, frag.physical_schema, table)
-        names[frag.path] = frag.physical_schema.names
+        sch = frag.physical_schema
+        known = next((cols for s, cols in seen if sch.equals(s)), None)
+        if known is None:
+            check_file_schema(frag.path, sch, table, want)
+            known = sch.names
+            seen.append((sch, known))
+        names[frag.path] = known
         files.append((frag.path, rows[frag.path]))
     return pa.Table.from_batches(batches, schema=scanner.projected_schema)
 
@@ -145,14 +152,14 @@ def _number(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or pa.types.is_floating(t)
 
 
-def check_file_schema(path: str, sch: pa.Schema, table: str) -> None:
-    """A file of ``table`` names each column once, in a type that reads as the schema's (:func:`castable`);
-    columns outside the schema are ignored. Which columns it must have depends on its rows' schema version
-    (:func:`check_rows`)."""
+def check_file_schema(path: str, sch: pa.Schema, table: str, want: pa.Schema | None = None) -> None:
+    """A file of ``table`` (whose schema is ``want``, when the caller has it) names each column once, in a type
+    that reads as the schema's (:func:`castable`); columns outside the schema are ignored. Which columns it must
+    have depends on its rows' schema version (:func:`check_rows`)."""
     twice = sorted(n for n, k in Counter(sch.names).items() if k > 1)
     if twice:
         raise UnreadableFile(f"results file {path} has the column {twice[0]} twice; {FIX}")
-    want = schema(table)
+    want = want if want is not None else schema(table)
     for f in sch:
         i = want.get_field_index(f.name)
         if i >= 0 and not castable(f.type, want.field(i).type):
@@ -174,40 +181,19 @@ def check_rows(t: pa.Table, files: list[tuple[str, int]], owners: dict[str, Sour
       (a file copied under another run's name would read as that run);
     - no row key (:data:`~fedsap_ray.results.schema.ROW_KEYS`) is held twice, in one file or in two.
 
-    Vectorised over the whole table (numpy per-file minima and maxima, one integer key per row), so the checks
-    cost a small part of the reading itself.
+    Vectorised over the whole table (per-file minima and maxima with numpy, one integer key per row), so the
+    checks cost a small part of the reading itself.
     """
-    if not t.num_rows and not files:
+    if not files:
         return
     counts = np.array([n for _, n in files], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    full = counts > 0
-    version = _ints(t.column("schema_version"), fill=1)
-    lo, hi = _reduce(version, starts, full)
+    lo, hi = _reduce(_ints(t.column("schema_version"), fill=1), starts, counts)
     for k, (path, n) in enumerate(files):
         _check_version(path, int(lo[k]) if n else 1, int(hi[k]) if n else 1, names.get(path, []), table)
-    run = pc.dictionary_encode(_combined(t.column("run_id")), null_encoding="encode")
-    run_code = run.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-    code_of = {r: i for i, r in enumerate(run.dictionary.to_pylist())}
-    rlo, rhi = _reduce(run_code, starts, full)
-    rounds = _ints(t.column("round"), fill=-1) if "round" in t.column_names else None
-    ro_lo, ro_hi = _reduce(rounds, starts, full) if rounds is not None else (None, None)
-    for k, (path, n) in enumerate(files):
-        own = owners.get(path)
-        if not n or own is None or own.run is None:
-            continue
-        want = code_of.get(own.run, -1)
-        if rlo[k] != want or rhi[k] != want:
-            rows = run_code[starts[k]:starts[k] + n]
-            other = run.dictionary[int(rows[rows != want][0])].as_py()
-            kind = "per-run file" if own.round is None else "part"
-            raise UnreadableFile(f"results file {path} holds rows of run {other}: a {kind} holds only the rows of the run "
-                                 f"it is named after ({own.run}); a copy under another name? {FIX}")
-        if own.round is not None and ro_lo is not None and ro_hi is not None and not ro_lo[k] == ro_hi[k] == own.round:
-            other = int(ro_lo[k] if ro_lo[k] != own.round else ro_hi[k])
-            raise UnreadableFile(f"results file {path} holds rows of round {other}: a part holds only the rows of its "
-                                 f"round ({own.round}); {FIX}")
-    _check_unique(t, run_code, len(code_of), files, starts, table)
+    run_code, run_ids = _run_codes(t.column("run_id"))
+    _check_owners(t, run_code, run_ids, files, starts, counts, owners)
+    _check_unique(t, run_code, len(run_ids), files, starts, table)
 
 
 def _check_version(path: str, lo: int, hi: int, names: list[str], table: str) -> None:
@@ -229,6 +215,30 @@ def _required(table: str, version: int) -> tuple[str, ...]:
     return tuple(required_columns(table, version))
 
 
+def _check_owners(t: pa.Table, run_code: np.ndarray, run_ids: list[Any], files: list[tuple[str, int]],
+                  starts: np.ndarray, counts: np.ndarray, owners: dict[str, Source]) -> None:
+    """A per-run file holds only its run's rows, a part only its run's rows of its round (:class:`Source`)."""
+    code_of = {r: i for i, r in enumerate(run_ids)}
+    rlo, rhi = _reduce(run_code, starts, counts)
+    rounds = _ints(t.column("round"), fill=-1) if "round" in t.column_names else None
+    ro_lo, ro_hi = _reduce(rounds, starts, counts) if rounds is not None else (rlo, rhi)
+    for k, (path, n) in enumerate(files):
+        own = owners.get(path)
+        if not n or own is None or own.run is None:
+            continue
+        want = code_of.get(own.run, -1)
+        if rlo[k] != want or rhi[k] != want:
+            rows = run_code[starts[k]:starts[k] + n]
+            kind = "per-run file" if own.round is None else "part"
+            raise UnreadableFile(f"results file {path} holds rows of run {run_ids[int(rows[rows != want][0])]}: a {kind} "
+                                 f"holds only the rows of the run it is named after ({own.run}); a copy under another "
+                                 f"name? {FIX}")
+        if own.round is not None and rounds is not None and not ro_lo[k] == ro_hi[k] == own.round:
+            other = int(ro_lo[k] if ro_lo[k] != own.round else ro_hi[k])
+            raise UnreadableFile(f"results file {path} holds rows of round {other}: a part holds only the rows of its "
+                                 f"round ({own.round}); {FIX}")
+
+
 def _combined(col: pa.ChunkedArray) -> pa.Array:
     return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
 
@@ -241,22 +251,41 @@ def _ints(col: pa.Array | pa.ChunkedArray, fill: int) -> np.ndarray:
     return arr.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
-def _reduce(values: np.ndarray, starts: np.ndarray, full: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per file (rows from ``starts``), the minimum and maximum of ``values``; 0 for a file without rows."""
+def _reduce(values: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per file (``counts`` rows from ``starts``), the minimum and maximum of ``values``; 0 for a file without rows."""
     lo, hi = np.zeros(len(starts), np.int64), np.zeros(len(starts), np.int64)
+    full = counts > 0
     if full.any():
         lo[full] = np.minimum.reduceat(values, starts[full])
         hi[full] = np.maximum.reduceat(values, starts[full])
     return lo, hi
 
 
+def _run_codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[Any]]:
+    """Each row's run as a small integer, and the run id of each code. Rows come run by run (a file's rows, a run's
+    parts right after its file), so a code per stretch of one run's rows is found by comparing neighbours; only
+    when a run's rows are in two stretches (a hostile file) are the ids hashed (dictionary-encoded)."""
+    arr = _combined(col)
+    n = len(arr)
+    if n and not arr.null_count:
+        new = np.flatnonzero(pc.not_equal(arr.slice(1), arr.slice(0, n - 1)).to_numpy(zero_copy_only=False)) + 1
+        firsts = arr.take(pa.array(np.concatenate([[0], new]))).to_pylist()
+        if len(set(firsts)) == len(firsts):
+            code = np.zeros(n, np.int64)
+            code[new] = 1
+            return np.cumsum(code, out=code), firsts
+    enc = pc.dictionary_encode(arr, null_encoding="encode")
+    return enc.indices.to_numpy(zero_copy_only=False).astype(np.int64), enc.dictionary.to_pylist()
+
+
 def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, int]:
     """A key column as small non-negative integers (equal values, equal codes; a null one more value) and how
     many values they span."""
+    if _text(col.type):
+        enc = pc.dictionary_encode(col, null_encoding="encode")  # the chunks share one dictionary
+        indices = pa.chunked_array([c.indices for c in enc.chunks], type=enc.type.index_type)
+        return indices.to_numpy().astype(np.int64), max(len(enc.chunk(0).dictionary) if enc.num_chunks else 0, 1)
     arr = _combined(col)
-    if _text(arr.type):
-        enc = pc.dictionary_encode(arr, null_encoding="encode")
-        return enc.indices.to_numpy(zero_copy_only=False).astype(np.int64), max(len(enc.dictionary), 1)
     mm = pc.min_max(arr).as_py()
     if mm["min"] is None:
         return np.zeros(len(arr), np.int64), 1
@@ -274,10 +303,11 @@ def _check_unique(t: pa.Table, run_code: np.ndarray, n_runs: int, files: list[tu
     for _, n in codes:
         span *= n
     if span < 2**63:
-        key = np.zeros(t.num_rows, np.int64)
-        for c, n in codes:
-            key = key * n + c
-        if t.num_rows < 2 or bool((np.diff(key) > 0).all()):
+        key = codes[0][0].copy()
+        for c, n in codes[1:]:
+            key *= n
+            key += c
+        if bool((key[1:] > key[:-1]).all()):
             return
         dup = pd.Series(key).duplicated(keep=False).to_numpy()
     else:
