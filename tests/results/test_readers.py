@@ -405,3 +405,17 @@ def test_load_sweep_gives_each_seed_once(folder):
     (folder / "rounds" / "r7.parquet").unlink()
     pr = aruns.per_run(str(folder))
     assert len(pr) == 2 and pr["seed"].is_unique
+
+
+@pytest.mark.parametrize("text,kind", [("[1, 2]", "list"), ("7", "int"), ('"x"', "str")])
+def test_a_resume_of_a_run_whose_config_json_is_no_object_exits_2(folder, capsys, text, kind):
+    """The leftover of issue 52: a runs row whose config_json is a JSON list was a traceback (AttributeError)."""
+    write(folder / "runs" / "r1.parquet", "runs", [{**rows_of("r1", 1)["runs"][0], "status": "interrupted",
+                                                   "config_json": text}])
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "r1.npz").write_bytes(b"a checkpoint")
+    before = snapshot(folder)
+    rc = cli_main(["run", "--out", str(folder), "--resume", "r1", "--quiet"])
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert rc == 2 and len(err) == 1 and "config_json that is no JSON object" in err[0] and f"({kind})" in err[0], err
+    assert snapshot(folder) == before
