@@ -140,8 +140,9 @@ def castable(have: pa.DataType, want: pa.DataType) -> bool:
         return True
     if pa.types.is_dictionary(have):
         return castable(have.value_type, want)
-    kinds = (_text, _number, lambda t: pa.types.is_timestamp(t) and t.tz == want.tz)
-    return any(kind(have) and kind(want) for kind in kinds)
+    if pa.types.is_timestamp(have) and pa.types.is_timestamp(want):
+        return have.tz == want.tz
+    return (_text(have) and _text(want)) or (_number(have) and _number(want))
 
 
 def _text(t: pa.DataType) -> bool:
