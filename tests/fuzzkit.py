@@ -553,7 +553,7 @@ class Expect:
 NOTHING = Expect()
 LAYOUTS = {"split": ["parts", "kept", "live"], "compact": [None]}
 HOSTILE: dict[str, list[Any]] = {
-    "copy-as": ["ghost", "part2", "part4", "part9", "compacted", "misplace"],
+    "copy-as": ["ghost", "part2", "part4", "part9", "compacted", "compacted-edited", "misplace"],
     "dup-rows": [1, 2, 3],
     "version": [0, -1, "newer", 99, 2**31 - 1, None, 1, 5],
     "add-col": ["note", "accuracy_2", "layer", "p", "domain", "status", "dup"],
@@ -717,7 +717,7 @@ def _copy_as(out: Path, rel: str, act: Act, touched: set[str], t: pa.Table) -> t
         other = TABLE_FOLDERS[(TABLE_FOLDERS.index(table) + 1 + act.pick % 4) % 5]
         (out / other).mkdir(exist_ok=True)
         new = f"{other}/stray.parquet"
-    elif act.arg == "compacted":
+    elif act.arg in ("compacted", "compacted-edited"):
         new = f"{table}/compacted-fz{act.pick:06d}.parquet"
     elif act.arg == "ghost":
         new = f"{table}/ghost.parquet"
@@ -728,7 +728,17 @@ def _copy_as(out: Path, rel: str, act: Act, touched: set[str], t: pa.Table) -> t
     shutil.copy(out / rel, out / new)
     touched.add(new)
     how = f"copy-as {rel} -> {new}"
-    if act.arg in ("misplace", "compacted") or not t.num_rows or not _runs_read(out, new):
+    if act.arg == "compacted-edited" and t.num_rows:  # the copy holds another run under a run's id
+        i = act.pick % t.num_rows
+        col = next((c for c in t.column_names if pa.types.is_floating(t.schema.field(c).type) and t[c][i].is_valid), None)
+        if col is None:
+            return how + " (nothing to edit)", NOTHING
+        _rewrite(out / new, lambda t: _set(t, col, pa.array([v + 1.0 if k == i else v
+                                                             for k, v in enumerate(t.column(col).to_pylist())])))
+        run = t.column("run_id")[i].as_py()
+        how += f", {col} of row {i} + 1"
+        return how, Expect(frozenset({"conflict"})) if run in _runs_read(out, new) else NOTHING
+    if act.arg in ("misplace", "compacted", "compacted-edited") or not t.num_rows or not _runs_read(out, new):
         return how, NOTHING  # skipped; a copy of rows read from their own files; no rows; a part its run's file holds
     _, run_of, round_of = _name(new)
     ids = set(t.column("run_id").to_pylist())

@@ -18,7 +18,7 @@ and in every case nothing outside ``--out`` changed; never a traceback, never ex
 
 Tables (issue 52): the same base folder, first laid out another legitimate way or not (a run's files split
 into the parts a killed run leaves; compacted), then one or two table files made hostile (copied under
-another run's name or as a part, rows repeated, ``schema_version`` changed, a column added, dropped or
+another run's name, as a part or as a compacted file (edited or not), rows repeated, ``schema_version`` changed, a column added, dropped or
 retyped, a ``config_json`` damaged, a file put in another table's folder: fuzzkit.HOSTILE). Each action says
 what a reader must then do (fuzzkit.Expect). ``results.load``, ``fedsap-ray compact`` and one analysis
 command in turn (``python -m analysis.X`` in this process) read every run once, equal to the intact folder
