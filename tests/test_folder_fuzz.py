@@ -35,8 +35,8 @@ Bounded in time and deterministic (each search has a fixed seed; CI sees the sam
 folder examples (one search per command: resume 21, compact 12, load 12, overwrite 9, new 6), 31 table
 examples (load 14, compact 9, analysis 8) and 180 config documents. Measured on 2 busy cores
 (``--durations``): the module in 33 s, of which the base fixture 6 s, the folder searches 22 s, the configs
-1 s and the finding reproductions 3 s; the table searches added 2.5 s (and 1-4 s for the analysis commands'
-first import and their outputs on the intact folder), measured on 2 cores shared with two other test runs.
+1 s and the finding reproductions 3 s. The table searches add 2.7 s (their intact analysis outputs 0.3 s
+of it; measured on 2 cores shared with two other test runs, 2026-12-05).
 
 More examples locally: ``FEDSAP_FUZZ_EXAMPLES=400 pytest tests/test_folder_fuzz.py`` (folder examples in all;
 configs get 3x), ``FEDSAP_FUZZ_SEED=N`` for other examples than CI's, and ``FEDSAP_FUZZ_REPORT=findings.txt``
