@@ -560,6 +560,7 @@ HOSTILE: dict[str, list[Any]] = {
     "drop-col": list(range(8)),
     "retype": ["string", "large_string", "float64", "int32", "int64", "bool", "timestamp", "dictionary", "null"],
     "config": ["not-json", "list", "number", "string", "true", "truncated", "deep"],
+    "drop-round": [None],  # a merged per-run file loses a round whose part it says it holds (its upto_round)
 }
 table_layouts = st.sampled_from(sorted(LAYOUTS)).flatmap(
     lambda kind: st.builds(Act, st.just(kind), st.integers(0, 999), st.sampled_from(LAYOUTS[kind])))
@@ -609,6 +610,16 @@ def _runs_read(out: Path, rel: str) -> set[str]:
     return {run}
 
 
+def _held(out: Path, rel: str) -> list[int]:
+    """The rounds of the parts a per-run file's upto_round says it holds (readers skip those parts)."""
+    table, run, rnd = _name(rel)
+    if table == "runs" or run is None or rnd is not None:
+        return []
+    upto = _upto(out / rel)
+    return sorted(r for f in table_files(out) if f.startswith(f"{table}/") and _name(f)[1] == run
+                  and (r := _name(f)[2]) is not None and r <= upto)
+
+
 def _rewrite(path: Path, change) -> None:
     t = pq.read_table(path)
     pq.write_table(change(t), path)  # schema metadata (a per-run file's upto_round) kept
@@ -635,6 +646,8 @@ def apply_table(act: Act, out: Path, touched: set[str]) -> tuple[str, Expect]:
         return _split(out, rel, act.arg), NOTHING
     if act.kind == "config":
         files = [f for f in files if f.startswith("runs/")]
+    if act.kind == "drop-round":
+        files = [f for f in files if _held(out, f)]
     rel = _pick(files, act.pick)
     if rel is None:
         return f"{act.kind}: no untouched table file", NOTHING
@@ -645,6 +658,10 @@ def apply_table(act: Act, out: Path, touched: set[str]) -> tuple[str, Expect]:
     t = pq.read_table(p)
     if act.kind == "copy-as":
         return _copy_as(out, rel, act, touched, t)
+    if act.kind == "drop-round":
+        rnd = _held(out, rel)[act.pick % len(_held(out, rel))]
+        _rewrite(p, lambda t: t.filter(pc.field("round") != rnd))
+        return f"drop-round {rel}: round {rnd}, which a part holds", Expect(frozenset({"held"}))
     if act.kind in ("dup-rows", "version", "config"):
         if not t.num_rows:
             return f"{act.kind} {rel}: no rows", NOTHING

@@ -47,15 +47,19 @@ class Results:
 @dataclass(frozen=True)
 class Source:
     """Whose rows a file may hold, by its name: a per-run file only its run's, a part only its run's of its
-    round; a compacted file (``run`` None) any run's."""
+    round; a compacted file (``run`` None) any run's. ``held``: a per-run file's (path, round) of the parts its
+    ``fedsap_ray.upto_round`` says it holds (readers skip them, so it must have rows of their rounds)."""
 
     path: str
     run: str | None = None
     round: int | None = None
+    held: tuple[tuple[str, int], ...] = ()
 
 
 def _sources(listing: Listing) -> dict[str, Source]:
-    out = {i.path: Source(i.path, r) for r, i in listing.per_run.items()}
+    out = {i.path: Source(i.path, r, held=tuple((p.path, rnd) for rnd, p in listing.parts.get(r, [])
+                                                 if rnd <= listing.upto.get(r, 0.0)))
+           for r, i in listing.per_run.items()}
     out.update({i.path: Source(i.path, r, rnd) for r, ps in listing.parts.items() for rnd, i in ps})
     out.update({i.path: Source(i.path) for i in listing.compacted})
     return out
@@ -225,6 +229,12 @@ def _check_owners(t: pa.Table, run_code: np.ndarray, run_ids: list[Any], files: 
     ro_lo, ro_hi = _reduce(rounds, starts, counts) if rounds is not None else (rlo, rhi)
     for k, (path, n) in enumerate(files):
         own = owners.get(path)
+        if own is not None and own.held and rounds is not None:
+            have = set(np.unique(rounds[starts[k]:starts[k] + n]).tolist())
+            part, rnd = next(((p, r) for p, r in own.held if r not in have), ("", 0))
+            if part:
+                raise UnreadableFile(f"results file {path} has no rows of round {rnd}, yet its fedsap_ray.upto_round "
+                                     f"says it holds the part {part}, so readers skip that part; {FIX}")
         if not n or own is None or own.run is None:
             continue
         want = code_of.get(own.run, -1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -420,3 +421,33 @@ def test_a_resume_of_a_run_whose_config_json_is_no_object_exits_2(folder, capsys
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert rc == 2 and len(err) == 1 and "config_json that is no JSON object" in err[0] and f"({kind})" in err[0], err
     assert snapshot(folder) == before
+
+
+def test_a_per_run_file_that_says_it_holds_a_part_it_lacks_is_refused(folder):
+    """A run's merged file whose fedsap_ray.upto_round covers a part it has no rows of: readers would skip the
+    part and lose its round."""
+    rows = rows_of("r1", 1)["rounds"]
+    write(folder / "rounds" / "r1.parquet", "rounds", [r for r in rows if r["round"] < 3], {UPTO_KEY: b"3"})
+    write(folder / "rounds" / "r1@r000003.parquet", "rounds", [r for r in rows if r["round"] == 3])
+    line = refusal(lambda: results.load(folder))
+    assert "rounds/r1.parquet has no rows of round 3" in line and "r1@r000003.parquet" in line, line
+    write(folder / "rounds" / "r1.parquet", "rounds", rows, {UPTO_KEY: b"3"})  # the merge that was interrupted
+    assert len(results.load(folder).rounds) == 2 * 3 * 3
+
+
+def test_compact_keeps_the_per_run_rows_readers_give_over_an_edited_compacted_copy(folder, capsys):
+    """A fuzz finding: a per-run file older than a compacted file holding its run was deleted as the leftover of
+    an interrupted compaction, leaving the compacted copy's other rows in its place."""
+    before = results.load(folder)
+    results.compact(folder)
+    write_run(folder, "r1", 1)  # back, as if compaction had been interrupted before deleting it ...
+    (c,) = (folder / "runs").glob("compacted-*.parquet")
+    rewrite(c, lambda t: set_column(t, "wall_s", pa.array([9.0 if r == "r1" else w for r, w in zip(  # ... but its
+        t["run_id"].to_pylist(), t["wall_s"].to_pylist())], pa.float64())))  # compacted row edited since
+    for table in ("runs", "rounds", "clients"):
+        f = folder / table / "r1.parquet"
+        os.utime(f, ns=(1, 1))  # older than the compacted files: what a leftover looks like
+    same(results.load(folder), before)
+    assert cli_main(["compact", str(folder)]) == 0
+    same(results.load(folder), before)
+    assert not (folder / "runs" / "r1.parquet").exists()
