@@ -81,28 +81,27 @@ def table(res: Any, name: str) -> pd.DataFrame:
 
 
 def _allocations(folder: Path) -> pd.DataFrame | None:
-    """The ``allocations`` table read straight from its Parquet files (for a loader that does not expose it)."""
+    """The ``allocations`` table for a loader that does not expose it (read and checked as
+    :func:`fedsap_ray.results.read_table` reads it); None when the folder has no such table."""
     from fedsap_ray.outdir import OutDir
 
-    d = OutDir(folder)  # no link followed (fedsap_ray.outdir)
-    if not d.is_dir(folder / "allocations"):
+    if not OutDir(folder).is_dir(Path(folder) / "allocations"):  # no link followed (fedsap_ray.outdir)
         return None
-    files = [f for f in d.glob(folder / "allocations", "*.parquet") if not f.name.startswith((".", "_"))]
-    frames = []
-    for f in files:
-        with d.open_read(f) as fh:
-            frames.append(pd.read_parquet(fh))
-    return pd.concat(frames, ignore_index=True) if frames else None
+    return results.read_table(folder, "allocations")
 
 
 def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     """A results folder (``fedsap_ray.results.load``) with annotated runs (:func:`annotate_runs`) and every
     table present (a missing one empty).
 
-    ``path`` may also be an already loaded Results-like object. ``study`` keeps only the runs whose
-    ``runs.study`` is that name (for folders holding several studies)."""
+    ``path`` may also be an already loaded Results-like object (one holding a run twice, e.g. two loads put
+    together, is :class:`DuplicateRuns`). ``study`` keeps only the runs whose ``runs.study`` is that name (for
+    folders holding several studies). A folder that ``fedsap_ray.results.load`` refuses (a file copied under
+    another run's name, a row twice, a damaged ``config_json``, ...) raises its one-line
+    ``fedsap_ray.results.store.UnreadableFile``."""
     if hasattr(path, "runs"):
         res = path
+        check_unique_runs(table(res, "runs"))
     else:
         res = results.load(os.fspath(path))
         if getattr(res, "allocations", None) is None:
@@ -110,6 +109,22 @@ def load_sweep(path: str | os.PathLike | Any, study: str | None = None) -> Any:
     if "label" not in res.runs.columns:
         res = replace_tables(res, runs=annotate_runs(table(res, "runs")))
     return _study(res, study)
+
+
+class DuplicateRuns(ValueError):
+    """A loaded results object whose runs table holds a run more than once (a folder's load never does: two
+    loads concatenated); every per-run figure would count it twice. The message is one line."""
+
+
+def check_unique_runs(runs: pd.DataFrame) -> None:
+    """:class:`DuplicateRuns` unless every run id of ``runs`` is there once."""
+    if "run_id" not in runs.columns or runs["run_id"].is_unique:
+        return
+    counts = runs["run_id"].value_counts()
+    twice = counts[counts > 1]
+    raise DuplicateRuns(f"the runs table holds run {twice.index[0]} {int(twice.iloc[0])} times"
+                        f"{f' (and {len(twice) - 1} more runs more than once)' if len(twice) > 1 else ''}: put results "
+                        "objects together only when their run ids differ")
 
 
 class Unreadable(ValueError):
@@ -130,8 +145,9 @@ def open_folder(path: str | os.PathLike) -> Any:
 def _open_folder(path: str | os.PathLike) -> Any:
     """:func:`load_sweep` of a results folder (a local path or a URI such as ``file:///...``, ``s3://...``) for a
     command line, or :class:`Unreadable` with one line saying what is wrong: an empty path, a URI pyarrow cannot
-    open, a missing folder, an empty one, one without a ``runs`` table (not a results folder), or a Parquet file
-    that cannot be read (truncated, damaged)."""
+    open, a missing folder, an empty one, one without a ``runs`` table (not a results folder), a Parquet file
+    that cannot be read (truncated, damaged) or one the readers refuse (``fedsap_ray.results.UnreadableFile``,
+    a ConfigError: :func:`open_folder` turns it into this one line)."""
     import warnings
 
     import pyarrow as pa

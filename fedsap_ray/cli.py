@@ -122,9 +122,13 @@ def _stored_config(out: Path, run_id: str) -> dict:
     row = guard.check_checkpoint_present(out, run_id)
     f = out / "runs" / f"{run_id}.parquet"
     try:
-        return json.loads(row["config_json"])
-    except (TypeError, ValueError) as e:
+        stored = json.loads(row["config_json"])
+    except (TypeError, ValueError, RecursionError) as e:
         raise ConfigError(f"invalid --resume={run_id!r}: {f} holds no readable config_json ({e})") from e
+    if not isinstance(stored, dict):
+        raise ConfigError(f"invalid --resume={run_id!r}: {f} holds a config_json that is no JSON object "
+                          f"({type(stored).__name__})")
+    return stored
 
 
 def _run(args) -> int:

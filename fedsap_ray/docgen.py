@@ -336,7 +336,11 @@ def results_page() -> str:
            f"`fedsap-ray compact` merges finished runs into "
            f"`compacted-*.parquet`). Read a whole folder with `fedsap_ray.results.load(OUT)` "
            f"(a `Results` with one DataFrame per table) or one table with `pandas.read_parquet(\"OUT/rounds\")`. "
-           f"Schema version {results.SCHEMA_VERSION}; older folders still load (missing columns are null). "
+           f"Schema version {results.SCHEMA_VERSION}; older folders still load: a file has the core columns of "
+           f"its rows' schema version (`since` below) and reads the later ones as null. The readers refuse, in "
+           f"one line naming the file, a file they cannot read as written (a run's rows under another run's "
+           f"name, a row key twice, an unknown version, a column its version had missing or of another type: "
+           f"[what a results folder promises]({rel('docs/guides/running.md')}#what-a-results-folder-promises)). "
            f"The core columns are declared, typed and described in "
            f"[fedsap_ray/results/schema.py]({rel('fedsap_ray/results/schema.py')}) and filled by the recording "
            f"side for every algorithm (including those computed from ground truth no strategy sees: "
@@ -352,8 +356,11 @@ def results_page() -> str:
     for name in results.TABLES:
         out.append(f"| [`{name}`](#{name}) | {cell(results.TABLE_ROWS[name])} |\n")
     for name, core in results.CORE_TABLES.items():
-        out.append(f"\n## {name}\n\n{cell(results.TABLE_ROWS[name])}.\n\n")
-        rows = [[code(c), code(str(t)), cell(d), "core"] for c, t, d in core]
+        key = ", ".join(code(k) for k in results.ROW_KEYS[name])
+        out.append(f"\n## {name}\n\n{cell(results.TABLE_ROWS[name])}. A row is identified by {key}.\n\n")
+        since = {c: v for v, tables in results.COLUMNS_SINCE.items() for c in tables.get(name, "").split()}
+        rows = [[code(c), code(str(t)), cell(d), f"core (since {since[c]})" if c in since else "core"]
+                for c, t, d in core]
         if name in results.DATA_TABLES:
             rows += [[code(col.name), code(str(col.type)), cell(col.doc), ", ".join(code(a) for a in by)]
                      for col, by in results.extension_columns(name).values()]

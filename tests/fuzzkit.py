@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from hypothesis import strategies as st
 
 from fedsap_ray import treecodec
@@ -521,3 +524,264 @@ def text_words(tree: list) -> list[str]:
 
 def _is_map(tree: list, key: str) -> bool:
     return any(k == key and tag == "map" for k, (tag, _) in tree)
+
+
+# ----------------------------------------------------------------------------------------- tables
+# Hostile tables (issue 52): a results folder first laid out another legitimate way (a run's files split into the
+# parts a killed run leaves, ``compact``), then one or two of its table files made hostile. Each hostile action
+# says what a reader must then do (:class:`Expect`): refuse naming the file, or read every run as the intact folder
+# reads it, up to the columns the action changed, or either.
+
+TABLE_FOLDERS = ("runs", "rounds", "clients", "layers", "allocations")
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What readers must do after hostile actions: ``refuse`` (the kinds of refusal the actions call for: a reader
+    must refuse; ``"config"`` is a damaged config_json, which ``compact`` moves without reading), ``either`` (a
+    refusal or a read are both right: a column retyped, which reads back exactly or is refused), and ``differs``
+    ((table, run, column): what a read may show changed; every other value as in the intact folder)."""
+
+    refuse: frozenset[str] = frozenset()
+    either: bool = False
+    differs: frozenset[tuple[str, str, str]] = frozenset()
+
+    def __add__(self, other: Expect) -> Expect:
+        return Expect(self.refuse | other.refuse, self.either or other.either, self.differs | other.differs)
+
+
+NOTHING = Expect()
+LAYOUTS = {"split": ["parts", "kept", "live"], "compact": [None]}
+HOSTILE: dict[str, list[Any]] = {
+    "copy-as": ["ghost", "part2", "part4", "part9", "compacted", "compacted-edited", "misplace"],
+    "dup-rows": [1, 2, 3],
+    "version": [0, -1, "newer", 99, 2**31 - 1, None, 1, 5],
+    "add-col": ["note", "accuracy_2", "layer", "p", "domain", "status", "dup"],
+    "drop-col": list(range(8)),
+    "retype": ["string", "large_string", "float64", "int32", "int64", "bool", "timestamp", "dictionary", "null"],
+    "config": ["not-json", "list", "number", "string", "true", "truncated", "deep"],
+    "drop-round": [None],  # a merged per-run file loses a round whose part it says it holds (its upto_round)
+}
+table_layouts = st.sampled_from(sorted(LAYOUTS)).flatmap(
+    lambda kind: st.builds(Act, st.just(kind), st.integers(0, 999), st.sampled_from(LAYOUTS[kind])))
+table_hostile = st.sampled_from(sorted(HOSTILE)).flatmap(
+    lambda kind: st.builds(Act, st.just(kind), st.integers(0, 999), st.sampled_from(HOSTILE[kind])))
+# 0-2 legitimate layouts, then 1-2 hostile actions (each on a file no earlier action touched)
+table_acts = st.tuples(st.lists(table_layouts, max_size=2), st.lists(table_hostile, min_size=1, max_size=2)).map(
+    lambda lh: [*lh[0], *lh[1]])
+
+
+def table_files(out: Path) -> list[str]:
+    """The Parquet files of the table folders, relative to ``out``, sorted."""
+    return [rel for rel in entries(out, "file") if rel.split("/")[0] in TABLE_FOLDERS and rel.count("/") == 1
+            and rel.endswith(".parquet") and not rel.split("/")[1].startswith((".", "_"))]
+
+
+def _name(rel: str) -> tuple[str, str | None, int | None]:
+    """(table, run, round) a file's name gives it: a per-run file (run, None), a part (run, round), compacted (None)."""
+    from fedsap_ray.results import COMPACTED_PREFIX, PART_SEP
+
+    table, name = rel.split("/")
+    stem = name.removesuffix(".parquet")
+    if stem.startswith(COMPACTED_PREFIX):
+        return table, None, None
+    run, sep, rnd = stem.rpartition(PART_SEP)
+    return (table, run, int(rnd)) if sep and rnd.isdigit() else (table, stem, None)
+
+
+def _upto(path: Path) -> float:
+    from fedsap_ray.results import UPTO_KEY
+
+    v = (pq.read_schema(path).metadata or {}).get(UPTO_KEY)
+    return float(int(v)) if v is not None else float("inf")
+
+
+def _runs_read(out: Path, rel: str) -> set[str]:
+    """The runs whose rows in file ``rel`` a reader reads: a compacted file's runs without a per-run file or part of
+    their own in the table, a part's run unless its per-run file holds the part's round, a per-run file's run."""
+    table, run, rnd = _name(rel)
+    if run is None:
+        ids = set(pq.read_table(out / rel, columns=["run_id"]).column("run_id").to_pylist())
+        own = {_name(f)[1] for f in table_files(out) if f.startswith(f"{table}/") and _name(f)[1] is not None}
+        return ids - own
+    home = out / table / f"{run}.parquet"
+    if rnd is not None and home.is_file() and _upto(home) >= rnd:
+        return set()
+    return {run}
+
+
+def _held(out: Path, rel: str) -> list[int]:
+    """The rounds of the parts a per-run file's upto_round says it holds (readers skip those parts)."""
+    table, run, rnd = _name(rel)
+    if table == "runs" or run is None or rnd is not None:
+        return []
+    upto = _upto(out / rel)
+    return sorted(r for f in table_files(out) if f.startswith(f"{table}/") and _name(f)[1] == run
+                  and (r := _name(f)[2]) is not None and r <= upto)
+
+
+def _rewrite(path: Path, change) -> None:
+    t = pq.read_table(path)
+    pq.write_table(change(t), path)  # schema metadata (a per-run file's upto_round) kept
+
+
+def _set(t: pa.Table, name: str, values: Any) -> pa.Table:
+    return t.set_column(t.schema.get_field_index(name), name, values)
+
+
+def apply_table(act: Act, out: Path, touched: set[str]) -> tuple[str, Expect]:
+    """Do ``act`` to the results folder ``out`` (a file no earlier action touched; ``touched`` gains it and any file
+    it creates); return what was done (one line) and what a reader must then do."""
+    from fedsap_ray import results
+
+    if act.kind == "compact":
+        results.compact(out)
+        return "compact", NOTHING
+    files = [f for f in table_files(out) if f not in touched]
+    if act.kind == "split":
+        whole = [f for f in files if f.split("/")[0] != "runs" and _name(f)[2] is None and _name(f)[1] is not None]
+        rel = _pick(whole, act.pick)
+        if rel is None:
+            return "split: no per-run file", NOTHING
+        return _split(out, rel, act.arg), NOTHING
+    if act.kind == "config":
+        files = [f for f in files if f.startswith("runs/")]
+    if act.kind == "drop-round":
+        files = [f for f in files if _held(out, f)]
+    rel = _pick(files, act.pick)
+    if rel is None:
+        return f"{act.kind}: no untouched table file", NOTHING
+    touched.add(rel)
+    table = rel.split("/")[0]
+    p = out / rel
+    read = _runs_read(out, rel)
+    t = pq.read_table(p)
+    if act.kind == "copy-as":
+        return _copy_as(out, rel, act, touched, t)
+    if act.kind == "drop-round":
+        rnd = _held(out, rel)[act.pick % len(_held(out, rel))]
+        _rewrite(p, lambda t: t.filter(pc.field("round") != rnd))
+        return f"drop-round {rel}: round {rnd}, which a part holds", Expect(frozenset({"held"}))
+    if act.kind in ("dup-rows", "version", "config"):
+        if not t.num_rows:
+            return f"{act.kind} {rel}: no rows", NOTHING
+        i = act.pick % t.num_rows
+        if act.kind == "dup-rows":
+            _rewrite(p, lambda t: pa.concat_tables([t, t.slice(i, act.arg)]))
+            runs = set(t.slice(i, act.arg).column("run_id").to_pylist())
+            return f"dup-rows {rel}: rows {i}..{i + act.arg - 1} again", Expect(frozenset({"dup"})) if runs & read else NOTHING
+        run = t.column("run_id")[i].as_py()
+        if act.kind == "config":
+            bad = {"not-json": '{"seed": 1,', "list": "[1, 2]", "number": "7", "string": '"x"', "true": "true",
+                   "truncated": (t.column("config_json")[i].as_py() or "{}")[:-1], "deep": "[" * 5000 + "]" * 5000}[act.arg]
+            _rewrite(p, lambda t: _set(t, "config_json", pa.array([bad if k == i else v for k, v in
+                                                                   enumerate(t.column("config_json").to_pylist())], pa.string())))
+            return f"config {rel}: run {run}'s config_json {act.arg}", Expect(frozenset({"config"})) if run in read else NOTHING
+        v = results.SCHEMA_VERSION + 1 if act.arg == "newer" else act.arg
+        every = act.pick % 2 == 0
+        _rewrite(p, lambda t: _set(t, "schema_version", pa.array(
+            [v if every or k == i else old for k, old in enumerate(t.column("schema_version").to_pylist())], pa.int32())))
+        hit = (set(t.column("run_id").to_pylist()) if every else {run}) & read
+        how = f"version {rel}: {'every row' if every else f'row {i}'} {v!r}"
+        if not hit:
+            return how, NOTHING
+        if v is not None and not 1 <= v <= results.SCHEMA_VERSION:
+            return how, Expect(frozenset({"version"}))
+        return how, Expect(differs=frozenset((table, r, "schema_version") for r in hit))
+    # file-level: a column added, dropped or retyped
+    if act.kind == "add-col":
+        name = t.column_names[act.pick % t.num_columns] if act.arg == "dup" else act.arg
+        _rewrite(p, lambda t: t.append_column(name, pa.array(["x"] * t.num_rows)))
+        how = f"add-col {rel}: {name}"
+        if not read:
+            return how, NOTHING
+        if name in t.column_names:
+            return how, Expect(frozenset({"dup-col"}))
+        if name in results.schema(table).names:
+            return how, Expect(either=True, differs=frozenset((table, r, name) for r in read))
+        return how, NOTHING
+    name = t.column_names[act.pick % t.num_columns]
+    if act.kind == "drop-col":
+        _rewrite(p, lambda t: t.drop_columns([name]))
+        how = f"drop-col {rel}: {name}"
+        if not read:
+            return how, NOTHING
+        versions = [v for v in t.column("schema_version").to_pylist() if v is not None] if "schema_version" in t.column_names else []
+        if name in results.required_columns(table, max(versions, default=1)):
+            return how, Expect(frozenset({"missing"}))
+        return how, Expect(differs=frozenset((table, r, name) for r in read))
+    to = {"string": pa.string(), "large_string": pa.large_string(), "float64": pa.float64(), "int32": pa.int32(),
+          "int64": pa.int64(), "bool": pa.bool_(), "timestamp": pa.timestamp("ns", tz="UTC"), "null": pa.null()}
+    col = t.column(name)
+    try:
+        if act.arg == "dictionary":
+            new = col.dictionary_encode()
+        elif act.arg == "null":
+            if col.null_count != len(col):
+                raise pa.ArrowInvalid("values")
+            new = pa.nulls(len(col))
+        else:
+            new = pc.cast(col, to[act.arg])
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+        return f"retype {rel}: {name} cannot be {act.arg}", NOTHING
+    _rewrite(p, lambda t: _set(t, name, new))
+    return f"retype {rel}: {name} {col.type} -> {new.type}", Expect(either=True) if read else NOTHING
+
+
+def _copy_as(out: Path, rel: str, act: Act, touched: set[str], t: pa.Table) -> tuple[str, Expect]:
+    table, run, _ = _name(rel)
+    if act.arg == "misplace":  # into another table's folder, under a run's name: told apart and skipped
+        other = TABLE_FOLDERS[(TABLE_FOLDERS.index(table) + 1 + act.pick % 4) % 5]
+        (out / other).mkdir(exist_ok=True)
+        new = f"{other}/stray.parquet"
+    elif act.arg in ("compacted", "compacted-edited"):
+        new = f"{table}/compacted-fz{act.pick:06d}.parquet"
+    elif act.arg == "ghost":
+        new = f"{table}/ghost.parquet"
+    else:
+        new = f"{table}/{run or 'done'}@r{int(act.arg[4:]):06d}.parquet"
+    if (out / new).exists() or (out / new).is_symlink():
+        return f"copy-as {rel} -> {new}: taken", NOTHING
+    shutil.copy(out / rel, out / new)
+    touched.add(new)
+    how = f"copy-as {rel} -> {new}"
+    if act.arg == "compacted-edited" and t.num_rows:  # the copy holds another run under a run's id
+        i = act.pick % t.num_rows
+        col = next((c for c in t.column_names if pa.types.is_floating(t.schema.field(c).type) and t[c][i].is_valid), None)
+        if col is None:
+            return how + " (nothing to edit)", NOTHING
+        _rewrite(out / new, lambda t: _set(t, col, pa.array([v + 1.0 if k == i else v
+                                                             for k, v in enumerate(t.column(col).to_pylist())])))
+        run = t.column("run_id")[i].as_py()
+        how += f", {col} of row {i} + 1"
+        return how, Expect(frozenset({"conflict"})) if run in _runs_read(out, new) else NOTHING
+    if act.arg in ("misplace", "compacted", "compacted-edited") or not t.num_rows or not _runs_read(out, new):
+        return how, NOTHING  # skipped; a copy of rows read from their own files; no rows; a part its run's file holds
+    _, run_of, round_of = _name(new)
+    ids = set(t.column("run_id").to_pylist())
+    rounds = set(t.column("round").to_pylist()) if "round" in t.column_names else {round_of}
+    if ids == {run_of} and rounds == {round_of}:  # the rows its name says (a runs row: no round): what the run wrote
+        return how, NOTHING
+    return how, Expect(frozenset({"copy"}))
+
+
+def _split(out: Path, rel: str, how: str) -> str:
+    """A run's per-run file as the parts a killed run leaves: ``parts`` (never merged), ``kept`` (merged, the parts
+    not deleted yet), ``live`` (merged up to the round before its last, the last still a part)."""
+    from fedsap_ray.results import UPTO_KEY, part_name
+
+    table, run, _ = _name(rel)
+    t = pq.read_table(out / rel)
+    rounds = sorted(set(t.column("round").to_pylist()))
+    if not rounds:
+        return f"split {rel}: no rows"
+    merged = {"parts": 0, "kept": rounds[-1], "live": rounds[-1] - 1}[how]
+    for r in rounds:
+        if r > merged or how == "kept":
+            pq.write_table(t.filter(pc.field("round") == r).replace_schema_metadata(None), out / table / part_name(run, r))
+    if how == "parts":
+        (out / rel).unlink()
+    else:
+        pq.write_table(t.filter(pc.field("round") <= merged).replace_schema_metadata({UPTO_KEY: str(merged).encode()}),
+                       out / rel)
+    return f"split {rel}: {how}"

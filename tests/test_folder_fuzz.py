@@ -16,15 +16,27 @@ of ``done``, ``fedsap-ray compact``, or ``results.load``. Each ends in one of tw
 
 and in every case nothing outside ``--out`` changed; never a traceback, never exit 1.
 
+Tables (issue 52): the same base folder, first laid out another legitimate way or not (a run's files split
+into the parts a killed run leaves; compacted), then one or two table files made hostile (copied under
+another run's name, as a part or as a compacted file (edited or not), rows repeated, ``schema_version`` changed, a column added, dropped or
+retyped, a ``config_json`` damaged, a file put in another table's folder: fuzzkit.HOSTILE). Each action says
+what a reader must then do (fuzzkit.Expect). ``results.load``, ``fedsap-ray compact`` and one analysis
+command in turn (``python -m analysis.X`` in this process) read every run once, equal to the intact folder
+up to the columns the actions changed, or refuse in one line naming a file the actions changed, changing
+nothing; ``compact`` refuses what ``results.load`` refuses (but a damaged ``config_json``, which it moves
+unread) and otherwise keeps every row.
+
 Configs: YAML and JSON documents with duplicate keys at any depth, null and empty sections, anchors and
 aliases (shared values, merge keys, alias bombs under or over the loader's limit) through
 ``fedsap-ray run --config F --print-config``: exit 0 printing exactly what the document says, or exit 2
 with one short line naming the problem; each document in well under a second.
 
 Bounded in time and deterministic (each search has a fixed seed; CI sees the same examples every run): 60
-folder examples (one search per command: resume 21, compact 12, load 12, overwrite 9, new 6) and 180 config
-documents. Measured on 2 busy cores (``--durations``): the module in 33 s, of which the base fixture 6 s,
-the folder searches 22 s, the configs 1 s and the finding reproductions 3 s.
+folder examples (one search per command: resume 21, compact 12, load 12, overwrite 9, new 6), 31 table
+examples (load 14, compact 9, analysis 8) and 180 config documents. Measured on 2 busy cores
+(``--durations``): the module in 33 s, of which the base fixture 6 s, the folder searches 22 s, the configs
+1 s and the finding reproductions 3 s. The table searches add 2.7 s (their intact analysis outputs 0.3 s
+of it; measured on 2 cores shared with two other test runs, 2026-12-05).
 
 More examples locally: ``FEDSAP_FUZZ_EXAMPLES=400 pytest tests/test_folder_fuzz.py`` (folder examples in all;
 configs get 3x), ``FEDSAP_FUZZ_SEED=N`` for other examples than CI's, and ``FEDSAP_FUZZ_REPORT=findings.txt``
@@ -39,6 +51,7 @@ import json
 import os
 import shutil
 import signal
+import warnings
 import zlib
 from pathlib import Path
 
@@ -52,7 +65,9 @@ from faultkit import TINY, cli, tiny_run
 from fedsap_ray import golden, results, treecodec
 from fedsap_ray.cli import main
 from fedsap_ray.errors import ConfigError
-from fuzzkit import acts, apply, config_docs, snapshot
+from analysis import device_time, learning
+from analysis.confound.cli import main as confound_main
+from fuzzkit import NOTHING, Expect, acts, apply, apply_table, config_docs, snapshot, table_acts
 
 EXAMPLES = int(os.environ.get("FEDSAP_FUZZ_EXAMPLES", "60"))
 SEED = os.environ.get("FEDSAP_FUZZ_SEED")
@@ -275,6 +290,139 @@ def _compact(capsys, out: Path, loaded: results.Results, hit: set, what: str, be
         a, b = now[table], first[table]
         assert sorted(a["run_id"]) == sorted(b["run_id"]), f"{what}: compact changed the {table} rows per run"
     intact(now, loaded, hit, what)
+
+
+# ------------------------------------------------------------------------------------------ tables
+# Hostile tables (issue 52): the base folder laid out another legitimate way or not (a run's files split into the
+# parts a killed run leaves; compacted), then one or two table files made hostile (fuzzkit.HOSTILE: a file copied
+# under another run's name, rows repeated, a schema_version changed, a column added, dropped or retyped, a
+# config_json damaged, a file put in another table's folder). A reader (results.load, fedsap-ray compact, an
+# analysis command) then reads every run once, as the intact folder reads it up to what the actions changed, or
+# refuses in one line naming a file they changed; never a traceback, and nothing changed by a refusal.
+
+TABLE_SHARE = {"load": 0.45, "compact": 0.3, "analysis": 0.25}
+ANALYSES = {"analysis.confound": lambda f: confound_main([f]), "analysis.device_time": lambda f: device_time.main([f"wait_all={f}"]),
+            "analysis.learning": lambda f: learning.main([f])}
+
+
+@pytest.fixture(scope="module")
+def analysed(base, tmp_path_factory) -> dict[str, tuple[int, list[str]]]:
+    """Each analysis command on the intact folder: (exit status, its output lines, sorted)."""
+    out = tmp_path_factory.mktemp("analysed") / "out"
+    shutil.copytree(base[0], out, symlinks=True)
+    return {prog: _analysis(prog, out)[:2] for prog in ANALYSES}
+
+
+def _analysis(prog: str, out: Path) -> tuple[int, list[str], list[str]]:
+    """(exit status, stdout lines sorted, stderr lines) of ``python -m prog`` on ``out``, in this process."""
+    stdout, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+        try:
+            rc = int(ANALYSES[prog](str(out)) or 0)
+        except SystemExit as e:
+            rc = int(e.code or 0)
+    return rc, sorted(stdout.getvalue().splitlines()), [x for x in err.getvalue().splitlines() if x.strip()]
+
+
+@pytest.mark.parametrize("command", sorted(TABLE_SHARE))
+def test_a_hostile_table_is_either_read_as_intact_or_refused_in_one_line(base, analysed, tmp_path_factory, capsys,
+                                                                         command):
+    """One search per reader, seeded by its name (deterministic); fuzzkit.table_acts are the examples."""
+    @settings(max_examples=max(1, round(EXAMPLES / 2 * TABLE_SHARE[command])), **FUZZ)
+    @given(actions=table_acts)
+    @seed(zlib.crc32(f"tables {command}".encode()) + int(SEED or 0))
+    def search(actions):
+        check_tables(base, analysed, tmp_path_factory.mktemp("tz"), capsys, command, actions)
+
+    search()
+
+
+def check_tables(base, analysed, tmp: Path, capsys, command: str, actions: list) -> None:
+    out = tmp / "out"
+    shutil.copytree(base[0], out, symlinks=True)
+    touched: set[str] = set()
+    expect, log = NOTHING, []
+    for a in actions:
+        line, e = apply_table(a, out, touched)
+        log.append(line)
+        expect = expect + e
+    what = f"{command} after: " + "; ".join(log)
+    before = snapshot(out)
+    try:
+        with alarm(PER_EXAMPLE_S), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a file in another table's folder is skipped with a warning
+            res, line = _read(out, what)
+            event(f"{command}: {'refused' if line else 'read'}")
+            if line is None:
+                assert not expect.refuse, f"{what}: read, must be refused ({sorted(expect.refuse)})"
+                reads_as(res, base[3], expect.differs, what)
+            else:
+                assert expect.refuse or expect.either, f"{what}: refused a folder that must read: {line}"
+                assert any(rel in line for rel in touched), f"{what}: the refusal names no file the actions changed: {line}"
+            assert snapshot(out) == before, f"{what}: reading changed the folder"
+            if command == "compact":
+                _compact_tables(capsys, out, res, line, expect, what, before)
+            elif command == "analysis":
+                prog = sorted(ANALYSES)[sum(a.pick for a in actions) % len(ANALYSES)]
+                rc, lines, err = _analysis(prog, out)
+                assert rc in (0, 1, 2) and not any("Traceback" in x for x in err), f"{what}: {prog} exit {rc}: {err}"
+                if line is not None:
+                    assert rc == 2 and len(err) == 1 and line in err[0], f"{what}: {prog} exit {rc}: {err}"
+                else:
+                    assert rc == analysed[prog][0], f"{what}: {prog} exit {rc} (intact: {analysed[prog][0]}): {err}"
+                    assert expect.differs or lines == analysed[prog][1], f"{what}: {prog} printed other lines"
+                assert snapshot(out) == before, f"{what}: {prog} changed the folder"
+    except (AssertionError, Exception) as e:
+        if not REPORT:
+            raise
+        with open(REPORT, "a") as f:
+            f.write(f"{what} => {type(e).__name__}: {str(e).splitlines()[0][:1500]}\n")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read(out: Path, what: str) -> tuple[results.Results | None, str | None]:
+    """(what results.load gives, None) or (None, its refusal: one ConfigError line naming a file)."""
+    try:
+        return results.load(out), None
+    except ConfigError as e:
+        line = str(e)
+        assert line and "\n" not in line and len(line) < 400, f"{what}: refused with {line!r}"
+        return None, line
+
+
+def reads_as(res: results.Results, want: results.Results, differs: frozenset, what: str) -> None:
+    """Every table as ``want`` (row order aside), but for the columns ``differs`` names for a run's rows."""
+    for table in ("runs", "rounds", "clients", "layers", "allocations"):
+        a, b = (df.sort_values(list(results.ROW_KEYS[table])).reset_index(drop=True) for df in (res[table], want[table]))
+        for t, run, col in differs:
+            if t == table:
+                for df in (a, b):
+                    df.loc[df["run_id"] == run, col] = None
+        try:
+            pd.testing.assert_frame_equal(a, b)
+        except AssertionError as e:
+            raise AssertionError(f"{what}: the {table} rows differ from the intact folder's: {e}") from None
+
+
+def _compact_tables(capsys, out: Path, res, line: str | None, expect: Expect, what: str, before: dict) -> None:
+    """``fedsap-ray compact`` refuses what the readers refuse (but a damaged config_json, which it moves without
+    reading), changing nothing, or compacts without changing a row."""
+    rc, err = _run_cli(capsys, ["compact", str(out)])
+    event(f"compact: exit {rc}")
+    assert rc in (0, 2), f"{what}: compact exit {rc}: {err}"
+    must = expect.refuse - {"config"}
+    if rc == 2:
+        _refused(err, what, out, before)
+        assert must or expect.either, f"{what}: compact refused a folder it must compact: {err}"
+        return
+    assert not must, f"{what}: compact exit 0, must refuse ({sorted(must)})"
+    after, now = _read(out, what)
+    if line is not None:
+        assert "config_json" in line and now is not None, f"{what}: compacted a folder the readers refuse ({line})"
+        return
+    assert now is None, f"{what}: read before compact, refused after: {now}"
+    reads_as(after, res, frozenset(), what)
 
 
 # ------------------------------------------------------------------------------------------ configs

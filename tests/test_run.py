@@ -190,12 +190,15 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
 
 def test_a_schema_1_folder_still_loads(tmp_path, tiny_fed):
     """Folders written before rounds.frozen_params and the allocations table load with those as nulls / empty."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     _run(tmp_path, tiny_fed)
     f = tmp_path / "rounds" / "r.parquet"
     old = pq.read_table(f)
-    pq.write_table(old.drop(["frozen_params"]), f)  # what version 1 wrote
+    v1 = old.drop(["frozen_params"])
+    v1 = v1.set_column(0, "schema_version", pa.array([1] * len(v1), pa.int32()))
+    pq.write_table(v1, f)  # what version 1 wrote (readers refuse a version 10 file without frozen_params)
     res = results.load(tmp_path)
     assert res.rounds["frozen_params"].isna().all() and len(res.rounds) == old.num_rows
     assert res.allocations.empty and "p" in res.allocations.columns

@@ -32,29 +32,34 @@ is written through a temporary file whose name starts with ``.`` (which pyarrow 
 :func:`os.replace`, so a run killed at any moment leaves only complete files: the rounds
 finished so far and a ``runs`` row (one small file, rewritten every round) whose status says
 what happened.
-``schema_version`` lets later versions read old folders (:func:`load` adds columns
-that an older file lacks as nulls).
+``schema_version`` lets later versions read old folders (:func:`load` adds the columns of later
+versions that an older file lacks as nulls, and ignores columns outside the schema). Every file is
+checked as it is read (:mod:`~fedsap_ray.results.reader`): a run's rows under another run's name, a row
+key (:data:`ROW_KEYS`) twice, an unknown version, a column its version had (:data:`COLUMNS_SINCE`)
+missing or of a type that cannot hold the schema's values, a ``config_json`` that is no JSON object:
+:class:`UnreadableFile`, one line naming the file.
 """
 from __future__ import annotations
 
 from fedsap_ray.results.compaction import compact
 from fedsap_ray.results.reader import CONFIG_PREFIX, Results, load, read_table, run_statuses, with_config_columns
-from fedsap_ray.results.schema import (ALLOCATIONS_COLUMNS, CLIENTS_COLUMNS, CORE_TABLES, DATA_TABLES, GLOBAL_DOMAIN,
-                                       KEY_COLUMNS, LAYERS_COLUMNS, ROUNDS_COLUMNS, RUNS_COLUMNS, SCHEMA_VERSION,
-                                       TABLE_ROWS, TABLES, WALL_CLOCK, extension_columns, schema,
-                                       to_table)
+from fedsap_ray.results.schema import (ALLOCATIONS_COLUMNS, CLIENTS_COLUMNS, COLUMNS_SINCE, CORE_TABLES, DATA_TABLES,
+                                       GLOBAL_DOMAIN, KEY_COLUMNS, LAYERS_COLUMNS, ROUNDS_COLUMNS, ROW_KEYS, RUNS_COLUMNS,
+                                       SCHEMA_VERSION, TABLE_ROWS, TABLES, WALL_CLOCK, extension_columns,
+                                       required_columns, schema, to_table)
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, PART_SEP, RUN_ID_PATTERN, RUN_ID_RULE, UPTO_KEY,
-                                      atomic_output, check_run_id, filesystem, foreign_reason, is_uri, part_name,
-                                      run_files_in)
+                                      UnreadableFile, atomic_output, check_run_id, filesystem, foreign_reason, is_uri,
+                                      part_name, run_files_in)
 from fedsap_ray.results.writer import (RunWriter, consolidate_run, drop_compacted, in_compacted, remove_run,
                                        remove_temp_files, row_counts, run_files, write_atomic)
 
 __all__ = [
-    "ALLOCATIONS_COLUMNS", "CLIENTS_COLUMNS", "COMPACTED_PREFIX", "CONFIG_PREFIX", "CORE_TABLES", "DATA_TABLES",
-    "FINAL_STATUSES", "GLOBAL_DOMAIN", "PART_SEP", "KEY_COLUMNS", "LAYERS_COLUMNS", "ROUNDS_COLUMNS", "RUNS_COLUMNS",
-    "RUN_ID_PATTERN", "RUN_ID_RULE", "SCHEMA_VERSION", "TABLES", "TABLE_ROWS", "UPTO_KEY", "WALL_CLOCK", "Results", "RunWriter",
+    "ALLOCATIONS_COLUMNS", "CLIENTS_COLUMNS", "COLUMNS_SINCE", "COMPACTED_PREFIX", "CONFIG_PREFIX", "CORE_TABLES",
+    "DATA_TABLES", "FINAL_STATUSES", "GLOBAL_DOMAIN", "PART_SEP", "KEY_COLUMNS", "LAYERS_COLUMNS", "ROUNDS_COLUMNS",
+    "ROW_KEYS", "RUNS_COLUMNS", "RUN_ID_PATTERN", "RUN_ID_RULE", "SCHEMA_VERSION", "TABLES", "TABLE_ROWS", "UPTO_KEY",
+    "UnreadableFile", "WALL_CLOCK", "Results", "RunWriter",
     "atomic_output", "check_run_id", "compact", "consolidate_run", "extension_columns", "filesystem", "foreign_reason",
     "in_compacted", "is_uri", "load", "part_name", "read_table", "remove_run", "remove_temp_files", "run_files",
-    "run_files_in", "drop_compacted", "row_counts",
+    "run_files_in", "drop_compacted", "required_columns", "row_counts",
     "run_statuses", "schema", "to_table", "with_config_columns", "write_atomic",
 ]

@@ -10,7 +10,7 @@ import pyarrow.fs as pafs
 
 from fedsap_ray import checkpoint
 from fedsap_ray.outdir import OutDir, lock_path
-from fedsap_ray.results.reader import run_statuses
+from fedsap_ray.results.reader import check_folder, run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, check_tree, dataset, filesystem, is_dir, is_uri,
                                       list_table, raise_unreadable, readahead, run_ids, write_batches)
@@ -34,6 +34,25 @@ def _unchanged(fs: pafs.FileSystem, info: pafs.FileInfo) -> bool:
     return now.type == pafs.FileType.File and now.mtime == info.mtime and now.size == info.size
 
 
+def _differing(fs: pafs.FileSystem, table: str, leftover: dict[str, pafs.FileInfo], compacted: list[str]
+               ) -> dict[str, pafs.FileInfo]:
+    """The runs of ``leftover`` (per-run files older than a compacted file holding their run) whose rows there are
+    not their per-run file's: readers give the per-run file's rows, so compaction keeps those (a compacted file
+    copied or edited after the compaction it came from), as it does a re-run's. One filtered read of the
+    compacted rows and one of the per-run files, each only on this path (an interrupted compaction)."""
+    if not leftover:
+        return {}
+    paths = [i.path for i in leftover.values()]
+    try:
+        mine = dataset(fs, paths, table).to_table().to_pandas()
+        theirs = dataset(fs, compacted, table).to_table(filter=pc.field("run_id").isin(sorted(leftover))).to_pandas()
+    except (OSError, pa.ArrowException) as e:
+        raise_unreadable(fs, [*paths, *compacted], table, e)
+    a, b = (dict(tuple(df.groupby("run_id", sort=False))) for df in (mine, theirs))
+    return {r: info for r, info in leftover.items()
+            if r not in a or r not in b or not a[r].reset_index(drop=True).equals(b[r].reset_index(drop=True))}
+
+
 def compact(path: str | Path) -> dict[str, int]:
     """Merge the per-run files of final runs into one ``compacted-<uuid8>.parquet`` per table.
 
@@ -47,9 +66,12 @@ def compact(path: str | Path) -> dict[str, int]:
     Safe to interrupt at any moment: the compacted file is written atomically before any
     per-run file is deleted, and readers let a run's per-run file win over compacted rows,
     so every row is read exactly once; running ``compact`` again finishes the job (per-run
-    files older than the compacted file that holds their run are deleted; newer ones, from a
-    re-run under the same id, replace the run's compacted rows). A per-run file that changed
-    while compacting is kept. Returns counts: ``runs_compacted``, ``files_written``,
+    files older than the compacted file that holds their run, with the same rows, are deleted;
+    newer ones, from a re-run under the same id, and ones whose rows differ from the compacted
+    ones, replace the run's compacted rows: readers give the per-run file's rows, so compaction
+    keeps them). A per-run file that changed while compacting is kept. Every table is checked
+    as :func:`~fedsap_ray.results.load` checks it before anything changes (a refusal names the
+    file, :class:`~fedsap_ray.results.store.UnreadableFile`). Returns counts: ``runs_compacted``, ``files_written``,
     ``files_rewritten`` (older compacted files that lost a re-run run), ``files_removed``
     and ``runs_kept`` (runs with per-run files left because they are running or resumable).
     """
@@ -58,6 +80,10 @@ def compact(path: str | Path) -> dict[str, int]:
         raise FileNotFoundError(f"no results folder at {path}")
     check_tree(fs, base, str(path), (*DATA_TABLES, "runs", "checkpoints"))  # refused before anything changes
     statuses = run_statuses(path)
+    # every file's rows checked as results.load checks them (a copy under another run's name, a row twice, a newer
+    # schema, a column missing or of another type), before anything changes: compacted, a hostile file's rows
+    # would lose the name that tells them apart
+    check_folder(fs, base)
     resumable = _checkpointed(fs, base)
     # a finished run keeps no checkpoint: one left means the run was stopped between writing its final
     # status and removing it (while merging its parts); it can never be resumed, so it goes here (unless
@@ -85,12 +111,16 @@ def compact(path: str | Path) -> dict[str, int]:
             if not todo:
                 continue
             ids = {c.path: run_ids(fs, c.path) for c in listing.compacted}
-            fresh = {}
+            fresh, leftover = {}, {}
             for r, info in todo.items():
                 covering = [c for c in listing.compacted if r in ids[c.path]]
                 # a leftover of an interrupted compaction is older than the file holding its rows
                 if not covering or any(info.mtime >= c.mtime for c in covering):
                     fresh[r] = info
+                else:
+                    leftover[r] = info
+            fresh.update(_differing(fs, table, leftover, [c.path for c in listing.compacted
+                                                          if ids[c.path] & leftover.keys()]))
             if fresh:
                 new = f"{base}/{table}/{COMPACTED_PREFIX}{uuid.uuid4().hex[:8]}.parquet"
                 paths = sorted(i.path for i in fresh.values())

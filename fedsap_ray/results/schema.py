@@ -279,3 +279,46 @@ def to_table(table: str, rows: list[dict[str, Any]]) -> pa.Table:
 def check_table(table: str) -> None:
     if table not in TABLES:
         raise ValueError(f"invalid table={table!r}: allowed values are {sorted(TABLES)}")
+
+
+# ----------------------------------------------------------------------------- what the readers check
+# The columns that identify one row of each table (not KEY_COLUMNS, which tell a table's files apart): the readers
+# refuse a table that holds one of these keys twice, in one file or in two.
+ROW_KEYS: dict[str, tuple[str, ...]] = {
+    "runs": ("run_id",), "rounds": ("run_id", "round", "eval_mode", "domain"),
+    "clients": ("run_id", "round", "client_id"), "layers": ("run_id", "round", "client_id", "layer"),
+    "allocations": ("run_id", "round", "client_id"),
+}
+# The core columns each schema version brought, by table: the first version *every* writer of which wrote the column
+# (read from this file's history: a few columns reached writers a version before SCHEMA_VERSION's comment names).
+# A file holding rows of version v has every column listed under 1..v (readers refuse one that lacks any); a column
+# of a later version is null in it. A core column listed nowhere is required of no file, so list each new one under
+# the version that adds it (tests/results/test_readers.py checks that every core column is listed).
+COLUMNS_SINCE: dict[int, dict[str, str]] = {
+    1: {"runs": "schema_version run_id study algorithm dataset model preset seed num_clients rounds rounds_done backend "
+                "config_json config_hash started_at finished_at status error package_version wall_s "
+                "final_global_accuracy best_global_accuracy dataset_notes",
+        "rounds": "schema_version run_id round domain eval_mode evaluated accuracy loss n_test global_accuracy "
+                  "best_global_accuracy worst_domain_accuracy avg_capacity n_clients bytes_up bytes_down train_loss "
+                  "round_wall_s",
+        "clients": "schema_version run_id round client_id true_domain pruning_ratio capacity_max capacity_used "
+                   "tv_distance n_samples train_loss params_trained macs_per_sample bytes_up bytes_down wall_s worker "
+                   "gpu_id",
+        "layers": "schema_version run_id round client_id layer channels keep_ratio",
+        "allocations": "schema_version run_id round client_id capacity_max tv_distance"},
+    2: {"rounds": "ari_domain frozen_params"},
+    3: {"rounds": "domain_coverage"},
+    4: {"rounds": "n_eval_clients eval_clients_sampled worst_client_accuracy worst_client_id"},
+    5: {"rounds": "train_s eval_s server_s", "clients": "train_macs"},
+    6: {"rounds": "sim_round_s sim_elapsed_s n_stragglers", "clients": "sim_time_s straggler"},
+    7: {"clients": "node"},
+    8: {"runs": "torch_version cpu_kernels"},
+    10: {"rounds": "backend_bytes_down backend_bytes_up updates_applied staleness_mean staleness_max",
+         "clients": "version_trained version_applied staleness sim_arrival_s staleness_weight"},
+    11: {"runs": "rows_written"},
+}
+
+
+def required_columns(table: str, version: int) -> list[str]:
+    """The core columns every file of ``table`` holding rows of schema ``version`` has (:data:`COLUMNS_SINCE`)."""
+    return [c for v, tables in sorted(COLUMNS_SINCE.items()) if v <= version for c in tables.get(table, "").split()]

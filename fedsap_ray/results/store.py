@@ -16,7 +16,7 @@ import re
 import typing
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.outdir import LOCAL_TYPE, OutDir
-from fedsap_ray.results.schema import KEY_COLUMNS, TABLES, schema
+from fedsap_ray.results.schema import CORE_TABLES, KEY_COLUMNS, TABLES, schema
 
 # ----------------------------------------------------------------------------- run ids
 
@@ -130,34 +130,45 @@ class Listing:
         return out
 
 
-def foreign_reason(names: list[str], table: str) -> str | None:
-    """Why a file with columns ``names`` is not a file of ``table`` (None: it is one).
+def foreign_reason(names: list[str], table: str, columns: Mapping[str, set[str]] | None = None) -> str | None:
+    """Why a file with columns ``names`` is not a file of ``table`` (None: it is one); ``columns``: each table's
+    column names (:data:`~fedsap_ray.results.schema.TABLES`), when the caller has them.
 
-    A file of this table (any schema version) has the table's key columns and no column
-    outside its schema; a file of another table placed in the folder fails one of the two,
-    and reading it would give rows that are null in almost every column.
+    A file of another table placed in the folder has every key column of that table, which explains
+    more of the file's columns (a layers file among the clients has the clients' keys too, but only
+    the layers table has all its columns), or it lacks a key column of this table, which explains
+    fewer than half of its columns (a runs file among the rounds, a Parquet file of anything else).
+    Reading it would give rows that are null in almost every column. A file of this table that lost a
+    column is not foreign: the readers refuse it by name. Nor is one with a column outside the schema
+    (a newer writer's, a strategy's this process has not registered, one added by hand): the readers
+    ignore such a column.
     """
-    cols = {n for n, _, _ in TABLES[table]}
-    extra = sorted(set(names) - cols)
-    missing = [k for k in KEY_COLUMNS[table] if k not in names]
-    if not extra and not missing:
-        return None
-    why = []
-    if missing:
-        why.append(f"lacks the key column(s) {', '.join(missing)}")
-    if extra:
-        why.append(f"has column(s) {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''} that {table} has not")
-    return " and ".join(why)
+    have = set(names)
+    known = columns if columns is not None else {t: {c.name for c in TABLES[t]} for t in TABLES}
+
+    def fit(t: str) -> tuple[float, float]:  # (share of the file's columns the table has, of the table's core it has)
+        core = {c.name for c in CORE_TABLES[t]}
+        return len(have & known[t]) / max(len(have), 1), len(have & core) / len(core)
+
+    rivals = [t for t in KEY_COLUMNS if t != table and set(KEY_COLUMNS[t]) <= have and fit(t) > fit(table)]
+    if rivals:
+        other = max(rivals, key=fit)
+        return f"is a file of the {other} table (its key columns {', '.join(KEY_COLUMNS[other])}, and more of its columns)"
+    missing = [k for k in KEY_COLUMNS[table] if k not in have]
+    if missing and fit(table)[0] < 0.5:
+        return f"lacks the key column(s) {', '.join(missing)}, and most of its columns are not the table's"
+    return None
 
 
-def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str) -> tuple[str | None, float]:
+def _foreign(fs: pafs.FileSystem, info: pafs.FileInfo, table: str, columns: Mapping[str, set[str]]
+             ) -> tuple[str | None, float]:
     """(why the file is not one of ``table``, or None; the round up to which it holds its run's parts)."""
     try:
         with fs.open_input_file(info.path) as f:
             sch = pq.read_schema(f)
     except (OSError, pa.ArrowException):
         return None, float("inf")  # unreadable: let the reader report it, naming the file
-    return foreign_reason(sch.names, table), upto_round(sch.metadata)
+    return foreign_reason(sch.names, table, columns), upto_round(sch.metadata)
 
 
 def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
@@ -171,6 +182,7 @@ def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
     compacted: list[pafs.FileInfo] = []
     parts: dict[str, list[tuple[int, pafs.FileInfo]]] = {}
     upto: dict[str, float] = {}
+    columns: dict[str, set[str]] = {}  # each table's column names, once a file is opened
     for info in sorted(infos, key=lambda i: i.path):
         name = info.base_name
         if info.type != pafs.FileType.File or name.startswith((".", "_")) or not name.endswith(".parquet"):
@@ -180,7 +192,8 @@ def list_table(fs: pafs.FileSystem, base: str, table: str) -> Listing:
         if part is not None:  # written by this package under its own name: not opened for a schema check
             parts.setdefault(part[0], []).append((part[1], info))
             continue
-        reason, file_upto = _foreign(fs, info, table)
+        columns = columns or {t: {c.name for c in TABLES[t]} for t in TABLES}
+        reason, file_upto = _foreign(fs, info, table, columns)
         if reason is not None:
             warnings.warn(f"skipped {info.path}: not a file of the {table} table: it {reason}", stacklevel=3)
             continue
@@ -217,9 +230,17 @@ def run_files_in(fs: pafs.FileSystem, base: str, table: str, run_id: str
 
 
 def run_ids(fs: pafs.FileSystem, path: str) -> set[str]:
-    with fs.open_input_file(path) as f:
-        col = pq.ParquetFile(f).read(columns=["run_id"]).column("run_id")
-    return set(pc.unique(col).to_pylist())
+    """The run ids a (compacted) file holds rows of; :class:`UnreadableFile` when it has no readable ``run_id``."""
+    try:
+        with fs.open_input_file(path) as f:
+            t = pq.ParquetFile(f).read(columns=["run_id"])
+    except (OSError, pa.ArrowException) as e:
+        raise UnreadableFile(f"results file {path} cannot be read ({_first_line(e)}); restore it from a copy or "
+                             "remove it (its runs' rows in it are lost)") from e
+    if "run_id" not in t.column_names:
+        raise UnreadableFile(f"results file {path} lacks the column run_id: its rows belong to no run; restore it "
+                             "from a copy or remove it")
+    return set(pc.unique(t.column("run_id")).to_pylist())
 
 
 def dataset(fs: pafs.FileSystem, paths: list[str], table: str) -> ds.FileSystemDataset:
@@ -228,14 +249,19 @@ def dataset(fs: pafs.FileSystem, paths: list[str], table: str) -> ds.FileSystemD
                                            filesystem=fs)
 
 
-def sources(fs: pafs.FileSystem, listing: Listing) -> tuple[list[str], list[tuple[str, set[str]]]]:
+def sources(fs: pafs.FileSystem, listing: Listing, table: str) -> tuple[list[str], list[tuple[str, set[str]]]]:
     """Files to read whole, and compacted files to read without some runs, so each run is read once.
 
     A run's per-run file and parts win over compacted rows of the same run (after an interrupted
     :func:`compact` both hold the same rows; after a re-run under the same id the per-run
-    file is the newer); among compacted files the first (by name) wins. Parts the run's per-run
-    file already holds (its ``upto_round``) are skipped; the others are read right after it, by
-    round, so a run's rows come in the order they were written.
+    file is the newer). Parts the run's per-run file already holds (its ``upto_round``) are skipped;
+    the others are read right after it, by round, so a run's rows come in the order they were written.
+
+    A run in two compacted files and in no per-run file is never what :func:`compact` leaves, even
+    interrupted (it drops a run's older compacted rows before it deletes the per-run file that wins
+    over both meanwhile): it comes from a copied compacted file or two folders merged into one. Rows
+    equal in both (a copy) are one run, read once from the first file (by name); different rows are
+    two runs under one id, and picking either would be a guess: :class:`UnreadableFile` names both files.
     """
     live = listing.live_parts()
     # (sort key, round, path): files by path as ever, a run's live parts right after its own file
@@ -244,16 +270,33 @@ def sources(fs: pafs.FileSystem, listing: Listing) -> tuple[list[str], list[tupl
         home = ps[0][1].path.rsplit("/", 1)[0] + f"/{r}.parquet"
         keyed.extend((home, rnd, i.path) for rnd, i in ps)
     partial: list[tuple[str, set[str]]] = []
-    seen = set(listing.per_run) | set(live)
+    own = set(listing.per_run) | set(live)
+    first: dict[str, str] = {}  # run id -> the compacted file its rows are read from
     for c in listing.compacted:
         ids = run_ids(fs, c.path)
-        skip = ids & seen
+        for r in sorted(ids & first.keys()):
+            _check_copies(fs, table, r, first[r], c.path)
+        skip = ids & (own | first.keys())
         if not skip:
             keyed.append((c.path, 0, c.path))
         elif skip != ids:
             partial.append((c.path, skip))
-        seen |= ids
+        first.update({r: c.path for r in ids - own - first.keys()})
     return [p for _, _, p in sorted(keyed)], partial
+
+
+def _check_copies(fs: pafs.FileSystem, table: str, run_id: str, a: str, b: str) -> None:
+    """Run ``run_id``'s rows in the compacted files ``a`` and ``b`` are the same rows (a copied file), or
+    :class:`UnreadableFile` naming both (:func:`sources`)."""
+    def rows(path: str) -> Any:
+        try:
+            return dataset(fs, [path], table).to_table(filter=pc.field("run_id") == run_id).to_pandas()
+        except (OSError, pa.ArrowException) as e:
+            raise_unreadable(fs, [path], table, e)
+
+    if not rows(a).equals(rows(b)):
+        raise UnreadableFile(f"results files {a} and {b} both hold run {run_id}, with different rows (two runs under "
+                             "one id: folders merged?); remove that run's rows from the one that is not it")
 
 
 class UnreadableFile(ConfigError):
@@ -262,17 +305,35 @@ class UnreadableFile(ConfigError):
 
 def raise_unreadable(fs: pafs.FileSystem, paths: list[str], table: str, error: BaseException) -> typing.NoReturn:
     """After a read of ``paths`` failed with ``error``: raise :class:`UnreadableFile` naming the first file that
-    cannot be read on its own (only on the failure path: a scan of many files does not say which broke it);
-    when each reads (the error was a write's, e.g. a full disk), ``error`` itself."""
+    cannot be read on its own, and the column when one column of it is what fails (a value the schema's type
+    cannot hold exactly, e.g. 0.5 in an integer column); only on the failure path: a scan of many files does not
+    say which broke it. When each reads (the error was a write's, e.g. a full disk), ``error`` itself."""
     for p in paths:
         try:
             dataset(fs, [p], table).to_table()
         except (OSError, pa.ArrowException) as e:
-            text = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
-            text = text[:120] + ("..." if len(text) > 120 else "")
-            raise UnreadableFile(f"results file {p} cannot be read ({text}); restore it from a copy or remove it "
-                                 "(its run's rows in it are lost)") from error
+            raise UnreadableFile(f"results file {p} cannot be read ({_failing_column(fs, p, table) or _first_line(e)}); "
+                                 "restore it from a copy or remove it (its run's rows in it are lost)") from error
     raise error
+
+
+def _first_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [e.__class__.__name__])[0]
+    return text[:120] + ("..." if len(text) > 120 else "")
+
+
+def _failing_column(fs: pafs.FileSystem, path: str, table: str) -> str | None:
+    """``column NAME: why`` for the first column of the file at ``path`` that cannot be read alone, or None."""
+    try:
+        names = next(iter(dataset(fs, [path], table).get_fragments())).physical_schema.names
+    except (OSError, pa.ArrowException, StopIteration):
+        return None
+    for name in (n for n in schema(table).names if n in names):
+        try:
+            dataset(fs, [path], table).to_table(columns=[name])
+        except (OSError, pa.ArrowException) as e:
+            return f"column {name}: {_first_line(e)}"
+    return None
 
 
 def check_tree(fs: pafs.FileSystem, base: str, shown: str, folders: tuple[str, ...]) -> None:

@@ -13,6 +13,7 @@ from scipy import stats
 
 from analysis import confound as cf
 from analysis.runs import annotate_runs
+from fedsap_ray import results
 
 G = "__global__"
 
@@ -254,8 +255,8 @@ def test_correlation_table_reads_a_results_folder(tmp_path, monkeypatch, capsys)
                        ("rounds", round_rows("a", [0.5, 0.6], [0.5, 0.5], [3, 1])),
                        ("allocations", alloc_rows("a", 1, [1.0, 0.9, 1.3, 0.2, 1.1, 0.4], [0.25] * 6, PMAX, TV)
                         + alloc_rows("a", 2, [-v for v in TV], PMAX, PMAX, TV))):
-        (tmp_path / name).mkdir()
-        pd.DataFrame(rows).to_parquet(tmp_path / name / "a.parquet")
+        rows = [{"schema_version": results.SCHEMA_VERSION, **r} for r in rows]  # as a run writes them
+        results.write_atomic(results.to_table(name, rows), tmp_path / name / "a.parquet")
     ct = cf.correlation_table(tmp_path)
     assert len(ct) == 1 and ct.iloc[0]["round"] == 2
     assert ct.iloc[0]["r_H_TV"] == pytest.approx(-1.0)
