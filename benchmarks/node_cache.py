@@ -1,4 +1,5 @@
-"""What a trial pays to get its dataset: a fresh load in every process vs the node-local cache.
+"""What a trial pays to get its dataset: a fresh load in every process vs the node-local cache, and
+what the content check of the cache costs beside it.
 
 Every Tune trial is a new worker process. Without the node cache each one decodes the
 dataset again (``load_splits``: for the embedded dataset, inflating its compressed
@@ -11,7 +12,11 @@ in ``--processes`` fresh subprocesses (the cost a trial sees), for the given pre
 - ``node_cache``: ``build_federation(cfg, shared_splits(cfg))`` with the entry built
   beforehand (the cost every trial after the first sees),
 
-plus the resident memory (RSS) each process ends with. One JSON line on stdout.
+plus the resident memory (RSS) each process ends with, and ``check_s``: the seconds of
+``data_s`` spent comparing the cache's content digests (:func:`fedsap_ray.data.cachefile.verify`:
+sha256 over every array, once per process; for ``fresh`` the embedded file's members as read,
+for ``node_cache`` the entry's maps, which pulls their pages in). Medians over the processes.
+One JSON line on stdout.
 
     python benchmarks/node_cache.py                              # laptop preset (embedded dataset)
     python benchmarks/node_cache.py --preset confound_laptop     # real MNIST from ../shared/data
@@ -29,14 +34,24 @@ CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 from fedsap_ray.config import build_config
+from fedsap_ray.data import cachefile
 from fedsap_ray.data.federation import build_federation
 from fedsap_ray.data.node_cache import shared_splits
+checks = []
+verify = cachefile.verify
+def timed_verify(*a, **k):  # the content check, timed where every cache calls it
+    t = time.perf_counter()
+    try:
+        return verify(*a, **k)
+    finally:
+        checks.append(time.perf_counter() - t)
+cachefile.verify = timed_verify
 t_import = time.perf_counter()
 cfg = build_config(preset=sys.argv[1], seed=0)
 fed = build_federation(cfg, shared_splits(cfg, sys.argv[3])) if sys.argv[2] == "node_cache" else build_federation(cfg)
 n = sum(len(v) for v in fed.train.values())
-print(json.dumps({"data_s": time.perf_counter() - t_import, "samples": n,
-                  "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"data_s": time.perf_counter() - t_import, "check_s": sum(checks), "checks": len(checks),
+                  "samples": n, "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -47,6 +62,9 @@ def measure(mode: str, preset: str, cache: str, n: int) -> dict:
                              check=True)
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return {"data_s_median": statistics.median(r["data_s"] for r in runs),
+            "check_s_median": statistics.median(r["check_s"] for r in runs),
+            "check_share_median": statistics.median(r["check_s"] / r["data_s"] for r in runs),
+            "checks": runs[0]["checks"],
             "maxrss_mb_median": statistics.median(r["maxrss_mb"] for r in runs), "samples": runs[0]["samples"]}
 
 

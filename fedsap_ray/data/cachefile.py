@@ -15,9 +15,10 @@ The rules every cache of :mod:`fedsap_ray.data` keeps (docs/guides/data.md#cache
   root itself may be a link, like ``--out``), every folder and file is looked at with ``lstat`` and opened
   with ``O_NOFOLLOW``: a link, an entry of another kind (a folder or FIFO where a file is expected), a file
   or member the build did not write, or one it wrote that is gone, makes the cache :class:`Unusable`;
-- an unusable cache is rebuilt from its source with one warning line (:class:`CacheRebuilt`), and the link
-  or stray entry is replaced, never followed; where the source is gone too, the load stops with
-  :class:`~fedsap_ray.errors.DatasetUnavailable` (exit 2) naming the cache file (:func:`cannot_rebuild`).
+- an unusable cache is rebuilt from its source, then one warning line says so (:class:`CacheRebuilt`,
+  naming the file and what was wrong); the link or stray entry is replaced, never followed. Where the
+  source is gone too, the load stops with :class:`~fedsap_ray.errors.DatasetUnavailable` (exit 2) naming
+  the cache file and what is missing (:func:`cannot_rebuild`), and nothing is changed.
 
 What a digest does not prove: whoever can write the cache can also write digests that match an edit. A
 deliberate, consistent edit (the numbers changed *and* the digests recomputed) is taken on trust, like
@@ -33,7 +34,6 @@ import os
 import stat
 import warnings
 import zipfile
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,7 +47,6 @@ from fedsap_ray.errors import DatasetUnavailable
 
 DIGESTS = "content_digests"  # the member of a cache .npz holding the digest of every other member (JSON)
 MAX_THREADS = 8  # digests of a cache's arrays are taken in parallel (hashlib releases the GIL)
-_NOT_A_ZIP = (zipfile.BadZipFile, zlib.error, EOFError, ValueError, KeyError, OSError, UnicodeDecodeError)
 
 
 class CacheRebuilt(RuntimeWarning):
@@ -62,9 +61,10 @@ class Unusable(Exception):
         self.path, self.reason = Path(path), reason
 
 
-def rebuilding(problem: Unusable) -> None:
-    """The one line a rebuild of a cache that was there, but unusable, prints (a :class:`CacheRebuilt` warning)."""
-    warnings.warn(f"cache {problem}; rebuilding it from its source", CacheRebuilt, stacklevel=3)
+def rebuilt(problem: Unusable) -> None:
+    """The one line a cache that was there, but unusable, prints once it was rebuilt from its source (a
+    :class:`CacheRebuilt` warning; where the source is gone, :func:`cannot_rebuild`'s refusal is the one line)."""
+    warnings.warn(f"cache {problem}; rebuilt it from its source", CacheRebuilt, stacklevel=3)
 
 
 def cannot_rebuild(problem: Unusable, error: BaseException) -> DatasetUnavailable:
@@ -199,8 +199,8 @@ def map_npy(path: Path) -> np.ndarray:
                 shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
             else:
                 raise ValueError(f".npy format version {version}")
-        except (ValueError, EOFError, SyntaxError) as e:
-            raise Unusable(path, f"is not a readable .npy file ({e})") from e
+        except Exception as e:  # numpy parses the header with ast and tokenize: ValueError, SyntaxError, TokenError...
+            raise Unusable(path, f"is not a readable .npy file ({e.__class__.__name__}: {e})") from e
         if dtype.hasobject:
             raise Unusable(path, "holds Python objects; a cache holds numbers only")
         offset = f.tell()
@@ -257,7 +257,7 @@ def read_npz(root: Path, path: Path, names: Iterable[str]) -> dict[str, np.ndarr
         raise
     except FileNotFoundError:
         return None
-    except _NOT_A_ZIP as e:
+    except Exception as e:  # zipfile, zlib, json and numpy's header parser (ast, tokenize) all raise their own
         first = str(e).splitlines()[0] if str(e) else ""
         raise Unusable(path, f"is unreadable ({e.__class__.__name__}: {first[:200]})") from e
     if not isinstance(expected, dict):

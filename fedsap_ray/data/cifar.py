@@ -194,17 +194,19 @@ def cached_cifar_tarball(tar_path: Path, cache_dir: Path | None = None) -> tuple
     again, with one line saying so."""
     cache_dir = cache_home() if cache_dir is None else cache_dir
     path = cache_dir / "cifar10" / f"{tar_path.name.split('.')[0]}_{_sha256(tar_path)[:16]}.npz"
+    problem: Unusable | None = None
     try:
         d = cachefile.read_npz(cache_dir, path, ("x_train", "y_train", "x_test", "y_test", "classes"))
-    except Unusable as problem:
-        cachefile.rebuilding(problem)
-        d = None
+    except Unusable as e:
+        problem, d = e, None
     if d is not None:
         return {"train": (d["x_train"], d["y_train"]), "test": (d["x_test"], d["y_test"])}, [str(c) for c in d["classes"]]
     splits, classes = decode_cifar_tarball(tar_path)
     cachefile.write_npz(cache_dir, path, {"x_train": splits["train"][0], "y_train": splits["train"][1],
                                           "x_test": splits["test"][0], "y_test": splits["test"][1],
                                           "classes": np.asarray(classes)})
+    if problem is not None:
+        cachefile.rebuilt(problem)
     return splits, classes
 
 

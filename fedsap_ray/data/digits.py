@@ -362,15 +362,15 @@ def rendered_splits(fn: RenderFn, n_train: int, n_test: int, seed: int, cache_di
     cache_dir = cache_home() if cache_dir is None else cache_dir
     path = cache_dir / "rendered" / f"{fn.__name__}_n{n_train}+{n_test}_seed{seed}_{_render_version(fn)}.npz"
     n = n_train + n_test
+    problem: Unusable | None = None
     try:
         cached = cachefile.read_npz(cache_dir, path, ("x", "y"))
         if cached is not None and (cached["x"].dtype != np.uint8 or cached["x"].shape != (n, 3, IMAGE_SIZE, IMAGE_SIZE)
                                    or cached["y"].dtype != np.int64 or cached["y"].shape != (n,)):
             raise Unusable(path, f"holds {cached['x'].dtype} {cached['x'].shape} / {cached['y'].dtype} "
                                  f"{cached['y'].shape}, not {n} rendered digits")
-    except Unusable as problem:
-        cachefile.rebuilding(problem)
-        cached = None
+    except Unusable as e:
+        problem, cached = e, None
     if cached is not None:
         x, y = cached["x"], cached["y"]
     else:
@@ -383,6 +383,8 @@ def rendered_splits(fn: RenderFn, n_train: int, n_test: int, seed: int, cache_di
                 f"expected uint8 ({n}, 3, {IMAGE_SIZE}, {IMAGE_SIZE}) and int64 ({n},)"
             )
         cachefile.write_npz(cache_dir, path, {"x": x, "y": y})
+        if problem is not None:
+            cachefile.rebuilt(problem)
     return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 

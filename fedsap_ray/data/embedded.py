@@ -167,12 +167,11 @@ def load_arrays(root: Path) -> dict[str, np.ndarray]:
     """Cached arrays under ``root``, building (and caching) them when missing, and rebuilding them (one
     :class:`~fedsap_ray.data.cachefile.CacheRebuilt` line) when the file there is unusable."""
     path = Path(root) / CACHE_FILE
-    problem = None
+    problem: Unusable | None = None
     try:
         arrays = read_cache(path)
     except Unusable as e:
         problem, arrays = e, None
-        cachefile.rebuilding(e)
     if arrays is not None:
         return arrays
     try:
@@ -181,6 +180,8 @@ def load_arrays(root: Path) -> dict[str, np.ndarray]:
         if problem is None:
             raise
         raise cachefile.cannot_rebuild(problem, e) from e
+    if problem is not None:
+        cachefile.rebuilt(problem)
     try:
         _write_npz_atomic(path, arrays)
     except OSError as e:  # a read-only home must not stop a run; it only costs a rebuild next time

@@ -124,20 +124,20 @@ def shared_splits(cfg: ExperimentConfig, cache_dir: Path | str | None = None) ->
     if splits is None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with _locked(target.parent / (target.name + ".lock")):
-            problem = None
+            problem: Unusable | None = None
             try:
                 splits = _open(target, _source_files(cfg))
             except Unusable as e:
                 problem = e
             if splits is None:
-                if problem is not None:
-                    cachefile.rebuilding(problem)
                 try:
                     _build(cfg, target)
                 except DatasetUnavailable as e:
                     if problem is None:
                         raise
                     raise cachefile.cannot_rebuild(problem, e) from e
+                if problem is not None:
+                    cachefile.rebuilt(problem)
                 try:
                     splits = _open(target, None)
                 except Unusable as e:

@@ -185,7 +185,7 @@ def test_corrupt_cache_is_rebuilt(built, tmp_path, monkeypatch, damage):
     real = embedded.read_cache(root / embedded.CACHE_FILE)
     small = {k: (v[:20] if k != "meta" else v) for k, v in real.items()}
     monkeypatch.setattr(embedded, "build_arrays", lambda: small)
-    with pytest.warns(cachefile.CacheRebuilt, match=f"{embedded.CACHE_FILE}.*rebuilding it"):
+    with pytest.warns(cachefile.CacheRebuilt, match=f"{embedded.CACHE_FILE}.*rebuilt it"):
         s = get_source("embedded_digits").load(tmp_path, download=False, seed=0)
     assert len(s.train["street"]) == 20
     again = embedded.read_cache(path)
