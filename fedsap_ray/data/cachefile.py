@@ -174,17 +174,18 @@ def open_file(path: Path) -> BinaryIO:
 
 def open_for_append(path: Path, flags: int) -> int:
     """A descriptor of the small bookkeeping file ``path`` (a lock, a log), created if missing, never through
-    a link: a link there is removed first (one :class:`CacheRebuilt` line; its target is left alone)."""
+    a link: a link (or a folder) there is removed first (one :class:`CacheRebuilt` line; a link's target is
+    left alone)."""
     for _ in range(2):
         try:
             return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            if e.errno != errno.ELOOP:
+            if e.errno not in (errno.ELOOP, errno.EISDIR):
                 raise
-            warnings.warn(f"cache {path}: is a symbolic link; replaced by a file of its own", CacheRebuilt,
-                          stacklevel=3)
+            what = "a symbolic link" if e.errno == errno.ELOOP else "a folder"
+            warnings.warn(f"cache {path}: is {what}; replaced by a file of its own", CacheRebuilt, stacklevel=3)
             discard(path)
-    raise Unusable(path, "became a symbolic link again while it was replaced")
+    raise Unusable(path, "became a link or folder again while it was replaced")
 
 
 def map_npy(path: Path) -> np.ndarray:

@@ -147,7 +147,8 @@ def test_node_cache_tampered_is_rebuilt_and_the_run_is_the_intact_one(blobs, tmp
         assert node_cache.node_cache_builds(cache) == {entry.name: 2}
 
 
-def test_a_lock_or_build_log_replaced_by_a_link_is_not_followed(blobs, tmp_path):
+@pytest.mark.parametrize("kind", ["link", "folder"])
+def test_a_lock_or_build_log_replaced_by_a_link_is_not_followed(blobs, tmp_path, kind):
     cfg, intact, _ = blobs
     cache, outside = tmp_path / "nc", tmp_path / "outside"
     outside.mkdir()
@@ -155,11 +156,15 @@ def test_a_lock_or_build_log_replaced_by_a_link_is_not_followed(blobs, tmp_path)
     with tiny_blobs():
         entry = node_cache.entry_dir(cfg, cache)
         cache.mkdir()
-        (cache / (entry.name + ".lock")).symlink_to(outside / "victim")
-        (cache / node_cache.BUILD_LOG).symlink_to(outside / "victim")
+        for name in (entry.name + ".lock", node_cache.BUILD_LOG):
+            if kind == "link":
+                (cache / name).symlink_to(outside / "victim")
+            else:
+                (cache / name).mkdir()
         assert_same_splits(intact, node_cache.shared_splits(cfg, cache))
     assert (outside / "victim").read_text() == "keep me"
-    assert not (cache / node_cache.BUILD_LOG).is_symlink() and node_cache.node_cache_builds(cache) == {entry.name: 1}
+    assert (cache / node_cache.BUILD_LOG).is_file() and not (cache / node_cache.BUILD_LOG).is_symlink()
+    assert node_cache.node_cache_builds(cache) == {entry.name: 1}
 
 
 @pytest.mark.parametrize("case", ["offsets shifted", "clients renamed", "an offset past the end"])
