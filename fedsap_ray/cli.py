@@ -173,10 +173,28 @@ def _print_notes(e: BaseException) -> None:
         print(f"fedsap-ray: also: {note}", file=sys.stderr)
 
 
+def check_datasets_root(root: str | None) -> Path | None:
+    """``--root`` of ``fedsap-ray datasets``: a folder (one that does not exist is reported with every file
+    missing); an empty name or a file there is refused, as ``data.root`` is."""
+    if root is None:
+        return None
+    if not root.strip():
+        raise ConfigError(f"invalid --root={root!r}: must name a folder (leave --root out for each dataset's "
+                          "default location)")
+    try:
+        path = Path(root).expanduser()
+        kind = None if not path.exists() else "folder" if path.is_dir() else "file"
+    except (ValueError, RuntimeError, OSError) as e:  # a NUL byte, ~unknown_user, a name too long
+        raise ConfigError(f"invalid --root={root!r}: not a usable path ({e})") from e
+    if kind == "file":
+        raise ConfigError(f"invalid --root={root!r}: it is a file; --root is the folder that holds the datasets' files")
+    return path
+
+
 def _datasets(args) -> int:
     from fedsap_ray.data.status import dataset_table
 
-    rows = dataset_table(Path(args.root) if args.root else None)
+    rows = dataset_table(check_datasets_root(args.root))
     for r in rows:
         mark = "present" if r["present"] else "missing"
         print(f"{r['name']:<16} {mark:<8} {r['root']}")

@@ -203,6 +203,8 @@ class DataConfig:
             if v is not None and (not isinstance(v, int) or v < 1):
                 fail(f"data.{f}", v, "must be null or an integer >= 1")
         if self.root is not None:
+            if isinstance(self.root, str) and not self.root.strip():  # '' would mean the working directory
+                fail("data.root", self.root, "must name a folder (leave it null for the dataset's default location)")
             try:
                 root = Path(self.root).expanduser()
                 kind = "folder" if root.is_dir() else "file" if root.exists() else None

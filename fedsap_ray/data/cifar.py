@@ -10,8 +10,9 @@ Layouts under ``root``:
   (``train/<class>/*.jpg``, ``test/<class>/*.jpg``; class folders sorted = label order).
   The archive is read as one stream and its 60,000 JPEGs are decoded in batches by
   ``torchvision.io.decode_jpeg`` (libjpeg-turbo; about 6 s on 2 cores, pixel-identical to
-  PIL) straight into ``<cache>/cifar10/cifar10_jpg_q75_<sha>.npz``, written atomically; later
-  loads read that file (~0.2 s). No extracted folder is kept: 60,000 small files would cost
+  PIL) straight into ``<cache>/cifar10/cifar10_jpg_q75_<sha>.npz``, written atomically with
+  its arrays' digests (:mod:`fedsap_ray.data.cachefile`); later loads read that file (~0.2 s)
+  and check the digests before use. No extracted folder is kept: 60,000 small files would cost
   more to write than the decode itself, and the cache key is the archive's sha256, so a
   changed archive is decoded afresh. JPEG q75 is lossy: pixels differ slightly from the
   original batches (the notes say so).
@@ -26,11 +27,13 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
+from fedsap_ray.data import cachefile
 from fedsap_ray.data.base import check_labels
+from fedsap_ray.data.cachefile import Unusable
 from fedsap_ray.data.digits import Split, resize_nchw
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.source import FileSource, one_domain
-from fedsap_ray.data.status import atomic_save_npz, cache_home, first_present
+from fedsap_ray.data.status import cache_home, first_present
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 TARBALL = "cifar10_jpg_q75.tar.gz"
@@ -186,24 +189,24 @@ def decode_cifar_tarball(tar_path: Path, max_per_class: int | None = None, progr
 
 
 def cached_cifar_tarball(tar_path: Path, cache_dir: Path | None = None) -> tuple[dict[str, Split], list[str]]:
-    """Decoded arrays of the whole archive, decoding once and caching by the archive's sha256."""
+    """Decoded arrays of the whole archive, decoding once and caching by the archive's sha256; the cache holds
+    its arrays' digests (:mod:`fedsap_ray.data.cachefile`): one that is damaged, altered or a link is decoded
+    again, with one line saying so."""
     cache_dir = cache_home() if cache_dir is None else cache_dir
     path = cache_dir / "cifar10" / f"{tar_path.name.split('.')[0]}_{_sha256(tar_path)[:16]}.npz"
-    if path.is_file():
-        try:
-            with np.load(path) as d:
-                return {"train": (d["x_train"], d["y_train"]), "test": (d["x_test"], d["y_test"])}, [str(c) for c in d["classes"]]
-        except (OSError, ValueError, KeyError):
-            pass  # unreadable cache: decode again
+    problem: Unusable | None = None
+    try:
+        d = cachefile.read_npz(cache_dir, path, ("x_train", "y_train", "x_test", "y_test", "classes"))
+    except Unusable as e:
+        problem, d = e, None
+    if d is not None:
+        return {"train": (d["x_train"], d["y_train"]), "test": (d["x_test"], d["y_test"])}, [str(c) for c in d["classes"]]
     splits, classes = decode_cifar_tarball(tar_path)
-    atomic_save_npz(
-        path,
-        x_train=splits["train"][0],
-        y_train=splits["train"][1],
-        x_test=splits["test"][0],
-        y_test=splits["test"][1],
-        classes=np.asarray(classes),
-    )
+    cachefile.write_npz(cache_dir, path, {"x_train": splits["train"][0], "y_train": splits["train"][1],
+                                          "x_test": splits["test"][0], "y_test": splits["test"][1],
+                                          "classes": np.asarray(classes)})
+    if problem is not None:
+        cachefile.rebuilt(problem)
     return splits, classes
 
 

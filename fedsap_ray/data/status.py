@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from fedsap_ray.atomic import atomic_write
+from fedsap_ray.data import cachefile
 from fedsap_ray.data.registry import DatasetUnavailable, FileStatus
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -61,10 +61,10 @@ def default_root(name: str, files: Callable[[Path], list[FileStatus]]) -> Path:
 
 
 def atomic_save_npz(path: Path, **arrays: np.ndarray) -> None:
-    """Write an uncompressed ``.npz`` whole or not at all, so a crash never leaves a half cache; mode 0644:
-    a cache is meant to be shared like any data file."""
-    with atomic_write(path, mode=0o644) as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy stubs check **arrays against allow_pickle: bool
+    """Write an uncompressed ``.npz`` cache whole or not at all, with its arrays' digests, so a crash never
+    leaves a half cache and a changed one is noticed (:func:`fedsap_ray.data.cachefile.write_npz`, the file's
+    folder as its root); mode 0644: a cache is meant to be shared like any data file."""
+    cachefile.write_npz(Path(path).parent, Path(path), arrays)
 
 
 def unavailable(dataset: str, missing: list[tuple[str, Path, str]]) -> DatasetUnavailable:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedsap_ray.data import embedded
+from fedsap_ray.data import cachefile, embedded
 from fedsap_ray.data.registry import dataset_names, get_source
 from fedsap_ray.data.render import digit_fonts, render_street_digits, render_synth_digits
 
@@ -182,18 +182,19 @@ def test_corrupt_cache_is_rebuilt(built, tmp_path, monkeypatch, damage):
     path = tmp_path / embedded.CACHE_FILE
     path.write_bytes(bad)
     # rebuild with a small stand-in build so the test stays fast; the real build is tested above
-    real = embedded._read_cache(root / embedded.CACHE_FILE)
+    real = embedded.read_cache(root / embedded.CACHE_FILE)
     small = {k: (v[:20] if k != "meta" else v) for k, v in real.items()}
     monkeypatch.setattr(embedded, "build_arrays", lambda: small)
-    s = get_source("embedded_digits").load(tmp_path, download=False, seed=0)
+    with pytest.warns(cachefile.CacheRebuilt, match=f"{embedded.CACHE_FILE}.*rebuilt it"):
+        s = get_source("embedded_digits").load(tmp_path, download=False, seed=0)
     assert len(s.train["street"]) == 20
-    again = embedded._read_cache(path)
+    again = embedded.read_cache(path)
     assert again is not None and np.array_equal(again["synth_x_test"], small["synth_x_test"])
 
 
 def test_unwritable_cache_warns_and_still_loads(built, tmp_path, monkeypatch):
     root, _ = built
-    real = embedded._read_cache(root / embedded.CACHE_FILE)
+    real = embedded.read_cache(root / embedded.CACHE_FILE)
     monkeypatch.setattr(embedded, "build_arrays", lambda: {k: (v[:10] if k != "meta" else v) for k, v in real.items()})
 
     def refuse(path, arrays):
