@@ -64,7 +64,13 @@ class Unusable(Exception):
 def rebuilt(problem: Unusable) -> None:
     """The one line a cache that was there, but unusable, prints once it was rebuilt from its source (a
     :class:`CacheRebuilt` warning; where the source is gone, :func:`cannot_rebuild`'s refusal is the one line)."""
-    warnings.warn(f"cache {problem}; rebuilt it from its source", CacheRebuilt, stacklevel=3)
+    notice(f"cache {problem}; rebuilt it from its source")
+
+
+def notice(text: str) -> None:
+    """Emit ``text`` as a :class:`CacheRebuilt` warning printed on one line: attributed to the package, not to a
+    source line (a plain ``warnings.warn`` prints the calling line beneath the message, a second line)."""
+    warnings.warn_explicit(text, CacheRebuilt, filename="fedsap_ray.data", lineno=0, module="fedsap_ray.data.cachefile")
 
 
 def cannot_rebuild(problem: Unusable, error: BaseException) -> DatasetUnavailable:
@@ -183,7 +189,7 @@ def open_for_append(path: Path, flags: int) -> int:
             if e.errno not in (errno.ELOOP, errno.EISDIR):
                 raise
             what = "a symbolic link" if e.errno == errno.ELOOP else "a folder"
-            warnings.warn(f"cache {path}: is {what}; replaced by a file of its own", CacheRebuilt, stacklevel=3)
+            notice(f"cache {path}: is {what}; replaced by a file of its own")
             discard(path)
     raise Unusable(path, "became a link or folder again while it was replaced")
 
