@@ -203,7 +203,7 @@ def smoke(tmp_path_factory, fed):
     out = tmp_path_factory.mktemp("fedsap")
     cfg = build_config(preset="smoke", overrides=TINY + ["training.rounds=4"])
     assert cfg.algorithm.name == "fedsap"  # the default algorithm
-    run_experiment(cfg, out, run_id="s", federation=fed)
+    run_experiment(cfg, out, run_id="r", federation=fed)  # also the uninterrupted run a resume must equal
     return cfg, results.load(out)
 
 
@@ -254,9 +254,11 @@ def test_bad_fedsap_options_are_rejected():
                 raise
 
 
-def test_resumed_fedsap_run_equals_uninterrupted(tmp_path, fed):
-    """Every eval mode's best-so-far and FedSAP's state survive a checkpoint."""
+def test_resumed_fedsap_run_equals_uninterrupted(tmp_path, fed, smoke):
+    """Every eval mode's best-so-far and FedSAP's state survive a checkpoint (the run never stopped: ``smoke``, the
+    same config, run id and federation)."""
     cfg = build_config(preset="smoke", overrides=TINY + ["training.rounds=4"])
+    assert cfg == smoke[0]
 
     def stop_after_round_2(summary):
         if summary.round == 2:
@@ -271,8 +273,7 @@ def test_resumed_fedsap_run_equals_uninterrupted(tmp_path, fed):
     g = g[g.domain == "__global__"]
     assert saved == g.groupby("eval_mode")["accuracy"].max().to_dict()  # every mode's best, not just the primary
     run_experiment(cfg, tmp_path / "cut", run_id="r", federation=fed, resume=True)
-    run_experiment(cfg, tmp_path / "whole", run_id="r", federation=fed)
-    a, b = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
+    a, b = results.load(tmp_path / "cut"), smoke[1]
     for table in ("rounds", "clients", "layers"):
         left, right = steady(a[table]), steady(b[table])
         assert left.equals(right), table
