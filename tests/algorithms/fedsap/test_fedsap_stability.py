@@ -17,7 +17,7 @@ from fedsap_ray.models import build_model
 from conftest import assert_options_rejected, federation_fixture, run_rounds_with_records
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
-        "training.batch_size=16", "training.max_steps_per_epoch=3"]
+        "training.batch_size=16", "training.max_steps_per_epoch=2"]
 # the DGA probe at 16 of a client's samples (the default, 256, is all of a tiny client's 80): the probe is half of a
 # FedSAP client's work here, and these tests read masks, swaps and records, not how well the DGA recovers
 # domains (test_fedsap_motion.py's probe test does, at its own 128)
