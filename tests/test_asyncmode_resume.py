@@ -234,6 +234,22 @@ def _nan_in_a_base(ck) -> None:
     bases[k] = np.where(np.arange(bases[k].size) == 0, np.float32("nan"), bases[k]).astype(np.float32)
 
 
+@pytest.fixture(scope="module")
+def cut4(tmp_path_factory, fed_cyclic):
+    """HeteroFL-FedBuff for 4 steps, interrupted after step 2 (its config: the trace it names lives beside it); the
+    tests below edit copies of the folder."""
+    root = tmp_path_factory.mktemp("cut4")
+    cfg = _config(root, "heterofl-fedbuff", "training.rounds=4")
+    _cut(cfg, root / "cut", fed_cyclic, 2)
+    return cfg, root / "cut"
+
+
+def _copy(cut4, tmp_path: Path):
+    cfg, folder = cut4
+    shutil.copytree(folder, tmp_path / "cut")
+    return cfg, tmp_path / "cut"
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda ck: ck.pop("engine"), r"holds no asynchronous engine state .* start the run again"),
     (lambda ck: ck["engine"].update(version=2), r"engine is format 'fedbuff' version 2; this fedsap_ray reads 'fedbuff' version 1"),
@@ -246,11 +262,9 @@ def _nan_in_a_base(ck) -> None:
     (lambda ck: ck["engine"]["flight"].append(ck["engine"]["flight"][0]), r"engine holds two updates of one client"),
     (lambda ck: _nan_in_a_base(ck), r"engine\.bases\[\d+\] holds 1 non-finite value\(s\)"),
 ], ids=["old-checkpoint", "other-version", "unknown-version", "times", "values", "hook", "twice", "base-nan"])
-def test_a_checkpoint_without_the_engine_state_or_with_an_edited_one_is_refused_by_name(tmp_path, fed_cyclic, edit,
-                                                                                      message):
-    cfg = _config(tmp_path, "heterofl-fedbuff", "training.rounds=4")
-    out = tmp_path / "cut"
-    _cut(cfg, out, fed_cyclic, 2)
+def test_a_checkpoint_without_the_engine_state_or_with_an_edited_one_is_refused_by_name(tmp_path, fed_cyclic, cut4,
+                                                                                      edit, message):
+    cfg, out = _copy(cut4, tmp_path)
     _edit(out, edit)
     before = sorted(p.relative_to(out) for p in out.rglob("*.parquet"))
     with pytest.raises(ConfigError, match=rf"invalid --resume='r': checkpoint .*r\.npz:? {message}"):
@@ -300,12 +314,10 @@ def _nudge_a_base(tree) -> None:
 
 @pytest.mark.parametrize("edit", [lambda tree: tree["engine"]["flight"].pop(), _shift_times, _nudge_a_base],
                          ids=["a-client-in-flight-forgotten", "times-shifted", "a-stored-vector-nudged"])
-def test_an_async_checkpoint_edited_consistently_without_its_digest_is_refused(tmp_path, fed_cyclic, edit):
+def test_an_async_checkpoint_edited_consistently_without_its_digest_is_refused(tmp_path, fed_cyclic, cut4, edit):
     """Edits the engine's own checks accept (each keeps the state self-consistent) and that, before the digest,
     resumed silently to other tables: without the digest recomputed they are refused, naming the file."""
-    cfg = _config(tmp_path, "heterofl-fedbuff", "training.rounds=4")
-    out = tmp_path / "cut"
-    _cut(cfg, out, fed_cyclic, 2)
+    cfg, out = _copy(cut4, tmp_path)
     _keeping_digest(out, edit)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     with pytest.raises(ConfigError, match=r"invalid --resume='r': checkpoint .*r\.npz was changed after the run wrote "

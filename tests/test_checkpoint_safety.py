@@ -10,6 +10,7 @@ import json
 import pickle
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,10 @@ def test_every_strategys_state_round_trips_exactly_through_its_checkpoint(tmp_pa
     from fedsap_ray.runtime import make_backend
     from fedsap_ray.session import RunSession
 
-    cfg = build_config(preset="smoke", overrides=[*TINY, f"algorithm.name={algo}", "training.rounds=2"])
+    # evaluated at round 2 only (what the server's metrics hold then is what is round-tripped; a round's evaluation,
+    # deployed models included, cost about half of it)
+    cfg = build_config(preset="smoke", overrides=[*TINY, f"algorithm.name={algo}", "training.rounds=2",
+                                                  "training.eval_every=2"])
     s = RunSession(cfg, tmp_path, "r", backend=make_backend(cfg))
     s.start()
     for t in (1, 2):
@@ -201,9 +205,9 @@ def _malicious_npz(marker: Path) -> bytes:
 
 
 @pytest.mark.parametrize("where", ["checkpoint", "pickle-in-npz", "legacy"])
-def test_resume_refuses_a_malicious_pickle_without_running_it(tmp_path, capsys, where):
+def test_resume_refuses_a_malicious_pickle_without_running_it(tmp_path, capsys, where, cut_run):
     out = tmp_path / "o"
-    tiny_run(out, "k1", stop_after=1)
+    shutil.copytree(cut_run, out)  # an interrupted run, its checkpoint about to be replaced
     marker = tmp_path / "pwned"
     target = checkpoint.legacy_path_for(out, "k1") if where == "legacy" else checkpoint.path_for(out, "k1")
     checkpoint.path_for(out, "k1").unlink()
@@ -219,9 +223,9 @@ def test_resume_refuses_a_malicious_pickle_without_running_it(tmp_path, capsys, 
     with pytest.raises(checkpoint.CheckpointUnreadable):
         checkpoint.load(out, "k1")
     assert not marker.exists()
-    # the way out the message names: a fresh run under the same id
+    # the way out the message names: a fresh run under the same id (one round is enough to have overwritten it)
     rc, lines = cli(capsys, "run", "--preset", "smoke", "--quiet", "--out", str(out), "--run-id", "k1", "--overwrite",
-                    *sets(TINY))
+                    *sets([*TINY, "training.rounds=1"]))
     assert rc == 0, lines
     assert not target.exists() and not marker.exists()
 
@@ -346,8 +350,6 @@ def cut_run(tmp_path_factory) -> Path:
 def test_a_checkpoint_changed_after_it_was_written_is_refused_by_name(tmp_path, capsys, edit, cut_run):
     """A file that still opens (its zip CRCs were recomputed by the rewrite), keeps its shapes and dtypes and whose
     values the content checks would accept, but is not what the run wrote: one line, exit 2, nothing changed."""
-    import shutil
-
     change, needle = EDITS[edit]
     tmp_path = tmp_path / "o"
     shutil.copytree(cut_run, tmp_path)
@@ -362,10 +364,11 @@ def test_a_checkpoint_changed_after_it_was_written_is_refused_by_name(tmp_path, 
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
-def test_a_consistent_edit_with_its_digest_recomputed_is_taken_on_trust(tmp_path):
+def test_a_consistent_edit_with_its_digest_recomputed_is_taken_on_trust(tmp_path, cut_run):
     """What docs/guides/running.md says: whoever rewrites a checkpoint with a new digest (the codec's own writer)
     is trusted like any file a run is pointed at; the content checks still hold it to the run's shapes."""
-    tiny_run(tmp_path, "k1", stop_after=2)
+    tmp_path = tmp_path / "o"
+    shutil.copytree(cut_run, tmp_path)
     path = checkpoint.path_for(tmp_path, "k1")
     header, tree = treecodec.read(path)
     tree["state"]["params"] = tree["state"]["params"] + np.float32(1e-3)
@@ -375,7 +378,7 @@ def test_a_consistent_edit_with_its_digest_recomputed_is_taken_on_trust(tmp_path
     assert tiny_run(tmp_path, "k1", resume=True).status == "finished"
 
 
-def test_a_version_1_checkpoint_without_a_digest_still_resumes(tmp_path):
+def test_a_version_1_checkpoint_without_a_digest_still_resumes(tmp_path, cut_run):
     """Checkpoints an older fedsap_ray wrote (format version 1, before the digest) are read as before: a run it
     interrupted continues to the tables of the run never stopped."""
     import pandas as pd
@@ -385,7 +388,7 @@ def test_a_version_1_checkpoint_without_a_digest_still_resumes(tmp_path):
 
     tiny_run(tmp_path / "whole", "k1")
     cut = tmp_path / "cut"
-    tiny_run(cut, "k1", stop_after=2)
+    shutil.copytree(cut_run, cut)
 
     def as_version_1(meta, arrays) -> None:
         meta["version"] = 1

@@ -94,11 +94,13 @@ def test_print_config_and_listings(capsys):
 
 
 def test_interrupted_cli_run_resumes(tmp_path, capsys):
-    """Resume from the command line: the stored config is used and the run finishes."""
+    """Resume from the command line: the stored config is used and the run finishes (FedSAP on the smoke preset at
+    a sixteenth of the width, two steps a round: what is resumed is the config, whatever it holds)."""
     from fedsap_ray.config import build_config
     from fedsap_ray.experiment import run_experiment
 
-    cfg = build_config(preset="smoke", overrides=["training.rounds=3", "data.max_test_per_domain=50"])
+    cfg = build_config(preset="smoke", overrides=["training.rounds=3", "data.max_test_per_domain=50",
+                                                  "model.width_mult=0.0625", "training.max_steps_per_epoch=2"])
 
     def stop(summary):
         raise KeyboardInterrupt

@@ -24,8 +24,10 @@ from fedsap_ray.models import build_model
 from fedsap_ray.server import DEPLOYED, deployed_sample
 from conftest import EvaluatedSizes, federation_fixture, make_strategy, run_rounds
 
-TINY = ["data.num_clients=5", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
-        "training.batch_size=16", "training.max_steps_per_epoch=2"]
+# clients of 1% of their domain (40 samples, 14 of UCI digits): a deployed model's BN statistics are calibrated on
+# them, once for each way it is evaluated
+TINY = ["data.num_clients=5", "data.client_fraction=0.01", "data.max_test_per_domain=40", "model.width_mult=0.125",
+        "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=2"]
 fed = federation_fixture(TINY)
 CPU = torch.device("cpu")
 

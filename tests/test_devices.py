@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -30,6 +31,20 @@ def _run(tmp_path, fed, *extra, name="r", progress=None, base=TINY):
     cfg = build_config(preset="smoke", overrides=[*base, *extra])
     run_experiment(cfg, tmp_path / name, run_id=name, federation=fed, progress=progress)
     return cfg, results.load(tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, fed):
+    """A folder holding one run ``x`` of TINY (FedAvg waiting for every device): the tests below copy it where they
+    need that run, beside runs of their own."""
+    out = tmp_path_factory.mktemp("plain") / "o"
+    run_experiment(build_config(preset="smoke", overrides=list(TINY)), out, run_id="x", federation=fed)
+    return out
+
+
+def _copy(plain, to):
+    shutil.copytree(plain, to)
+    return to
 
 
 def test_a_client_rounds_time_is_its_formula_and_the_round_waits_for_the_slowest(tmp_path, fed):
@@ -197,21 +212,21 @@ def test_the_study_names_every_method_it_compares_by_its_row_name():
                                          "e": "FedProx (full model)"}
 
 
-def test_a_deadline_run_no_client_missed_is_read_as_the_methods_wait_all_run(tmp_path, fed):
+def test_a_deadline_run_no_client_missed_is_read_as_the_methods_wait_all_run(tmp_path, fed, plain):
     def run(folder, run_id, *extra):
         cfg = build_config(preset="smoke", overrides=[*TINY, *extra])
         run_experiment(cfg, tmp_path / folder, run_id=run_id, federation=fed)
 
-    run("w", "w")  # FedAvg waiting for every device
+    _copy(plain, tmp_path / "w")  # FedAvg waiting for every device: run x
     run("d", "in_time", "algorithm.width=capacity", "devices.policy=deadline", "devices.deadline_s=1e9")
     run("d", "late", "algorithm.name=fedprox", "devices.policy=deadline", "devices.deadline_s=1e-9")
     run("d", "has_one", "devices.policy=deadline", "devices.deadline_s=1e9")  # FedAvg: wait_all has its own run
     policies, borrowed = device_time.in_time_as_wait_all({"wait_all": tmp_path / "w", "deadline": tmp_path / "d"})
     assert borrowed == ["FedAvg (sub-models)"]
-    assert set(policies["wait_all"].runs["run_id"]) == {"w", "in_time"}
+    assert set(policies["wait_all"].runs["run_id"]) == {"x", "in_time"}
     assert set(policies["deadline"].runs["run_id"]) == {"in_time", "late", "has_one"}
     for table in ("rounds", "clients"):
-        assert set(policies["wait_all"][table]["run_id"]) == {"w", "in_time"}
+        assert set(policies["wait_all"][table]["run_id"]) == {"x", "in_time"}
     t = device_time.compare(policies, deployed=0.5).set_index(["method", "policy"])
     assert t.loc[("FedAvg (sub-models)", "wait_all"), "total_hours"] == t.loc[("FedAvg (sub-models)", "deadline"), "total_hours"]
     assert ("FedProx (full model)", "wait_all") not in t.index
@@ -219,9 +234,10 @@ def test_a_deadline_run_no_client_missed_is_read_as_the_methods_wait_all_run(tmp
     assert device_time.in_time_as_wait_all({"deadline": tmp_path / "d"})[1] == []
 
 
-def test_one_policy_reads_several_sweeps_folders_and_refuses_shared_run_ids(tmp_path, fed):
-    for folder, run_id in (("a", "x"), ("b", "y"), ("c", "x")):
-        run_experiment(build_config(preset="smoke", overrides=list(TINY)), tmp_path / folder, run_id=run_id, federation=fed)
+def test_one_policy_reads_several_sweeps_folders_and_refuses_shared_run_ids(tmp_path, fed, plain):
+    _copy(plain, tmp_path / "a")
+    run_experiment(build_config(preset="smoke", overrides=list(TINY)), tmp_path / "b", run_id="y", federation=fed)
+    _copy(plain, tmp_path / "c")  # run x again
     both = device_time.load_policy(f"{tmp_path / 'a'},{tmp_path / 'b'}")
     assert sorted(both.runs["run_id"]) == ["x", "y"] and set(both.clients["run_id"]) == {"x", "y"}
     t = device_time.time_to_accuracy(f"{tmp_path / 'a'},{tmp_path / 'b'}", full_width=0.0)
@@ -230,10 +246,10 @@ def test_one_policy_reads_several_sweeps_folders_and_refuses_shared_run_ids(tmp_
         device_time.load_policy(f"{tmp_path / 'a'},{tmp_path / 'c'}")
 
 
-def test_the_curves_tell_sub_model_from_full_model_methods_and_split_a_crowded_panel(tmp_path, fed, monkeypatch):
-    for run_id, extra in (("full", ()), ("narrow", ("algorithm.width=capacity",))):
-        run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / "w", run_id=run_id,
-                       federation=fed)
+def test_the_curves_tell_sub_model_from_full_model_methods_and_split_a_crowded_panel(tmp_path, fed, monkeypatch, plain):
+    _copy(plain, tmp_path / "w")  # the full model: run x
+    run_experiment(build_config(preset="smoke", overrides=[*TINY, "algorithm.width=capacity"]), tmp_path / "w",
+                   run_id="narrow", federation=fed)
     assert device_time.sub_model_methods(tmp_path / "w") == {"FedAvg (sub-models)"}  # read from capacity_used
     # Table 1's marks: the paper's for its rows (FedSPU's clients run the full model forward), else the runs'
     assert not comparison.sys_het("FedSPU", True) and comparison.sys_het("FedSAP", False)
@@ -251,7 +267,7 @@ def test_the_curves_tell_sub_model_from_full_model_methods_and_split_a_crowded_p
     assert len({ax.get_ylim() for ax in fig.axes}) == 1  # one accuracy scale
 
 
-def test_async_runs_are_read_beside_sync_ones_by_their_steps_time_and_told_apart_by_variant(tmp_path, fed):
+def test_async_runs_are_read_beside_sync_ones_by_their_steps_time_and_told_apart_by_variant(tmp_path, fed, plain):
     """analysis.device_time on a synchronous folder and an asynchronous one holding two variants of one method:
     the time to a target is the hand-computed sim_elapsed_s of the first step (round) whose best-so-far accuracy
     reaches it, the variants are two named rows (never pooled as seeds), an async run is never borrowed as a
@@ -260,26 +276,26 @@ def test_async_runs_are_read_beside_sync_ones_by_their_steps_time_and_told_apart
         run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / folder, run_id=run_id,
                        federation=fed)
 
-    run("sync", "s")
+    _copy(plain, tmp_path / "sync")  # run x
     asyn = ["devices.mode=async", "asynchronous.concurrency=4", "training.rounds=6"]
     run("async", "k1", *asyn, "asynchronous.buffer_size=1", "asynchronous.staleness=polynomial",
         "asynchronous.max_staleness=1", "asynchronous.eval_every_s=0.05")  # evaluated at some steps only
     run("async", "k2", *asyn, "asynchronous.buffer_size=2")
     loaded = {p: device_time.load_policy(tmp_path / p) for p in ("sync", "async")}
     names = device_time.row_names(pd.concat([runs.per_run(r) for r in loaded.values()]))
-    assert names == {"s": "FedAvg", "k1": "FedAvg [async: buffer 1, concurrency 4, polynomial a=0.5, max staleness 1]",
+    assert names == {"x": "FedAvg", "k1": "FedAvg [async: buffer 1, concurrency 4, polynomial a=0.5, max staleness 1]",
                      "k2": "FedAvg [async: buffer 2, concurrency 4, constant]"}
     # by hand from each run's rounds table: the first round (step) whose best-so-far global accuracy reaches the
     # target, at its sim_elapsed_s (NaN: never), for every accuracy some run reached
     best, hours = {}, {}
-    for rid, folder in (("s", "sync"), ("k1", "async"), ("k2", "async")):
+    for rid, folder in (("x", "sync"), ("k1", "async"), ("k2", "async")):
         r = results.load(tmp_path / folder).rounds
         r = r[(r["run_id"] == rid) & (r["domain"] == results.GLOBAL_DOMAIN)]
         best[rid] = r[r["eval_mode"] == "global"].set_index("round")["accuracy"].cummax()
         hours[rid] = r.drop_duplicates("round").set_index("round")["sim_elapsed_s"] / 3600
     assert not best["k1"].index.equals(hours["k1"].index)  # eval_every_s skipped steps
     policies, borrowed = device_time.in_time_as_wait_all({"wait_all": tmp_path / "sync", "async": tmp_path / "async"})
-    assert borrowed == [] and set(policies["wait_all"].runs["run_id"]) == {"s"}  # no async run waited for a round
+    assert borrowed == [] and set(policies["wait_all"].runs["run_id"]) == {"x"}  # no async run waited for a round
     later = 0  # hits after a run's first evaluation: the case is there
     for target in sorted({float(v) for b in best.values() for v in b}):
         first = {rid: b[b >= target].index.min() for rid, b in best.items()}
@@ -291,12 +307,12 @@ def test_async_runs_are_read_beside_sync_ones_by_their_steps_time_and_told_apart
     assert later > 0
     assert t["total_hours"].to_dict() == pytest.approx({names[rid]: h.iloc[-1] for rid, h in hours.items()})
     # the async columns, by hand from the clients tables: updates that reached the model, their mean staleness
-    for rid, folder in (("s", "sync"), ("k1", "async"), ("k2", "async")):
+    for rid, folder in (("x", "sync"), ("k1", "async"), ("k2", "async")):
         c = results.load(tmp_path / folder).clients
         c = c[(c["run_id"] == rid) & ~c["straggler"]]
         row = t.loc[names[rid]]
         assert row["updates_applied"] == len(c) and row["steps"] == hours[rid].index.max()
-        assert (np.isnan(row["staleness_mean"]) if rid == "s" else row["staleness_mean"] == c["staleness"].mean())
+        assert (np.isnan(row["staleness_mean"]) if rid == "x" else row["staleness_mean"] == c["staleness"].mean())
     k1 = results.load(tmp_path / "async").clients
     k1 = k1[k1["run_id"] == "k1"]
     assert k1["straggler"].any()  # max_staleness 1 discarded some: reported as discarded, not as missed deadlines
@@ -310,7 +326,8 @@ def test_async_runs_are_read_beside_sync_ones_by_their_steps_time_and_told_apart
     assert len({ax.get_xlim() for ax in fig.axes}) == 1 and fig.axes[0].get_xlim()[0] == 0  # one time axis
 
 
-def test_a_horizon_reads_every_run_to_one_budget_of_updates_and_counts_the_trainings_never_applied(tmp_path, fed, capsys):
+def test_a_horizon_reads_every_run_to_one_budget_of_updates_and_counts_the_trainings_never_applied(tmp_path, fed, capsys,
+                                                                                                   plain):
     """``--updates N``: a synchronous run is read to round N // k, an asynchronous one to step N // buffer_size,
     each kept row the run's own; the cut is where the shorter run of the same training stops (nothing in rounds
     1..r depends on how many follow); trainings never applied (deadline stragglers) counted apart; a budget below
@@ -319,8 +336,8 @@ def test_a_horizon_reads_every_run_to_one_budget_of_updates_and_counts_the_train
         run_experiment(build_config(preset="smoke", overrides=[*TINY, *extra]), tmp_path / folder, run_id=run_id,
                        federation=fed)
 
-    run("sync", "long", "training.rounds=3")   # 6 clients a round (k = 6)
-    run("short", "long", "training.rounds=2")  # the same run, stopped at round 2
+    _copy(plain, tmp_path / "sync")  # run x: 3 rounds of 6 clients (k = 6)
+    run("short", "x", "training.rounds=2")  # the same run, stopped at round 2
     run("async", "a", "devices.mode=async", "asynchronous.concurrency=3", "asynchronous.buffer_size=2",
         "training.rounds=6")
     run("late", "d", "devices.policy=deadline", "devices.deadline_s=1e-9")  # every client misses it
@@ -340,7 +357,7 @@ def test_a_horizon_reads_every_run_to_one_budget_of_updates_and_counts_the_train
     assert t.loc["sync", "trainings"] == 12 and t.loc["sync", "not_applied"] == 0
     late = device_time.updates(tmp_path / "late").iloc[0]
     assert late["trainings"] == 6 * 3 and late["not_applied"] == late["trainings"]  # 3 rounds of 6, none in time
-    with pytest.raises(ValueError, match=r"--updates=5: run long applies 6 updates a round"):
+    with pytest.raises(ValueError, match=r"--updates=5: run x applies 6 updates a round"):
         device_time.to_horizon(tmp_path / "sync", 5)
     with pytest.raises(SystemExit) as e:
         device_time.main([f"sync={tmp_path / 'sync'}", f"async={tmp_path / 'async'}", "--updates", "1"])

@@ -149,28 +149,39 @@ CASES = ["missing", "empty path", "empty", "foreign", "foreign parquet", "trunca
          "bad URI"]
 
 
-@pytest.mark.parametrize("module", sorted(ARGS))
-def test_analysis_command_lines_exit_2_with_one_line(tmp_path, module):
-    """In one subprocess per command line (its real ``python -m`` entry), every case in turn."""
-    cases = folders(tmp_path)
+@pytest.fixture(scope="module")
+def analysis_exits(tmp_path_factory) -> tuple[dict, dict]:
+    """Every command line's real ``python -m`` entry (``runpy``, ``__main__``) on every case in turn, in one
+    subprocess for all of them (a Python importing pandas and torch costs seconds to start): (case -> (folder,
+    what the line must say), module -> case -> [exit code, stderr])."""
+    cases = folders(tmp_path_factory.mktemp("edges"))
     code = ("import importlib, runpy, sys, io, contextlib, json\n"
             "out = {}\n"
-            f"for case, folder in json.loads(sys.argv[1]).items():\n"
-            "    err = io.StringIO()\n"
-            "    sys.argv = ['x', *folder]\n"
-            "    try:\n"
-            "        with contextlib.redirect_stderr(err):\n"
-            f"            runpy.run_module({module!r}, run_name='__main__')\n"
-            "        rc = 0\n"
-            "    except SystemExit as e:\n"
-            "        rc = e.code\n"
-            "    out[case] = [rc, err.getvalue()]\n"
+            "for module, argvs in json.loads(sys.argv[1]).items():\n"
+            "    out[module] = {}\n"
+            "    for case, folder in argvs.items():\n"
+            "        err = io.StringIO()\n"
+            "        sys.argv = ['x', *folder]\n"
+            "        try:\n"
+            "            with contextlib.redirect_stderr(err):\n"
+            "                runpy.run_module(module, run_name='__main__')\n"
+            "            rc = 0\n"
+            "        except SystemExit as e:\n"
+            "            rc = e.code\n"
+            "        out[module][case] = [rc, err.getvalue()]\n"
             "print(json.dumps(out))\n")
-    argv = {case: ARGS[module](folder) for case, (folder, _) in cases.items()}
+    argv = {module: {case: ARGS[module](folder) for case, (folder, _) in cases.items()} for module in sorted(ARGS)}
     p = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True, text=True, cwd=REPO,
                        timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    return cases, json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("module", sorted(ARGS))
+def test_analysis_command_lines_exit_2_with_one_line(analysis_exits, module):
+    """Through the command line's real ``python -m`` entry in a subprocess, every case in turn."""
+    cases, ran = analysis_exits
+    got = ran[module]
     for case in CASES:
         rc, err = got[case]
         lines = [line for line in err.splitlines() if line.strip()]

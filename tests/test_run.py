@@ -26,6 +26,25 @@ def _run(tmp_path, fed, extra=(), run_id="r", **kw):
     return cfg, run_experiment(cfg, tmp_path, run_id=run_id, federation=fed, **kw)
 
 
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, tiny_fed):
+    """A folder with one run ``r`` of TINY, finished: tests read it, or edit a copy."""
+    out = tmp_path_factory.mktemp("plain") / "o"
+    _run(out, tiny_fed)
+    return out
+
+
+CAPACITY4 = ["training.rounds=4", "algorithm.width=capacity"]
+
+
+@pytest.fixture(scope="module")
+def whole4(tmp_path_factory, tiny_fed):
+    """The tables of run ``r`` of TINY + CAPACITY4 never interrupted: what its resumed runs must equal."""
+    out = tmp_path_factory.mktemp("whole4")
+    _run(out, tiny_fed, CAPACITY4, run_id="r")
+    return results.load(out)
+
+
 def test_tables_have_design_columns(tmp_path, tiny_fed):
     cfg, outcome = _run(tmp_path, tiny_fed, ["algorithm.width=capacity"])
     assert outcome.status == "finished"
@@ -79,16 +98,15 @@ def test_cpu_kernels_name_the_kernels_the_environment_chose():
     assert out.stdout.strip() == "aten=DEFAULT onednn=AVX2", out
 
 
-def test_same_seed_same_numbers_and_seed_matters(tmp_path, tiny_fed):
-    _run(tmp_path / "a", tiny_fed, run_id="x")
-    _run(tmp_path / "b", tiny_fed, run_id="x")
-    a = results.load(tmp_path / "a")
+def test_same_seed_same_numbers_and_seed_matters(tmp_path, tiny_fed, plain):
+    _run(tmp_path / "b", tiny_fed)
+    a = results.load(plain)
     b = results.load(tmp_path / "b")
     cols = ["round", "domain", "accuracy", "loss", "bytes_up", "bytes_down"]
     pd.testing.assert_frame_equal(a.rounds[cols], b.rounds[cols])
     pd.testing.assert_frame_equal(a.clients[["client_id", "train_loss"]], b.clients[["client_id", "train_loss"]])
     cfg = build_config(preset="smoke", overrides=TINY, seed=1)
-    run_experiment(cfg, tmp_path / "c", run_id="x", federation=build_federation(cfg))
+    run_experiment(cfg, tmp_path / "c", run_id="r", federation=build_federation(cfg))
     c = results.load(tmp_path / "c")
     assert not np.allclose(a.clients["train_loss"], c.clients["train_loss"])
 
@@ -109,11 +127,10 @@ def test_killed_run_leaves_loadable_parquet(tmp_path, tiny_fed):
     assert len(pd.read_parquet(tmp_path / "clients")) == 4
 
 
-def test_fedprox_mu_zero_equals_fedavg(tmp_path, tiny_fed):
-    _run(tmp_path / "avg", tiny_fed)
+def test_fedprox_mu_zero_equals_fedavg(tmp_path, tiny_fed, plain):
     _run(tmp_path / "prox0", tiny_fed, ["algorithm.name=fedprox", "algorithm.mu=0"])
     _run(tmp_path / "prox", tiny_fed, ["algorithm.name=fedprox", "algorithm.mu=1.0"])
-    a, p0, p = (results.load(tmp_path / n).rounds for n in ("avg", "prox0", "prox"))
+    a, p0, p = (results.load(f).rounds for f in (plain, tmp_path / "prox0", tmp_path / "prox"))
     np.testing.assert_array_equal(a["loss"], p0["loss"])
     assert not np.array_equal(a["loss"], p["loss"])
 
@@ -167,7 +184,7 @@ def test_concurrent_clients_give_the_same_numbers(tmp_path, tiny_fed):
 @pytest.mark.parametrize("algo", [["algorithm.width=capacity"],
                                   ["algorithm.name=hasfl", "algorithm.warmup=1", "algorithm.t_adapt=1", "algorithm.t_norm=2"]],
                          ids=["fedavg-capacity", "hasfl"])
-def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
+def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo, request):
     def stop_after_round_2(summary):
         if summary.round == 2:
             raise KeyboardInterrupt
@@ -179,8 +196,12 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
     _, outcome = _run(tmp_path / "cut", tiny_fed, extra, run_id="r", resume=True)
     assert outcome.status == "finished"
     assert not (tmp_path / "cut" / "checkpoints" / "r.npz").exists()  # removed once finished
-    _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
-    a, b = results.load(tmp_path / "cut"), results.load(tmp_path / "whole")
+    if extra == CAPACITY4:
+        b = request.getfixturevalue("whole4")
+    else:
+        _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
+        b = results.load(tmp_path / "whole")
+    a = results.load(tmp_path / "cut")
     pd.testing.assert_frame_equal(steady(a.rounds), steady(b.rounds))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
     pd.testing.assert_frame_equal(a.allocations, b.allocations)
@@ -188,12 +209,15 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path, tiny_fed, algo):
     assert a.runs.loc[0, "status"] == "finished" and a.runs.loc[0, "rounds_done"] == 4
 
 
-def test_a_schema_1_folder_still_loads(tmp_path, tiny_fed):
+def test_a_schema_1_folder_still_loads(tmp_path, plain):
     """Folders written before rounds.frozen_params and the allocations table load with those as nulls / empty."""
+    import shutil
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    _run(tmp_path, tiny_fed)
+    tmp_path = tmp_path / "o"
+    shutil.copytree(plain, tmp_path)
     f = tmp_path / "rounds" / "r.parquet"
     old = pq.read_table(f)
     v1 = old.drop(["frozen_params"])
@@ -206,7 +230,7 @@ def test_a_schema_1_folder_still_loads(tmp_path, tiny_fed):
 
 
 @pytest.mark.parametrize("merged", [False, True], ids=["killed-before-merging-parts", "merged-at-the-end"])
-def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monkeypatch, merged):
+def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monkeypatch, merged, whole4):
     """Round 3's rows reach disk but its checkpoint does not (the run dies in between): the resume
     from round 2 drops them (as parts, or inside the merged per-run file) and redoes round 3, so the
     tables equal an uninterrupted run's."""
@@ -219,7 +243,7 @@ def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monk
             raise OSError("killed between the round's rows and its checkpoint")
         return save(out, run_id, state, *a, **kw)
 
-    extra = ["training.rounds=4", "algorithm.width=capacity"]
+    extra = CAPACITY4
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "save", save_fails_at_round_3)
         if not merged:
@@ -235,8 +259,7 @@ def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monk
         stale.write_bytes((cut / "clients" / "r@r000003.parquet").read_bytes())
     _, outcome = _run(cut, tiny_fed, extra, run_id="r", resume=True)
     assert outcome.status == "finished" and not list(cut.glob("*/r@r*.parquet"))
-    _run(tmp_path / "whole", tiny_fed, extra, run_id="r")
-    a, b = results.load(cut), results.load(tmp_path / "whole")
+    a, b = results.load(cut), whole4
     pd.testing.assert_frame_equal(steady(a.rounds), steady(b.rounds))
     pd.testing.assert_frame_equal(a.clients.drop(columns=["wall_s"]), b.clients.drop(columns=["wall_s"]))
     pd.testing.assert_frame_equal(a.layers, b.layers)

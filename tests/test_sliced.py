@@ -42,7 +42,11 @@ CHAOS_FACTOR = 10.0
 # options that give the full-model baselines sub-models to slice
 EXTRA = {"fedavg": ["algorithm.width=capacity"], "fedprox": ["algorithm.width=capacity"]}
 
-fed = federation_fixture(tiny_overrides("fedavg"))
+# five clients, one of each keep ratio of the smoke preset's cyclic capacities (1, 0.8, 0.6, 0.4, 0.2): every
+# strategy still plans the same sub-model widths as with ten clients (each of which repeated a ratio); two local steps
+# (the second with the first's momentum) instead of three: a quarter of the time of ten clients and three steps
+FIVE = "data.num_clients=5", "training.max_steps_per_epoch=2"
+fed = federation_fixture(tiny_overrides("fedavg", *FIVE))
 
 
 def rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -76,7 +80,7 @@ def test_sliced_matches_masked_on_every_strategy(name, fed):
     for bit. Round 1 end to end: the
     results of a sliced run (its own backend and scratch models) equal the replayed sliced results bit for bit.
     A plan's first round is the same in both modes, so this also checks the option reaches the client."""
-    masked_cfg = build_config(preset="smoke", overrides=tiny_overrides(name, "training.submodel=masked", *EXTRA.get(name, [])))
+    masked_cfg = build_config(preset="smoke", overrides=tiny_overrides(name, *FIVE, "training.submodel=masked", *EXTRA.get(name, [])))
     ctx, _, states, plans, outs = run_rounds_with_plans(masked_cfg, fed, 2)
     scratch = copy.deepcopy(ctx.model)
     n_sliced = 0
@@ -117,7 +121,7 @@ def test_sliced_matches_masked_on_every_strategy(name, fed):
     has_masks = any(p.mask is not None and supports_sliced(p) for r in plans for p in r.values())
     assert (n_sliced > 0) == has_masks, f"{name}: {n_sliced} plans sliced"
 
-    sliced_cfg = build_config(preset="smoke", overrides=tiny_overrides(name, *EXTRA.get(name, [])))
+    sliced_cfg = build_config(preset="smoke", overrides=tiny_overrides(name, *FIVE, *EXTRA.get(name, [])))
     assert sliced_cfg.training.submodel == "sliced"  # the default
     _, _, _, s_plans, s_outs = run_rounds_with_plans(sliced_cfg, fed, 1)
     assert all(p.submodel == "sliced" for p in s_plans[0].values())
@@ -128,7 +132,7 @@ def test_sliced_matches_masked_on_every_strategy(name, fed):
 def test_sliced_client_runs_the_smaller_network(fed):
     """A keep-ratio < 1 HeteroFL client: the full-size scratch model never runs a forward pass; the cached
     sub-network runs one per step, holds exactly the covered parameters and costs fewer MACs."""
-    cfg = build_config(preset="smoke", overrides=tiny_overrides("heterofl"))
+    cfg = build_config(preset="smoke", overrides=tiny_overrides("heterofl", *FIVE))
     ctx, strat = make_strategy(cfg, fed)
     plans = strat.configure_round(strat.init_state(), 1)
     plan = min((p for p in plans.values() if p.mask is not None), key=lambda p: int(p.mask.sum()))
@@ -156,7 +160,7 @@ def test_sliced_client_runs_the_smaller_network(fed):
 def test_non_channel_mask_falls_back_to_masked(fed):
     """A mask no channel set describes (one covered weight entry taken away) trains masked: bit-identical to
     submodel=masked. So does NeFL's depth=true (skipped residual branches) where it skips one."""
-    cfg = build_config(preset="smoke", overrides=tiny_overrides("heterofl"))
+    cfg = build_config(preset="smoke", overrides=tiny_overrides("heterofl", *FIVE))
     ctx, strat = make_strategy(cfg, fed)
     plan = next(p for p in strat.configure_round(strat.init_state(), 1).values() if p.mask is not None)
     mask = plan.mask.copy()
@@ -168,7 +172,7 @@ def test_non_channel_mask_falls_back_to_masked(fed):
     b = train_client(dataclasses.replace(odd, submodel="masked"), copy.deepcopy(ctx.model), ctx.layout, data)
     np.testing.assert_array_equal(a.values, b.values)
 
-    cfg = build_config(preset="smoke", overrides=tiny_overrides("nefl", "algorithm.depth=true"))
+    cfg = build_config(preset="smoke", overrides=tiny_overrides("nefl", *FIVE, "algorithm.depth=true"))
     ctx, strat = make_strategy(cfg, fed)
     plans = strat.configure_round(strat.init_state(), 1)
     skipped = [p for p in plans.values() if p.mask is not None and sliced_model(copy.deepcopy(ctx.model), ctx.layout, p.mask) is None]

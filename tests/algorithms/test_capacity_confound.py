@@ -67,9 +67,16 @@ def test_coverage_guarantee_leaves_no_coordinate_frozen_and_its_absence_does(fed
     assert (on[4].params[outside] != on[1].params[outside]).mean() > 0.9  # with it they keep training
 
 
-def test_frozen_params_is_zero_under_full_coverage(tmp_path, fed):
-    run_experiment(_cfg("algorithm.name=hasfl", "training.rounds=4"), tmp_path, run_id="h", federation=fed)
-    assert (results.load(tmp_path).rounds["frozen_params"] == 0).all()
+@pytest.fixture(scope="module")
+def hasfl_run(tmp_path_factory, fed) -> results.Results:
+    """HAS-FL on the smoke preset (warm-up 2, T_adapt 1, T_norm 2, 4 rounds), run end to end: its tables."""
+    out = tmp_path_factory.mktemp("hasfl")
+    run_experiment(_cfg("algorithm.name=hasfl"), out, run_id="s", federation=fed)
+    return results.load(out)
+
+
+def test_frozen_params_is_zero_under_full_coverage(hasfl_run):
+    assert (hasfl_run.rounds["frozen_params"] == 0).all()
 
 
 # --- Eqs. 4-6 ----------------------------------------------------------------------------------
@@ -115,8 +122,8 @@ def test_h_hat_is_restricted_to_the_clients_own_mask(fed):
     assert new.strategy_state.h_tilde.tolist() == [1.0] * 6 and not strat.width.adapted(strat, 1)
 
 
-def test_smoke_preset_hasfl_adapts_after_warmup_and_normalises(tmp_path, fed):
-    cfg = _cfg("algorithm.name=hasfl")  # smoke: warm-up 2, T_adapt 1, T_norm 2, 4 rounds
+def test_smoke_preset_hasfl_adapts_after_warmup_and_normalises(fed, hasfl_run):
+    cfg = _cfg("algorithm.name=hasfl")  # smoke: warm-up 2, T_adapt 1, T_norm 2, 4 rounds (hasfl_run's config)
     ctx, strat, states = run_rounds(cfg, fed, 4)
     assert [strat.width.adapted(strat, t) for t in range(1, 5)] == [False, True, True, True]
     assert states[1].strategy_state.h_tilde.tolist() == [1.0] * 6  # before warm-up ends: initial estimates
@@ -127,8 +134,7 @@ def test_smoke_preset_hasfl_adapts_after_warmup_and_normalises(tmp_path, fed):
     st2 = states[2].strategy_state
     np.testing.assert_allclose(st2.alloc, allocation_rule(st2.h_tilde, p_max, 0.4, 0.25, 1e-8, True))
     assert not np.allclose(states[2].strategy_state.alloc, p_max)  # the rule really changed some widths
-    run_experiment(cfg, tmp_path, run_id="s", federation=fed)
-    res = results.load(tmp_path)
+    res = hasfl_run  # the same run end to end
     alloc = res.allocations
     assert len(alloc) == 4 * 6 and alloc["adapted"].tolist() == [False] * 6 + [True] * 18
     np.testing.assert_allclose(alloc[alloc["round"] == 4].sort_values("client_id")["h_tilde"], states[4].strategy_state.h_tilde)

@@ -155,7 +155,8 @@ def test_depth_share_is_validated():
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    e2e = e2e_overrides("nefl", "model.name=resnet18", "algorithm.depth=true")
+    # five clients: one of each smoke keep ratio
+    e2e = e2e_overrides("nefl", "model.name=resnet18", "algorithm.depth=true", "data.num_clients=5")
     cfg = build_config(preset="smoke", overrides=e2e)
     f = build_federation(cfg)
     a, b = run_twice(e2e, tmp_path, f)

@@ -18,9 +18,8 @@ EXPECTED = {"mnist": (4000, 1000), "uci_digits": (1437, 360), "street": (4000, 1
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory):
-    """One build per session, shared with test_partition.py via the session's base temp dir."""
-    root = tmp_path_factory.getbasetemp() / "fedsap_embedded_cache"
-    root.mkdir(exist_ok=True)
+    """A cold build into a fresh root (the first of the two that test_two_cold_builds_are_byte_identical compares)."""
+    root = tmp_path_factory.mktemp("fedsap_embedded_cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FEDSAP_RAY_CACHE", str(root))
         src = get_source("embedded_digits")

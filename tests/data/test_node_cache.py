@@ -281,13 +281,13 @@ if args["ready"]:
         time.sleep(0.01)
 s = node_cache.shared_splits(cfg, args["cache_dir"])
 entry = node_cache.entry_dir(cfg, args["cache_dir"])
+sums = [int(s.train[d].x.sum()) for d in s.domains]  # what it read, before any write of its own
 if args["write"]:
     x = s.train[s.domains[0]].x
     x[0, 0, 0, 0] = 255 - int(x[0, 0, 0, 0])
     print("WROTE", flush=True)
 maps = Path("/proc/self/maps").read_text() if Path("/proc/self/maps").exists() else ""
-print(json.dumps({"loads": len(calls), "mapped": str(entry / "train_x_0.npy") in maps,
-                  "sums": [int(s.train[d].x.sum()) for d in s.domains]}))
+print(json.dumps({"loads": len(calls), "mapped": str(entry / "train_x_0.npy") in maps, "sums": sums}))
 """
 
 
@@ -312,16 +312,41 @@ def child_report(p: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_second_process_maps_the_entry_without_loading(tmp_path, smoke_cfg):
-    s = node_cache.shared_splits(smoke_cfg, tmp_path)
-    entry = node_cache.entry_dir(smoke_cfg, tmp_path)
-    before = [(p.name, p.stat().st_ino, p.stat().st_mtime_ns) for p in [entry, *sorted(entry.iterdir())]]
-    rep = child_report(start_child(tmp_path))
+def _digest(d: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(d.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _entry_files(entry: Path) -> list[tuple[str, int, int]]:
+    return [(p.name, p.stat().st_ino, p.stat().st_mtime_ns) for p in [entry, *sorted(entry.iterdir())]]
+
+
+@pytest.fixture(scope="module")
+def second_process(tmp_path_factory, smoke_cfg):
+    """An entry this process built, and a second process that opened it and then wrote through one of its tensors
+    (one child for the two tests below: a Python with torch costs seconds to start): (this process's splits, the
+    entry, its files and digest before the child, the first domain's sum before, the child's report)."""
+    node_cache.clear_in_process()
+    cache = tmp_path_factory.mktemp("second_process")
+    s = node_cache.shared_splits(smoke_cfg, cache)
+    entry = node_cache.entry_dir(smoke_cfg, cache)
+    before, digest, first = _entry_files(entry), _digest(entry), int(s.train[s.domains[0]].x.sum())
+    p = start_child(cache, write=True)
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0 and "WROTE" in out, err[-2000:]
+    yield s, entry, before, digest, first, json.loads(out.strip().splitlines()[-1])
+    node_cache.clear_in_process()
+
+
+def test_second_process_maps_the_entry_without_loading(second_process):
+    s, entry, before, _, _, rep = second_process
     assert rep["loads"] == 0
     assert rep["sums"] == [int(s.train[d].x.sum()) for d in s.domains]
     if HAS_PROC_MAPS:
         assert rep["mapped"]
-    assert [(p.name, p.stat().st_ino, p.stat().st_mtime_ns) for p in [entry, *sorted(entry.iterdir())]] == before
+    assert _entry_files(entry) == before
 
 
 def test_two_processes_started_together_build_once(tmp_path, smoke_cfg):
@@ -342,21 +367,8 @@ def test_two_processes_started_together_build_once(tmp_path, smoke_cfg):
     assert node_cache.node_cache_builds(cache) == {entry.name: 1}  # the build log counts the one build
 
 
-def _digest(d: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(d.iterdir()):
-        h.update(f.name.encode() + f.read_bytes())
-    return h.hexdigest()
-
-
-def test_a_write_through_a_tensor_never_reaches_the_shared_files(tmp_path, smoke_cfg):
-    s = node_cache.shared_splits(smoke_cfg, tmp_path)
-    entry = node_cache.entry_dir(smoke_cfg, tmp_path)
-    digest = _digest(entry)
-    first = int(s.train[s.domains[0]].x.sum())
+def test_a_write_through_a_tensor_never_reaches_the_shared_files(second_process):
     # copy-on-write maps: the writer's own pages change, the files and other processes' views do not
-    p = start_child(tmp_path, write=True)
-    out, err = p.communicate(timeout=180)
-    assert p.returncode == 0 and "WROTE" in out, err[-2000:]
+    s, entry, _, digest, first, _ = second_process
     assert _digest(entry) == digest
     assert int(s.train[s.domains[0]].x.sum()) == first

@@ -1,12 +1,14 @@
 """Partitions, capacities, ground-truth TV and build_federation (docs/guides/data.md#partitions-and-capacities)."""
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
 
 from fedsap_ray.config import CapacityConfig, ConfigError, DataConfig, ExperimentConfig
-from fedsap_ray.data import ClientSpec, DomainData, Federation, build_federation, load_splits
+from fedsap_ray.data import ClientSpec, DomainData, Federation, build_federation, embedded, load_splits
 from fedsap_ray.data.capacity import assign_capacities, tier_counts
 from fedsap_ray.data.federation import _cap_splits
 from fedsap_ray.data.partition import (
@@ -20,7 +22,7 @@ from fedsap_ray.data.partition import (
     office_split,
     tv_distance,
 )
-from fedsap_ray.data.registry import DomainSplits
+from fedsap_ray.data.registry import DomainSplits, get_source
 
 
 def _same(a: list, b: list) -> bool:
@@ -184,9 +186,13 @@ def test_cyclic_full_explicit():
 # ---------------------------------------------------------------------------- federation
 @pytest.fixture(scope="module")
 def cache_root(tmp_path_factory: pytest.TempPathFactory):
-    """Shared with test_data_embedded.py: the embedded dataset is built once per session."""
-    root = tmp_path_factory.getbasetemp() / "fedsap_embedded_cache"
-    root.mkdir(exist_ok=True)
+    """A root of its own holding a copy of this machine's embedded file (built there at most once, as every smoke
+    run needs it): these tests read the federation, not the build, whose two cold builds test_data_embedded.py
+    times and compares (a cold build here cost about 6 s)."""
+    src = get_source("embedded_digits")
+    embedded.load_arrays(src.default_root())
+    root = tmp_path_factory.mktemp("embedded_copy")
+    shutil.copy(src.default_root() / embedded.CACHE_FILE, root / embedded.CACHE_FILE)
     return root
 
 

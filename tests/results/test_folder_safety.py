@@ -112,7 +112,7 @@ def test_out_itself_may_be_a_link_and_is_resolved_once(tmp_path, capsys):
     real = tmp_path / "scratch" / "runs"
     real.mkdir(parents=True)
     (tmp_path / "runs").symlink_to(real, target_is_directory=True)
-    rc, err = cli(capsys, "run", "--out", str(tmp_path / "runs"), *RUN, "--run-id", "r")
+    rc, err = cli(capsys, "run", "--out", str(tmp_path / "runs"), *RUN, "--run-id", "r", "--set", "training.rounds=1")
     assert rc == 0, err
     assert (real / "runs" / "r.parquet").is_file()
     assert len(results.load(tmp_path / "runs").runs) == 1
@@ -196,7 +196,7 @@ def test_a_killed_overwrite_is_finished_by_the_next_claim(world, capsys, checkpo
     results.RunWriter(out, "done").set_run({"status": "running", "rounds": 3})  # the new run's first write
     if checkpointed:  # ... and its first checkpoint, then the process died
         shutil.copy(out / "checkpoints" / "half.npz", out / "checkpoints" / "done.npz")
-    rc, err = cli(capsys, "run", "--out", str(out), *RUN, "--run-id", "other")
+    rc, err = cli(capsys, "run", "--out", str(out), *RUN, "--run-id", "other", "--set", "training.rounds=1")  # its claim
     assert rc == 0, err
     assert not (out / aside.ASIDE / "done").exists()
     if checkpointed:

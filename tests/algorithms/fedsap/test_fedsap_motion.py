@@ -24,7 +24,11 @@ from fedsap_ray.models import build_model
 from conftest import aggregate, federation_fixture, make_strategy, run_rounds_with_records
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
-        "training.batch_size=16", "training.max_steps_per_epoch=3"]
+        "training.batch_size=16", "training.max_steps_per_epoch=2"]
+# the DGA probe at 16 of a client's samples (the default, 256, is all of a tiny client's 80): the probe is half of a
+# FedSAP client's work here, and these tests read masks, roles, swaps and records, not how well the DGA recovers
+# domains (the probe test below does, at its own 128)
+PROBE16 = "algorithm.probe_samples=16"
 fed = federation_fixture(TINY)
 
 
@@ -235,7 +239,7 @@ def test_layer_utility_ignores_dropped_channels_and_weights_clients(space):
 
 # --- the end-to-end motion and the records ---------------------------------------------------------------
 def test_dropped_channels_come_back_and_the_records_count_it(fed):
-    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "training.rounds=4"])
+    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", PROBE16, "training.rounds=4"])
     _, strat, states, plans, _, records = run_rounds_with_records(cfg, fed, 4)
     back = 0
     for t in range(1, 4):  # masks of round t vs round t+1
@@ -252,7 +256,7 @@ def test_dropped_channels_come_back_and_the_records_count_it(fed):
 
 
 def test_fixed_masks_stay_fixed_with_the_estimate(fed):
-    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap_fixed", "algorithm.warmup=1",
+    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap_fixed", PROBE16, "algorithm.warmup=1",
                                                          "training.rounds=4"])
     _, _, states, _, _, records = run_rounds_with_records(cfg, fed, 4)
     for s, rec in zip(states[2:], records[1:]):
@@ -339,7 +343,7 @@ def test_probe_does_not_change_training(fed):
     """The probe only reads: the same plan without the probe trains to the same values bit for bit."""
     from fedsap_ray.runtime.local import LocalBackend
 
-    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "algorithm.dga_source=probe"])
+    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "algorithm.dga_source=probe", PROBE16])
     ctx, strat = make_strategy(cfg, fed)
     state = strat.init_state()
     plans = strat.configure_round(state, 1)
@@ -370,7 +374,7 @@ def test_bad_dga_source_is_rejected():
 def test_mask_motion_table_reads_the_rounds_table(tmp_path, fed):
     from analysis import ablation
 
-    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "training.rounds=3"])
+    cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", PROBE16, "training.rounds=3"])
     run_experiment(cfg, tmp_path, run_id="m-s0", federation=fed)
     t = ablation.mask_motion_table(tmp_path).set_index("run_id")
     r = results.load(tmp_path).rounds
