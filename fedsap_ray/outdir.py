@@ -53,7 +53,8 @@ class UnsafeEntry(ConfigError):
     """An entry of a results folder that fedsap_ray refuses to touch (a link, the wrong kind, outside it)."""
 
 
-def _kind(mode: int) -> str:
+def entry_kind(mode: int) -> str:
+    """What a file-system entry of ``mode`` (an ``lstat`` result's) is, in words, for refusals."""
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     if stat.S_ISDIR(mode):
@@ -145,11 +146,11 @@ class OutDir:
                 raise self.refuse(shown, f"is a symbolic link (to {target[:80]}); fedsap_ray never follows a link "
                                          "inside a results folder: put the real folder or file there")
             if not last and not stat.S_ISDIR(mode):
-                raise self.refuse(shown, f"is {_kind(mode)} where a folder is expected; move it away")
+                raise self.refuse(shown, f"is {entry_kind(mode)} where a folder is expected; move it away")
             if last and kind == DIR and not stat.S_ISDIR(mode):
-                raise self.refuse(shown, f"is {_kind(mode)} where a folder is expected; move it away")
+                raise self.refuse(shown, f"is {entry_kind(mode)} where a folder is expected; move it away")
             if last and kind == FILE and not stat.S_ISREG(mode):
-                raise self.refuse(shown, f"is {_kind(mode)} where a file is expected; move it away")
+                raise self.refuse(shown, f"is {entry_kind(mode)} where a file is expected; move it away")
         return self.root.joinpath(*parts)
 
     def show(self, real: str | Path) -> str:
@@ -168,7 +169,7 @@ class OutDir:
             return DIR
         if stat.S_ISREG(mode):
             return FILE
-        raise self.refuse(self.show(real), f"is {_kind(mode)}; move it away")
+        raise self.refuse(self.show(real), f"is {entry_kind(mode)}; move it away")
 
     def is_file(self, path: str | Path) -> bool:
         """Whether ``path`` is a regular file (a folder there is refused: it should be a file)."""

@@ -44,6 +44,7 @@ import numpy as np
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.digest import arrays_digest
 from fedsap_ray.errors import DatasetUnavailable
+from fedsap_ray.outdir import entry_kind
 
 DIGESTS = "content_digests"  # the member of a cache .npz holding the digest of every other member (JSON)
 MAX_THREADS = 8  # digests of a cache's arrays are taken in parallel (hashlib releases the GIL)
@@ -81,16 +82,6 @@ def cannot_rebuild(problem: Unusable, error: BaseException) -> DatasetUnavailabl
 
 
 # ---------------------------------------------------------------------------- paths: never through a link
-def _kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISDIR(mode):
-        return "a folder"
-    if stat.S_ISREG(mode):
-        return "a file"
-    return "a special file (FIFO, socket or device)"
-
-
 def _below(root: Path, path: Path) -> list[Path]:
     """The components of ``path`` below ``root``, outermost first (``path`` must be under ``root``)."""
     rel = Path(os.path.relpath(os.path.abspath(path), os.path.abspath(root)))
@@ -118,7 +109,7 @@ def check_below(root: Path, path: Path, *, folder: bool = False) -> bool:
             raise Unusable(p, f"is a symbolic link (to {os.readlink(p)[:80]}); a cache is never read through a link")
         want_dir = folder or not last
         if want_dir and not stat.S_ISDIR(mode) or not want_dir and not stat.S_ISREG(mode):
-            raise Unusable(p, f"is {_kind(mode)} where a {'folder' if want_dir else 'file'} is expected")
+            raise Unusable(p, f"is {entry_kind(mode)} where a {'folder' if want_dir else 'file'} is expected")
     return True
 
 
@@ -174,7 +165,7 @@ def open_file(path: Path) -> BinaryIO:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise Unusable(path, f"is {_kind(mode)} where a file is expected")
+        raise Unusable(path, f"is {entry_kind(mode)} where a file is expected")
     return os.fdopen(fd, "rb")
 
 

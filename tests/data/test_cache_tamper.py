@@ -161,7 +161,11 @@ def test_a_lock_or_build_log_replaced_by_a_link_is_not_followed(blobs, tmp_path,
                 (cache / name).symlink_to(outside / "victim")
             else:
                 (cache / name).mkdir()
-        assert_same_splits(intact, node_cache.shared_splits(cfg, cache))
+        with pytest.warns(cachefile.CacheRebuilt) as notices:
+            assert_same_splits(intact, node_cache.shared_splits(cfg, cache))
+    # one notice per replaced entry, naming it
+    assert sorted(Path(str(w.message).split(": ")[0].removeprefix("cache ")).name for w in notices) == \
+        sorted([node_cache.BUILD_LOG, entry.name + ".lock"])
     assert (outside / "victim").read_text() == "keep me"
     assert (cache / node_cache.BUILD_LOG).is_file() and not (cache / node_cache.BUILD_LOG).is_symlink()
     assert node_cache.node_cache_builds(cache) == {entry.name: 1}
