@@ -231,7 +231,7 @@ def assert_same_splits(a: DomainSplits, b: DomainSplits) -> None:
         if na is not None:
             assert list(na) == list(nb), part
             for k in na:
-                assert np.array_equal(na[k], nb[k]), (part, k)
+                assert np.array_equal(na[k], nb[k]) and np.asarray(nb[k]).dtype == np.int64, (part, k)
 
 
 def assert_same_federation(a: Federation, b: Federation) -> None:

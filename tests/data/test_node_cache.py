@@ -18,6 +18,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation, federation, node_cache, registry
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.data.registry import DomainSplits, FileStatus
+from tests.data.cachekit import assert_same_splits
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_PROC_MAPS = Path("/proc/self/maps").exists()
@@ -50,24 +51,6 @@ def counting_load(monkeypatch) -> list[int]:
 
 def mapped_files() -> str:
     return Path("/proc/self/maps").read_text()
-
-
-def assert_same_splits(a: DomainSplits, b: DomainSplits) -> None:
-    for f in ("dataset", "domains", "num_classes", "input_kind", "vocab_size", "notes", "domain_notes"):
-        assert getattr(a, f) == getattr(b, f), f
-    assert tuple(a.input_shape) == tuple(b.input_shape)
-    for part in ("train", "test"):
-        for d in a.domains:
-            x, y = getattr(a, part)[d], getattr(b, part)[d]
-            assert x.x.dtype == y.x.dtype and x.y.dtype == y.y.dtype, (part, d)
-            assert np.array_equal(x.x.numpy(), y.x.numpy()) and np.array_equal(x.y.numpy(), y.y.numpy()), (part, d)
-    for part in ("natural_train", "natural_test"):
-        na, nb = getattr(a, part), getattr(b, part)
-        assert (na is None) == (nb is None), part
-        if na is not None:
-            assert list(na) == list(nb), part
-            for k in na:
-                assert np.array_equal(na[k], nb[k]) and np.asarray(nb[k]).dtype == np.int64, (part, k)
 
 
 def assert_same_federation(a: Federation, b: Federation) -> None:
