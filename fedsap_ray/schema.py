@@ -204,17 +204,17 @@ class DataConfig:
                      "is not read with data.partition=explicit (the partition file names each client's samples in the "
                      "dataset's own training split): leave it null")
         if self.partition_file is not None:
-            if self.partition != "explicit":
-                fail("data.partition_file", self.partition_file, f"is read only with data.partition=explicit (the "
-                                                                 f"partition is {self.partition}): set "
-                                                                 "data.partition=explicit or leave it null")
             try:
                 kind = "file" if Path(self.partition_file).expanduser().is_file() else None
             except (TypeError, ValueError, RuntimeError, OSError):  # a NUL byte, ~unknown_user, a name too long
                 kind = None
             if kind is None:
                 fail("data.partition_file", self.partition_file, "no such file (a JSON file naming every client's "
-                                                                 "samples)")
+                                                                 "samples, read with data.partition=explicit)")
+            if self.partition != "explicit":
+                fail("data.partition_file", self.partition_file, f"is read only with data.partition=explicit (the "
+                                                                 f"partition is {self.partition}): set "
+                                                                 "data.partition=explicit or leave it null")
         if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
             fail("data.num_clients", self.num_clients, "must be an integer >= 1")
         check_ratio("data.client_fraction", self.client_fraction, low_open=True)

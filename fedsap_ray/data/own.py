@@ -143,9 +143,10 @@ def register_plugin(name: str, obj: Any, entry_point: Any) -> None:
         if lacking:
             raise TypeError(f"{entry_point.value} is a class without {', '.join(lacking)}: a dataset class has "
                             f"{', '.join(SOURCE_ATTRS)} (docs/guides/development.md#adding-a-dataset)")
-        obj.node_cache, obj.digest_data = False, True
-        register_dataset(name, single_domain=bool(getattr(obj, "single_domain", False)),
-                         natural_partition=bool(getattr(obj, "natural_partition", False)))(obj)
+        cls: Any = obj  # a class of someone else's: these attributes are ours to set
+        cls.node_cache, cls.digest_data = False, True  # loaded by each process; load_splits digests its arrays
+        register_dataset(name, single_domain=bool(getattr(cls, "single_domain", False)),
+                         natural_partition=bool(getattr(cls, "natural_partition", False)))(cls)
         return
     if not callable(obj):
         raise TypeError(f"{entry_point.value} is a {type(obj).__name__}: a plugin names a loader function or a "
