@@ -102,7 +102,8 @@ class Registry(Generic[T]):
         return name in self.entries
 
     # --- plugins ----------------------------------------------------------------------------------------
-    def _entry_points(self) -> list[Any]:
+    def plugin_entry_points(self) -> list[Any]:
+        """The installed entry points of :attr:`plugins` (:mod:`importlib.metadata`; nothing is imported)."""
         if self.plugins is None:
             return []
         from importlib.metadata import entry_points
@@ -111,7 +112,7 @@ class Registry(Generic[T]):
 
     def plugin_names(self) -> list[str]:
         """The names the installed plugins offer (their entry points' names; nothing is imported)."""
-        return sorted({ep.name for ep in self._entry_points()})
+        return sorted({ep.name for ep in self.plugin_entry_points()})
 
     def load_plugin(self, name: str) -> bool:
         """Load and register the plugin entry point ``name`` of :attr:`plugins`, once; False when there is none.
@@ -123,10 +124,10 @@ class Registry(Generic[T]):
             return True
         if name in self.plugin_errors:
             raise ConfigError(self.plugin_errors[name])
-        found = [ep for ep in self._entry_points() if ep.name == name]
+        found = [ep for ep in self.plugin_entry_points() if ep.name == name]
         if not found:
             return False
-        where = ", ".join(_describe(ep) for ep in found)
+        where = ", ".join(describe_entry_point(ep) for ep in found)
         if len(found) > 1:
             self.plugin_errors[name] = (f"invalid {self.field}={name!r}: {len(found)} plugins of the entry point group "
                                         f"{self.plugins} offer it ({where}); uninstall all but one")
@@ -160,7 +161,7 @@ MODELS: Registry[Any] = Registry("model.name", "model", "fedsap_ray.models", sor
 register_model = MODELS.register  # @register_model("name") on a factory(num_classes=, input_shape=, width_mult=, channels=[, vocab_size=])
 
 
-def _describe(ep: Any) -> str:
+def describe_entry_point(ep: Any) -> str:
     """``name = module:object`` of an entry point, with the distribution that installed it when known."""
     dist = getattr(ep, "dist", None)
     by = f" (distribution {dist.name} {dist.version})" if dist is not None else ""

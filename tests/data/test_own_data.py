@@ -39,6 +39,13 @@ PLUGIN = textwrap.dedent('''
         return {"train": (a["x"], a["y"], a["d"]), "test": (a["xt"], a["yt"], a["dt"]), "num_classes": 3}
 
 
+    def mismatched():
+        """A loader whose labels are one short"""
+        got = load()
+        x, y, d = got["train"]
+        return {**got, "train": (x, y[:-1], d)}
+
+
     class TinySource:
         """The same data as a dataset class, as the package's own are written."""
 
@@ -63,8 +70,9 @@ ENTRY_POINTS = textwrap.dedent('''
     tinyplug = fedsap_tinyplugin:load
     tinyclass = fedsap_tinyplugin:TinySource
     tinybroken = fedsap_tinybroken:load
+    tinybad = fedsap_tinyplugin:mismatched
 ''')
-NAMES = ("tinyplug", "tinyclass", "tinybroken", "mine", "mine1")
+NAMES = ("tinyplug", "tinyclass", "tinybroken", "tinybad", "mine", "mine1")
 RUN = ["data.name=tinyplug", "model.name=mlp", "model.width_mult=0.125", "data.partition=iid", "data.num_clients=4",
        "training.rounds=2", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=2",
        "training.eval_deployed=false", "algorithm.name=fedavg"]
@@ -156,6 +164,16 @@ def test_a_plugin_run_resumes_to_the_same_tables_and_refuses_changed_data(plugin
     assert b.runs.iloc[0]["partition_hash"] == a.runs.iloc[0]["partition_hash"]
 
 
+def test_fedsap_ray_datasets_lists_the_installed_plugins_without_importing_them(plugin, capsys):
+    from fedsap_ray.cli import main
+
+    DATASETS.unregister("tinybroken")
+    assert main(["datasets"]) == 0
+    text = capsys.readouterr().out
+    assert "tinybroken = fedsap_tinybroken:load (distribution tinyplugin 0.1)" in text and "embedded_digits" in text
+    assert "tinybroken" not in DATASETS.entries and "tinybroken" not in DATASETS.plugin_errors  # listed, not loaded
+
+
 def test_a_dataset_class_plugin_is_registered_as_a_source_and_its_arrays_digested(plugin):
     fed = build_federation(build_config(preset="smoke", overrides=[*RUN, "data.name=tinyclass"]))
     assert fed.dataset == "tinyclass" and fed.data_digest is not None
@@ -169,6 +187,11 @@ def test_a_broken_plugin_is_one_line_naming_its_entry_point_and_nothing_is_writt
         assert rc == 2 and len(err) == 1, err
         assert "tinybroken = fedsap_tinybroken:load" in err[0] and f"distribution {DIST} 0.1" in err[0]
         assert "ImportError: the plugin needs a package that is not installed" in err[0]
+    assert not out.exists()
+    # a plugin that imports but whose loader gives bad arrays: the same, naming the entry point and the array
+    rc, err = cli(capsys, "run", "--preset", "smoke", "--out", str(out), *sets([*RUN, "data.name=tinybad"]))
+    assert rc == 2 and len(err) == 1, err
+    assert "tinybad = fedsap_tinyplugin:mismatched" in err[0] and "train x has shape (120, 8)" in err[0]
     assert not out.exists()
     # an unknown name lists the plugins' names among the allowed values, without importing them
     with pytest.raises(ConfigError, match=r"allowed values are .*tinyplug"):

@@ -15,7 +15,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.results import extension_columns
 from tests.conftest import run_rounds_with_records, tiny_overrides
 
-BASE = ["data.num_clients=4", "training.eval_deployed=false", "training.max_steps_per_epoch=1"]
+BASE = ["data.num_clients=4", "model.name=cnn_small", "training.eval_deployed=false", "training.max_steps_per_epoch=1"]
 TABLES = ("allocations", "layers")  # the tables whose rows only strategies write
 # the methods whose clients train the full model, whatever their capacity (assigned width 1.0)
 FULL_MODEL = {"fedavg", "fedprox", "moon", "fedsr", "fpl", "scaffold"}
