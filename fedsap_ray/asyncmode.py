@@ -49,6 +49,10 @@ coordinate-wise mean is this simulator's aggregation rule and equals it for equa
 
 Evaluation: every ``training.eval_every`` steps, or with ``asynchronous.eval_every_s`` every t simulated
 seconds (:func:`crossed`), and always at the last step; evaluating never changes training.
+
+When the settings alone make the run the synchronous one (:func:`synchronous_equivalent`: every client trains
+every step, the buffer waits for all of them, so every update is fresh and applied whole), the engine says so
+once, when it starts: one :class:`RunNote` line on stderr, so nobody reads the run as asynchronous training.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ import heapq
 import itertools
 import math
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -74,7 +79,7 @@ from fedsap_ray.server import Server, due
 from fedsap_ray.staleness import weight_for
 from fedsap_ray.statecheck import BadCheckpoint, check_params
 
-__all__ = ["AsyncServer", "AsyncStrategy", "Update", "crossed"]
+__all__ = ["AsyncServer", "AsyncStrategy", "RunNote", "Update", "crossed", "synchronous_equivalent"]
 
 #: The engine's part of a checkpoint (:meth:`AsyncServer.state_dict`): its format name and version. A checkpoint
 #: of another version (or none: an asynchronous run checkpointed before it could be resumed) is refused.
@@ -140,6 +145,33 @@ def crossed(before_s: float, after_s: float, every_s: float, per: int = 1) -> bo
     return math.floor(after_s / every_s) // per > math.floor(before_s / every_s) // per
 
 
+class RunNote(UserWarning):
+    """A note on a run that changes nothing in it (printed once, one line, attributed to the package)."""
+
+
+def synchronous_equivalent(cfg: Any) -> str | None:
+    """Why an asynchronous run of ``cfg`` is the synchronous run step for step (the same tables, but for the
+    asynchronous columns and the simulated clock's float rounding), or None when it need not be.
+
+    The settings alone decide it when every client of the federation trains every step: ``concurrency`` =
+    ``buffer_size`` = a synchronous round's clients = all of them (``training.participation`` 1). A client
+    arriving early frees no slot (every other client is busy), the step waits for all, every update is fresh
+    (staleness 0, every staleness rule weighs it 1) and with ``server_lr`` 1 it is applied as the synchronous
+    mean. Availability below 1, a trace, or ``eval_every_s`` change who trains or when it is evaluated; with
+    fewer clients per step the run equals the synchronous one only when every client's simulated time is the
+    same, which the settings cannot say (docs/guides/device-time.md#asynchronous-training)."""
+    dev, a = cfg.devices, cfg.asynchronous
+    n = cfg.data.num_clients
+    concurrency = a.concurrency or round_size(cfg, n)
+    buffer = a.buffer_size or concurrency
+    if dev.mode != "async" or not round_size(cfg, n) == concurrency == buffer == n or a.server_lr != 1 \
+            or dev.availability < 1 or dev.trace is not None or a.eval_every_s is not None:
+        return None
+    return (f"devices.mode=async with asynchronous.concurrency = buffer_size = {n} = every client "
+            "(training.participation=1) and server_lr=1 is the synchronous run: each step waits for every client's "
+            "fresh update (staleness 0); lower asynchronous.concurrency or buffer_size for asynchronous training")
+
+
 class AsyncServer(Server):
     """The asynchronous engine (module docstring); ``round(state, t)`` runs until server step ``t`` and
     records it as round ``t`` of every table."""
@@ -160,6 +192,9 @@ class AsyncServer(Server):
         self.dispatch_due = True  # start clients before the next arrival (the run's start, after a step)
         self.dispatch_version, self.dispatch_index = -1, 0  # starts on one version so far (selection seeds)
         self.train_s = 0.0  # wall seconds in backend.train since the last step
+        note = synchronous_equivalent(cfg)
+        if note is not None:  # once, at the start: one line attributed to the package, not to a source line
+            warnings.warn_explicit(note, RunNote, filename="fedsap_ray", lineno=0, module="fedsap_ray.asyncmode")
 
     # --- the event loop --------------------------------------------------------------------------
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:

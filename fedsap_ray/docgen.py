@@ -312,14 +312,38 @@ def datasets_page() -> str:
            "# Datasets reference\n\n",
            "Every registered dataset (`--set data.name=NAME`). `fedsap-ray datasets [--root DIR]` says "
            "which of them have their files on this machine and where it looked. What is real and what is "
-           "a rendered stand-in, and where files go: [../guides/data.md](../guides/data.md).\n",
-           "\n| name | what it is | how to obtain the files | module |\n|---|---|---|---|\n"]
+           "a rendered stand-in, and where files go: [../guides/data.md](../guides/data.md). The input column says "
+           "how a batch reaches the model (`fedsap_ray.data.base.as_input`, from each dataset's declared input kinds); "
+           "nothing else is applied (no per-channel mean or standard deviation, no augmentation).\n",
+           "\n| name | what it is | how to obtain the files | input to the model | module |\n|---|---|---|---|---|\n"]
     for name in dataset_names():
         src = get_source(name)
         path = source_path(type(src))
-        out.append(f"| `{name}` | {cell(src.description)} | {cell(src.how_to_obtain)} | "
+        out.append(f"| `{name}` | {cell(src.description)} | {cell(src.how_to_obtain)} | {cell(input_scaling_of(src))} | "
                    f"[{Path(path).name}]({rel(path)}) |\n")
     return "".join(out)
+
+
+def input_scaling_of(src: Any) -> str:
+    """What a dataset's inputs become before the model sees them, from its declared input kinds."""
+    from fedsap_ray.data.base import INPUT_SCALING
+
+    kinds = getattr(src, "input_kinds", None)
+    if not kinds:
+        return "not declared (register_dataset(inputs=...))"
+    return "; ".join(f"{k}: {INPUT_SCALING[k]}" for k in kinds)
+
+
+def input_scaling() -> str:
+    """Each kind of input, its transform to the model and the datasets that give it (docs/guides/data.md)."""
+    from fedsap_ray.data.base import INPUT_SCALING
+    from fedsap_ray.data.registry import dataset_names, get_source
+
+    rows = []
+    for kind, how in INPUT_SCALING.items():
+        names = [code(n) for n in dataset_names() if kind in (getattr(get_source(n), "input_kinds", None) or ())]
+        rows.append([code(kind), cell(how), ", ".join(names) or "none"])
+    return table(["input kind", "what the model receives", "datasets"], rows)
 
 
 # ----------------------------------------------------------------------------- results.md
@@ -344,9 +368,11 @@ def results_page() -> str:
            f"The core columns are declared, typed and described in "
            f"[fedsap_ray/results/schema.py]({rel('fedsap_ray/results/schema.py')}) and filled by the recording "
            f"side for every algorithm (including those computed from ground truth no strategy sees: "
-           f"`true_domain`, `tv_distance`, `ari_domain`); the others are declared by the strategies that write "
-           f"them (`Strategy.columns`, [fedsap_ray/algorithms/base.py]({rel('fedsap_ray/algorithms/base.py')})) "
-           f"and are null in the rows of every other algorithm. Every table has one schema whatever the "
+           f"`true_domain`, `tv_distance`, `ari_domain`); the others are declared by the strategies "
+           f"(`Strategy.columns`, [fedsap_ray/algorithms/base.py]({rel('fedsap_ray/algorithms/base.py')})) "
+           f"and listed under the algorithms whose runs write them (`Strategy.writes`: with their default options, "
+           f"or with the option named); they are null in the rows of every other algorithm. Every table has one "
+           f"schema whatever the "
            f"algorithm: the core columns followed by every registered strategy's. Each file carries the "
            "descriptions as Arrow field metadata (`doc`).\n\n"
            "| table | rows |\n|---|---|\n"]
@@ -362,10 +388,26 @@ def results_page() -> str:
         rows = [[code(c), code(str(t)), cell(d), f"core (since {since[c]})" if c in since else "core"]
                 for c, t, d in core]
         if name in results.DATA_TABLES:
-            rows += [[code(col.name), code(str(col.type)), cell(col.doc), ", ".join(code(a) for a in by)]
+            rows += [[code(col.name), code(str(col.type)), cell(col.doc), ", ".join(writers(name, by)) or "none"]
                      for col, by in results.extension_columns(name).values()]
-        out.append(table(["column", "type", "description", "declared by"], rows))
+        out.append(table(["column", "type", "description", "written by"], rows))
     return "".join(out)
+
+
+def writers(table: str, declaring: Iterable[str]) -> list[str]:
+    """Of the algorithms ``declaring`` a column of ``table``, those whose runs write it (``Strategy.writes_under``),
+    each with the option setting it needs when its defaults do not write it; a method that never writes the
+    table's declared columns (FedDrop's inherited allocations) is left out."""
+    from fedsap_ray import algorithms
+
+    out = []
+    for name in declaring:
+        setting = algorithms.get(name).writes_under(table)
+        if setting is None:
+            continue
+        needs = ", ".join(code(f"algorithm.{k}={v}") for k, v in setting.items())
+        out.append(code(name) + (f" (with {needs})" if needs else ""))
+    return out
 
 
 # ----------------------------------------------------------------------------- cli.md
@@ -536,6 +578,7 @@ REGIONS: dict[str, tuple[str, Callable[[], str]]] = {  # name -> (page, what wri
     "golden-cases": ("docs/guides/development.md", golden_cases),
     "golden-dropped": ("docs/guides/development.md", golden_dropped),
     "dataset-table": ("docs/guides/data.md", dataset_table),
+    "input-scaling": ("docs/guides/data.md", input_scaling),
 }
 
 

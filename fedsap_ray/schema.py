@@ -143,7 +143,7 @@ def check_bool(name: str, v: Any) -> None:
 SEED_MAX = 2**32 - 1  # the seed range every numpy/torch seeding API accepts
 SEED_ALLOWED = f"must be an integer in [0, {SEED_MAX}] (0 <= seed < 2**32)"
 
-PARTITIONS = ("domain", "dirichlet", "natural", "iid")
+PARTITIONS = ("domain", "dirichlet", "natural", "iid", "explicit")
 CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
@@ -181,17 +181,40 @@ class DataConfig:
     name: str = "embedded_digits"  # registered dataset (docs/reference/datasets.md)
     root: str | None = None  # None: the dataset's default location (cache dir or ../shared/data)
     download: bool = False  # let torchvision fetch missing files (clusters); off: a missing file is an error
-    partition: str = "domain"  # domain (Digits/Office protocol) | dirichlet | natural | iid
+    partition: str = "domain"  # domain (Digits/Office protocol) | dirichlet | natural | iid | explicit (partition_file)
     num_clients: int = 10  # clients in the federation
     client_fraction: float = 0.01  # share of its domain's training set each client gets (domain protocol)
     alpha: float = 0.3  # Dirichlet concentration (dirichlet partition)
     min_samples: int = 10  # every client keeps at least this many samples (dirichlet partition)
     max_test_per_domain: int | None = None  # cap on held-out samples per domain (None: full test set)
     max_train_per_domain: int | None = None  # cap on the training pool per domain before partitioning
+    # JSON file naming every client's samples, domain and optionally capacity (data.partition=explicit;
+    # docs/guides/own-data.md#an-explicit-partition); what it holds is recorded as runs.partition_hash
+    partition_file: str | None = None
 
     def __post_init__(self) -> None:
         registry.DATASETS.get(self.name)  # a registered dataset (fedsap_ray.registry)
         check_choice("data.partition", self.partition, PARTITIONS)
+        if self.partition == "explicit":
+            if self.partition_file is None:
+                fail("data.partition", self.partition, "needs data.partition_file, the JSON file naming every client's "
+                                                       "samples (docs/guides/own-data.md)")
+            if self.max_train_per_domain is not None:
+                fail("data.max_train_per_domain", self.max_train_per_domain,
+                     "is not read with data.partition=explicit (the partition file names each client's samples in the "
+                     "dataset's own training split): leave it null")
+        if self.partition_file is not None:
+            try:
+                kind = "file" if Path(self.partition_file).expanduser().is_file() else None
+            except (TypeError, ValueError, RuntimeError, OSError):  # a NUL byte, ~unknown_user, a name too long
+                kind = None
+            if kind is None:
+                fail("data.partition_file", self.partition_file, "no such file (a JSON file naming every client's "
+                                                                 "samples, read with data.partition=explicit)")
+            if self.partition != "explicit":
+                fail("data.partition_file", self.partition_file, f"is read only with data.partition=explicit (the "
+                                                                 f"partition is {self.partition}): set "
+                                                                 "data.partition=explicit or leave it null")
         if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
             fail("data.num_clients", self.num_clients, "must be an integer >= 1")
         check_ratio("data.client_fraction", self.client_fraction, low_open=True)
@@ -605,6 +628,8 @@ class ExperimentConfig:
             d["asynchronous"].pop("eval_every_s", None)  # asynchronous runs keep the hash they had before the field
         if d.get("devices") == _without_sha(_to_plain(dataclasses.asdict(DevicesConfig()))):
             d.pop("devices")  # the default device model adds columns only: runs keep the hash they had before it
+        if isinstance(d.get("data"), dict) and d["data"].get("partition_file") is None:
+            d["data"].pop("partition_file", None)  # runs without a partition file keep the hash they had before it
         return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]
 
 

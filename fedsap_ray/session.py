@@ -27,6 +27,7 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
+from fedsap_ray.data.explicit import partition_digest
 from fedsap_ray.errors import CheckpointUnreadable, ClientError, ConfigError
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
@@ -116,13 +117,32 @@ def cpu_kernels() -> str:
             f"onednn={os.environ.get('ONEDNN_MAX_CPU_ISA', '').strip().upper() or 'max'}")
 
 
-def run_row(cfg: ExperimentConfig, *, dataset: str, num_clients: int, notes: str = "") -> dict:
-    """The provenance part of a run's ``runs`` row (status, times and accuracies are added by the writer's caller)."""
+def run_row(cfg: ExperimentConfig, *, dataset: str, num_clients: int, notes: str = "",
+            partition_source: str | None = None, partition_hash: str | None = None) -> dict:
+    """The provenance part of a run's ``runs`` row (status, times and accuracies are added by the writer's caller);
+    ``partition_source``/``partition_hash``: what the federation trained says (None before one was built)."""
     return dict(study=cfg.study, algorithm=cfg.algorithm.name, dataset=dataset, model=cfg.model.name,
                 preset=cfg.preset, seed=cfg.seed, num_clients=num_clients, rounds=cfg.training.rounds,
                 backend=cfg.resources.backend, config_json=cfg.to_json(), config_hash=cfg.config_hash(),
                 started_at=_now(), package_version=fedsap_ray.__version__, torch_version=torch.__version__,
-                cpu_kernels=cpu_kernels(), dataset_notes=notes)
+                cpu_kernels=cpu_kernels(), dataset_notes=notes, partition_source=partition_source,
+                partition_hash=partition_hash)
+
+
+def check_same_partition(run_id: str, old: dict | None, row: dict) -> None:
+    """A resume trains exactly the federation the run started with: the ``partition_hash`` its runs row recorded
+    (rows written before the column have none: nothing to compare). Otherwise one :class:`ConfigError` naming
+    where each came from and both hashes, before anything of the run changes."""
+    before = None if old is None else old.get("partition_hash")
+    if before is None or before == row["partition_hash"]:
+        return
+    assert old is not None
+    was, now = old.get("partition_source"), row["partition_source"]
+    what = f"{now} now gives hash {row['partition_hash']}" if was == now else \
+        f"this resume's {now} gives hash {row['partition_hash']}"
+    raise ConfigError(f"invalid --resume={run_id!r}: the run trained dataset {old.get('dataset')} split by {was} "
+                      f"(partition hash {before}); {what}: the partition file, the dataset's data or the given "
+                      "federation changed since; restore it, or start a new run")
 
 
 def record_failed_start(cfg: ExperimentConfig, out: str | Path, run_id: str, error: BaseException) -> None:
@@ -167,7 +187,9 @@ class RunSession:
             empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))
             if empty is not None:
                 raise devices.no_client_error(cfg, empty)
-        self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes)
+        # what was trained, from the federation itself (a given one too), not from what the config names
+        self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes,
+                                partition_source=fed.partition_source, partition_hash=partition_digest(fed))
         self.recorder = self.server.recorder
         self.last_summary: RoundSummary | None = None
         self.state: ServerState | None = None
@@ -190,6 +212,7 @@ class RunSession:
             if old is not None and old["config_hash"] != cfg.config_hash():
                 raise ConfigError(f"invalid --resume={run_id!r}: the run was made with another config "
                                   f"(hash {old['config_hash']}, now {cfg.config_hash()})")
+            check_same_partition(run_id, old, self.base_row)
             self._resumed = ServerState(round=st.round, params=st.params, strategy_state=own)
             if self.engine is not None:  # the event queue, the clients in flight, the clock: checked, then set
                 self.engine.load_state_dict(ck.get("engine"), self._resumed, where)

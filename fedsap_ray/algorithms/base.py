@@ -61,6 +61,10 @@ class Strategy(ABC):
     # subclass declares only its own (declared_columns adds its bases'). The RoundRecords it returns from
     # aggregate may hold only core and declared columns.
     columns: ClassVar[Mapping[str, tuple[Column, ...]]] = {}
+    # Per table whose declared columns this class writes only under some options, one option setting under which
+    # it writes them (FedAvg: allocations at width=capacity): the results reference names it, and
+    # tests/docs/test_results_writers.py runs it. A subclass whose Options lack those fields inherits nothing of it.
+    writes_with: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     @dataclass(frozen=True)
     class Options:
@@ -133,6 +137,29 @@ class Strategy(ABC):
                 out[col.name] = col  # a subclass may re-describe a column it inherits, not retype it
         return list(out.values())
 
+    @classmethod
+    def writes(cls, table: str, options: Any) -> bool:
+        """Whether a run with ``options`` writes this class's declared ``table`` columns (for ``layers`` and
+        ``allocations``: writes rows at all). What docs/reference/results.md lists a method under, so a method
+        that declares columns it never fills (inherited ones) overrides it from what decides the writing.
+        Default: it declares some."""
+        return bool(cls.declared_columns(table))
+
+    @classmethod
+    def writes_under(cls, table: str) -> dict[str, Any] | None:
+        """The options under which a run writes this class's declared ``table`` columns: ``{}`` (its defaults),
+        its :attr:`writes_with` setting, or None (never: the results reference does not list it there)."""
+        if cls.writes(table, cls.Options()):
+            return {}
+        setting = dict(cls.writes_with.get(table, {}))
+        if not setting:
+            return None
+        try:
+            opts = cls.Options(**setting)
+        except TypeError:  # its Options lack those fields (a channel-subset method under FedAvg's setting)
+            return None
+        return setting if cls.writes(table, opts) else None
+
     def eval_models(self, state: ServerState, domains: EvalDomains) -> dict[str, np.ndarray]:
         """Parameters to evaluate on each test domain (one shared global model by default).
 
@@ -173,11 +200,18 @@ class Strategy(ABC):
             out[r.client_id] = {**self.spent(plan, r), **self.client_columns(state, plan, r)}
         return out
 
-    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]:
-        """What one client-round spent (``params_trained``, ``macs_per_sample``, ``train_macs``), whether or not
-        it was aggregated (a straggler's compute is counted too: fedsap_ray.devices)."""
+    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
+        """What one client-round spent (``params_trained``, ``macs_per_sample``, ``train_macs``) and the width it
+        was assigned (``assigned_width``), whether or not it was aggregated (a straggler's compute is counted too:
+        fedsap_ray.devices): the columns every client row has, whichever way it was recorded."""
         return {"params_trained": self.params_trained(plan, result), "macs_per_sample": self.mask_macs(plan.mask),
-                "train_macs": self.train_macs(plan, result)}
+                "train_macs": self.train_macs(plan, result), "assigned_width": self.assigned_width(plan)}
+
+    def assigned_width(self, plan: ClientPlan) -> float:
+        """The ``assigned_width`` column: the width the strategy assigned the plan's client for its round, as planned,
+        beside ``capacity_used`` (what the sub-model it trained realised: a channel count's rounding, FedSAP's
+        per-layer budget). Default 1.0: the full model; sub-model methods override it with their p_i or kappa_i."""
+        return 1.0
 
     def output(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult]) -> RoundOutput:
         """The :class:`RoundOutput` of a round whose only records are its clients' (:meth:`client_records`)."""

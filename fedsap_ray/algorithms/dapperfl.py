@@ -301,6 +301,10 @@ class DapperFL(Strategy):
     def keep_ratio(self, client_id: int) -> float:
         return min(float(self.ctx.federation.clients[client_id].capacity), 1.0)
 
+    def assigned_width(self, plan: ClientPlan) -> float:
+        """kappa_i, the keep ratio the client prunes to (:meth:`Strategy.assigned_width`)."""
+        return self.keep_ratio(plan.client_id)
+
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         return self.configure_clients(state, t, self.sample_clients(t))
 

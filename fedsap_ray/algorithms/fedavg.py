@@ -53,6 +53,7 @@ class FedAvg(Strategy):
     }
     width: WidthRule = FULL  # the composed width rule (module docstring); a subclass holds its own
     supports_async = True  # stateless: docs/readings.md#asynchronous-training
+    writes_with = {"allocations": {"width": "capacity"}}  # the full rule allocates nothing (WidthRule.tracked)
 
     @dataclass(frozen=True)
     class Options:
@@ -63,8 +64,22 @@ class FedAvg(Strategy):
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)
-        if isinstance(options, FedAvg.Options) and options.width == "capacity":  # FedAvg's own option (and FedProx's)
-            self.width = CAPACITY
+        self.width = self.width_rule(options)
+
+    @classmethod
+    def width_rule(cls, options: Any) -> WidthRule:
+        """The width rule a run with ``options`` composes: the class's own, or the capacity rule for FedAvg's
+        ``width=capacity`` option (and FedProx's, whose options extend FedAvg's)."""
+        if isinstance(options, FedAvg.Options) and options.width == "capacity":
+            return CAPACITY
+        return cls.width
+
+    @classmethod
+    def writes(cls, table: str, options: Any) -> bool:
+        """``allocations`` rows come from the width rule (:meth:`allocation_rows`): only a tracked rule writes them."""
+        if table == "allocations":
+            return cls.width_rule(options).tracked
+        return super().writes(table, options)
 
     # --- which sub-model a client trains -----------------------------------------------
     def width_for(self, state: ServerState, client_id: int, t: int) -> float:
@@ -89,6 +104,10 @@ class FedAvg(Strategy):
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         """Strategy-specific ClientPlan fields (its hooks and their payloads)."""
         return {}
+
+    def assigned_width(self, plan: ClientPlan) -> float:
+        """p_i of the width rule (1.0 for the full rule): the plan's ``capacity_used`` is p_i itself (:meth:`sub_model`)."""
+        return float(plan.capacity_used)
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         return self.configure_clients(state, t, self.sample_clients(t))

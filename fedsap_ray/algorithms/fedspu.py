@@ -142,6 +142,10 @@ class FedSPU(Strategy):
         kappa = float(self.ctx.federation.clients[client_id].capacity)
         return random_channel_masks(self.ctx.space, kappa, rng_for(self.cfg.seed, t, client_id, "fedspu"))
 
+    def assigned_width(self, plan: ClientPlan) -> float:
+        """kappa_i, the share of neurons per layer the client trains (:meth:`Strategy.assigned_width`)."""
+        return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
+
     def trained_mask(self, t: int, client_id: int) -> tuple[np.ndarray | None, int]:
         """(parameter mask M_i^t, None when every coordinate is trained; active channel count)."""
         cm = self.channel_masks(t, client_id)

@@ -41,6 +41,11 @@ class SubModelStrategy(FedAvg):
         active = int(sum(int(np.count_nonzero(m)) for m in cmasks.values()))
         return self.coverage(cmasks), active, active / total
 
+    def assigned_width(self, plan: ClientPlan) -> float:
+        """kappa_i, the client's keep ratio (its capacity, at most 1): what its channel subset is drawn or chosen
+        for; ``capacity_used`` is the share of channels that subset holds."""
+        return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
+
     def active_channels(self, plan: ClientPlan) -> int:
         """Channels the plan trains: capacity_used is active / total here (:meth:`sub_model`), so exact."""
         return int(round(plan.capacity_used * self.ctx.space.total_channels))

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.algorithms.widths import Capped
+from fedsap_ray.algorithms.widths import Capped, WidthRule
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_number
-from fedsap_ray.context import RunContext
 
 
 @register("uniform")
@@ -27,6 +26,7 @@ class Uniform(FedAvg):
         def __post_init__(self) -> None:
             check_number("algorithm.p", self.p, 0, 1, low_open=True)
 
-    def __init__(self, ctx: RunContext, options: Any) -> None:
-        super().__init__(ctx, options)
-        self.width = Capped(self.opts.p)
+    @classmethod
+    def width_rule(cls, options: Any) -> WidthRule:
+        """p_i = min(p, p_max) with the option's p."""
+        return Capped(options.p)

@@ -51,8 +51,19 @@ def check_labels(dataset: str, domain: str, labels: np.ndarray | torch.Tensor, n
                                 f"max {y.max()}){where}; the file is damaged or holds another dataset: fetch it again")
 
 
+# How each kind of input reaches the model: the one statement of the transform every batch goes through
+# (:func:`as_input`, on the client and in evaluation alike), which the datasets reference and docs/guides/data.md
+# quote per dataset (a dataset declares its kinds: ``register_dataset(inputs=...)``). Nothing else is applied:
+# no per-channel mean or standard deviation, no augmentation.
+INPUT_SCALING: dict[str, str] = {
+    "image": "uint8 [0, 255] -> float32 [-1, 1]: x * 2/255 - 1 (as_input)",
+    "features": "float32 as stored, unchanged",
+    "text": "int64 token ids as stored, unchanged (the model embeds them)",
+}
+
+
 def as_input(x: torch.Tensor) -> torch.Tensor:
-    """uint8 images -> float32 in [-1, 1]; other kinds pass through unchanged."""
+    """uint8 images -> float32 in [-1, 1] (x * 2/255 - 1); other kinds pass through unchanged (:data:`INPUT_SCALING`)."""
     if x.dtype == torch.uint8:
         return x.float().mul_(2.0 / 255.0).sub_(1.0)
     return x
@@ -90,6 +101,10 @@ class Federation:
     vocab_size: int | None = None  # text datasets
     notes: str = ""  # provenance shown to users (what is real, what is rendered)
     domain_notes: dict[str, str] = field(default_factory=dict)
+    # where the clients' split came from (runs.partition_source): builtin:<data.partition>, file:<path>,
+    # flower:<partitioner>, object (an ExplicitPartition built in Python), or given: a Federation built by hand
+    partition_source: str = "given"
+    data_digest: str | None = None  # DomainSplits.digest of own data (fedsap_ray.data.own), covered by partition_hash
 
     def __getstate__(self) -> dict:
         """Pickled (to the Ray server actor and workers) with the clients as columns: one array per field

@@ -210,7 +210,7 @@ def cached_cifar_tarball(tar_path: Path, cache_dir: Path | None = None) -> tuple
     return splits, classes
 
 
-@register_dataset("cifar10", single_domain=True)
+@register_dataset("cifar10", single_domain=True, inputs=("image",))
 class Cifar10Source(FileSource):
     """CIFAR-10 from torchvision's batches or from the shared JPEG archive."""
 

@@ -285,7 +285,7 @@ def layout_files(layout: Layout | None) -> tuple[Path, ...]:
 
 
 # ----------------------------------------------------------------------------- sources
-@register_dataset("digits")
+@register_dataset("digits", inputs=("image",))
 class DigitsSource:
     """MNIST, USPS, SVHN and SynthDigits as four domains of 10 digit classes (3x32x32 uint8)."""
 
@@ -388,7 +388,7 @@ def rendered_splits(fn: RenderFn, n_train: int, n_test: int, seed: int, cache_di
     return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 
-@register_dataset("digits_offline")
+@register_dataset("digits_offline", inputs=("image",))
 class DigitsOfflineSource:
     """Digits protocol offline: real MNIST and USPS plus two rendered stand-in domains."""
 

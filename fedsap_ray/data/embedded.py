@@ -190,7 +190,7 @@ def load_arrays(root: Path) -> dict[str, np.ndarray]:
     return arrays
 
 
-@register_dataset("embedded_digits")
+@register_dataset("embedded_digits", inputs=("image",))
 class EmbeddedDigits:
     """Offline four-domain digits benchmark: real MNIST subset, real UCI digits, two rendered stand-ins."""
 

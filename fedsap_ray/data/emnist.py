@@ -38,7 +38,7 @@ def pad_upright_rgb(x: np.ndarray) -> np.ndarray:
     return out
 
 
-@register_dataset("emnist", single_domain=True)
+@register_dataset("emnist", single_domain=True, inputs=("image",))
 class EmnistSource(FileSource):
     """EMNIST ByClass via torchvision."""
 

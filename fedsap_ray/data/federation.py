@@ -16,7 +16,11 @@ Rules (docs/guides/data.md#partitions-and-capacities), in order:
      into one domain, so multi-domain datasets get domain shift *and* label skew.
    - ``natural``: the ``num_clients`` natural clients with most samples (Shakespeare
      roles); needs a single-domain dataset with ``natural_train``.
-4. Capacities by :func:`~fedsap_ray.data.capacity.assign_capacities`.
+   - ``explicit``: the clients of ``data.partition_file`` (:mod:`fedsap_ray.data.explicit`), or of the
+     :class:`~fedsap_ray.data.explicit.ExplicitPartition` passed as ``partition``, which wins over the
+     config's scheme; either indexes each domain's uncapped training split.
+4. Capacities by :func:`~fedsap_ray.data.capacity.assign_capacities`; an explicit partition's own
+   capacities replace those of its clients (pruning ratio 1 - capacity).
 5. Ground truth: each client's label counts and the TV distance to the label
    distribution of the union of the training pools its federation draws from
    (papers/003 section 4.4).
@@ -24,6 +28,10 @@ Rules (docs/guides/data.md#partitions-and-capacities), in order:
 Seeds: partition and train-cap generators come from ``SeedSequence((seed, purpose))``
 with distinct purpose constants; capacities use their own purpose inside
 ``assign_capacities``; so changing one never shifts another's stream.
+
+The federation records where its split came from (``Federation.partition_source``: ``builtin:<scheme>``,
+``file:<path>``, or the partition object's ``source``) and own data's digest (``data_digest``), which
+``runs.partition_source`` and ``runs.partition_hash`` record (:func:`fedsap_ray.data.explicit.partition_digest`).
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ import numpy as np
 
 from fedsap_ray.data.base import ClientSpec, DomainData, Federation
 from fedsap_ray.data.capacity import assign_capacities
+from fedsap_ray.data.explicit import ExplicitPartition, read_partition
 from fedsap_ray.data.partition import (
     PartitionError,
     assign_domains,
@@ -45,7 +54,8 @@ from fedsap_ray.data.partition import (
     natural_partition,
     tv_distance,
 )
-from fedsap_ray.data.registry import DatasetSource, DomainSplits, get_source, unreadable
+from fedsap_ray.data.own import OwnData, digest_if_own
+from fedsap_ray.data.registry import DatasetSource, DomainSplits, check_inputs, get_source, unreadable
 from fedsap_ray.errors import ConfigError, DatasetUnavailable, DatasetUnreadable
 from fedsap_ray.schema import DataConfig, ExperimentConfig
 
@@ -97,8 +107,11 @@ def load_splits(cfg: ExperimentConfig) -> DomainSplits:
     source = get_source(cfg.data.name)
     root = resolve_root(cfg.data, source)
     seed = int(cfg.seed) if getattr(source, "seed_dependent", False) else 0
+    if isinstance(source, OwnData):  # holds its arrays itself (and a replaced registration must not be served)
+        return source.load(root, download=bool(cfg.data.download), seed=seed)
     try:
-        return _load_cached(cfg.data.name, str(root), bool(cfg.data.download), seed)
+        return check_inputs(source, digest_if_own(source, _load_cached(cfg.data.name, str(root), bool(cfg.data.download),
+                                                                       seed)))
     except DatasetUnavailable as e:
         shared = os.environ.get("FEDSAP_SHARED_DATA")
         if cfg.data.root is not None or not shared or isinstance(e, DatasetUnreadable):
@@ -228,7 +241,8 @@ def partition_clients(splits_domains: list[str], train: dict[str, DomainData],
             raise ValueError(f"data.partition=natural needs a single-domain dataset, {data.name!r} has "
                              f"{len(splits_domains)}")
         return [(splits_domains[0], idx) for _, idx in natural_partition(natural, n)]
-    raise ValueError(f"unknown data.partition={data.partition!r}; allowed: domain, dirichlet, natural, iid")
+    raise ValueError(f"unknown data.partition={data.partition!r}; allowed: domain, dirichlet, natural, iid (explicit: "
+                     "build_federation reads data.partition_file)")
 
 
 # (dataset, model) pairs whose model takes the dataset's native input rather than the stored one:
@@ -257,19 +271,39 @@ def _model_input(dataset: str, model: str, train: dict[str, DomainData], test: d
     return ({d: native_emnist(v) for d, v in train.items()}, {d: native_emnist(v) for d, v in test.items()}, shape)
 
 
-def build_federation(cfg: ExperimentConfig, splits: DomainSplits | None = None) -> Federation:
+def build_federation(cfg: ExperimentConfig, splits: DomainSplits | None = None,
+                     partition: ExplicitPartition | None = None) -> Federation:
     """The run's data: capped per-domain pools and test sets, clients with capacities and TV.
 
     ``splits``: the dataset's splits when the caller already has them (e.g. the node-shared,
     memory-mapped ones of :func:`fedsap_ray.data.node_cache.shared_splits`); else ``load_splits(cfg)``.
+    ``partition``: the clients' samples, replacing ``data.partition`` (e.g. from a Flower partitioner,
+    :func:`fedsap_ray.data.flower.from_flower`); with ``data.partition=explicit`` it is read from
+    ``data.partition_file``. Either is checked against the data here, before any work.
     """
+    data = cfg.data
+    if partition is None and data.partition == "explicit":
+        partition = read_partition(str(data.partition_file))  # structural refusals before the data is loaded
+    if partition is not None and data.max_train_per_domain is not None:
+        raise ConfigError(f"invalid data.max_train_per_domain={data.max_train_per_domain!r}: not read with an explicit "
+                          "partition (it names each client's samples in the dataset's own training split): leave it null")
     if splits is None:
         splits = load_splits(cfg)
-    data = cfg.data
+    if partition is None and data.partition == "domain" and len(splits.domains) == 1:  # own data: known once loaded
+        raise ConfigError(f"invalid data.partition='domain': data.name={data.name} has one domain: use dirichlet, "
+                          "iid or explicit")
     train, test, natural = _cap_splits(splits, data, int(cfg.seed))
     train, test, input_shape = _model_input(data.name, cfg.model.name, train, test, tuple(splits.input_shape))
-    parts = partition_clients_checked(list(splits.domains), train, natural, data, int(cfg.seed))
+    if partition is not None:
+        parts = partition.assign(list(splits.domains), {d: len(train[d]) for d in splits.domains}, data.num_clients)
+        source = partition.source
+    else:
+        parts = partition_clients_checked(list(splits.domains), train, natural, data, int(cfg.seed))
+        source = f"builtin:{data.partition}"
     rho, cap = assign_capacities(cfg.capacity, data.num_clients, int(cfg.seed))
+    if partition is not None:
+        for cid, kappa in partition.capacities().items():  # the partition's own capacities win (module docstring)
+            rho[cid], cap[cid] = 1.0 - kappa, kappa
 
     used = [d for d in splits.domains if any(cd == d for cd, _ in parts)]
     global_counts = np.sum([label_counts(_labels(train[d]), splits.num_classes) for d in used], axis=0)
@@ -291,4 +325,6 @@ def build_federation(cfg: ExperimentConfig, splits: DomainSplits | None = None) 
         vocab_size=splits.vocab_size,
         notes=splits.notes,
         domain_notes=dict(splits.domain_notes),
+        partition_source=source,
+        data_digest=splits.digest,
     )

@@ -58,7 +58,7 @@ def _sample(rng: np.random.Generator, means: np.ndarray, scale: float, offset: n
     return x, y.astype(np.int64)
 
 
-@register_dataset("generated_blobs")
+@register_dataset("generated_blobs", inputs=("features",))
 class GeneratedBlobs:
     """Generated four-domain Gaussian blobs (32 float features, 10 classes), 125,000 train samples per domain."""
 

@@ -31,7 +31,7 @@ MNIST_CLASSES = 10
 DOMAIN = "mnist"
 
 
-@register_dataset("mnist", single_domain=True)
+@register_dataset("mnist", single_domain=True, inputs=("image",))
 class MnistSource:
     """Real MNIST (60,000 train / 10,000 test) as a single domain of 10 classes (3x32x32 uint8)."""
 

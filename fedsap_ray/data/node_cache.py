@@ -111,8 +111,12 @@ def shared_splits(cfg: ExperimentConfig, cache_dir: Path | str | None = None) ->
     complete entry without locking, or builds it under the entry's lock (re-checking first, since
     another process may have built it while this one waited). An entry that is there but fails its
     checks is rebuilt with one :class:`~fedsap_ray.data.cachefile.CacheRebuilt` line; when its
-    source is gone, :class:`~fedsap_ray.errors.DatasetUnavailable` names the entry's file.
+    source is gone, :class:`~fedsap_ray.errors.DatasetUnavailable` names the entry's file. A source that
+    declares ``node_cache = False`` (own data and plugins, :mod:`fedsap_ray.data.own`: no file shows their
+    changes) is loaded by each process instead.
     """
+    if not getattr(get_source(cfg.data.name), "node_cache", True):
+        return federation.load_splits(cfg)
     target = entry_dir(cfg, cache_dir)
     memo = _OPENED.get(str(target))
     if memo is not None:

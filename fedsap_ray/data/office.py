@@ -87,7 +87,7 @@ def read_surf(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-@register_dataset("office_caltech")
+@register_dataset("office_caltech", inputs=("image", "features"))
 class OfficeCaltechSource:
     """Office-Caltech10 from image folders, or from the SURF feature files when no images exist."""
 

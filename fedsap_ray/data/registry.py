@@ -53,6 +53,10 @@ class DomainSplits:
     # natural partitions (Shakespeare): client name -> indices into train[domain] / test[domain]
     natural_train: dict[str, np.ndarray] | None = None
     natural_test: dict[str, np.ndarray] | None = None
+    # sha256 of the arrays of data the package does not own (own arrays, plugins: fedsap_ray.data.own), which
+    # runs.partition_hash covers so a --resume on changed data is refused; None for the package's datasets,
+    # which are fixed and whose caches are checked against digests of their own
+    digest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,28 @@ class DatasetSource(Protocol):
 _SOURCES: dict[str, Callable[[], DatasetSource]] = DATASETS.entries  # the table itself (tests patch it)
 
 
-def register_dataset(name: str, *, single_domain: bool = False, natural_partition: bool = False) -> Callable[[Any], Any]:
+def register_dataset(name: str, *, single_domain: bool = False, natural_partition: bool = False,
+                     inputs: tuple[InputKind, ...] | None = None) -> Callable[[Any], Any]:
     """Class decorator: register a dataset source under ``name``; ``single_domain`` (the split has one domain,
     so ``data.partition=domain`` is refused) and ``natural_partition`` (it has natural client splits,
-    ``data.partition=natural``) are what the config checks read (:class:`fedsap_ray.schema.ExperimentConfig`)."""
+    ``data.partition=natural``) are what the config checks read (:class:`fedsap_ray.schema.ExperimentConfig`).
+    ``inputs``: the kinds of input its loads give (``InputKind``), whose scaling to the model
+    (:data:`fedsap_ray.data.base.INPUT_SCALING`) the datasets reference states; a load of another kind is refused
+    (:func:`check_inputs`). None: not declared (the reference says so)."""
     def deco(cls: Any) -> Any:
-        cls.single_domain, cls.natural_partition = single_domain, natural_partition
+        cls.single_domain, cls.natural_partition, cls.input_kinds = single_domain, natural_partition, inputs
         return DATASETS.register(name)(cls)
     return deco
+
+
+def check_inputs(source: Any, splits: DomainSplits) -> DomainSplits:
+    """``splits``, if their ``input_kind`` is one the source declared (``register_dataset(inputs=...)``): the
+    datasets reference states each dataset's input scaling from that declaration, so it must be the truth."""
+    declared = getattr(source, "input_kinds", None)
+    if declared is not None and splits.input_kind not in declared:
+        raise TypeError(f"dataset {getattr(source, 'name', source)!r} declares inputs {tuple(declared)} but its load "
+                        f"gave {splits.input_kind!r}: fix its register_dataset(inputs=...)")
+    return splits
 
 
 def get_source(name: str) -> DatasetSource:

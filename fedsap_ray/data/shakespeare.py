@@ -212,7 +212,7 @@ def find_layout(root: Path) -> tuple[str, list[Path]] | None:
     return None
 
 
-@register_dataset("shakespeare", single_domain=True, natural_partition=True)
+@register_dataset("shakespeare", single_domain=True, natural_partition=True, inputs=("text",))
 class ShakespeareSource:
     """Federated Shakespeare: one client per speaking role, next-character prediction."""
 

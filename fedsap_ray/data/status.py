@@ -87,6 +87,7 @@ def dataset_table(root: Path | None = None) -> list[dict]:
     ``root`` (e.g. the shared-data folder holding ``mnist/``, ``usps/``, ...) is used for
     every dataset when given; otherwise each dataset's own default root.
     Keys: name, description, root, present (all required files found), missing (list of "what: path"), how_to_obtain.
+    The installed dataset plugins not loaded yet follow, named by their entry points (none is imported here).
     """
     import fedsap_ray.data  # noqa: F401  (registers every source)
     from fedsap_ray.data.registry import dataset_names, get_source
@@ -107,4 +108,12 @@ def dataset_table(root: Path | None = None) -> list[dict]:
                 "how_to_obtain": src.how_to_obtain,
             }
         )
+    from fedsap_ray.registry import DATASETS, describe_entry_point
+
+    held = {r["name"] for r in rows}
+    for ep in DATASETS.plugin_entry_points():  # installed plugins not loaded yet: listed, not imported
+        if ep.name not in held:
+            rows.append({"name": ep.name, "description": f"plugin {describe_entry_point(ep)}: loaded when a run names "
+                                                         "it (docs/guides/own-data.md#a-plugin)",
+                         "root": "(plugin)", "present": True, "missing": [], "how_to_obtain": "an installed plugin"})
     return rows

@@ -17,14 +17,15 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 11  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 12  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
 # sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
 # 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against); 9: asynchronous training
 # (rounds.updates_applied, staleness_mean, staleness_max; clients.version_trained, version_applied, staleness,
 # sim_arrival_s, staleness_weight); 10: rounds.backend_bytes_down, backend_bytes_up (what the backend moved
-# between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against)
+# between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against);
+# 12: runs.partition_source, partition_hash (what a run trained), clients.assigned_width
 GLOBAL_DOMAIN = "__global__"
 # Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible) and
 # the bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count), so
@@ -64,6 +65,12 @@ RUNS_COLUMNS: list[Column] = [
     Column("dataset_notes", pa.string(), "what the data is (real / rendered stand-in)"),
     Column("rows_written", pa.string(), "rows the run had written when this row was written, per table, as JSON "
            "(e.g. {\"clients\": 24, \"rounds\": 12}): a sweep's --resume checks a finished run's tables against it"),
+    Column("partition_source", pa.string(), "where the clients' split the run trained came from: builtin:<data.partition> "
+           "| file:<data.partition_file> | flower:<partitioner> | object (an ExplicitPartition built in Python) | given "
+           "(a Federation passed to run_experiment); recorded from the federation, not the config"),
+    Column("partition_hash", pa.string(), "first 16 hex digits of the sha256 of what the run trained: every client's id, "
+           "domain, sample indices, capacity and pruning ratio, the domains' pool sizes, and own data's arrays; "
+           "--resume refuses another (fedsap_ray.data.explicit.partition_digest)"),
 ]
 
 ROUNDS_COLUMNS: list[Column] = [
@@ -133,6 +140,10 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("pruning_ratio", pa.float64(), "FedSAP rho_i (0 under capacity tiers)"),
     Column("capacity_max", pa.float64(), "device capacity: keep ratio kappa_i or p_max"),
     Column("capacity_used", pa.float64(), "fraction of channels the client trained this round (p_i / realised kappa)"),
+    Column("assigned_width", pa.float64(), "the width the strategy assigned the client this round, as planned: p_i of "
+           "the nested-width methods, the keep ratio kappa_i (its capacity) of FedDrop, FedMP, NeFL, FedSPU, DapperFL "
+           "and FedSAP, 1.0 for full-model methods; capacity_used is what the sub-model it trained realised "
+           "(Strategy.assigned_width)"),
     Column("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.); recorded, never shown to strategies"),
     Column("n_samples", pa.int64(), "local training samples"),
     Column("train_loss", pa.float64(), "mean local training loss over the round's steps"),
@@ -316,6 +327,7 @@ COLUMNS_SINCE: dict[int, dict[str, str]] = {
     10: {"rounds": "backend_bytes_down backend_bytes_up updates_applied staleness_mean staleness_max",
          "clients": "version_trained version_applied staleness sim_arrival_s staleness_weight"},
     11: {"runs": "rows_written"},
+    12: {"runs": "partition_source partition_hash", "clients": "assigned_width"},
 }
 
 

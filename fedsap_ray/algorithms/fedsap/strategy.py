@@ -174,6 +174,11 @@ class FedSAP(Strategy):
             dga_grads={}, d_tilde=None, frozen=False, layer_counts={}, layer_u=None)
         return state
 
+    def assigned_width(self, plan: ClientPlan) -> float:
+        """kappa_i = 1 - rho_i, the client's keep ratio its channel budget is drawn from
+        (:meth:`Strategy.assigned_width`; ``capacity_used`` is the share of channels its roles keep)."""
+        return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
+
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         st: FedSAPState = state.strategy_state
         plans = {}
