@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true", help="replace the run with the same --run-id in --out "
                    "(all its rows are deleted once the new run's input checks passed)")
     r.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run in --out from its last finished round "
-                   "(uses the run's stored config; only --backend/--address may change)")
+                   "(uses the run's stored config; only --backend/--address may change; --tracker continues its "
+                   "tracker runs)")
     r.add_argument("--tracker", action="append", default=[], choices=TRACKERS,
                    help="also log the run to this experiment tracker (repeatable): every rounds metric per round, "
                    "the resolved config, the kept models (docs/guides/trackers.md); needs the trackers extra")

@@ -13,9 +13,9 @@ one tracker run per results run and feed every chosen tracker the same records:
   (MLflow, W&B; TensorBoard has no place for them).
 
 A run feeds them through a driver callback (:class:`TrackerCallback`); a sweep through a Ray Tune logger
-callback on its driver (``sweeps/tuner.py``), to which each trial reports its rounds' metrics. Why the
-tables stay the record: a tracker that fails (a full disk, a server that went away) is reported once on
-stderr and dropped for that run, and the run goes on (:class:`TrackedRun`). The libraries are the
+callback on its driver (``sweeps/tuner.py``), to which each trial reports its rounds' metrics. The tables
+stay the record: a tracker that fails (a full disk, a server that went away) is reported once on stderr and
+dropped for that run, and the run goes on (:class:`TrackedRun`). The libraries are the
 ``trackers`` extra, imported only by the tracker that uses them; a missing one is refused before the run
 starts (:func:`check_libraries`). No Ray here.
 """
@@ -30,6 +30,7 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -308,9 +309,9 @@ MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KIL
 class MLflowTracker:
     """An MLflow run named by the run id in the experiment named by the study, through ``MlflowClient`` (no
     global state: a sweep's driver holds many at once). A folder location is an SQLite store, ``mlflow.db``,
-    with the artifacts beside it (MLflow's file store refuses new data since MLflow 3); a URI is used as given.
-    A resumed run continues the latest MLflow run tagged with its run id; a new one (``--overwrite``) starts
-    another, the old stays."""
+    with the artifacts beside it (MLflow 3 refuses its file store unless ``MLFLOW_ALLOW_FILE_STORE=true``); a
+    URI is used as given. A resumed run continues the latest MLflow run tagged with its run id; a new one
+    (``--overwrite``) starts another, and the old one stays."""
 
     name = "mlflow"
 
@@ -453,16 +454,16 @@ class TrackedRun:
         for spec in specs:
             tracker = MAKERS[spec.name](spec)
             self.live.append(tracker)
-            self._call(tracker, "starting", lambda t=tracker: t.start(info))
+            self._call(tracker, "starting", partial(tracker.start, info))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for tracker in list(self.live):
-            self._call(tracker, f"logging round {step}", lambda t=tracker: t.log(step, metrics))
+            self._call(tracker, f"logging round {step}", partial(tracker.log, step, metrics))
 
     def finish(self, status: str, files: Sequence[Path] = ()) -> None:
         for tracker in list(self.live):
-            if self._call(tracker, "storing the kept models", lambda t=tracker: t.log_files(files)):
-                self._call(tracker, "closing", lambda t=tracker: t.close(status))
+            if self._call(tracker, "storing the kept models", partial(tracker.log_files, files)):
+                self._call(tracker, "closing", partial(tracker.close, status))
         self.live.clear()
 
     def _call(self, tracker: Tracker, what: str, fn: Callable[[], None]) -> bool:
@@ -497,7 +498,9 @@ class TrackerCallback(DriverCallback):
         self.run = TrackedRun(self.specs, run_info(self.cfg, self.run_id, done + 1), self.warn)
 
     def on_round(self, t: int, summaries: Sequence[RoundSummary], metrics: Sequence[SessionMetrics]) -> None:
-        for s in summaries if self.run is not None else ():
+        if self.run is None:
+            return
+        for s in summaries:
             self.run.log(s.round, round_metrics(s.rows))
 
     def on_finish(self, outcomes: Sequence[RunOutcome | None]) -> None:

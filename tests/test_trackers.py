@@ -225,18 +225,21 @@ class Interrupt(DriverCallback):
 def test_a_resumed_run_continues_its_tracker_runs_and_a_replaced_one_replaces_its_curves(tmp_path, file_store,
                                                                                          single_thread):
     out, store = tmp_path / "out", (tmp_path / "mlruns").as_uri()
-    specs = trackers.tracker_specs(["tensorboard", "mlflow"], [f"mlflow={store}"], str(out))
+    specs = trackers.tracker_specs(["tensorboard", "mlflow", "wandb"], [f"mlflow={store}"], str(out))
     cfg = build_config(preset="smoke", overrides=TINY)
     with pytest.raises(KeyboardInterrupt):
         run_experiment(cfg, out, run_id="r", callbacks=[trackers.TrackerCallback(specs, cfg, out, "r"), Interrupt(2)])
     assert mlflow_runs(store, "default")["r"]["status"] == "KILLED"
     proc = in_process("run", "--out", str(out), "--resume", "r", "--quiet", "--tracker", "tensorboard",
-                      "--tracker", "mlflow", "--tracker-uri", f"mlflow={store}")
+                      "--tracker", "mlflow", "--tracker", "wandb", "--tracker-uri", f"mlflow={store}")
     assert proc.returncode == 0, proc.stderr
     (name, run), = mlflow_runs(store, "default").items()  # the same MLflow run, continued
     assert run["status"] == "FINISHED"
     check_curves(run["curves"], out, "r")
     check_curves(tensorboard_scalars(out / "_trackers" / "tensorboard" / "r"), out, "r")
+    wandb = out / "_trackers" / "wandb"
+    assert len({p.name.rsplit("-", 1)[1] for p in wandb.glob("wandb/offline-run-*")}) == 1  # one W&B run id, twice
+    check_curves(wandb_run(wandb)["curves"], out, "r")
     # the same run id run again (another seed, so other numbers): TensorBoard shows only the new curves
     proc = in_process("run", "--preset", "smoke", *sets(TINY), "--seed", "5", "--out", str(out), "--run-id", "r",
                       "--overwrite", "--quiet", "--tracker", "tensorboard")
