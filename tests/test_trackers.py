@@ -258,3 +258,20 @@ def test_kept_files_are_the_run_models_folder_and_no_link_is_followed(tmp_path):
     (folder / "best.json").symlink_to(tmp_path)
     with pytest.raises(ConfigError, match="symbolic link"):
         trackers.kept_files(out, "r")
+
+
+def test_the_readme_figure_reads_the_curves_the_trackers_hold(tracked, tmp_path):
+    """analysis/trackers.py (the README's trackers figure) reads back the same numbers: the table's."""
+    from analysis import trackers as figure
+
+    cells = {(c[0], c[1], c[2], c[3]): c[4] for c in rounds_cells(tracked.out, RUN)}
+    loss = figure.mlflow_curves(tracked.store, "default", "train_loss")
+    assert loss == {RUN: {t: v for (t, _, d, col), v in cells.items() if col == "train_loss" and d == "__global__"}}
+    deployed = figure.tensorboard_curves(tracked.out / "_trackers" / "tensorboard", "deployed/__global__/accuracy")
+    assert deployed == {RUN: {t: v for (t, m, d, col), v in cells.items()
+                              if (m, d, col) == ("deployed", "__global__", "accuracy")}}
+    assert set(deployed[RUN]) == {2, 3}
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert figure.main([str(tmp_path), "--study", "default", "--png", str(tmp_path / "f.png")]) == 2
+    assert "--tracker mlflow" in err.getvalue() and not (tmp_path / "f.png").exists()
