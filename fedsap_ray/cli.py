@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
 from fedsap_ray.errors import ConfigError, DatasetUnavailable
+from fedsap_ray.trackers import TRACKERS
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -44,7 +45,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--overwrite", action="store_true", help="replace the run with the same --run-id in --out "
                    "(all its rows are deleted once the new run's input checks passed)")
     r.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run in --out from its last finished round "
-                   "(uses the run's stored config; only --backend/--address may change)")
+                   "(uses the run's stored config; only --backend/--address may change; --tracker continues its "
+                   "tracker runs)")
+    r.add_argument("--tracker", action="append", default=[], choices=TRACKERS,
+                   help="also log the run to this experiment tracker (repeatable): every rounds metric per round, "
+                   "the resolved config, the kept models (docs/guides/trackers.md); needs the trackers extra")
+    r.add_argument("--tracker-uri", action="append", default=[], metavar="[NAME=]LOCATION",
+                   help="where trackers write (repeatable): a folder for all (each in its own subfolder), or "
+                   "NAME=LOCATION for one (mlflow: a folder or a tracking URI); default OUT/_trackers/NAME")
     r.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     r.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     d = sub.add_parser("datasets", help="list datasets and whether their files are present")
@@ -98,7 +106,7 @@ def _resolve(args) -> ExperimentConfig:
         results.check_run_id(args.resume, "--resume")
         if args.config or args.overrides or args.preset or args.seed is not None or args.run_id or args.overwrite:
             raise ConfigError(f"invalid --resume={args.resume!r}: a resumed run keeps its stored config; "
-                              "only --out, --backend and --address may be given")
+                              "only --out, --backend, --address, --tracker and --tracker-uri may be given")
         file_data = _stored_config(Path(args.out), args.resume)
     if args.backend:
         overrides.append(f"resources.backend={args.backend}")
@@ -133,6 +141,10 @@ def _stored_config(out: Path, run_id: str) -> dict:
 
 def _run(args) -> int:
     cfg = _resolve(args)
+    from fedsap_ray import trackers
+
+    specs = trackers.tracker_specs(args.tracker, args.tracker_uri, args.out)
+    trackers.check_libraries(specs)
     if args.print_config:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return 0
@@ -143,9 +155,10 @@ def _run(args) -> int:
     out = Path(args.out)
     run_id = args.resume or args.run_id or new_run_id(cfg)
     printer = None if args.quiet else ProgressPrinter(cfg.training.rounds)
+    tracked = [trackers.TrackerCallback(specs, cfg, out, run_id)] if specs else []
     try:
         outcome = run_experiment(cfg, out, run_id=run_id, progress=printer, resume=bool(args.resume),
-                                 overwrite=args.overwrite)
+                                 overwrite=args.overwrite, callbacks=tracked)
     except DatasetUnavailable as e:
         print(f"fedsap-ray: error: data.name={cfg.data.name!r}: {e}", file=sys.stderr)
         return 2

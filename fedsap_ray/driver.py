@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from fedsap_ray.errors import RunStopped
-from fedsap_ray.server import RoundSummary
-from fedsap_ray.session import RunOutcome, SessionMetrics
+
+if TYPE_CHECKING:  # annotations only: the loop itself needs no torch (fedsap_ray.trackers builds on it)
+    from fedsap_ray.server import RoundSummary
+    from fedsap_ray.session import RunOutcome, SessionMetrics
 
 
 class Drivable(Protocol):

@@ -39,8 +39,9 @@ from fedsap_ray.results.store import is_dir, list_table, run_ids
 from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.schema import check_ray_address
 from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.trackers import TRACKERS, check_libraries, tracker_specs
 from sweeps.trials import flat_overrides, to_configs
-from sweeps.tuner import SweepOptions, run_trials
+from sweeps.tuner import SweepOptions, run_trials, tracked
 
 # every script's --smoke-test adds these to the smoke preset: a few steps a round, the deployed models at
 # rounds 2 and 3 (best and final still differ), so CI's five smoke sweeps stay cheap
@@ -63,6 +64,12 @@ def add_common_args(p: argparse.ArgumentParser, *, study: str, default_preset: s
     p.add_argument("--max-failures", type=int, default=2, help="retries of a failed trial (it resumes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every trial, e.g. training.rounds=50")
+    p.add_argument("--tracker", action="append", default=[], choices=TRACKERS,
+                   help="also log every trial's runs to this experiment tracker (repeatable): one tracker run per "
+                        "run, every rounds metric per round (docs/guides/trackers.md); needs the trackers extra")
+    p.add_argument("--tracker-uri", action="append", default=[], metavar="[NAME=]LOCATION",
+                   help="where trackers write (repeatable): a folder for all, or NAME=LOCATION for one (mlflow: a "
+                        "folder or a tracking URI); default OUT/_trackers/NAME (required when --out is a URI)")
     p.add_argument("--smoke-test", action="store_true", help="tiny and fast: what CI runs")
     p.add_argument("--dry-run", action="store_true", help="validate every trial's config, print the trials and "
                                                           "exit: no Ray, nothing trained, --out not read")
@@ -95,10 +102,12 @@ def options_from(args: argparse.Namespace, smoke: Sequence[str], smoke_seeds: in
             guard.check_folder(Path(args.out), files=("optuna.db", "optuna_trials.parquet"), dirs=("_tune",))
     # Tune runs each trial in its own working directory: a relative local --out must be made absolute here
     out = str(args.out) if remote else str(Path(args.out).resolve())
+    specs = tracker_specs(args.tracker, args.tracker_uri, None if remote else out)
+    check_libraries(specs)
     return SweepOptions(out=out, preset=preset, seeds=seeds, address=args.address,
                         max_concurrent=args.max_concurrent, resume=args.resume,
                         workers_per_trial=args.workers_per_trial, server_cpus=server_cpus,
-                        max_failures=args.max_failures, extra=extra)
+                        max_failures=args.max_failures, extra=extra, trackers=specs)
 
 
 # what every sweep sets in each trial's config itself: a --set of it would be overridden (or ignored) without a word
@@ -163,7 +172,7 @@ def grid_trials(variants: Mapping[str, Sequence[str]], opts: SweepOptions, study
         for variant, overrides in variants.items():
             flat = {**flat_overrides([*overrides, *opts.extra]), "seed": seed, "_variant": variant,
                     "_study": study, "_preset": opts.preset, "_out": opts.out,
-                    "_workers": opts.workers_per_trial, "_server_cpus": opts.server_cpus}
+                    "_workers": opts.workers_per_trial, "_server_cpus": opts.server_cpus, **tracked(opts)}
             to_configs(flat)  # raises ConfigError naming the field
             trials.append(flat)
     return trials

@@ -9,7 +9,9 @@ per seed and drives them with two callbacks:
   filesystem URI: the run writes to node-local staging, :class:`fedsap_ray.storage.ResultsDestination`);
 - :class:`TuneReport`: each round's metrics (means over the seeds) go to Tune, read from each
   session's :class:`~fedsap_ray.session.SessionMetrics`; a scheduler that stops the trial
-  (Tune raises ``SystemExit`` in ``tune.report``) ends the runs with status ``stopped``.
+  (Tune raises ``SystemExit`` in ``tune.report``) ends the runs with status ``stopped``. A sweep with
+  ``--tracker`` (the trial's ``_trackers``) also reports every run's rounds metrics of the round, for the
+  driver's :class:`sweeps.tuner.TrackerLogger`.
 
 Data: :func:`fedsap_ray.data.node_cache.shared_splits` maps the dataset from a node-local
 cache, so trials on one node share one decoded copy. A trial resumes each run from its
@@ -18,6 +20,7 @@ finished is never overwritten.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -38,7 +41,13 @@ from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.server import RoundSummary
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, record_failed_start
 from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.trackers import round_metrics
 from sweeps.trials import METRIC, flatten, to_configs
+
+TRACKED = "_trackers"  # a trial's flat-config key: the sweep logs to trackers (sweeps.tuner.tracked)
+# the report's key for every run's rounds metrics of the round, as JSON text {run_id: {name: value}}: one string,
+# so Tune's own loggers under _tune/ keep their few scalars (TensorBoard's logger skips text)
+ROUNDS_METRICS = "rounds_metrics"
 
 
 def run_trial(config: dict[str, Any]) -> None:
@@ -52,7 +61,7 @@ def run_trial(config: dict[str, Any]) -> None:
     dest = ResultsDestination(flat["_out"])
     sessions = open_sessions(cfgs, run_ids, dest, workers=int(flat.get("_workers", 1)))
     rounds = cfgs[0].training.rounds
-    drive(sessions, rounds, [PushResults(dest, run_ids), TuneReport(run_ids, rounds)])
+    drive(sessions, rounds, [PushResults(dest, run_ids), TuneReport(run_ids, rounds, tracked=bool(flat.get(TRACKED)))])
 
 
 def open_sessions(cfgs: Sequence[ExperimentConfig], run_ids: Sequence[str], dest: ResultsDestination,
@@ -112,11 +121,14 @@ class TuneReport(DriverCallback):
     :class:`~fedsap_ray.errors.RunStopped`. ASHA also "stops" a trial at ``max_t``: after the last
     round that is no stop, the runs finish."""
 
-    def __init__(self, run_ids: Sequence[str], rounds: int) -> None:
-        self.run_ids, self.rounds = ",".join(run_ids), rounds
+    def __init__(self, run_ids: Sequence[str], rounds: int, tracked: bool = False) -> None:
+        self.ids, self.run_ids, self.rounds = list(run_ids), ",".join(run_ids), rounds
+        self.tracked = tracked  # also report every run's rounds metrics (ROUNDS_METRICS)
+        self.started = [0] * len(self.ids)  # each run's rounds done when it started: drive steps it after those
         self.in_pg = True
 
     def on_start(self, metrics: Sequence[SessionMetrics]) -> None:
+        self.started = [m.round for m in metrics]
         pg = ray.util.get_current_placement_group()
         here = pg.id.hex() if pg is not None else None
         # every client worker must sit in this trial's placement group (reported, and checked by the tests)
@@ -130,12 +142,16 @@ class TuneReport(DriverCallback):
         self._report(t, summaries, metrics)
 
     def _report(self, t: int, summaries: Sequence[RoundSummary], metrics: Sequence[SessionMetrics]) -> None:
+        report = {"round": t, METRIC: mean([m.best_global_accuracy for m in metrics]),
+                  "global_accuracy": mean([m.global_accuracy for m in metrics]),
+                  "train_loss": mean([s.train_loss for s in summaries]),
+                  "avg_capacity": mean([s.avg_capacity for s in summaries]),
+                  "run_id": self.run_ids, "workers_in_trial_placement_group": self.in_pg}
+        if self.tracked and summaries:
+            ran = [run_id for run_id, done in zip(self.ids, self.started) if done < t]  # as drive steps them
+            report[ROUNDS_METRICS] = json.dumps({run_id: round_metrics(s.rows) for run_id, s in zip(ran, summaries)})
         try:
-            tune.report({"round": t, METRIC: mean([m.best_global_accuracy for m in metrics]),
-                         "global_accuracy": mean([m.global_accuracy for m in metrics]),
-                         "train_loss": mean([s.train_loss for s in summaries]),
-                         "avg_capacity": mean([s.avg_capacity for s in summaries]),
-                         "run_id": self.run_ids, "workers_in_trial_placement_group": self.in_pg})
+            tune.report(report)
         except SystemExit:  # Tune's scheduler stopped this trial
             if t < self.rounds:
                 raise RunStopped(f"stopped by the Tune scheduler after round {t}") from None

@@ -45,7 +45,7 @@ from fedsap_ray.storage import ResultsDestination  # noqa: E402
 from sweeps.study import (add_common_args, check_overrides, finished_gaps, options_from, read_runs,  # noqa: E402
                           refuse_missing_out, report_failures)
 from sweeps.trials import METRIC, flat_overrides, to_configs  # noqa: E402
-from sweeps.tuner import run_trials  # noqa: E402
+from sweeps.tuner import run_trials, tracked  # noqa: E402
 
 STUDY = "tune"
 # FedSAP's hyperparameters and their search ranges (papers/000 Table 7 brackets the first three)
@@ -275,7 +275,7 @@ def base_space(args: argparse.Namespace, opts) -> dict:
     """The constant part of every trial's flat config."""
     return {**flat_overrides([f"algorithm.name={args.algorithm}", *opts.extra]), "_seeds": list(opts.seeds),
             "_study": STUDY, "_preset": opts.preset, "_out": opts.out, "_workers": opts.workers_per_trial,
-            "_server_cpus": opts.server_cpus}
+            "_server_cpus": opts.server_cpus, **tracked(opts)}
 
 
 if __name__ == "__main__":

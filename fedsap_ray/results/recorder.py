@@ -72,6 +72,9 @@ class RoundSummary:
     sim_elapsed_s: float = 0.0  # simulated device seconds of rounds 1..this one (fedsap_ray.devices)
     n_stragglers: int = 0  # clients left out of aggregation by devices.policy this round
     lost: tuple[str, ...] = ()  # workers or nodes the Ray backend lost this round (their clients re-ran)
+    # the rows this round wrote to the rounds table, as written (run_id and schema_version aside): what the
+    # trackers log (fedsap_ray.trackers.round_metrics), so they show the table's numbers, never recomputed ones
+    rows: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ class Recorder:
                             progress=records.progress.format_map(_Blank(columns)) if records.progress else "",
                             deployed_accuracy=deployed_global.get("accuracy"),
                             worst_client_accuracy=deployed_global.get("worst_client_accuracy"),
-                            sim_elapsed_s=self.sim_elapsed_s, n_stragglers=cost["n_stragglers"])
+                            sim_elapsed_s=self.sim_elapsed_s, n_stragglers=cost["n_stragglers"], rows=tuple(rows))
 
     def _add(self, table: str, rows: list[dict[str, Any]]) -> None:
         """Rows of ``table``, which may hold only core columns and the strategy's declared ones."""

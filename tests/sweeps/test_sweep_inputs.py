@@ -161,3 +161,62 @@ def test_resume_of_a_folder_with_a_damaged_runs_file_is_one_line(tmp_path, capsy
     (out / "runs" / "full-s0.parquet").write_bytes(b"PAR1" + b"\0" * 20)
     line = refused(capsys, "ablation", "--out", str(out), "--smoke-test", "--variants", "full", "--resume")
     assert "runs/full-s0.parquet" in line and "cannot be read" in line  # the damaged file, named
+
+
+# ----------------------------------------------------------------------------------------------
+# --tracker (docs/guides/trackers.md): checked before Ray starts; the trials report their rounds only when tracked
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("script", ["ablation", "tune"])
+def test_tracker_flags_are_checked_before_ray(tmp_path, capsys, monkeypatch, script):
+    uri = (tmp_path / "o").as_uri()  # a URI destination: trackers write to this machine, so a folder must be given
+    line = refused(capsys, script, "--out", uri, "--dry-run", "--tracker", "tensorboard")
+    assert "--tracker tensorboard: --out is a URI" in line and "--tracker-uri" in line
+    storage = ["--storage", f"sqlite:///{tmp_path / 'optuna.db'}"] if script == "tune" else []  # its URI rule
+    assert _load(script).main(["--out", uri, "--dry-run", "--tracker", "tensorboard",
+                               "--tracker-uri", str(tmp_path / "t"), *storage]) == 0
+    line = refused(capsys, script, "--out", str(tmp_path / "o"), "--dry-run", "--tracker-uri", str(tmp_path / "t"))
+    assert "invalid --tracker-uri" in line and "no --tracker is given" in line
+    monkeypatch.setitem(__import__("sys").modules, "mlflow", None)
+    line = refused(capsys, script, "--out", str(tmp_path / "o"), "--dry-run", "--tracker", "mlflow")
+    assert line.endswith("--tracker mlflow needs the trackers extra: pip install 'fedsap-ray[trackers]'")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # a dry run creates nothing
+
+
+def test_a_tracked_sweeps_trials_say_so_and_keep_their_run_ids(tmp_path):
+    plain, _, _ = _planned(["--out", str(tmp_path / "o"), "--smoke-test"])
+    tracked, opts, _ = _planned(["--out", str(tmp_path / "o"), "--smoke-test", "--tracker", "tensorboard"])
+    assert [s.name for s in opts.trackers] == ["tensorboard"]
+    assert tracked == [{**t, "_trackers": True} for t in plain]  # nothing else changes, run ids included
+
+
+def _summary(t: int, accuracy: float):
+    from fedsap_ray.server import RoundSummary
+
+    row = {"round": t, "domain": "__global__", "eval_mode": "global", "evaluated": True, "accuracy": accuracy,
+           "bytes_up": 100 * t}
+    return RoundSummary(round=t, evaluated=True, global_accuracy=accuracy, best_global_accuracy=accuracy,
+                        worst_domain=None, worst_domain_accuracy=accuracy, avg_capacity=1.0, bytes_up=100 * t,
+                        bytes_down=0, train_loss=1.0, wall_s=0.0, rows=(row,))
+
+
+def test_a_trial_reports_each_runs_rounds_metrics_only_when_tracked(monkeypatch):
+    """A trial of two seeds, the second resumed past round 1 (so it sits round 1 out, as drive steps it): each
+    round's report names the runs that ran it, with their rounds metrics; untracked, the report is as before."""
+    from fedsap_ray.session import SessionMetrics
+    from sweeps import trainable
+
+    reports: list[dict] = []
+    monkeypatch.setattr(trainable.tune, "report", reports.append)
+    monkeypatch.setattr(trainable.ray.util, "get_current_placement_group", lambda: None)
+    started = [SessionMetrics("a-s0", 0, 3, 0.0, 0.0), SessionMetrics("a-s1", 1, 3, 0.0, 0.0)]
+    for tracked in (True, False):
+        cb = trainable.TuneReport(["a-s0", "a-s1"], 3, tracked=tracked)
+        cb.on_start(started)
+        cb.on_round(1, [_summary(1, 0.25)], started)
+        cb.on_round(2, [_summary(2, 0.5), _summary(2, 0.75)], started)
+    sent = [json.loads(r[trainable.ROUNDS_METRICS]) for r in reports[:2]]
+    assert sent == [{"a-s0": {"global/__global__/accuracy": 0.25, "bytes_up": 100.0}},
+                    {"a-s0": {"global/__global__/accuracy": 0.5, "bytes_up": 200.0},
+                     "a-s1": {"global/__global__/accuracy": 0.75, "bytes_up": 200.0}}]
+    assert all(trainable.ROUNDS_METRICS not in r for r in reports[2:])
+    assert {k: v for k, v in reports[0].items() if k != trainable.ROUNDS_METRICS} == reports[2]

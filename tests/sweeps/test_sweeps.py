@@ -264,6 +264,42 @@ def test_a_finished_runs_leftover_checkpoint_is_removed_on_resume(tmp_path, uri)
 
 
 # ----------------------------------------------------------------------------------------------
+# Trackers: every trial's curves in MLflow and TensorBoard
+# ----------------------------------------------------------------------------------------------
+def test_a_sweep_logs_every_trials_curves_to_mlflow_and_tensorboard(tmp_path, session_ray):
+    """Two trials on the session's Ray, MLflow in its default SQLite store: one MLflow run and one TensorBoard run
+    per trial, named by its run id, each curve the run's rounds table at step = the round, read back by
+    MlflowClient and TensorBoard's EventAccumulator (tests/trackerkit.py); Tune's own event files keep their few
+    scalars (the rounds metrics reach the driver as one text value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trackerkit import check_curves, mlflow_runs, tensorboard_scalars
+
+    out = tmp_path / "out"
+    proc = run_study_in_process("ablation", "--smoke-test", "--workers-per-trial", "0", "--variants", "full", "no-dga",
+                                "--out", str(out), "--tracker", "mlflow", "--tracker", "tensorboard")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tracker" not in proc.stderr  # no tracker failed
+    runs = results.load(out).runs.set_index("run_id")
+    logged = mlflow_runs(f"sqlite:///{out / '_trackers' / 'mlflow' / 'mlflow.db'}", "ablation")
+    assert set(logged) == set(runs.index) == {"full-s0", "no-dga-s0"}
+    for run_id, run in logged.items():
+        assert run["status"] == "FINISHED"
+        assert {k: run["tags"][k] for k in ("study", "variant", "seed", "trial")} == \
+            {"study": "ablation", "variant": run_id[:-3], "seed": "0", "trial": run_id}
+        assert run["params"]["algorithm.name"] == runs.loc[run_id, "config.algorithm.name"] == "fedsap"
+        assert run["params"]["training.rounds"] == "3"
+        check_curves(run["curves"], out, run_id)
+        check_curves(tensorboard_scalars(out / "_trackers" / "tensorboard" / run_id), out, run_id)
+    assert logged["no-dga-s0"]["params"]["algorithm.options.dga"] == "none"
+    for events in (out / "_tune").rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        assert all(tag.startswith("ray/tune/") for tag in acc.Tags()["scalars"])
+        assert not any("accuracy/" in tag or "__global__" in tag for tag in acc.Tags()["scalars"])
+
+
+# ----------------------------------------------------------------------------------------------
 # Optuna: the study survives across invocations
 # ----------------------------------------------------------------------------------------------
 def test_tune_smoke_resumes_its_optuna_study(tmp_path):
