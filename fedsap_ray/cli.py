@@ -68,7 +68,7 @@ def _export_parser(sub) -> None:
     x.add_argument("out", help="results folder of the run")
     x.add_argument("--run-id", required=True, help="the run whose kept model to export")
     x.add_argument("--which", choices=["final", "best"], default="final",
-                   help="the final model or the best one the run kept (default: final)")
+                   help="the final model or the best one the run kept")
     x.add_argument("--client", type=int, metavar="K", help="client K's deployed sub-model (the dense sliced network "
                    "the device runs) instead of the global model")
     x.add_argument("--format", dest="fmt", required=True, choices=EXPORT_FORMATS,

@@ -18,11 +18,11 @@ batches of :data:`CHECK_BATCH`, so a batch size baked into the graph fails the c
 
 - ONNX goes through torch's TorchScript-based exporter (``torch.onnx.export(..., dynamo=False)``), opset
   :data:`ONNX_OPSET`. Measured with torch 2.14.1 on this project's 2-core machine (shared): it exported every
-  registered model (ResNet10/18, the three CNNs, the MLP, the character LSTM) in 0.1-2 s, each within 4e-7 of
-  PyTorch; the ``torch.export``-based exporter (torch's default since 2.9) exported them too, within 3e-7, but
-  took 1-11 s each, needs ``onnxscript`` (not in the ``export`` extra) and raised the opset to 18. torch
-  marks the TorchScript-based exporter deprecated: when it goes, :func:`onnx_bytes` switches with
-  ``dynamo=True`` and ``onnxscript`` joins the extra; the check tells whether the switch changed a logit.
+  registered model (ResNet10/18, the three CNNs, the MLP, the character LSTM, at width 1/8) in 0.1-2 s, each
+  within 3.3e-7 of PyTorch; the ``torch.export``-based exporter (torch's default since 2.9) exported them too,
+  within 2.1e-7, but took 1-11 s each, needs ``onnxscript`` (not in the ``export`` extra) and raised the opset
+  to 18. torch marks the TorchScript-based exporter deprecated: when it goes, :func:`onnx_bytes` switches
+  with ``dynamo=True`` and ``onnxscript`` joins the extra; the check tells whether the switch changed a logit.
 - BatchNorm runs on its running statistics (the module is exported in eval mode, then put back in the mode
   it was in). The ONNX exporter folds each BatchNorm into the convolution before it (its eval-mode
   optimisation); TorchScript and safetensors keep the BatchNorm layers as they are, so a safetensors file holds
