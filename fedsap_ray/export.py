@@ -42,6 +42,7 @@ import importlib
 import io
 import json
 import math
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -223,11 +224,11 @@ def onnx_bytes(module: nn.Module, trace_inputs: torch.Tensor, meta: Mapping[str,
     """The module as an ONNX model (batch dimension dynamic), the description in its metadata_props."""
     import onnx
 
-    buf = io.BytesIO()
-    with _quiet():
-        torch.onnx.export(module, (trace_inputs,), buf, dynamo=False, opset_version=ONNX_OPSET, input_names=["input"],
+    with tempfile.TemporaryDirectory(prefix="fedsap-export-") as scratch, _quiet():  # the exporter writes a path
+        f = Path(scratch) / "model.onnx"
+        torch.onnx.export(module, (trace_inputs,), f, dynamo=False, opset_version=ONNX_OPSET, input_names=["input"],
                           output_names=["logits"], dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
-    model = onnx.load_from_string(buf.getvalue())
+        model = onnx.load(f)
     onnx.helper.set_model_props(model, {META_KEY: json.dumps(meta, sort_keys=True)})
     return model.SerializeToString()
 
