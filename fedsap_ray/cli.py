@@ -1,13 +1,15 @@
 """``fedsap-ray`` / ``python -m fedsap_ray``.
 
 Exit codes: 0 success, 1 the run failed (the original error first; a failure to record
-it follows on an ``also:`` line), 2 bad input (one line naming the field, the value and
-what is allowed; nothing was run or written), 130 interrupted (with the ``--resume`` line).
+it follows on an ``also:`` line) or an export's file failed its check (nothing written), 2 bad
+input (one line naming the field, the value and what is allowed; nothing was run or written),
+130 interrupted (with the ``--resume`` line).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import typing
@@ -61,7 +63,31 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compact", help="merge the per-run Parquet files of final runs into one file per table "
                        "(running and resumable runs are left alone)")
     c.add_argument("out", help="results folder or URI (e.g. runs/sweep, s3://bucket/sweep)")
+    _export_parser(sub)
     return p
+
+
+EXPORT_FORMATS = ("onnx", "torchscript", "safetensors")  # fedsap_ray.export.FORMATS (not imported here: it loads torch)
+
+
+def _export_parser(sub) -> None:
+    x = sub.add_parser("export", help="write a run's kept model as a file a device runs (ONNX, TorchScript or "
+                       "safetensors), read back and checked against the PyTorch model before it is written")
+    x.add_argument("out", help="results folder of the run")
+    x.add_argument("--run-id", required=True, help="the run whose kept model to export")
+    x.add_argument("--which", choices=["final", "best"], default="final",
+                   help="the final model or the best one the run kept")
+    x.add_argument("--client", type=int, metavar="K", help="client K's deployed sub-model (the dense sliced network "
+                   "the device runs) instead of the global model")
+    x.add_argument("--format", dest="fmt", required=True, choices=EXPORT_FORMATS,
+                   help="onnx (needs the export extra: pip install 'fedsap-ray[export]'), torchscript, or safetensors "
+                   "(the state_dict and a JSON sidecar naming the model's constructor arguments)")
+    x.add_argument("--output", metavar="PATH", help="the file to write, ending in .onnx, .pt or .safetensors "
+                   "(default: RUN_ID.WHICH[.clientK].EXT in the current folder; never inside the results folder)")
+    x.add_argument("--check-on", choices=["test", "random"], default="test",
+                   help="the inputs the file is checked on: the run's test split through the dataset's input "
+                   "transform (the client's domain for --client; default), or 64 seeded random inputs (no data "
+                   "needed); the largest logit difference is printed and above 1e-4 nothing is written (exit 1)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             return _algorithms()
         if args.command == "compact":
             return _compact(args)
+        if args.command == "export":
+            return _export(args)
     except ConfigError as e:
         print(f"fedsap-ray: error: {e}", file=sys.stderr)
         return 2
@@ -253,6 +281,137 @@ def _compact(args) -> int:
           f"{rewritten}, removed {n['files_removed']} per-run files; left the per-run files of "
           f"{n['runs_kept']} running or resumable runs")
     return 0
+
+
+def _export(args) -> int:
+    """``fedsap-ray export``: every check that needs no model first, then the kept model, its check inputs, the file."""
+    from fedsap_ray import export, results
+
+    results.check_run_id(args.run_id, "--run-id")
+    if args.client is not None and args.client < 0:
+        raise ConfigError(f"invalid --client={args.client}: a client id is >= 0")
+    export.require(args.fmt)
+    out = check_export_out(args.out)
+    name = f"{args.run_id}.{args.which}{'' if args.client is None else f'.client{args.client}'}"
+    path = check_export_output(args.output if args.output is not None else name + export.FORMATS[args.fmt],
+                               args.fmt, out)
+    cfg = _run_config(args.out, args.run_id)
+    if args.client is not None and args.client >= cfg.data.num_clients:
+        raise ConfigError(f"invalid --client={args.client}: run {args.run_id} has clients 0..{cfg.data.num_clients - 1}")
+    from fedsap_ray.results import load_model  # kept models (fedsap_ray.results); imported here: it loads torch
+
+    model = load_model(args.out, args.run_id, which=args.which, client=args.client)
+    try:
+        inputs, stored, what = _export_inputs(cfg, model, args.client, args.check_on)
+    except DatasetUnavailable as e:
+        print(f"fedsap-ray: error: data.name={cfg.data.name!r}: {e} (--check-on random checks without the data)",
+              file=sys.stderr)
+        return 2
+    meta = {"run_id": args.run_id, "which": args.which, "client": args.client, "config_hash": cfg.config_hash(),
+            "dataset": cfg.data.name, "input_transform": export.input_transform(stored), "checked_on": what}
+    try:
+        report = export.export_module(model, inputs, args.fmt, path, metadata=meta)
+    except export.ExportCheckFailed as e:
+        print(f"fedsap-ray: export failed: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the check passed; writing did not (a full disk): nothing is left at the path
+        print(f"fedsap-ray: export failed: cannot write {path}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(report.summary(what))
+    return 0
+
+
+def check_export_out(out: str) -> str:
+    """``OUT`` of ``fedsap-ray export``: an existing results folder (a URI is read as the other commands read
+    one); refused before anything is loaded."""
+    from fedsap_ray import results
+
+    if out.strip() == "":
+        raise ConfigError(f"invalid OUT={out!r}: must name the results folder of the run")
+    if results.is_uri(out):
+        return out
+    from fedsap_ray.outdir import OutDir
+
+    OutDir(out)  # refuses a path the file system cannot hold
+    if not Path(out).is_dir():
+        raise ConfigError(f"invalid OUT={out!r}: no results folder there")
+    return out
+
+
+def check_export_output(output: str, fmt: str, out: str) -> Path:
+    """``--output`` of ``fedsap-ray export``: a file name ending as the format's files do, in an existing
+    writable folder, not a folder itself, and outside the results folder (which holds only what runs write)."""
+    from fedsap_ray.export import FORMATS
+
+    ending = FORMATS[fmt]
+    try:
+        path = Path(output).expanduser()
+        folder = path.parent
+        problem = (None if output.strip() and path.suffix == ending else
+                   f"--format {fmt} writes a file whose name ends in {ending}")
+        if problem is None and path.is_dir():
+            problem = "it is a folder; name the file to write"
+        if problem is None and not folder.is_dir():
+            problem = f"its folder {folder} {'is not a folder' if folder.exists() else 'does not exist'}; create it first"
+        if problem is None and not os.access(folder, os.W_OK | os.X_OK):
+            problem = f"its folder {folder} is not writable"
+        if problem is None and fmt == "safetensors" and path.with_suffix(".json").is_dir():
+            problem = f"its sidecar {path.with_suffix('.json')} is a folder"
+        from fedsap_ray import results
+
+        if problem is None and not results.is_uri(out):
+            root, real = os.path.realpath(out), os.path.realpath(folder)
+            if real == root or real.startswith(root.rstrip("/") + "/"):
+                problem = f"it is inside the results folder {out}, which holds only what runs write; write it elsewhere"
+    except (ValueError, OSError, RuntimeError) as e:  # a NUL byte, ~unknown_user, a name too long
+        problem = f"not a usable path ({e})"
+    if problem is not None:
+        raise ConfigError(f"invalid --output={output!r}: {problem}")
+    return path
+
+
+def _run_config(out: str, run_id: str) -> ExperimentConfig:
+    """The stored config of run ``run_id`` in ``out`` (its ``runs`` row, read as every reader reads it)."""
+    from fedsap_ray.results import filesystem
+    from fedsap_ray.results.reader import read_arrow
+
+    fs, base = filesystem(out)
+    t = read_arrow(fs, base, "runs", columns=["run_id", "config_json"])
+    stored = [c for r, c in zip(t.column("run_id").to_pylist(), t.column("config_json").to_pylist()) if r == run_id]
+    if not stored:
+        raise ConfigError(f"invalid --run-id={run_id!r}: the results folder {out} holds no such run")
+    try:
+        data = json.loads(stored[0])
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ConfigError(f"invalid --run-id={run_id!r}: its runs row in {out} holds no readable config_json ({e})") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid --run-id={run_id!r}: its runs row in {out} holds a config_json that is no JSON object")
+    return build_config(file_data=data)
+
+
+def _export_inputs(cfg: ExperimentConfig, model, client: int | None, on: str):
+    """(inputs as the model takes them, the dtype the data is stored in, what they are in words) for the check:
+    the run's test split (client ``client``'s domain, else every domain's) through the dataset's input transform,
+    or seeded random inputs of the model's kind."""
+    import torch
+
+    from fedsap_ray import export
+
+    if on == "random":
+        x = export.random_inputs(model)
+        stored = torch.long if x.dtype == torch.long else torch.uint8 if x.dim() == 4 else torch.float32
+        return x, stored, f"{len(x)} random inputs"
+    from fedsap_ray.data import build_federation
+    from fedsap_ray.data.base import as_input
+
+    fed = build_federation(cfg)
+    domains = [fed.clients[client].domain] if client is not None else list(fed.domains)
+    x = torch.cat([fed.test[d].x for d in domains])
+    if len(x) == 0:
+        raise ConfigError(f"invalid --check-on=test: the run's test split is empty ({cfg.data.name}, "
+                          f"{', '.join(domains)}); use --check-on random")
+    which = f"domain {domains[0]}'s test split" if len(domains) == 1 else f"the test splits of its {len(domains)} domains"
+    return as_input(x), x.dtype, f"{len(x)} test samples ({which}, through the dataset's input transform)"
 
 
 if __name__ == "__main__":  # pragma: no cover
