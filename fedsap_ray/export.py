@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import inspect
 import json
 import math
 import tempfile
@@ -226,8 +227,11 @@ def onnx_bytes(module: nn.Module, trace_inputs: torch.Tensor, meta: Mapping[str,
 
     with tempfile.TemporaryDirectory(prefix="fedsap-export-") as scratch, _quiet():  # the exporter writes a path
         f = Path(scratch) / "model.onnx"
-        torch.onnx.export(module, (trace_inputs,), f, dynamo=False, opset_version=ONNX_OPSET, input_names=["input"],
-                          output_names=["logits"], dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
+        # torch before 2.5 has only this exporter and no ``dynamo`` argument; later ones default to the other
+        legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+        torch.onnx.export(module, (trace_inputs,), f, opset_version=ONNX_OPSET, input_names=["input"],
+                          output_names=["logits"], dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
+                          **legacy)
         model = onnx.load(f)
     onnx.helper.set_model_props(model, {META_KEY: json.dumps(meta, sort_keys=True)})
     return model.SerializeToString()
