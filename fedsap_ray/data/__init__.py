@@ -7,7 +7,7 @@ from fedsap_ray.data import embedded  # noqa: F401  (registers embedded_digits)
 from fedsap_ray.data import digits, office  # noqa: F401  (digits, digits_offline; office_caltech)
 from fedsap_ray.data import cifar, emnist, mnist, shakespeare  # noqa: F401  (the one-domain datasets)
 from fedsap_ray.data import generated  # noqa: F401  (generated_blobs: the scale benchmark's load)
-from fedsap_ray.data.base import ClientSpec, DomainData, Federation, as_input
+from fedsap_ray.data.base import ClientSpec, DomainData, Federation, as_input, input_transform
 from fedsap_ray.data.federation import build_federation, load_splits
 
-__all__ = ["ClientSpec", "DomainData", "Federation", "as_input", "build_federation", "load_splits"]
+__all__ = ["ClientSpec", "DomainData", "Federation", "as_input", "build_federation", "input_transform", "load_splits"]

@@ -17,14 +17,15 @@ import pyarrow as pa
 
 from fedsap_ray.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 11  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 12  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
 # sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
 # 8: runs.torch_version and runs.cpu_kernels (what a run's numbers reproduce against); 9: asynchronous training
 # (rounds.updates_applied, staleness_mean, staleness_max; clients.version_trained, version_applied, staleness,
 # sim_arrival_s, staleness_weight); 10: rounds.backend_bytes_down, backend_bytes_up (what the backend moved
-# between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against)
+# between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against);
+# 12: runs.models_kept (the models a run keeps under OUT/models/<run_id>/)
 GLOBAL_DOMAIN = "__global__"
 # Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible) and
 # the bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count), so
@@ -64,6 +65,9 @@ RUNS_COLUMNS: list[Column] = [
     Column("dataset_notes", pa.string(), "what the data is (real / rendered stand-in)"),
     Column("rows_written", pa.string(), "rows the run had written when this row was written, per table, as JSON "
            "(e.g. {\"clients\": 24, \"rounds\": 12}): a sweep's --resume checks a finished run's tables against it"),
+    Column("models_kept", pa.string(), "the models the run keeps under models/<run_id>/ (training.keep_model), as JSON "
+           "of which model -> its round (e.g. {\"best\": 7, \"final\": 10}; {} while none is kept): each is "
+           "<which>.safetensors + .json with the clients' <which>.deployed.* (fedsap_ray.results.load_model)"),
 ]
 
 ROUNDS_COLUMNS: list[Column] = [
@@ -316,6 +320,7 @@ COLUMNS_SINCE: dict[int, dict[str, str]] = {
     10: {"rounds": "backend_bytes_down backend_bytes_up updates_applied staleness_mean staleness_max",
          "clients": "version_trained version_applied staleness sim_arrival_s staleness_weight"},
     11: {"runs": "rows_written"},
+    12: {"runs": "models_kept"},
 }
 
 
