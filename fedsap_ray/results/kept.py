@@ -5,8 +5,8 @@ Why: the tables say how well a run's models did, but a researcher also needs the
 evaluate them on data the run never saw, to export what a device runs), and the checkpoint, the only other
 copy of the weights, is deleted when the run finishes. What is kept, per ``which`` (``final``: the model
 after the run's last round; ``best``: the model of the evaluated round where the best-so-far global accuracy
-of the first eval mode, ``rounds.best_global_accuracy``, last strictly improved: the papers select by global
-accuracy, papers/000 section 5 and papers/003 section 4):
+of the first eval mode, ``rounds.best_global_accuracy``, last strictly improved: the figure papers/000 reports as
+its Global Acc., its Experiments section and Table 1; papers/003 reports the final one instead, its section 4.2):
 
 - ``<which>.safetensors``: the global model (the server's parameters, ``ServerState.params``), one float32
   tensor per floating-point parameter and buffer of the full model, named as ``model.state_dict()`` names
@@ -99,6 +99,21 @@ def file_names(which: str) -> tuple[str, str, str, str]:
 
 
 KEPT_NAMES = tuple(n for w in WHICH for n in file_names(w))
+#: What each kept file holds (docs/reference/results.md#kept-models is generated from this).
+KEPT_FILES: dict[str, str] = {
+    "<which>.safetensors": "the global model (the server's parameters after the model's round): one float32 tensor per "
+                           "floating-point parameter and buffer, named as the model's state_dict() names them",
+    "<which>.json": "what the model is: run_id, which, round, config_hash and the stored config, algorithm, dataset, "
+                    "model, width_mult, num_classes, input_shape, input_kind, input_transform, the metric that selected "
+                    "it (name, eval_mode, value), evaluated_as (the eval mode whose recorded figures it reproduces), the "
+                    "layout's digest, and the digests binding it to its tensors (json_digest, tensors_digest)",
+    "<which>.deployed.safetensors": "the deployed parts of the clients the run evaluates (training.eval_clients), "
+                                    "deduplicated: mask.<j> (a parameter mask, packed bits) and values.<i> (a client's "
+                                    "own values at its mask's coordinates)",
+    "<which>.deployed.json": "per client: its domain, which values and mask it runs (null: the global model's, every "
+                             "coordinate), its sample count, label counts and training data digest; the BN rule (bn, "
+                             "recalibrate_bn) and training.submodel the run evaluated them with",
+}
 
 
 def kept_models(out: str | Path, run_id: str) -> list[Path]:
@@ -465,7 +480,9 @@ class ModelKeeper:
                 "layout": {"digest": layout_digest(ctx.layout), "tensors": len(ctx.layout.names),
                            "size": int(ctx.layout.size)},
                 "tensors_digest": tensors_digest, "deployed": p_json.name}
-        meta_tensors = {"format": "pt", "run_id": self.run_id, "which": which, "round": str(int(state.round))}
+        # one metadata key: safetensors writes its metadata map in an order that differs from process to process,
+        # and a resumed run must keep the very bytes an uninterrupted one keeps (what it is: the JSON beside it)
+        meta_tensors = {"format": "pt"}
         d.mkdir(where)
         _write_tensors(d, p_tensors, dep_arrays, meta_tensors)
         _write_json(d, p_json, dep)
@@ -569,10 +586,12 @@ class DeployedParts:
     cfg: Any
 
 
-def deployed_parts(kept: Kept, client: int, *, device: torch.device | None = None, sliced: bool = True) -> DeployedParts:
+def deployed_parts(kept: Kept, client: int, *, device: torch.device | None = None, sliced: bool = True,
+                   federation: Any = None) -> DeployedParts:
     """Client ``client``'s deployed network (:func:`fedsap_ray.evaluate.deployed_network`, the function the run's
     deployed evaluation calls), BN statistics recomputed on its own training data when the run did: the
-    federation is rebuilt from the stored config and the client's data checked against its kept digest."""
+    federation is rebuilt from the stored config (``federation``: one the caller built so) and the client's
+    data checked against its kept digest."""
     import torch
 
     from fedsap_ray.evaluate import DeployedModel, deployed_network
@@ -588,7 +607,7 @@ def deployed_parts(kept: Kept, client: int, *, device: torch.device | None = Non
     if kept.deployed.get("recalibrate_bn"):
         from fedsap_ray.data import build_federation
 
-        fed = build_federation(cfg)
+        fed = federation if federation is not None else build_federation(cfg)
         if client >= len(fed.clients) or data_digest(fed.client_data(client)) != entry.get("data_digest"):
             raise KeptModelError(f"{shown}: client {client}'s training data, on which its BN statistics are "
                                  "recomputed, is not what the run's stored config builds now (the run was given a "
@@ -675,6 +694,15 @@ def check_data_overrides(overrides: Sequence[str]) -> None:
                                  "(which test data; the model and its training are the run's)")
 
 
+def check_fits(meta: Mapping[str, Any], fed: Any, cfg: ExperimentConfig, overrides: Sequence[str]) -> None:
+    """Test data chosen by ``overrides`` must have the classes and input shape the kept model takes."""
+    want = (int(meta["num_classes"]), tuple(meta["input_shape"]), meta.get("vocab_size"))
+    if (fed.num_classes, tuple(fed.input_shape), fed.vocab_size) != want:
+        raise KeptModelError(f"invalid --set {' '.join(overrides)}: data.name={cfg.data.name} gives {fed.num_classes} "
+                             f"classes of {fed.input_kind} inputs of shape {tuple(fed.input_shape)}; the run's "
+                             f"{meta['model']} takes {want[0]} classes of inputs of shape {want[1]}")
+
+
 def evaluate_kept(out: str | Path, run_id: str, which: str = "final", client: int | None = None,
                   overrides: Sequence[str] = (), *, device: torch.device | None = None) -> KeptEvaluation:
     """Evaluate a kept model (:func:`load_model`'s) on the test splits of the run's data, or of the data
@@ -696,11 +724,7 @@ def evaluate_kept(out: str | Path, run_id: str, which: str = "final", client: in
     cfg_run = stored_config(kept, shown)
     cfg = stored_config(kept, shown, overrides) if overrides else cfg_run
     fed = build_federation(cfg)
-    want = (int(meta["num_classes"]), tuple(meta["input_shape"]), meta.get("vocab_size"))
-    if (fed.num_classes, tuple(fed.input_shape), fed.vocab_size) != want:
-        raise KeptModelError(f"invalid --set {' '.join(overrides)}: data.name={cfg.data.name} gives {fed.num_classes} "
-                             f"classes of {fed.input_kind} inputs of shape {tuple(fed.input_shape)}; the run's "
-                             f"{meta['model']} takes {want[0]} classes of inputs of shape {want[1]}")
+    check_fits(meta, fed, cfg, overrides)
     dev = device if device is not None else pick_device(cfg_run.resources.device)
     figures: dict[str, tuple[float, float]] = {}
     own, weights = None, None
@@ -710,7 +734,8 @@ def evaluate_kept(out: str | Path, run_id: str, which: str = "final", client: in
             for d in fed.test:
                 figures[d] = evaluate(model, layout, vec, fed.test[d], dev)
         else:
-            parts = deployed_parts(kept, client, device=dev, sliced=cfg_run.training.submodel == "sliced")
+            parts = deployed_parts(kept, client, device=dev, sliced=cfg_run.training.submodel == "sliced",
+                                   federation=None if overrides else fed)
             tables = {d: evaluate_by_class(parts.net, parts.layout, parts.vec, fed.test[d], dev, fed.num_classes)
                       for d in fed.test}
             figures = {d: client_figures(t) for d, t in tables.items()}
