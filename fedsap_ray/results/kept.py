@@ -54,7 +54,7 @@ import numpy as np
 from fedsap_ray.digest import arrays_digest, json_digest
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.outdir import FILE, OutDir
-from fedsap_ray.results.store import check_run_id
+from fedsap_ray.results.store import check_run_id, filesystem, list_table, run_ids
 
 if TYPE_CHECKING:  # type-only: nothing here imports torch at module level
     import torch
@@ -242,9 +242,10 @@ def _not_kept(d: OutDir, out: str | Path, run_id: str, which: str) -> str:
     where = folder(d.abs, run_id)
     have = [w for w in WHICH if d.is_dir(where) and d.kind_of(where / f"{w}.json") is not None]
     if not have and not d.is_file(runs_file):
-        from fedsap_ray.results.writer import in_compacted
-
-        if not (d.is_dir(d.abs / "runs") and in_compacted(d.abs, run_id)):
+        fs, base = filesystem(d.abs)
+        compacted = d.is_dir(d.abs / "runs") and any(run_id in run_ids(fs, c.path)
+                                                     for c in list_table(fs, base, "runs").compacted)
+        if not compacted:
             return f"invalid run_id={run_id!r}: no run with that id in {out}"
     if have:
         return (f"invalid which={which!r}: run {run_id} kept only its {' and '.join(have)} model "

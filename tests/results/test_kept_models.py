@@ -194,6 +194,8 @@ def test_a_run_killed_between_a_best_model_and_its_checkpoint_resumes_to_the_sam
     for name in names:
         assert (cut / "models" / "fs" / name).read_bytes() == (out / "models" / "fs" / name).read_bytes(), name
     assert deployed_figures_match(cut, "fs") == 4
+    ev, rows = results.evaluate_kept(cut, "fs"), recorded(cut, "fs", results.read_kept(cut, "fs").meta["evaluated_as"])
+    assert ev.mean == (rows.loc["__global__", "accuracy"], rows.loc["__global__", "loss"])
 
 
 def test_a_resume_refuses_a_missing_or_edited_best_model_and_changes_nothing(tmp_path, capsys):
