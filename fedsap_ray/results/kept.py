@@ -94,7 +94,8 @@ def which_of(keep_model: str) -> tuple[str, ...]:
 
 
 def file_names(which: str) -> tuple[str, str, str, str]:
-    """(global tensors, global JSON, deployed tensors, deployed JSON) of one kept model, in the order they are written last to first."""
+    """(global tensors, global JSON, deployed tensors, deployed JSON) of one kept model (:meth:`ModelKeeper.write`
+    writes the deployed ones first and the global JSON last: it binds the others by their digests)."""
     return f"{which}.safetensors", f"{which}.json", f"{which}.deployed.safetensors", f"{which}.deployed.json"
 
 

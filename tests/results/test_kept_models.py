@@ -340,3 +340,31 @@ def test_a_sweep_plan_says_what_it_will_keep():
     line = kept.plan_line(cfgs)
     assert line.startswith("keeps 3 models (training.keep_model=final, final+best) under models/: about 0.2 MB of ")
     assert kept.plan_line(cfgs[:0]) == "keeps no models (training.keep_model=none)"
+
+
+def test_a_final_model_that_cannot_be_written_fails_the_run_and_a_resume_keeps_it(tmp_path, monkeypatch, capsys):
+    """A full disk when the final model is written: the run ends ``failed`` with the reason and keeps its
+    checkpoint (never ``finished`` without its model); the resume has no round left to train and keeps it."""
+    def full(self, which, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(kept.ModelKeeper, "write", full)
+        with pytest.raises(OSError, match="No space left"):
+            tiny_run(tmp_path, "r", "training.rounds=1")
+    row = runs_row(tmp_path, "r")
+    assert row["status"] == "failed" and "its final model could not be kept: OSError" in row["error"]
+    assert (tmp_path / "checkpoints" / "r.npz").is_file() and not results.kept_models(tmp_path, "r")
+    rc, err = cli(capsys, "run", "--out", str(tmp_path), "--resume", "r", "--quiet")
+    assert rc == 0, err
+    assert runs_row(tmp_path, "r")["status"] == "finished" and json.loads(runs_row(tmp_path, "r")["models_kept"]) == {"final": 1}
+    assert results.evaluate_kept(tmp_path, "r").mean[0] == runs_row(tmp_path, "r")["final_global_accuracy"]
+
+
+def test_best_is_kept_only_on_a_strict_improvement_of_an_evaluated_round():
+    from fedsap_ray.session import _improved
+
+    nan = float("nan")
+    assert _improved(nan, 0.1, True) and _improved(0.1, 0.2, True)  # the first evaluation; a better one
+    assert not _improved(0.2, 0.2, True) and not _improved(0.2, 0.1, True)  # a tie keeps the earlier round's model
+    assert not _improved(nan, nan, False) and not _improved(0.1, 0.1, False)  # a round not evaluated
