@@ -64,6 +64,17 @@ def _parser() -> argparse.ArgumentParser:
                        "(running and resumable runs are left alone)")
     c.add_argument("out", help="results folder or URI (e.g. runs/sweep, s3://bucket/sweep)")
     _export_parser(sub)
+    e = sub.add_parser("evaluate", help="evaluate a model a run kept (OUT/models/RUN_ID/, training.keep_model) on the "
+                       "run's test data or other data, and print its accuracy and loss per test domain")
+    e.add_argument("out", help="results folder (a local path) holding the run")
+    e.add_argument("--run-id", required=True, help="the run whose kept model to evaluate")
+    e.add_argument("--which", choices=["final", "best"], default="final",
+                   help="which kept model: final (after the last round) or best (default: final)")
+    e.add_argument("--client", type=int, metavar="K", help="client K's deployed model (its sub-model, BN statistics "
+                   "as the run evaluated them) instead of the global model")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="data.KEY=VALUE",
+                   help="evaluate on other test data, e.g. --set data.name=digits or --set data.max_test_per_domain="
+                   "null (repeatable; data.* only)")
     return p
 
 
@@ -103,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             return _compact(args)
         if args.command == "export":
             return _export(args)
+        if args.command == "evaluate":
+            return _evaluate(args)
     except ConfigError as e:
         print(f"fedsap-ray: error: {e}", file=sys.stderr)
         return 2
@@ -177,7 +190,7 @@ def _run(args) -> int:
         print(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
         return 0
     from fedsap_ray.experiment import new_run_id, run_experiment
-    from fedsap_ray.results import run_files
+    from fedsap_ray.results import kept_models, run_files
     from fedsap_ray.progress import ProgressPrinter
 
     out = Path(args.out)
@@ -201,8 +214,11 @@ def _run(args) -> int:
         print(f"fedsap-ray: run failed: {e.__class__.__name__}: {e}", file=sys.stderr)
         _print_notes(e)
         return 1
+    kept = sorted({f.name.split(".")[0] for f in kept_models(out, outcome.run_id)}, key=["final", "best"].index)
+    models = (f"; kept its {' and '.join(kept)} model{'s' if len(kept) > 1 else ''} in {out}/models/{outcome.run_id}/"
+              if kept else "")
     print(f"run {outcome.run_id}: {outcome.status} in {outcome.wall_s:.1f}s; final global accuracy "
-          f"{outcome.final_global_accuracy:.4f}, best {outcome.best_global_accuracy:.4f}; results in {out}/"
+          f"{outcome.final_global_accuracy:.4f}, best {outcome.best_global_accuracy:.4f}{models}; results in {out}/"
           "{" + ",".join(dict.fromkeys(f.parent.name for f in run_files(out, outcome.run_id))) + "}")
     return 0
 
@@ -412,6 +428,43 @@ def _export_inputs(cfg: ExperimentConfig, model, client: int | None, on: str):
                           f"{', '.join(domains)}); use --check-on random")
     which = f"domain {domains[0]}'s test split" if len(domains) == 1 else f"the test splits of its {len(domains)} domains"
     return as_input(x), x.dtype, f"{len(x)} test samples ({which}, through the dataset's input transform)"
+
+
+def _evaluate(args) -> int:
+    from fedsap_ray import results
+
+    if results.is_uri(args.out) or not args.out.strip():
+        raise ConfigError(f"invalid out={args.out!r}: fedsap-ray evaluate reads a local results folder (copy a "
+                          "sweep's folder here first)")
+    try:
+        ev = results.evaluate_kept(args.out, args.run_id, args.which, args.client, args.overrides)
+    except DatasetUnavailable as e:
+        print(f"fedsap-ray: error: {e}", file=sys.stderr)
+        return 2
+    for line in evaluation_lines(ev):
+        print(line)
+    return 0
+
+
+def evaluation_lines(ev) -> list[str]:
+    """``fedsap-ray evaluate``'s table: a heading, one row per test domain (samples, accuracy, mean loss), their
+    unweighted mean (the ``rounds`` table's global row), and a client's figure as the run records it."""
+    m = ev.meta
+    what = "the global model" if ev.client is None else f"client {ev.client}'s deployed model"
+    data = f"{ev.dataset} test data" + (f" ({' '.join('--set ' + o for o in ev.overrides)})" if ev.overrides else "")
+    lines = [f"run {m['run_id']}: {m['which']} model of round {m['round']} ({m['algorithm']}, {m['model']} at width "
+             f"{m['width_mult']:g}), {what}, on {data}",
+             f"{'domain':<16} {'n':>7} {'accuracy':>9} {'loss':>9}"]
+    lines += [f"{r.domain:<16} {r.n:>7} {r.accuracy:>9.6f} {r.loss:>9.6f}" for r in ev.rows]
+    recorded = ""
+    if ev.client is None and not ev.overrides and m.get("evaluated_as"):
+        recorded = f"; the rounds table's __global__ row of eval_mode {m['evaluated_as']}"
+    lines.append(f"{'mean':<16} {'':>7} {ev.mean[0]:>9.6f} {ev.mean[1]:>9.6f}  (unweighted over domains{recorded})")
+    if ev.own is not None:
+        how = ", reweighted to its training labels" if ev.own_weighted else ""
+        lines.append(f"as the run records client {ev.client} (on its own domain {ev.own.domain}{how}): accuracy "
+                     f"{ev.own.accuracy:.6f}, loss {ev.own.loss:.6f}")
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover

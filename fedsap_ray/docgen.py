@@ -391,6 +391,7 @@ def results_page() -> str:
             rows += [[code(col.name), code(str(col.type)), cell(col.doc), ", ".join(writers(name, by)) or "none"]
                      for col, by in results.extension_columns(name).values()]
         out.append(table(["column", "type", "description", "written by"], rows))
+    out.append(_kept_models_section())
     return "".join(out)
 
 
@@ -408,6 +409,21 @@ def writers(table: str, declaring: Iterable[str]) -> list[str]:
         needs = ", ".join(code(f"algorithm.{k}={v}") for k, v in setting.items())
         out.append(code(name) + (f" (with {needs})" if needs else ""))
     return out
+
+
+def _kept_models_section() -> str:
+    """The results page's last section: the files a run keeps under ``OUT/models/<run_id>/`` (fedsap_ray.results.kept)."""
+    from fedsap_ray.results import kept
+    from fedsap_ray.schema import KEEP_MODELS
+
+    return (f"\n## Kept models\n\nBeside the tables, a run keeps the models `training.keep_model` names "
+            f"({', '.join(code(k) for k in KEEP_MODELS)}; default `final`) in "
+            f"`OUT/{kept.FOLDER}/<run_id>/`, `<which>` being `final` ({kept.FINAL_RULE}) or `best` ({kept.BEST_RULE}); "
+            "the `runs` row's `models_kept` says which, of which round. `fedsap_ray.results.load_model(OUT, run_id, "
+            "which, client)` loads one (every digest checked first), `fedsap-ray evaluate` scores it, "
+            "`fedsap_ray.results.kept_models(OUT, run_id)` lists the files "
+            f"([guide]({rel('docs/guides/models.md')})).\n\n"
+            + table(["file", "what it holds"], [[code(n), cell(d)] for n, d in kept.KEPT_FILES.items()]))
 
 
 # ----------------------------------------------------------------------------- cli.md

@@ -230,32 +230,48 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
 
     def one(mod: nn.Module, key: tuple) -> np.ndarray:
         job = jobs[key]
-        sub = sliced_model(mod, layout, job.mask) if sliced and job.mask is not None else None  # type: ignore[arg-type]
-        net, net_layout, vec = (mod, layout, job.params) if sub is None else (sub.model, sub.layout,
-                                                                               sub.gather(job.params))
-        if own_bn:
-            assert bn_data is not None
-            net.to(device)
-            net_layout.load_into(net, vec)
-            if calibrate_bn_(net, bn_data[job.client_id], device):
-                vec = net_layout.flatten(net)
-                if sub is None:
-                    vec = masked(vec, job.mask)
+        net, net_layout, vec = deployed_network(mod, layout, job, device,
+                                                bn_data[job.client_id] if own_bn and bn_data is not None else None,
+                                                sliced=sliced)
         return evaluate_by_class(net, net_layout, vec, test[job.domain], device, num_classes)
 
     tables = on_scratch(scratch, list(jobs), one)
-    out: dict[int, tuple[float, float]] = {}
-    for m in models:
-        t = tables[key_of[m.client_id]]
-        n, correct, loss = t[:, 0], t[:, 1], t[:, 2]
-        if label_weights is None:
-            out[m.client_id] = (float(correct.sum() / max(n.sum(), 1)), float(loss.sum() / max(n.sum(), 1)))
-            continue
-        w = np.asarray(label_weights[m.client_id], dtype=np.float64) * (n > 0)
-        w = w / w.sum() if w.sum() > 0 else (n > 0) / max(int((n > 0).sum()), 1)
-        safe = np.maximum(n, 1)
-        out[m.client_id] = (float((w * correct / safe).sum()), float((w * loss / safe).sum()))
-    return out
+    return {m.client_id: client_figures(tables[key_of[m.client_id]],
+                                        None if label_weights is None else label_weights[m.client_id])
+            for m in models}
+
+
+def deployed_network(model: nn.Module, layout: ParamLayout, job: DeployedModel, device: torch.device,
+                     bn_data: DomainData | None = None, *, sliced: bool = True) -> tuple[nn.Module, ParamLayout, np.ndarray]:
+    """(network, its layout, its flat vector) of what ``job``'s client runs, as :func:`evaluate_deployed` evaluates
+    it (and :func:`fedsap_ray.results.kept.load_model` rebuilds it, so the two cannot drift apart): the dense
+    sliced sub-network when ``sliced`` and a channel set describes ``job.mask``, else ``model`` itself with
+    ``job.params`` (uncovered coordinates already zeroed, :func:`masked`); ``bn_data``: the client's training
+    data, on which the BN running statistics are recomputed first (:func:`calibrate_bn_`; the masked model's
+    uncovered coordinates are zeroed again afterwards). ``model`` is a scratch module (its state is overwritten)."""
+    sub = sliced_model(model, layout, job.mask) if sliced and job.mask is not None else None  # type: ignore[arg-type]
+    net, net_layout, vec = (model, layout, job.params) if sub is None else (sub.model, sub.layout, sub.gather(job.params))
+    if bn_data is not None:
+        net.to(device)
+        net_layout.load_into(net, vec)
+        if calibrate_bn_(net, bn_data, device):
+            vec = net_layout.flatten(net)
+            if sub is None:
+                vec = masked(vec, job.mask)
+    return net, net_layout, vec
+
+
+def client_figures(table: np.ndarray, label_weights: np.ndarray | None = None) -> tuple[float, float]:
+    """(accuracy, loss) of one deployed model from its per-class table (:func:`evaluate_by_class`): over every
+    test sample, or, with ``label_weights`` (the client's training label counts; one-domain federations, module
+    docstring), the class-wise figures weighted by the client's label distribution."""
+    n, correct, loss = table[:, 0], table[:, 1], table[:, 2]
+    if label_weights is None:
+        return float(correct.sum() / max(n.sum(), 1)), float(loss.sum() / max(n.sum(), 1))
+    w = np.asarray(label_weights, dtype=np.float64) * (n > 0)
+    w = w / w.sum() if w.sum() > 0 else (n > 0) / max(int((n > 0).sum()), 1)
+    safe = np.maximum(n, 1)
+    return float((w * correct / safe).sum()), float((w * loss / safe).sum())
 
 
 def evaluate_modes(scratch: list[nn.Module], layout: ParamLayout, sets: Mapping[str, Mapping[str, np.ndarray]],

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from fedsap_ray import checkpoint, results, statecheck
 from fedsap_ray.outdir import DIR, FILE, OutDir, check_name_lengths, lock_path
-from fedsap_ray.results import aside
+from fedsap_ray.results import aside, kept
 from fedsap_ray.results.store import check_tree
 from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
 from fedsap_ray.schema import ExperimentConfig, clip
@@ -158,7 +158,7 @@ def existing_run(out: Path, run_id: str) -> str | None:
         except Exception:  # unreadable: still the run's file
             return "an unreadable runs file"
     if results.run_files(out, run_id) or d.is_file(checkpoint.path_for(out, run_id)) \
-            or d.is_file(checkpoint.legacy_path_for(out, run_id)):
+            or d.is_file(checkpoint.legacy_path_for(out, run_id)) or kept.kept_models(out, run_id):
         return "some of its files"
     if d.is_dir(out / "runs") and results.in_compacted(out, run_id):
         return "rows in a compacted file"
@@ -359,16 +359,20 @@ def check_layout(out: Path, run_id: str) -> None:
     parts and checkpoint, and a pending overwrite's folder. A refusal names the entry (exit 2)."""
     d = OutDir(out)
     d.check(out, DIR)
-    for sub in (*results.TABLES, "checkpoints"):
+    for sub in (*results.TABLES, "checkpoints", kept.FOLDER):
         d.check(d.abs / sub, DIR)
     d.check(lock_path(d.abs, run_id), FILE)
     for f in (checkpoint.path_for(out, run_id), checkpoint.legacy_path_for(out, run_id)):
         d.check(f, FILE)
     results.run_files(out, run_id)  # each of them checked
+    kept.kept_models(out, run_id)  # its models folder and the files it keeps there
     if d.is_dir(aside.folder(out, run_id)):
         for sub in d.listdir(aside.folder(out, run_id)):
             for name in d.listdir(aside.folder(out, run_id) / sub):
-                d.check(aside.folder(out, run_id) / sub / name, FILE)
+                if sub == kept.FOLDER:  # the old run's models folder, moved whole
+                    d.listdir(d.check(aside.folder(out, run_id) / sub / name, DIR))
+                else:
+                    d.check(aside.folder(out, run_id) / sub / name, FILE)
 
 
 def check_folder(out: Path, files: tuple[str, ...] = (), dirs: tuple[str, ...] = ()) -> None:
@@ -378,7 +382,7 @@ def check_folder(out: Path, files: tuple[str, ...] = (), dirs: tuple[str, ...] =
     d = OutDir(out)
     if not d.is_dir(out):
         return
-    check_tree(d.filesystem(), str(d.abs), str(out), (*results.TABLES, "checkpoints", aside.ASIDE, *dirs))
+    check_tree(d.filesystem(), str(d.abs), str(out), (*results.TABLES, "checkpoints", aside.ASIDE, kept.FOLDER, *dirs))
     for name in files:
         d.check(d.abs / name, FILE)
 
@@ -387,6 +391,7 @@ def remove_leftovers(out: Path, run_id: str) -> None:
     """Temporary files of this run's earlier, killed writers (call under the run's claim)."""
     results.remove_temp_files(out, run_id)
     checkpoint.remove_temp_files(out, run_id)
+    kept.remove_temp_files(out, run_id)
 
 
 @contextlib.contextmanager

@@ -148,6 +148,8 @@ CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
 SUBMODELS = ("sliced", "masked")
+# training.keep_model: which global models a run keeps under OUT/models/<run_id>/ (fedsap_ray.results.kept)
+KEEP_MODELS = ("none", "final", "best", "final+best")
 DEVICE_POLICIES = ("wait_all", "deadline", "over_select")
 DEVICE_MODES = ("sync", "async")  # devices.mode: synchronous rounds, or asynchronous server steps (fedsap_ray.asyncmode)
 STALENESS_RULES = ("constant", "polynomial", "hinge")  # asynchronous.staleness (fedsap_ray.staleness)
@@ -322,9 +324,15 @@ class TrainingConfig:
     # of the config hash (here, not under resources). Clients whose mask no channel set describes, and
     # client hooks that need the full model, train masked either way.
     submodel: str = "sliced"
+    # Which models the run keeps under OUT/models/<run_id>/ (safetensors + JSON; docs/guides/models.md): final
+    # (the model after the last round), best (rewritten at each evaluated round where the best-so-far global
+    # accuracy of the first eval mode strictly improves, the papers' selection), final+best, or none. With
+    # each global model go the deployed models of the clients the run evaluates (training.eval_clients).
+    keep_model: str = "final"
 
     def __post_init__(self) -> None:
         check_choice("training.submodel", self.submodel, SUBMODELS)
+        check_choice("training.keep_model", self.keep_model, KEEP_MODELS)
         if not isinstance(self.eval_deployed, bool):
             fail("training.eval_deployed", self.eval_deployed, "must be true or false")
         if self.deployed_bn not in ("client", "aggregated"):
@@ -618,6 +626,8 @@ class ExperimentConfig:
         d = self.to_dict()
         d.pop("resources", None)
         d.pop("preset", None)
+        if isinstance(d.get("training"), dict) and d["training"].get("keep_model") == TrainingConfig.keep_model:
+            d["training"].pop("keep_model")  # runs that keep the default models keep the hash they had before the field
         if isinstance(d.get("devices"), dict) and d["devices"].get("trace_sha256") is None:
             d["devices"].pop("trace_sha256", None)  # no trace: hashed as before the field existed
         if isinstance(d.get("devices"), dict) and d["devices"].get("mode") == "sync":

@@ -33,6 +33,7 @@ from fedsap_ray.masks import ParamLayout
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models import build_model
 from fedsap_ray.results import DATA_TABLES, RunWriter
+from fedsap_ray.results.kept import ModelKeeper
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.seeding import seed_for
 from fedsap_ray.server import Backend, RoundSummary, Server
@@ -191,6 +192,8 @@ class RunSession:
         self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes,
                                 partition_source=fed.partition_source, partition_hash=partition_digest(fed))
         self.recorder = self.server.recorder
+        # the models the run keeps under OUT/models/<run_id>/ (training.keep_model), of the clients it evaluates
+        self.keeper = ModelKeeper(self.out, run_id, self.ctx, self.strategy, self.server.deployed_clients)
         self.last_summary: RoundSummary | None = None
         self.state: ServerState | None = None
         self.prior_wall_s = 0.0
@@ -220,6 +223,7 @@ class RunSession:
                 raise statecheck.BadCheckpoint(f"{where} holds an asynchronous engine's state; this run has "
                                                f"devices.mode={cfg.devices.mode}")
             self.recorder.restore_metrics(ck["server"])
+            self.keeper.check_resume(st.round, ck["server"], where)  # the kept best model the checkpoint counted
             self.writer.restore(self._resumed.round)
             if old is not None:
                 self.base_row["started_at"] = old["started_at"]
@@ -232,11 +236,14 @@ class RunSession:
     def start(self) -> int:
         """Start the backend; return the last completed round (0, or the checkpoint's when resuming)."""
         self.backend.start(self.ctx)
+        if self._resumed is None:
+            self.keeper.start_fresh()
         self.state = self._resumed if self._resumed is not None else self.strategy.init_state()
         return self.state.round
 
     def step(self, t: int) -> RoundSummary:
         assert self.state is not None, "RunSession.start() first"
+        best_before = self.recorder.best
         try:
             state, summary = self.server.round(self.state, t)
         except ClientError as e:
@@ -251,6 +258,9 @@ class RunSession:
         lost = tuple(take()) if take is not None else ()
         if lost:
             summary = dataclasses.replace(summary, lost=lost)
+        # a best model before the checkpoint: a kill in between resumes from round t-1 and keeps round t again
+        self.keeper.after_round(state, _improved(best_before, self.recorder.best, summary.evaluated), self.recorder,
+                                self.base_row["config_json"])
         tree = ServerState(round=state.round, params=state.params,
                            strategy_state=self.strategy.state_tree(state.strategy_state))
         checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),
@@ -261,12 +271,21 @@ class RunSession:
         return summary
 
     def finish(self, status: str, error: str | None = None) -> RunOutcome:
+        kept_error: Exception | None = None
         try:
+            if status in ("finished", "stopped") and self.writer.lost is None:
+                try:  # before the runs row says so: a kill in between leaves a run a resume finishes again
+                    self.keeper.at_end(self.state, self.recorder, self.base_row["config_json"])
+                except Exception as e:  # e.g. a full disk: the run fails, its checkpoint stays for a resume
+                    kept_error = e
+                    status, error = "failed", f"its final model could not be kept: {e.__class__.__name__}: {e}"
             self.writer.set_run(self._row(status, error))
             if status == "finished":
                 checkpoint.remove(self.out, self.run_id)
         finally:
             self.backend.close()
+        if kept_error is not None:
+            raise kept_error
         return RunOutcome(run_id=self.run_id, out=self.out, status=status,
                           final_global_accuracy=self.recorder.last_global, best_global_accuracy=self.recorder.best,
                           wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
@@ -287,7 +306,7 @@ class RunSession:
         return dict(self.base_row, status=status, error=error, finished_at=None if status == "running" else _now(),
                     rounds_done=self._rounds_done(), wall_s=self.prior_wall_s + time.perf_counter() - self.t0,
                     final_global_accuracy=_nan_none(self.recorder.last_global),
-                    best_global_accuracy=_nan_none(self.recorder.best))
+                    best_global_accuracy=_nan_none(self.recorder.best), models_kept=self.keeper.models_kept())
 
     def _rounds_done(self) -> int:
         state = self.state if self.state is not None else self._resumed
@@ -321,3 +340,9 @@ def _scratch(ctx: RunContext) -> list:
 
 def _nan_none(x: float) -> float | None:
     return None if x is None or np.isnan(x) else float(x)
+
+
+def _improved(before: float, after: float, evaluated: bool) -> bool:
+    """Whether an evaluated round strictly raised the best-so-far global accuracy of the first eval mode (the
+    round a ``best`` model is kept at; NaN before the first evaluation)."""
+    return evaluated and not np.isnan(after) and (np.isnan(before) or after > before)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from fedsap_ray import checkpoint, results
+from fedsap_ray.results import kept
 from fedsap_ray.atomic import atomic_write
 
 _COPY_CHUNK = 1 << 20
@@ -51,9 +52,10 @@ class ResultsDestination:
 
     @staticmethod
     def _files(run_id: str) -> list[str]:
-        """The run's files relative to an output folder: one per table plus the checkpoint."""
+        """The run's files relative to an output folder: one per table, the checkpoint and the kept models."""
         results.check_run_id(run_id)  # a ConfigError (ValueError) naming it: no path separators, no '..'
-        return [f"{t}/{run_id}.parquet" for t in results.TABLES] + [f"checkpoints/{run_id}{checkpoint.SUFFIX}"]
+        return ([f"{t}/{run_id}.parquet" for t in results.TABLES] + [f"checkpoints/{run_id}{checkpoint.SUFFIX}"]
+                + [f"{kept.FOLDER}/{run_id}/{name}" for name in kept.KEPT_NAMES])
 
     def _local_parts(self, run_id: str) -> list[str]:
         """The run's part files (rounds not merged yet) in ``local``, relative to it."""

@@ -34,6 +34,7 @@ from fedsap_ray import checkpoint, guard, results
 from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError, parse_override
 from fedsap_ray.outdir import OutDir
+from fedsap_ray.results import kept
 from fedsap_ray.results.reader import read_arrow
 from fedsap_ray.results.store import is_dir, list_table, run_ids
 from fedsap_ray.runtime.address import check_reachable, given
@@ -387,6 +388,7 @@ def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
 def print_plan(trials: list[dict[str, Any]], opts: SweepOptions, study: str) -> None:
     """``--dry-run``: one line per trial (run id and its config overrides), every config already validated."""
     print(f"{study}: {len(trials)} trials, preset {opts.preset}, seeds {opts.seeds}; results would go to {opts.out}")
+    print(f"{study}: {kept.plan_line([c for t in trials for c in to_configs(t)[0]])}")
     for t in trials:
         overrides = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(t.items()) if not k.startswith("_") and k != "seed")
         print(f"  {to_configs(t)[1][0]}: {overrides}")
@@ -423,6 +425,8 @@ def study_main(argv: Sequence[str] | None, *, doc: str, variants: Mapping[str, S
         return 2
     print(f"{study}: {len(trials)} trials ({len(chosen)} variants x {len(opts.seeds)} seeds), "
           f"{len(trials) - len(todo)} finished earlier, {len(todo)} to run; results in {opts.out}", file=sys.stderr)
+    if todo:
+        print(f"{study}: the runs to run {kept.plan_line([c for t in todo for c in to_configs(t)[0]])}", file=sys.stderr)
     failures = run_trials(todo, opts, study) if todo else []
     print(report(ResultsDestination(opts.out).uri))
     return report_failures(failures)

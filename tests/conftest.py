@@ -93,10 +93,15 @@ def federation_fixture(overrides, name: str = "fed", preset: str = "smoke"):
     return _federation
 
 
+#: overrides -> the folder of ``backend_fixtures``' local run (run id ``x``), for a test that compares files with it
+#: (the kept models of a Ray run equal the local run's byte for byte: tests/runtime/test_ray.py)
+LOCAL_RUNS: dict[tuple[str, ...], Path] = {}
+
+
 def backend_fixtures(overrides):
     """``(fed, local_run)``, module-scoped fixtures for the backend tests (a Ray module binds both at top level:
     ``fed, local_run = backend_fixtures(TINY)``): the federation of ``overrides`` on the smoke preset, and the
-    local backend's tables of one run on it, the reference a Ray run must equal."""
+    local backend's tables of one run on it, the reference a Ray run must equal (its folder: :data:`LOCAL_RUNS`)."""
     @pytest.fixture(scope="module", name="fed")
     def _fed():
         return build_federation(build_config(preset="smoke", overrides=list(overrides)))
@@ -105,6 +110,7 @@ def backend_fixtures(overrides):
     def _local_run(tmp_path_factory, fed):
         out = tmp_path_factory.mktemp("local")
         run_experiment(build_config(preset="smoke", overrides=list(overrides)), out, run_id="x", federation=fed)
+        LOCAL_RUNS[tuple(overrides)] = out
         return results.load(out)
 
     return _fed, _local_run

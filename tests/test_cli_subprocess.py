@@ -66,7 +66,8 @@ def test_an_async_run_killed_mid_run_and_resumed_equals_the_run_never_killed(tmp
     overrides = tiny_overrides("heterofl", "data.num_clients=6", "training.eval_deployed=false", "devices.mode=async",
                                f"devices.trace={trace}", "asynchronous.concurrency=5", "asynchronous.buffer_size=2",
                                "asynchronous.staleness=polynomial", "asynchronous.server_lr=0.7",
-                               "asynchronous.max_staleness=2", "training.rounds=12", "training.eval_every=3")
+                               "asynchronous.max_staleness=2", "training.rounds=12", "training.eval_every=3",
+                               "training.keep_model=final+best")
     cut = tmp_path / "cut"
     with open(tmp_path / "log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "fedsap_ray", "run", "--preset", "smoke", "--quiet", "--out",
@@ -96,6 +97,11 @@ def test_an_async_run_killed_mid_run_and_resumed_equals_the_run_never_killed(tmp
     for table in ("rounds", "clients", "layers", "allocations"):
         pd.testing.assert_frame_equal(steady(getattr(a, table)).drop(columns=placement, errors="ignore"),
                                       steady(getattr(b, table)).drop(columns=placement, errors="ignore"))
+    # the kept models too (issue 53), byte for byte: the best one written before its step's checkpoint is kept again
+    kept = [p.name for p in results.kept_models(tmp_path / "whole", "r")]
+    assert [p.name for p in results.kept_models(cut, "r")] == kept and len(kept) == 8
+    for name in kept:
+        assert (cut / "models" / "r" / name).read_bytes() == (tmp_path / "whole" / "models" / "r" / name).read_bytes()
 
 
 def test_a_refused_async_resume_on_ray_is_one_line_and_exit_2_with_no_abort(tmp_path):

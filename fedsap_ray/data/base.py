@@ -6,7 +6,7 @@ Ray object store once. Feature datasets are float32 [N, F]; text datasets int64 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -67,6 +67,17 @@ def as_input(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.uint8:
         return x.float().mul_(2.0 / 255.0).sub_(1.0)
     return x
+
+
+def input_transform(dataset: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What every model of this project is fed, given a registered dataset's stored samples: :func:`as_input`
+    (uint8 images (N, C, H, W) -> float32 in [-1, 1]; float features and int64 token ids as stored). Nothing
+    is attached to a kept model (:func:`fedsap_ray.results.load_model`): whoever feeds one applies this to
+    raw samples first (docs/guides/models.md#inputs). An unknown ``dataset`` is refused, naming the valid ones."""
+    from fedsap_ray.registry import DATASETS
+
+    DATASETS.get(dataset)  # ConfigError naming data.name and the registered datasets
+    return as_input
 
 
 @dataclass(slots=True)

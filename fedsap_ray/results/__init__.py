@@ -19,6 +19,8 @@ Layout of an output folder (docs/reference/results.md is generated from the decl
                                    merged into ``<run_id>.parquet`` when the run ends
     OUT/<table>/compacted-<uuid8>.parquet  rows of many final runs (:func:`compact`,
                                    ``fedsap-ray compact OUT``)
+    OUT/models/<run_id>/           the models the run keeps (``training.keep_model``; :mod:`~fedsap_ray.results.kept`:
+                                   :func:`load_model`, :func:`kept_models`, :func:`evaluate_kept`)
 
 so ``pandas.read_parquet(OUT / "rounds")`` reads a whole sweep; :func:`load` reads it in
 one multi-threaded pyarrow dataset scan per table, from a local folder or a URI
@@ -42,6 +44,7 @@ missing or of a type that cannot hold the schema's values, a ``config_json`` tha
 from __future__ import annotations
 
 from fedsap_ray.results.compaction import compact
+from fedsap_ray.results.kept import KeptModelError, evaluate_kept, kept_models, load_model, read_kept
 from fedsap_ray.results.reader import CONFIG_PREFIX, Results, load, read_table, run_statuses, with_config_columns
 from fedsap_ray.results.schema import (ALLOCATIONS_COLUMNS, CLIENTS_COLUMNS, COLUMNS_SINCE, CORE_TABLES, DATA_TABLES,
                                        GLOBAL_DOMAIN, KEY_COLUMNS, LAYERS_COLUMNS, ROUNDS_COLUMNS, ROW_KEYS, RUNS_COLUMNS,
@@ -59,6 +62,7 @@ __all__ = [
     "ROW_KEYS", "RUNS_COLUMNS", "RUN_ID_PATTERN", "RUN_ID_RULE", "SCHEMA_VERSION", "TABLES", "TABLE_ROWS", "UPTO_KEY",
     "UnreadableFile", "WALL_CLOCK", "Results", "RunWriter",
     "atomic_output", "check_run_id", "compact", "consolidate_run", "extension_columns", "filesystem", "foreign_reason",
+    "KeptModelError", "evaluate_kept", "kept_models", "load_model", "read_kept",
     "in_compacted", "is_uri", "load", "part_name", "read_table", "remove_run", "remove_temp_files", "run_files",
     "run_files_in", "drop_compacted", "required_columns", "row_counts",
     "run_statuses", "schema", "to_table", "with_config_columns", "write_atomic",

@@ -1,8 +1,9 @@
 """``--overwrite`` without losing the old run: its files are moved aside, not deleted, until the new run
 has proved itself by writing its first checkpoint.
 
-The old run's per-run files, parts and checkpoint move to ``OUT/.aside/<run_id>/`` (one rename each,
-same filesystem; readers never look there: names starting with ``.`` are not results). Then:
+The old run's per-run files, parts, checkpoint and kept models (its ``models/<run_id>`` folder, whole) move to
+``OUT/.aside/<run_id>/`` (one rename each, same filesystem; readers never look there: names starting with ``.``
+are not results). Then:
 
 - the new run writes its first checkpoint: :func:`commit` deletes what was set aside and the old run's
   rows in compacted files (until then a compacted file may still hold them: a reader sees the new run's
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fedsap_ray.outdir import OutDir
+from fedsap_ray.results import kept
 from fedsap_ray.results.writer import drop_compacted, run_files
 
 ASIDE = ".aside"
@@ -35,12 +37,19 @@ def _checkpoint_files(d: OutDir, run_id: str) -> list[Path]:
     return [p for p in (d.abs / CHECKPOINTS / f"{run_id}.npz", d.abs / CHECKPOINTS / f"{run_id}.pkl") if d.is_file(p)]
 
 
+def _models(d: OutDir, run_id: str) -> list[Path]:
+    """The run's kept models folder, when it has one (moved whole: :mod:`fedsap_ray.results.kept`)."""
+    where = kept.folder(d.abs, run_id)
+    return [where] if d.is_dir(where) else []
+
+
 def set_aside(out: Path, run_id: str) -> int:
-    """Move run ``run_id``'s per-run files, parts and checkpoint to :func:`folder`; return how many moved."""
+    """Move run ``run_id``'s per-run files, parts, checkpoint and kept models to :func:`folder`; return how many
+    entries moved (the models folder counts as one)."""
     d = OutDir(out)
     dest = folder(out, run_id)
     moved = 0
-    for f in [*run_files(out, run_id), *_checkpoint_files(d, run_id)]:
+    for f in [*run_files(out, run_id), *_checkpoint_files(d, run_id), *_models(d, run_id)]:
         d.replace(f, dest / d.rel(f))
         moved += 1
     d.mkdir(dest)  # present even when only compacted rows were there: commit must still drop them
@@ -67,6 +76,8 @@ def restore(out: Path, run_id: str) -> int:
     d = OutDir(out)
     for f in [*run_files(out, run_id), *_checkpoint_files(d, run_id)]:
         d.unlink(f)
+    for m in _models(d, run_id):
+        d.rmtree(m)
     src = d.abs / ASIDE / run_id
     back = 0
     for sub in d.listdir(src):

@@ -106,7 +106,9 @@ class Recorder:
 
     @property
     def best(self) -> float:
-        """Best-so-far global accuracy of the primary eval mode (NaN before any evaluation)."""
+        """Best-so-far global accuracy of the primary eval mode (NaN before any evaluation): the papers' selection
+        figure (``rounds.best_global_accuracy``), and what a kept ``best`` model is kept by (a round that strictly
+        raises it: :mod:`fedsap_ray.results.kept`)."""
         return float("nan") if self.primary_mode is None else self.best_by_mode.get(self.primary_mode, float("nan"))
 
     def metrics_state(self) -> dict[str, Any]:

@@ -25,7 +25,8 @@ SCHEMA_VERSION = 12  # 2: rounds.frozen_params and the allocations table; 3: rou
 # (rounds.updates_applied, staleness_mean, staleness_max; clients.version_trained, version_applied, staleness,
 # sim_arrival_s, staleness_weight); 10: rounds.backend_bytes_down, backend_bytes_up (what the backend moved
 # between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against);
-# 12: runs.partition_source, partition_hash (what a run trained), clients.assigned_width
+# 12: runs.partition_source, partition_hash (what a run trained), clients.assigned_width, runs.models_kept (the
+# models a run keeps under OUT/models/<run_id>/)
 GLOBAL_DOMAIN = "__global__"
 # Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible) and
 # the bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count), so
@@ -71,6 +72,9 @@ RUNS_COLUMNS: list[Column] = [
     Column("partition_hash", pa.string(), "first 16 hex digits of the sha256 of what the run trained: every client's id, "
            "domain, sample indices, capacity and pruning ratio, the domains' pool sizes, and own data's arrays; "
            "--resume refuses another (fedsap_ray.data.explicit.partition_digest)"),
+    Column("models_kept", pa.string(), "the models the run keeps under models/<run_id>/ (training.keep_model), as JSON "
+           "of which model -> its round (e.g. {\"best\": 7, \"final\": 10}; {} while none is kept): each is "
+           "<which>.safetensors + .json with the clients' <which>.deployed.* (fedsap_ray.results.load_model)"),
 ]
 
 ROUNDS_COLUMNS: list[Column] = [
@@ -327,7 +331,7 @@ COLUMNS_SINCE: dict[int, dict[str, str]] = {
     10: {"rounds": "backend_bytes_down backend_bytes_up updates_applied staleness_mean staleness_max",
          "clients": "version_trained version_applied staleness sim_arrival_s staleness_weight"},
     11: {"runs": "rows_written"},
-    12: {"runs": "partition_source partition_hash", "clients": "assigned_width"},
+    12: {"runs": "partition_source partition_hash models_kept", "clients": "assigned_width"},
 }
 
 

@@ -45,8 +45,10 @@ def in_compacted(out: Path, run_id: str) -> bool:
 
 def remove_run(out: str | Path, run_id: str) -> int:
     """Delete every row of run ``run_id`` from the results folder ``out`` (a local folder, or a URI given as a
-    string: per-run files and parts, and its rows in compacted files, which are rewritten without them);
-    return the files changed."""
+    string: per-run files and parts, and its rows in compacted files, which are rewritten without them) and the
+    models it kept (``models/<run_id>/``: they belong to the rows); return the files changed."""
+    from fedsap_ray.results.kept import FOLDER, KEPT_NAMES
+
     fs, base = filesystem(out)
     changed = 0
     for table in TABLES:
@@ -55,6 +57,11 @@ def remove_run(out: str | Path, run_id: str) -> int:
             fs.delete_file(listing.per_run[run_id].path)
             changed += 1
         for _, info in listing.parts.get(run_id, []):
+            fs.delete_file(info.path)
+            changed += 1
+    models = f"{base}/{FOLDER}/{check_run_id(run_id)}"
+    for info in fs.get_file_info([f"{models}/{name}" for name in KEPT_NAMES]):
+        if info.type == pafs.FileType.File:
             fs.delete_file(info.path)
             changed += 1
     return changed + drop_compacted(out, run_id)

@@ -71,6 +71,12 @@ TRAPS = {
                                        (out / "layers").write_bytes(b"x")), "layers"),
     "fifo-as-checkpoint": (lambda out, o: ((out / "checkpoints" / "half.npz").unlink(),
                                            os.mkfifo(out / "checkpoints" / "half.npz")), "half.npz"),
+    # the models runs keep (issue 53): the models folder, a run's folder in it, a kept file
+    "models-folder-link": (lambda out, o: _link_dir(out, "models", o), "models"),
+    "kept-folder-link": (lambda out, o: _link_dir(out, "models/done", o), "models/done"),
+    "kept-model-link": (lambda out, o: ((out / "models" / "done" / "final.safetensors").unlink(),
+                                        (out / "models" / "done" / "final.safetensors").symlink_to(o / "file")),
+                        "final.safetensors"),
 }
 COMMANDS = {
     "new": ["run", *RUN, "--run-id", "new"],
@@ -89,6 +95,8 @@ MEETS = {
     "checkpoint-link": ["resume", "compact"],
     "file-as-folder": ["new", "overwrite", "resume", "compact"],
     "fifo-as-checkpoint": ["resume", "compact"],
+    "models-folder-link": ["new", "overwrite", "resume"], "kept-folder-link": ["new", "overwrite", "resume"],
+    "kept-model-link": ["overwrite"],
 }
 CASES = [(t, c) for t, cs in MEETS.items() for c in cs]
 

@@ -1,6 +1,7 @@
 """Ray backend: same numbers as local, worker death recovery, client errors, GPU pinning."""
 from __future__ import annotations
 
+import json
 
 import pandas as pd
 import pytest
@@ -13,7 +14,7 @@ from fedsap_ray.config import build_config  # noqa: E402
 from fedsap_ray.data import DomainData, build_federation  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402
 from fedsap_ray.runtime.allocator import tune_malloc  # noqa: E402
-from tests.conftest import backend_fixtures, make_strategy  # noqa: E402
+from tests.conftest import LOCAL_RUNS, backend_fixtures, make_strategy  # noqa: E402
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625", "training.rounds=3",
         "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=4",
@@ -58,6 +59,14 @@ def test_ray_reproduces_local_tables_exactly(tmp_path, fed, local_run, workers):
     down = res.rounds.groupby("round")["backend_bytes_down"].first()
     assert (down > 4 * size).all() and (down <= workers * (4 * size + widths * (size + 7) // 8) + 4096 * len(fed.clients)).all()
     assert (res.rounds["backend_bytes_up"] > 0).all() and (local_run.rounds["backend_bytes_down"] == 0).all()
+    # the kept final model and the clients' deployed parts (issue 53): the local run's, byte for byte (the JSON files
+    # name the backend in their stored config, so their tensors' digests are compared)
+    local = LOCAL_RUNS[tuple(TINY)] / "models" / "x"
+    for name in ("final.safetensors", "final.deployed.safetensors"):
+        assert (tmp_path / "models" / "x" / name).read_bytes() == (local / name).read_bytes(), name
+    for name in ("final.json", "final.deployed.json"):
+        ray_meta, local_meta = (json.loads((d / name).read_text()) for d in (tmp_path / "models" / "x", local))
+        assert ray_meta["tensors_digest"] == local_meta["tensors_digest"] and ray_meta["round"] == local_meta["round"]
 
 
 def test_async_mode_on_ray_reproduces_local_tables(tmp_path, fed):
