@@ -228,7 +228,7 @@ def onnx_bytes(module: nn.Module, trace_inputs: torch.Tensor, meta: Mapping[str,
     with tempfile.TemporaryDirectory(prefix="fedsap-export-") as scratch, _quiet():  # the exporter writes a path
         f = Path(scratch) / "model.onnx"
         # torch before 2.5 has only this exporter and no ``dynamo`` argument; later ones default to the other
-        legacy = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
+        legacy: dict[str, Any] = {"dynamo": False} if "dynamo" in inspect.signature(torch.onnx.export).parameters else {}
         torch.onnx.export(module, (trace_inputs,), f, opset_version=ONNX_OPSET, input_names=["input"],
                           output_names=["logits"], dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
                           **legacy)
