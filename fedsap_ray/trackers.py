@@ -169,13 +169,11 @@ def run_info(cfg: ExperimentConfig, run_id: str, first_round: int, **tags: Any) 
 
 
 def kept_files(out: str | Path, run_id: str) -> list[Path]:
-    """The model files a run kept, ``OUT/models/<run_id>/*`` (docs/guides/trackers.md), through the results
-    folder's checks (no link followed); [] when it kept none."""
-    from fedsap_ray.outdir import OutDir
+    """The model files a run kept, ``OUT/models/<run_id>/`` (:func:`fedsap_ray.results.kept_models`: through the
+    results folder's checks, no link followed); [] when it kept none."""
+    from fedsap_ray.results import kept_models
 
-    d = OutDir(out)
-    folder = Path(out) / "models" / run_id
-    return sorted(d.glob(folder, "*")) if d.is_dir(folder) else []
+    return kept_models(out, run_id)
 
 
 # ---------------------------------------------------------------------------------------------- choosing

@@ -57,21 +57,16 @@ def file_store():
 
 @pytest.fixture(scope="module")
 def tracked(tmp_path_factory, file_store, single_thread):
-    """One tiny run logged to all three trackers; its kept model files stand in as two small files (the kept
-    models themselves are tested with their writer)."""
+    """One tiny run logged to all three trackers (its final model kept, as by default)."""
     tmp = tmp_path_factory.mktemp("trackers")
     out, store = tmp / "out", (tmp / "mlruns").as_uri()
-    kept = [tmp / "kept" / "final.json", tmp / "kept" / "final.safetensors"]
-    kept[0].parent.mkdir()
-    kept[0].write_text('{"round": 3}')
-    kept[1].write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trackers, "kept_files", lambda o, run_id: kept if run_id == RUN else [])
-        proc = in_process("run", "--preset", "smoke", *sets(RUN_SETS), "--out", str(out), "--run-id", RUN, "--quiet",
-                          "--tracker", "tensorboard", "--tracker", "mlflow", "--tracker", "wandb",
-                          "--tracker-uri", f"mlflow={store}")
+    proc = in_process("run", "--preset", "smoke", *sets(RUN_SETS), "--out", str(out), "--run-id", RUN, "--quiet",
+                      "--tracker", "tensorboard", "--tracker", "mlflow", "--tracker", "wandb",
+                      "--tracker-uri", f"mlflow={store}")
     assert proc.returncode == 0, proc.stderr
     runs = results.load(out).runs
+    kept = results.kept_models(out, RUN)
+    assert {p.name for p in kept} >= {"final.safetensors", "final.json"}
     return SimpleNamespace(out=out, proc=proc, store=store, kept=kept, row=runs[runs.run_id == RUN].iloc[0])
 
 
@@ -108,7 +103,7 @@ def test_mlflow_holds_the_rounds_table_the_config_the_tags_and_the_kept_models(t
     assert run["params"] == {k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in config.items()}
     assert {k: run["tags"][k] for k in ("study", "seed", "algorithm", "run_id")} == \
         {"study": "default", "seed": "0", "algorithm": "fedavg", "run_id": RUN}
-    assert sorted(run["artifacts"]) == ["models/final.json", "models/final.safetensors"]
+    assert sorted(run["artifacts"]) == sorted(f"models/{f.name}" for f in tracked.kept)
 
 
 def test_wandb_offline_run_holds_the_rounds_table_the_config_the_tags_and_the_kept_models(tracked):
@@ -247,14 +242,14 @@ def test_a_resumed_run_continues_its_tracker_runs_and_a_replaced_one_replaces_it
     check_curves(tensorboard_scalars(out / "_trackers" / "tensorboard" / "r"), out, "r")
 
 
-def test_kept_files_are_the_run_models_folder_and_no_link_is_followed(tmp_path):
+def test_kept_files_are_the_run_models_folder_and_no_link_is_followed(tmp_path, tracked):
     out = tmp_path / "out"
     assert trackers.kept_files(out, "r") == []
     folder = out / "models" / "r"
     folder.mkdir(parents=True)
-    for name in ("final.safetensors", "final.json"):
-        (folder / name).write_bytes(b"x")
-    assert trackers.kept_files(out, "r") == [folder / "final.json", folder / "final.safetensors"]
+    for f in tracked.kept:
+        (folder / f.name).write_bytes(f.read_bytes())
+    assert trackers.kept_files(out, "r") == sorted(folder / f.name for f in tracked.kept)
     (folder / "best.json").symlink_to(tmp_path)
     with pytest.raises(ConfigError, match="symbolic link"):
         trackers.kept_files(out, "r")
