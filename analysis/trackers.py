@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensorboard-metric", default="deployed/__global__/accuracy",
                    help="the metric read from TensorBoard")
     args = p.parse_args(argv)
+    from analysis.runs import open_or_exit
+
+    open_or_exit(args.out, p.prog)  # a results folder first (one line and exit 2 otherwise, as every analysis command)
     out = Path(args.out)
     for needed in (out / "_trackers" / "mlflow" / "mlflow.db", out / "_trackers" / "tensorboard"):
         if not needed.exists():

@@ -114,7 +114,8 @@ def entry_points() -> set[str]:
 
 # how each command line takes a results folder
 ARGS = {"analysis.confound": lambda folder: [folder], "analysis.device_time": lambda folder: [f"wait_all={folder}"],
-        "analysis.learning": lambda folder: [folder]}
+        "analysis.learning": lambda folder: [folder],
+        "analysis.trackers": lambda folder: [folder, "--study", "s", "--png", "never-written.png"]}
 
 
 def test_every_analysis_command_line_is_covered():

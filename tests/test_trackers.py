@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -266,7 +267,9 @@ def test_the_readme_figure_reads_the_curves_the_trackers_hold(tracked, tmp_path)
     assert deployed == {RUN: {t: v for (t, m, d, col), v in cells.items()
                               if (m, d, col) == ("deployed", "__global__", "accuracy")}}
     assert set(deployed[RUN]) == {2, 3}
+    untracked = tmp_path / "res"  # a results folder whose runs logged to no tracker
+    shutil.copytree(tracked.out, untracked, ignore=shutil.ignore_patterns("_trackers"))
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        assert figure.main([str(tmp_path), "--study", "default", "--png", str(tmp_path / "f.png")]) == 2
+        assert figure.main([str(untracked), "--study", "default", "--png", str(tmp_path / "f.png")]) == 2
     assert "--tracker mlflow" in err.getvalue() and not (tmp_path / "f.png").exists()

@@ -35,7 +35,7 @@ def test_every_loader_that_checks_labels_uses_the_shared_check() -> None:
     """No module that registers a dataset words its own label-range check (the shared one names the files
     and exits 2). ``partition.label_counts`` keeps its own: a histogram's guard against a caller's bug."""
     loaders = [p for p in sorted(DATA.glob("*.py")) if "register_dataset(" in p.read_text(encoding="utf-8")
-               and p.name != "registry.py"]
+               and p.name not in ("registry.py", "base.py")]  # base.py: where the shared check lives
     assert {"digits.py", "mnist.py", "cifar.py", "emnist.py", "office.py"} <= {p.name for p in loaders}
     hits = []
     for path in loaders:
