@@ -191,7 +191,8 @@ def test_the_learning_check_sweep_plans_every_algorithm_on_three_seeds_at_five_r
     assert mod.main(["--smoke-test", "--dry-run", "--out", str(tmp_path / "o")]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"learning_check: {3 * len(algorithms.names())} trials, preset smoke, seeds [0, 1, 2]")
-    trials = lines[1:]
+    assert lines[1].startswith(f"learning_check: keeps {3 * len(algorithms.names())} models")  # what it keeps, then the trials
+    trials = [line for line in lines[2:] if line.startswith("  ")]
     assert sorted(t.split(":")[0].strip() for t in trials) == sorted(f"{a}-s{s}" for a in algorithms.names()
                                                                      for s in (0, 1, 2))
     for t in trials:
