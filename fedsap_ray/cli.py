@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
 from fedsap_ray.errors import ConfigError, DatasetUnavailable
-from fedsap_ray.trackers import TRACKERS
+from fedsap_ray.trackers import add_tracker_args
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -49,12 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", metavar="RUN_ID", help="continue an interrupted run in --out from its last finished round "
                    "(uses the run's stored config; only --backend/--address may change; --tracker continues its "
                    "tracker runs)")
-    r.add_argument("--tracker", action="append", default=[], choices=TRACKERS,
-                   help="also log the run to this experiment tracker (repeatable): every rounds metric per round, "
-                   "the resolved config, the kept models (docs/guides/trackers.md); needs the trackers extra")
-    r.add_argument("--tracker-uri", action="append", default=[], metavar="[NAME=]LOCATION",
-                   help="where trackers write (repeatable): a folder for all (each in its own subfolder), or "
-                   "NAME=LOCATION for one (mlflow: a folder or a tracking URI); default OUT/_trackers/NAME")
+    add_tracker_args(r, "the run (every rounds metric per round, the resolved config, the kept models)")
     r.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     r.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     d = sub.add_parser("datasets", help="list datasets and whether their files are present")
@@ -66,12 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     _export_parser(sub)
     e = sub.add_parser("evaluate", help="evaluate a model a run kept (OUT/models/RUN_ID/, training.keep_model) on the "
                        "run's test data or other data, and print its accuracy and loss per test domain")
-    e.add_argument("out", help="results folder (a local path) holding the run")
-    e.add_argument("--run-id", required=True, help="the run whose kept model to evaluate")
-    e.add_argument("--which", choices=["final", "best"], default="final",
-                   help="which kept model: final (after the last round) or best (default: final)")
-    e.add_argument("--client", type=int, metavar="K", help="client K's deployed model (its sub-model, BN statistics "
-                   "as the run evaluated them) instead of the global model")
+    _kept_model_args(e, "evaluate", "results folder (a local path) holding the run")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="data.KEY=VALUE",
                    help="evaluate on other test data, e.g. --set data.name=digits or --set data.max_test_per_domain="
                    "null (repeatable; data.* only)")
@@ -81,15 +71,21 @@ def _parser() -> argparse.ArgumentParser:
 EXPORT_FORMATS = ("onnx", "torchscript", "safetensors")  # fedsap_ray.export.FORMATS (not imported here: it loads torch)
 
 
+def _kept_model_args(p: argparse.ArgumentParser, verb: str, out_help: str) -> None:
+    """What ``evaluate`` and ``export`` share: which kept model of which run (fedsap_ray.results.load_model's
+    arguments)."""
+    p.add_argument("out", help=out_help)
+    p.add_argument("--run-id", required=True, help=f"the run whose kept model to {verb}")
+    p.add_argument("--which", choices=["final", "best"], default="final",
+                   help="which kept model: final (after the last round) or best (default: final)")
+    p.add_argument("--client", type=int, metavar="K", help="client K's deployed sub-model (the dense sliced network "
+                   "its device runs, BN statistics as the run evaluated them) instead of the global model")
+
+
 def _export_parser(sub) -> None:
     x = sub.add_parser("export", help="write a run's kept model as a file a device runs (ONNX, TorchScript or "
                        "safetensors), read back and checked against the PyTorch model before it is written")
-    x.add_argument("out", help="results folder of the run")
-    x.add_argument("--run-id", required=True, help="the run whose kept model to export")
-    x.add_argument("--which", choices=["final", "best"], default="final",
-                   help="the final model or the best one the run kept")
-    x.add_argument("--client", type=int, metavar="K", help="client K's deployed sub-model (the dense sliced network "
-                   "the device runs) instead of the global model")
+    _kept_model_args(x, "export", "results folder of the run")
     x.add_argument("--format", dest="fmt", required=True, choices=EXPORT_FORMATS,
                    help="onnx (needs the export extra: pip install 'fedsap-ray[export]'), torchscript, or safetensors "
                    "(the state_dict and a JSON sidecar naming the model's constructor arguments)")

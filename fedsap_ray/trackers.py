@@ -177,6 +177,17 @@ def kept_files(out: str | Path, run_id: str) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------- choosing
+def add_tracker_args(p: Any, logs: str, default_where: str = "default OUT/_trackers/NAME") -> None:
+    """``--tracker`` and ``--tracker-uri`` on an argparse parser (``fedsap-ray run`` and every sweep script):
+    ``logs`` says what one tracker run holds, ``default_where`` where the files go by default."""
+    p.add_argument("--tracker", action="append", default=[], choices=TRACKERS,
+                   help=f"also log {logs} to this experiment tracker (repeatable; docs/guides/trackers.md); needs "
+                        "the trackers extra")
+    p.add_argument("--tracker-uri", action="append", default=[], metavar="[NAME=]LOCATION",
+                   help="where trackers write (repeatable): a folder for all (each in its own subfolder), or "
+                        f"NAME=LOCATION for one (mlflow: a folder or a tracking URI); {default_where}")
+
+
 def tracker_specs(names: Sequence[str] | None, uris: Sequence[str] | None, out: str | None,
                   field: str = "--tracker-uri") -> tuple[TrackerSpec, ...]:
     """The trackers of ``--tracker NAME`` (repeatable) and where each writes, from ``--tracker-uri`` (repeatable):

@@ -40,7 +40,7 @@ from fedsap_ray.results.store import is_dir, list_table, run_ids
 from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.schema import check_ray_address
 from fedsap_ray.storage import ResultsDestination
-from fedsap_ray.trackers import TRACKERS, check_libraries, tracker_specs
+from fedsap_ray.trackers import add_tracker_args, check_libraries, tracker_specs
 from sweeps.trials import flat_overrides, to_configs
 from sweeps.tuner import SweepOptions, run_trials, tracked
 
@@ -65,12 +65,8 @@ def add_common_args(p: argparse.ArgumentParser, *, study: str, default_preset: s
     p.add_argument("--max-failures", type=int, default=2, help="retries of a failed trial (it resumes)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override applied to every trial, e.g. training.rounds=50")
-    p.add_argument("--tracker", action="append", default=[], choices=TRACKERS,
-                   help="also log every trial's runs to this experiment tracker (repeatable): one tracker run per "
-                        "run, every rounds metric per round (docs/guides/trackers.md); needs the trackers extra")
-    p.add_argument("--tracker-uri", action="append", default=[], metavar="[NAME=]LOCATION",
-                   help="where trackers write (repeatable): a folder for all, or NAME=LOCATION for one (mlflow: a "
-                        "folder or a tracking URI); default OUT/_trackers/NAME (required when --out is a URI)")
+    add_tracker_args(p, "every trial's runs (one tracker run per run, every rounds metric per round)",
+                     "default OUT/_trackers/NAME (required when --out is a URI)")
     p.add_argument("--smoke-test", action="store_true", help="tiny and fast: what CI runs")
     p.add_argument("--dry-run", action="store_true", help="validate every trial's config, print the trials and "
                                                           "exit: no Ray, nothing trained, --out not read")
