@@ -109,6 +109,10 @@ class Strategy(ABC):
     # read from the class's own body only, never inherited, so a subclass with round-synchronous state
     # (MOON's previous models, HAS-FL's adaptation steps) is refused until it declares a reading of its own
     supports_async: ClassVar[bool] = False
+    # This class's rows of the capacity-confound study (sweeps/capacity_confound.py --variants): variant name ->
+    # the overrides besides ``algorithm.name``. Read from the class's own body only (a subclass does not inherit
+    # its base's rows), so a sub-model method joins the study by declaring its row, without editing the sweep.
+    confound_variants: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     @classmethod
     def async_support(cls, options: Any) -> str | None:

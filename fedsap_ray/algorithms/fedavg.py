@@ -44,6 +44,7 @@ MASK_CACHE = 32  # sub-model masks kept per run (a HAS-FL run sees many distinct
 @register("fedavg")
 class FedAvg(Strategy):
     summary = "full model on every client (width=capacity: nested sub-models at p_max)"
+    confound_variants = {"fedavg": ()}  # papers/003 Table 6 (full model)
     columns = {
         "clients": CHANNEL_COUNT_COLUMNS,
         "allocations": (

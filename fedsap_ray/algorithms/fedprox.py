@@ -61,6 +61,7 @@ class ProximalTerm(ClientHook):
 @register("fedprox")
 class FedProx(FedAvg):
     summary = "FedAvg plus the proximal term (mu/2)||w - w^t||^2 in the local objective"
+    confound_variants = {"fedprox": ("algorithm.mu=1.0",)}  # papers/003 section 4.5: "the standard mu = 1.0"
     supports_async = True  # docs/readings.md#asynchronous-training
     @dataclass(frozen=True)
     class Options(FedAvg.Options):

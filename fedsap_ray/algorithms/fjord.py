@@ -20,6 +20,7 @@ from fedsap_ray.algorithms.widths import RANDOM_TIER
 @register("fjord")
 class FjORD(FedAvg):
     summary = "ordered dropout: each round a random tier at or below p_max (papers/003)"
+    confound_variants = {"fjord": ()}  # papers/003 Table 3
     supports_async = True  # docs/readings.md#asynchronous-training
     @dataclass(frozen=True)
     class Options:

@@ -84,6 +84,7 @@ class Allocated(WidthRule):
 @register("hasfl")
 class HasFL(FedAvg):
     summary = "heterogeneity-aware widths from update divergence, Eqs. 4-6, coverage guarantee"
+    confound_variants = {"hasfl": (), "hasfl-nocov": ("algorithm.coverage=false",)}  # papers/003 Tables 3-4
     columns = {
         "clients": (Column("h_hat", pa.float64(), "HAS-FL raw heterogeneity estimate (Eq. 4)"),
                     Column("h_tilde", pa.float64(), "HAS-FL smoothed estimate (Eq. 5)")),

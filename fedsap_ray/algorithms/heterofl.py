@@ -17,6 +17,7 @@ from fedsap_ray.algorithms.widths import CAPACITY
 @register("heterofl")
 class HeteroFL(FedAvg):
     summary = "static nested sub-models at p_max, coordinate-wise aggregation"
+    confound_variants = {"heterofl": ()}  # papers/003 Table 3
     supports_async = True  # docs/readings.md#asynchronous-training
     @dataclass(frozen=True)
     class Options:

@@ -57,6 +57,7 @@ def match_budget(draws: np.ndarray, p_max: np.ndarray, fixed: np.ndarray, total:
 @register("random_budget")
 class RandomBudget(HasFL):
     summary = "matched-budget control: random widths scaled to HAS-FL's mean allocation"
+    confound_variants = {"random_budget": ()}  # papers/003: the matched-budget control
     @dataclass(frozen=True)
     class Options(HasFL.Options):
         # lower end of the uniform draw (the smallest tier). Above p_min is legal: p_min only sets the shadow

@@ -108,6 +108,7 @@ class ControlCorrection(ClientHook):
 @register("scaffold")
 class Scaffold(Strategy):
     summary = "full model, control variates c - c_i correct client drift (plain local SGD)"
+    confound_variants = {"scaffold": ()}  # papers/003 Table 6 (full model)
     columns = {"clients": CHANNEL_COUNT_COLUMNS}
     state_vectors = ("c", "c_i")  # the server's and each client's control variate, model-sized
     @dataclass(frozen=True)

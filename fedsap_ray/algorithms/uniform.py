@@ -18,6 +18,7 @@ from fedsap_ray.schema import check_number
 @register("uniform")
 class Uniform(FedAvg):
     summary = "p_i = min(0.5, p_max): every client capped at half width (no coverage)"
+    confound_variants = {"uniform": ()}  # papers/003 Table 3
     supports_async = True  # docs/readings.md#asynchronous-training
     @dataclass(frozen=True)
     class Options:
