@@ -206,3 +206,41 @@ def test_hasfl_rejects_bad_options_naming_the_field(bad):
 
     with pytest.raises(ConfigError, match=bad.split("=")[0]):
         _cfg("algorithm.name=hasfl", bad)
+
+
+# --- the study's variants come from the registry ------------------------------------------------------------
+PAPER_ROWS = {  # the rows sweeps/capacity_confound.py listed by hand before issue 55, in its order
+    "hasfl": ["algorithm.name=hasfl"],
+    "hasfl-nocov": ["algorithm.name=hasfl", "algorithm.coverage=false"],
+    "random_budget": ["algorithm.name=random_budget"],
+    "heterofl": ["algorithm.name=heterofl"],
+    "fjord": ["algorithm.name=fjord"],
+    "uniform": ["algorithm.name=uniform"],
+    "fedavg": ["algorithm.name=fedavg"],
+    "fedprox": ["algorithm.name=fedprox", "algorithm.mu=1.0"],
+    "scaffold": ["algorithm.name=scaffold"],
+}
+
+
+def test_the_confound_variants_are_the_rows_the_registered_methods_declare_paper_rows_first_unchanged():
+    from conftest import load_study
+    from fedsap_ray.algorithms import registry
+    from fedsap_ray.algorithms.fedrolex import FedRolex
+
+    study = load_study("capacity_confound")
+    rows = study.variants()
+    assert list(rows)[:len(PAPER_ROWS)] == list(PAPER_ROWS)
+    assert {k: sorted(rows[k]) for k in PAPER_ROWS} == {k: sorted(v) for k, v in PAPER_ROWS.items()}
+    assert rows["fedrolex"] == ["algorithm.name=fedrolex"]
+
+    @registry.register("rolex_later")  # a sub-model method added later joins by its declaration alone
+    class Later(FedRolex):
+        confound_variants = {"rolex_later": ("algorithm.direction=forward",)}
+
+    try:
+        later = study.variants()
+        assert later["rolex_later"] == ["algorithm.name=rolex_later", "algorithm.direction=forward"]
+        assert list(later)[:len(rows)] == list(rows)  # after the rows already there
+        assert len(later) == len(rows) + 1  # its own row, and FedRolex's once (read from each class body)
+    finally:
+        registry._REGISTRY.pop("rolex_later", None)
