@@ -17,7 +17,7 @@ from analysis import labels, runs
 # The paper's row name of each run label (:func:`analysis.labels.label`); a label not listed keeps its own text.
 ROWS = {
     "fedavg": "FedAvg", "fedprox": "FedProx", "scaffold": "SCAFFOLD", "heterofl": "HeteroFL",
-    "fjord": "FjORD", "uniform": "Uniform", "hasfl": "HAS-FL", "random_budget": "Random-budget",
+    "fjord": "FjORD", "uniform": "Uniform", "hasfl": "HAS-FL", "random_budget": "Random-budget", "fedrolex": "FedRolex",
     "hasfl (coverage=False)": "HAS-FL (no coverage)", "random_budget (coverage=False)": "Random-budget (no coverage)",
     "fedavg (width=capacity)": "FedAvg (capacity width)", "fedprox (width=capacity)": "FedProx (capacity width)",
 }
@@ -27,13 +27,13 @@ VARIANT_TYPE = {
     "FedAvg": "Full-model", "SCAFFOLD": "Full-model + CV", "FedProx": "Full-model + prox",
     HASFL: "Sub-model (adaptive)", HASFL_NO_COVERAGE: "Sub-model (adaptive, no coverage)",
     RANDOM_BUDGET: "Sub-model (random)", "HeteroFL": "Sub-model (static)", "FjORD": "Sub-model (random tiers)",
-    "Uniform": "Sub-model (fixed)",
+    "Uniform": "Sub-model (fixed)", "FedRolex": "Sub-model (rolling)",
 }
 TABLE3_VARIANTS = (HASFL, "FjORD", "Uniform")                      # section 4.2
 TABLE4_VARIANTS = (HASFL, HASFL_NO_COVERAGE, "HeteroFL", "Uniform")  # section 4.3 (+ Uniform: Prop. 3's case)
 TABLE6_VARIANTS = ("FedAvg", "SCAFFOLD", "FedProx", HASFL, RANDOM_BUDGET)  # section 4.5
 VARIANT_ORDER = ("FedAvg", "SCAFFOLD", "FedProx", HASFL, HASFL_NO_COVERAGE, RANDOM_BUDGET,
-                 "HeteroFL", "FjORD", "Uniform")
+                 "HeteroFL", "FjORD", "Uniform", "FedRolex")
 
 # summary name -> per_run column
 METRICS = {"best": "best_accuracy", "final": "final_accuracy", "drop": "peak_to_final", "avg_p": "avg_p",
