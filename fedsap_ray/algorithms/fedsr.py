@@ -21,7 +21,8 @@ class-conditional reference distribution r(z|y) = N(r_mu[y], diag r_sigma[y]^2)
 
     KL = log(r_sigma / sigma) + (sigma^2 + (mu - r_mu)^2) / (2 r_sigma^2) - 1/2,
 
-summed over the d dimensions. The server aggregates by FedAvg (sample-weighted mean).
+summed over the d dimensions. The server aggregates by FedAvg (sample-weighted mean; ``weighting=count``:
+unweighted, as the official code).
 
 Scale and reference (``scale``, ``reference``; issue 13: the defaults are the official method):
 
