@@ -52,6 +52,16 @@ pruned weights refilled from the previous global model before the weighted avera
   (``ClientResult.mask``), staleness-weighted, and step 7 refills the rest from the current model, which
   plays W^{t-1} (:meth:`DapperFL.merge`). Why it is faithful: synchronously too the server sees only the
   pruned model and refills everything else, so the upload is a delta on M_i from what the client received.
+- What the released reference code computes (docs/readings.md#readings-of-the-authors-code, read with PyTorch's
+  pruning semantics): ``_train_net`` fuses only modules ``torch.nn.utils.prune.is_pruned`` reports, and
+  ``aggregate_nets`` removes every participant's pruning after each round, so nothing is ever fused (and a
+  value assigned to a pruned module's ``weight`` is discarded by ``prune.remove``): ``alpha_0=0 alpha_min=0``
+  here. The same discard undoes its refill (``module.weight += W_prev - W_prev * mask`` before
+  ``prune.remove``), so its pruned weights enter the weighted mean as 0: ``refill=zero`` (default ``global``,
+  step 7 as the paper describes it). With ``zero`` the pruned *parameter* coordinates count as 0 and the
+  BatchNorm running statistics of pruned channels are still refilled from W^{t-1} (the reference keeps
+  training those on every channel, which a pruned channel here cannot); asynchronous training refuses
+  ``zero`` (a zero is not a delta from what the client received).
 - Stateless clients: nothing a client trains is kept between rounds except the global model (DapperFL's
   local model of round t is built from W^{t-1} in round t). ``ServerState.strategy_state["kept"]`` only records
   each client's last kept channels, for the ``deployed`` evaluation of the pruned model it runs.
@@ -169,6 +179,7 @@ def first_epoch_samples(n_samples: int, batch_size: int, max_steps_per_epoch: in
 
 
 DAR_FORMS = REP_FORMS
+REFILLS = ("global", "zero")  # step 7: pruned coordinates from W^{t-1}, or as 0 (the released reference code)
 
 
 def dar_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma: float, form: str = "norm") -> torch.Tensor:
@@ -281,6 +292,7 @@ class DapperFL(Strategy):
         gamma: float = 0.01  # DAR weight (reference code --reg_coeff; papers/000 Eq. 7 gamma)
         dar_form: str = "norm"  # norm: gamma mean ||z||_2 (reference code); squared: papers/000 Eq. 7's ||z||^2
         full_first_epoch: bool = True  # True: reference code (epoch 1 trains the full model); False: pruned from the start
+        refill: str = "global"  # step 7's pruned coordinates: global: W^{t-1} (paper); zero: 0 (the released code)
 
         def __post_init__(self) -> None:
             for name in ("alpha_0", "alpha_min", "epsilon"):
@@ -290,6 +302,14 @@ class DapperFL(Strategy):
             check_number("algorithm.gamma", self.gamma, 0)
             check_choice("algorithm.dar_form", self.dar_form, DAR_FORMS)
             check_bool("algorithm.full_first_epoch", self.full_first_epoch)
+            check_choice("algorithm.refill", self.refill, REFILLS)
+
+    @classmethod
+    def async_support(cls, options: Any) -> str | None:
+        """``refill=zero`` has no asynchronous reading: a zero is not a delta from the model the client received."""
+        if options.refill == "zero":
+            return "algorithm.refill=zero averages pruned weights as zeros, which is no delta (use refill=global)"
+        return super().async_support(options)
 
     def alpha_at(self, t: int) -> float:
         """The fusion weight of the global model in round t (0 in round 1: no fusion with the random init)."""
@@ -356,7 +376,8 @@ class DapperFL(Strategy):
 
     def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
               t: int) -> np.ndarray:
-        """Step 7: reconstruct every pruned model with W^{t-1}, then the sample-weighted mean (client-id order).
+        """Step 7: reconstruct every pruned model with W^{t-1}, then the sample-weighted mean (client-id order);
+        ``refill=zero``: the pruned parameter coordinates as 0 instead (running statistics still from W^{t-1}).
 
         FedAvg's signature (``plans`` unread: each result's kept channels are in its ``stats``). Asynchronously
         ``state`` is the current model x_V and ``results`` hold the recovered values z_i = x_V|M_i +
@@ -365,13 +386,14 @@ class DapperFL(Strategy):
         if not results:
             raise ValueError(f"round {t}: DapperFL needs at least one client result")
         prev = state.params
+        base = np.where(self.ctx.layout.param_coords(), np.float32(0), prev) if self.opts.refill == "zero" else prev
         acc = np.zeros(prev.shape, dtype=np.float64)
         wsum = 0.0
         for r in sorted(results, key=lambda r: r.client_id):
             pmask = self.upload_mask_of(r, t)
             full = prev.copy()
             full[pmask] = r.values
-            acc += float(r.n_samples) * reconstruct(prev, full, pmask).astype(np.float64)
+            acc += float(r.n_samples) * reconstruct(base, full, pmask).astype(np.float64)
             wsum += float(r.n_samples)
         return prev.copy() if wsum <= 0 else (acc / wsum).astype(np.float32)
 

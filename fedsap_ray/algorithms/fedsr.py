@@ -21,7 +21,8 @@ class-conditional reference distribution r(z|y) = N(r_mu[y], diag r_sigma[y]^2)
 
     KL = log(r_sigma / sigma) + (sigma^2 + (mu - r_mu)^2) / (2 r_sigma^2) - 1/2,
 
-summed over the d dimensions. The server aggregates by FedAvg (sample-weighted mean).
+summed over the d dimensions. The server aggregates by FedAvg (sample-weighted mean; ``weighting=count``:
+unweighted, as the official code).
 
 Scale and reference (``scale``, ``reference``; issue 13: the defaults are the official method):
 
@@ -47,8 +48,19 @@ Scale and reference (``scale``, ``reference``; issue 13: the defaults are the of
   (mu, sigma) inside the KL is left out (not in the paper).
 Other readings, to fit our fixed model layout:
 
-- L2R: the paper's E||z||_2^2 (squared norm). The official code computes
-  ``z.norm(dim=1).mean()`` (the unsquared norm); we follow the paper.
+- L2R (``l2r_form``): ``squared`` (default) is the paper's E||z||_2^2 (Section 3.2). The official code
+  (atuannguyen/FedSR ``src/methods/FedSR.py``, ``Model.train_client``) computes ``z.norm(dim=1).mean()``, the
+  batch mean of the unsquared norm: ``l2r_form=norm``. At the same alpha_L2R the two pull differently (the
+  squared form's gradient is 2z, the norm's z/||z||, a unit vector), so on 512-d features the squared form is
+  the much stronger one.
+- Server weights (``weighting``): ``samples`` (default) is FedAvg's sample-weighted mean, as every full-model
+  baseline of papers/000's Table 1. The official code averages the clients' networks unweighted
+  (``src/methods/base.py`` ``Base.communicate``: sum over the clients / their number; each client there is a
+  domain): ``weighting=count``, which applies to the model and to the averaged arrays (the scale head or rho,
+  and the reference with ``reference=averaged``). With equal client sizes the two are the same.
+- Also in the official code and not modelled: each local step draws one fresh random batch
+  (``next(iter(loader))``, E steps a round) where our clients run epochs over a permutation; the optimiser is
+  its own SGD with momentum 0.9 for r_mu, r_sigma and C.
 - Evaluation uses the mean representation, i.e. the ordinary ``model(x)`` (the official code
   averages the softmax over 20 samples of z), so the default ``eval_sets`` applies.
 
@@ -71,6 +83,7 @@ lists only lr 0.01 and batch 64 for FedSR) gives other values.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -79,6 +92,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.context import RunContext
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
@@ -100,8 +114,14 @@ REF_KEYS = ("r_mu", "r_rho")
 HOOK = "fedsr"  # the client hook (plan.hooks)
 
 
-def l2r_term(z: torch.Tensor) -> torch.Tensor:
-    """FedSR Section 3.2: the batch mean of ||z||_2^2."""
+L2R_FORMS = ("squared", "norm")  # squared: the paper's E||z||^2; norm: the official code's E||z||
+WEIGHTINGS = ("samples", "count")  # the server's client weights: n_i (FedAvg) or 1 each (the official code)
+
+
+def l2r_term(z: torch.Tensor, form: str = "squared") -> torch.Tensor:
+    """FedSR Section 3.2: the batch mean of ||z||_2^2; ``form="norm"``: of ||z||_2, as the official code computes it."""
+    if form == "norm":
+        return z.norm(dim=1).mean()
     return z.pow(2).sum(dim=1).mean()
 
 
@@ -124,6 +144,7 @@ class FedSRPayload:
     scale_w: np.ndarray | None = None  # scale=input: the scale head's weight [d, d] and
     scale_b: np.ndarray | None = None  # bias [d]
     rho: np.ndarray | None = None  # scale=shared: the shared pre-softplus scale [d]
+    l2r_form: str = "squared"  # algorithm.l2r_form
 
 
 @register_hook(HOOK)
@@ -166,7 +187,7 @@ class FedSRObjective(ClientHook):
         z = mu + sigma * eps  # reparameterised sample of N(mu(x), sigma^2)
         out = {"ce": F.cross_entropy(getattr(model, model.classifier)(z), y)}
         if self.alpha_l2r != 0.0:
-            out["l2r"] = l2r_term(z)
+            out["l2r"] = l2r_term(z, self.payload.l2r_form)
         if self.alpha_cmi != 0.0:
             r_mu = self.extra_params["r_mu"][y]
             r_sigma = F.softplus(self.extra_params["r_rho"])[y]
@@ -200,10 +221,14 @@ class FedSR(FedAvg):
         alpha_cmi: float = 0.001  # FedSR README (PACS): --CMI_coeff 0.001
         scale: str = "input"  # input: sigma(x) per input (official code); shared: one learned vector
         reference: str = "client"  # client: r(z|y) per client (official code); averaged: shared, FedAvg'd
+        l2r_form: str = "squared"  # squared: the paper's E||z||^2; norm: the official code's E||z||
+        weighting: str = "samples"  # samples: FedAvg's n_i weights; count: unweighted (the official code)
 
         def __post_init__(self) -> None:
             check_choice("algorithm.scale", self.scale, SCALES)
             check_choice("algorithm.reference", self.reference, REFERENCES)
+            check_choice("algorithm.l2r_form", self.l2r_form, L2R_FORMS)
+            check_choice("algorithm.weighting", self.weighting, WEIGHTINGS)
             for name in ("alpha_l2r", "alpha_cmi"):
                 check_number(f"algorithm.{name}", getattr(self, name), 0)
 
@@ -253,14 +278,23 @@ class FedSR(FedAvg):
         if self.opts.reference == "client":  # the client's own: kept on the device, not counted in bytes_down
             arrays.update(self.client_reference(state, client_id))
         hook = call(FedSRObjective, **arrays, alpha_l2r=float(self.opts.alpha_l2r),
-                    alpha_cmi=float(self.opts.alpha_cmi), noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"))
+                    alpha_cmi=float(self.opts.alpha_cmi), noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"),
+                    l2r_form=self.opts.l2r_form)
         return {"hooks": (hook,), "side_bytes_down": int(sum(state.strategy_state[k].nbytes for k in keys))}
+
+    def client_weight(self, result: ClientResult) -> float:
+        """A client's weight in every server mean: its sample count, or 1 with ``weighting=count``."""
+        return 1.0 if self.opts.weighting == "count" else float(result.n_samples)
+
+    def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult], t: int) -> np.ndarray:
+        """FedAvg's mean of the trained models with :meth:`client_weight` (``weighting``, module docstring)."""
+        return masked_weighted_average(state.params, [(r.mask, r.values, self.client_weight(r)) for r in results])
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:
-        """The shared arrays: sample-weighted means of the clients' trained values (FedAvg), in float64; with
-        reference=client each participant's trained r_mu, r_rho are stored as its own."""
-        total = float(sum(r.n_samples for r in results))
+        """The shared arrays: means of the clients' trained values weighted as the model (:meth:`client_weight`),
+        in float64; with reference=client each participant's trained r_mu, r_rho are stored as its own."""
+        total = float(sum(self.client_weight(r) for r in results))
         if total <= 0:
             return state.strategy_state
         extra = dict(state.strategy_state)
@@ -282,6 +316,6 @@ class FedSR(FedAvg):
                 if v is None or np.shape(v) != state.strategy_state[key].shape:
                     raise ValueError(f"client {r.client_id} in round {t}: stats[{key!r}] missing or of shape "
                                      f"{None if v is None else np.shape(v)}, expected {state.strategy_state[key].shape}")
-                acc += float(r.n_samples) * np.asarray(v, dtype=np.float64)
+                acc += self.client_weight(r) * np.asarray(v, dtype=np.float64)
             extra[key] = (acc / total).astype(np.float32)
         return extra
