@@ -31,7 +31,7 @@ def reference(w, data, seeds, *, lr, momentum, weight_decay, grad_clip, lr_decay
 
 
 @pytest.fixture(scope="module")
-def ours():
+def ours(single_thread):
     cfg = config("fedavg", len(SIZES), "training.momentum=0.9", "training.weight_decay=0.0005",
                  "training.grad_clip=1.0", "training.lr_decay=0.5")
     return drive(cfg, client_data(SIZES), ROUNDS)

@@ -35,7 +35,7 @@ def reference(w, data, seeds, *, mu, lr=0.1, epochs=2, batch=8, cap=3):
 
 
 @pytest.fixture(scope="module")
-def ours():
+def ours(single_thread):
     return drive(config("fedprox", len(SIZES), f"algorithm.mu={MU}"), client_data(SIZES), ROUNDS)
 
 

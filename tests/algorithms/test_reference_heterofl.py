@@ -69,7 +69,7 @@ READINGS = [("samples", False), ("count", False), ("samples", True), ("count", T
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(single_thread):
     data = client_data(SIZES, classes=HELD)
     return {(wt, lm): drive(heterofl(f"algorithm.weighting={wt}", f"algorithm.label_mask={str(lm).lower()}"), data, ROUNDS)
             for wt, lm in READINGS}
@@ -118,7 +118,7 @@ def test_label_mask_sends_the_clients_classes(runs):
 
 
 @pytest.fixture(scope="module")
-def hand_made():
+def hand_made(single_thread):
     """Three full-model clients of 1, 1 and 4 samples that uploaded 0, 0 and 4 everywhere; the strategy of each
     weighting (its own federation is only the config's: hand-made results)."""
     def merged(weighting: str):

@@ -48,7 +48,7 @@ def reference(w, data, sampled, seeds, *, eta_g, lr=0.1, weight_decay=5e-4, grad
 
 
 @pytest.fixture(scope="module")
-def ours():
+def ours(single_thread):
     cfg = config("scaffold", N, f"algorithm.global_lr={ETA_G}", "training.participation=0.5",
                  "training.weight_decay=0.0005", "training.grad_clip=1.0")
     return drive(cfg, client_data(SIZES), ROUNDS)
