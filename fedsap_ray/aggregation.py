@@ -1,12 +1,14 @@
 """Vectorised coordinate-wise aggregation shared by every strategy.
 
-Heterogeneous FedAvg (HeteroFL, Diao et al. 2021; papers/003 Algorithm 1 line 18):
+Heterogeneous FedAvg (papers/003 Algorithm 1 line 18, its reading of HeteroFL, Diao et al. 2021):
 each coordinate j becomes the sample-weighted mean of the clients that covered it,
 
     w_j <- sum_i n_i [m_i]_j w_ij / sum_i n_i [m_i]_j     if sum_i n_i [m_i]_j > 0,
     w_j <- w_j (unchanged, bit-identical)                  otherwise.
 
-With every mask full this is exactly FedAvg (McMahan et al. 2017, Alg. 1). FedSAP's
+With every mask full this is exactly FedAvg (McMahan et al. 2017, Alg. 1). HeteroFL's own code weights
+every client by 1 instead of n_i (``heterofl``'s ``algorithm.weighting=count``: the same function, other
+weights; docs/readings.md#heterofl-as-its-authors-code-runs-it). FedSAP's
 type-matched aggregation (papers/000 Eq. 8) is this same rule applied separately to
 the Global coordinates over all clients and to each pseudo-group's Private coordinates.
 Accumulation is in float64 in client-id order, so the result does not depend on which
