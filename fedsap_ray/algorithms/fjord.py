@@ -38,7 +38,7 @@ from fedsap_ray.seeding import seed_for
 from fedsap_ray.sliced import SlicedModel
 
 OD_SAMPLING = ("round", "batch")
-OD_BN = ("shared", "per_width")
+OD_BN = ("shared", "per_width")  # per_width is refused (PER_WIDTH_BLOCKED): the allowed value is shared
 HOOK = "fjord_batch_widths"
 # why od_bn=per_width is refused (the option's message): what it would need that the layout does not have
 PER_WIDTH_BLOCKED = ("not built: the flat parameter layout holds one set of BatchNorm running statistics per "
@@ -137,7 +137,7 @@ class BatchWidths(ClientHook):
 
 @register("fjord")
 class FjORD(FedAvg):
-    summary = "ordered dropout: each round a random tier at or below p_max (papers/003)"
+    summary = "ordered dropout: each round a random tier at or below p_max (papers/003; od_sampling=batch: per step)"
     supports_async = True  # docs/readings.md#asynchronous-training
     @dataclass(frozen=True)
     class Options:
@@ -153,9 +153,9 @@ class FjORD(FedAvg):
 
         def __post_init__(self) -> None:
             check_choice("algorithm.od_sampling", self.od_sampling, OD_SAMPLING)
-            check_choice("algorithm.od_bn", self.od_bn, OD_BN)
             if self.od_bn == "per_width":
                 fail("algorithm.od_bn", self.od_bn, PER_WIDTH_BLOCKED)
+            check_choice("algorithm.od_bn", self.od_bn, OD_BN[:1])
 
     width = RANDOM_TIER
 
