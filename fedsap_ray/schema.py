@@ -650,7 +650,9 @@ def _hashed_options(name: Any, options: dict[str, Any]) -> dict[str, Any]:
     """The algorithm options the config hash reads: an option its ``Options`` lists in ``unhashed_defaults`` is
     left out at its default, so a run that names the default of an option added later keeps the hash it had
     before the option existed (as with the sections above)."""
-    opt_cls = registry.STRATEGIES.get(name).Options if isinstance(name, str) else None
+    if not isinstance(name, str):
+        return options
+    opt_cls = registry.STRATEGIES.get(name).Options
     quiet = getattr(opt_cls, "unhashed_defaults", ())
     if not quiet:
         return options

@@ -1,6 +1,6 @@
 """FjORD against an independent plain-PyTorch reference (issue 55, item 3), under both ``od_sampling`` readings.
 
-The reference (:func:`reference_round`) is written in this file from the semantics of Flower's FjORD
+The reference (:func:`local_train` and :func:`fjord_average`) is written in this file from the semantics of Flower's FjORD
 baseline (adap/flower, ``baselines/fjord/fjord/models.py`` ``train``: one SGD optimizer over the whole
 model's tensors, each forward pass run at the width its ``ODSampler`` drew, ``od/layers``' ``weight[:out,
 :in]`` slices; ``strategy.py`` ``fjord_average``: for every tier p, the leading [:ceil(p C_out),
@@ -104,8 +104,9 @@ def fjord_average(w0: dict[str, torch.Tensor], uploads: list[tuple[dict[str, tor
 
 
 def batch_order(n: int, seed: int, batch_size: int, epochs: int) -> list[torch.Tensor]:
-    """Each epoch a permutation of the samples from one generator seeded ``seed``, cut into batches; a size-1
-    batch is skipped (BatchNorm cannot train on one sample)."""
+    """The batches both sides train on, in order (an input, as the reference's DataLoader would give them): each
+    epoch a permutation of the samples from one generator seeded with the plan's seed, cut into batches, a
+    size-1 batch left out (what the client loop documents)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(epochs):
