@@ -39,9 +39,9 @@ in that order at each point of the loop:
    scratch model (FedSAP's probe gradient), then the plan's values are loaded (zeros outside
    ``plan.mask``) and ``start`` runs (FedProx's anchor w^t, SCAFFOLD's corrections);
 2. each local epoch: ``epoch_start`` (FedSAP's statistics watch the last epoch only), then
-   for each batch: the loss (one hook's ``loss``, else cross-entropy; then every hook's
-   ``add_terms``), backward, mask the gradients to ``plan.mask``, ``after_backward`` (where
-   statistics read gradients), clip the gradient norm (``grad_clip``), ``after_clip``
+   for each batch: ``batch_start`` (FjORD's per-step width), the loss (one hook's ``loss``,
+   else cross-entropy; then every hook's ``add_terms``), backward, mask the gradients to
+   ``plan.mask``, ``after_backward`` (where statistics read gradients), clip the gradient norm (``grad_clip``), ``after_clip``
    (SCAFFOLD adds c - c_i there, so clipping never rescales it), the optimizer step (weight
    decay inside it), ``after_step``;
 3. every hook's ``close`` in a ``finally`` (no module hook stays on the reused scratch model),
@@ -268,6 +268,8 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
             if len(idx) < 2 and n >= 2:  # BatchNorm cannot train on a single sample
                 continue
             opt.zero_grad(set_to_none=False)
+            for h in hooks:
+                h.batch_start(model, len(losses))
             x, y = x_all[idx], y_all[idx]
             loss = base.loss(model, x, y) if base is not None else None
             if loss is None:

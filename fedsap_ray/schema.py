@@ -640,7 +640,24 @@ class ExperimentConfig:
             d.pop("devices")  # the default device model adds columns only: runs keep the hash they had before it
         if isinstance(d.get("data"), dict) and d["data"].get("partition_file") is None:
             d["data"].pop("partition_file", None)  # runs without a partition file keep the hash they had before it
+        algo = d.get("algorithm")
+        if isinstance(algo, dict) and isinstance(algo.get("options"), dict):
+            algo["options"] = _hashed_options(algo.get("name"), algo["options"])
         return hashlib.sha256(json.dumps(_canonical(d), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _hashed_options(name: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """The algorithm options the config hash reads: an option its ``Options`` lists in ``unhashed_defaults`` is
+    left out at its default, so a run that names the default of an option added later keeps the hash it had
+    before the option existed (as with the sections above)."""
+    if not isinstance(name, str):
+        return options
+    opt_cls = registry.STRATEGIES.get(name).Options
+    quiet = getattr(opt_cls, "unhashed_defaults", ())
+    if not quiet:
+        return options
+    defaults = {f.name: f.default for f in dataclasses.fields(opt_cls)}
+    return {k: v for k, v in options.items() if not (k in quiet and v == defaults.get(k))}
 
 
 def _without_sha(d: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,8 @@ Hook points, in the order the client calls them (every hook of the plan at each 
 ``start``             the plan's values are loaded on the device, coordinates outside the
                       plan's mask are zero; build state from them (FedProx's anchor, masks)
 ``epoch_start``       at the start of each local epoch (ChannelStats watches the last one)
+``batch_start``       a batch's step begins (gradients zeroed, before the forward pass): FjORD's
+                      ``od_sampling=batch`` narrows the model to the step's drawn width here
 ``loss``              the batch's base loss; at most one hook of a plan defines it, otherwise
                       it is ``cross_entropy(model(x), y)``
 ``add_terms``         ``loss -> loss + term`` (FedProx's (mu/2)||w - w^t||^2), after the base
@@ -110,6 +112,9 @@ class ClientHook:
 
     def epoch_start(self, model: MaskableModel, epoch: int) -> None:
         """Local epoch ``epoch`` (0-based, of ``plan.local_epochs``) begins."""
+
+    def batch_start(self, model: MaskableModel, step: int) -> None:
+        """Step ``step`` (0-based, over all local epochs) begins: gradients are zeroed, the forward pass is next."""
 
     def loss(self, model: MaskableModel, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """The base loss of a batch (a hook that overrides this replaces the client's cross-entropy)."""
