@@ -165,13 +165,18 @@ def _stored_config(out: Path, run_id: str) -> dict:
     from fedsap_ray import guard
 
     row = guard.check_checkpoint_present(out, run_id)
-    f = out / "runs" / f"{run_id}.parquet"
+    return config_object(row["config_json"], f"--resume={run_id!r}", str(out / "runs" / f"{run_id}.parquet"))
+
+
+def config_object(text: object, field: str, where: str) -> dict:
+    """A runs row's ``config_json`` as the JSON object it must be; else one ConfigError naming ``field`` and
+    ``where`` the row lives (``--resume`` and ``export`` read a stored config alike)."""
     try:
-        stored = json.loads(row["config_json"])
+        stored = json.loads(text)  # type: ignore[arg-type]
     except (TypeError, ValueError, RecursionError) as e:
-        raise ConfigError(f"invalid --resume={run_id!r}: {f} holds no readable config_json ({e})") from e
+        raise ConfigError(f"invalid {field}: {where} holds no readable config_json ({e})") from e
     if not isinstance(stored, dict):
-        raise ConfigError(f"invalid --resume={run_id!r}: {f} holds a config_json that is no JSON object "
+        raise ConfigError(f"invalid {field}: {where} holds a config_json that is no JSON object "
                           f"({type(stored).__name__})")
     return stored
 
@@ -392,13 +397,7 @@ def _run_config(out: str, run_id: str) -> ExperimentConfig:
     stored = [c for r, c in zip(t.column("run_id").to_pylist(), t.column("config_json").to_pylist()) if r == run_id]
     if not stored:
         raise ConfigError(f"invalid --run-id={run_id!r}: the results folder {out} holds no such run")
-    try:
-        data = json.loads(stored[0])
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ConfigError(f"invalid --run-id={run_id!r}: its runs row in {out} holds no readable config_json ({e})") from e
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid --run-id={run_id!r}: its runs row in {out} holds a config_json that is no JSON object")
-    return build_config(file_data=data)
+    return build_config(file_data=config_object(stored[0], f"--run-id={run_id!r}", f"its runs row in {out}"))
 
 
 def _export_inputs(cfg: ExperimentConfig, model, client: int | None, on: str):

@@ -27,6 +27,18 @@ def cli(capsys, *args: str) -> tuple[int, list[str]]:
     return rc, [line for line in err.splitlines() if line.strip()]
 
 
+def cli_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """``fedsap_ray.cli.main(ARGS)`` in this process, as a CompletedProcess: the exit code a subprocess would
+    give (argparse's ``SystemExit`` included), its captured stdout and stderr."""
+    capsys.readouterr()
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 2
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["fedsap-ray", *args], code, out.out, out.err)
+
+
 def tiny_run(out: Path, run_id: str, *extra: str, stop_after: int | None = None, **kw):
     """A tiny run (3 rounds); ``stop_after``: interrupted (like Ctrl-C) after that round."""
     cfg = build_config(preset="smoke", overrides=[*TINY, *extra])

@@ -6,29 +6,18 @@ only a subprocess shows (the entry points, their exit status reaching the shell,
 command line) is tests/test_cli_subprocess.py, in the integration tier."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from faultkit import TINY, runs_row, sets, tiny_run
+from faultkit import TINY, cli_process, runs_row, sets, tiny_run
 from fedsap_ray import results
-from fedsap_ray.cli import main
 from faultkit import cli as in_process
 
 
-def cli(capsys, *args) -> subprocess.CompletedProcess:
-    """``fedsap_ray.cli.main(ARGS)`` in this process, as a CompletedProcess: the exit code a subprocess would
-    give (argparse's ``SystemExit`` included), its captured stdout and stderr."""
-    capsys.readouterr()
-    try:
-        code = main(list(args))
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 2
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(["fedsap-ray", *args], code, out.out, out.err)
+cli = cli_process
 
 
 BAD_INPUT = [

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from exportkit import fedsap_like_submodel
-from faultkit import tiny_run
+from faultkit import cli_process, tiny_run
 from fedsap_ray import export, results
-from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 from fedsap_ray.data.base import as_input
 from fedsap_ray.session import build_context
@@ -66,13 +65,8 @@ def seen(monkeypatch):
 
 def cli(capsys, *args: str) -> tuple[int, str, list[str]]:
     """``fedsap-ray ARGS`` in this process: (exit code, stdout, non-empty stderr lines); argparse's exit included."""
-    capsys.readouterr()
-    try:
-        rc = main(list(args))
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 2
-    got = capsys.readouterr()
-    return rc, got.out, [line for line in got.err.splitlines() if line.strip()]
+    got = cli_process(capsys, *args)
+    return got.returncode, got.stdout, [line for line in got.stderr.splitlines() if line.strip()]
 
 
 def files(*folders: Path) -> set[Path]:

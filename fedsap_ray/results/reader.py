@@ -10,6 +10,7 @@ one line naming it and the problem (exit 2 from a command): docs/guides/running.
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -65,10 +66,37 @@ def _sources(listing: Listing) -> dict[str, Source]:
     return out
 
 
+LIVE_RETRIES = 20  # re-listings of a table a writer keeps changing under a read, before its failure is reported
+
+
 def read_arrow(fs: pafs.FileSystem, base: str, table: str, columns: list[str] | None = None) -> pa.Table:
     """Table ``table`` of the folder ``base`` (``columns`` only, when given), every file checked
-    (:func:`check_file_schema`, :func:`check_rows`); the columns the checks need are read in any case."""
-    listing = list_table(fs, base, table)
+    (:func:`check_file_schema`, :func:`check_rows`); the columns the checks need are read in any case.
+
+    A folder a run or sweep is still writing (a notebook watching it) changes under a read: a round's part merged
+    into its run's file and removed, a file replaced. A read that fails while the table's listing changed is
+    therefore read again from a fresh listing (up to :data:`LIVE_RETRIES` times); a failure on an unchanged
+    listing is the file's own and is reported at once."""
+    for attempt in range(LIVE_RETRIES):
+        listing = list_table(fs, base, table)
+        try:
+            return _read_listing(fs, base, table, listing, columns)
+        except (OSError, pa.ArrowException, UnreadableFile):
+            if _signature(list_table(fs, base, table)) == _signature(listing):
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    return _read_listing(fs, base, table, list_table(fs, base, table), columns)
+
+
+def _signature(listing: Listing) -> list[tuple[str, int | None, float | None]]:
+    """What a listing found, file by file: path, size and modification time (a changed one was rewritten)."""
+    infos = [*listing.per_run.values(), *listing.compacted, *(i for ps in listing.parts.values() for _, i in ps)]
+    return sorted((i.path, i.size, i.mtime_ns) for i in infos)
+
+
+def _read_listing(fs: pafs.FileSystem, base: str, table: str, listing: Listing,
+                  columns: list[str] | None) -> pa.Table:
+    """:func:`read_arrow` of the files of one listing."""
     whole, partial = sources(fs, listing, table)
     scan = None if columns is None else list(dict.fromkeys([*columns, *checked_columns(table)]))
     pieces: list[pa.Table] = []

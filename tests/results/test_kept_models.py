@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 import torch
 
-from faultkit import cli, runs_row, tiny_run
+from faultkit import cli, cli_process, runs_row, tiny_run
 from fuzzkit import snapshot
 from fedsap_ray import results
 from fedsap_ray.cli import main
@@ -383,10 +383,10 @@ def test_a_fedsap_clients_kept_model_exports_to_onnx_matching_pytorch_on_its_tes
     model = results.load_model(out, "fs", client=narrowest)
     assert size(model) < size(results.load_model(out, "fs"))  # a sub-model, not the global one
     dest = tmp_path / "client.onnx"
-    capsys.readouterr()
-    rc = main(["export", str(out), "--run-id", "fs", "--client", str(narrowest), "--format", "onnx", "--output", str(dest)])
-    printed, err = capsys.readouterr()
-    assert rc == 0 and not err.strip(), err
+    got = cli_process(capsys, "export", str(out), "--run-id", "fs", "--client", str(narrowest), "--format", "onnx",
+                      "--output", str(dest))
+    printed = got.stdout
+    assert got.returncode == 0 and not got.stderr.strip(), got.stderr
     diff = float(printed.split("max |logit difference| ")[1].split()[0])
     assert diff <= 1e-4, printed
     # read back here too, on the client's own test split through the dataset's input transform

@@ -409,6 +409,44 @@ def test_parts_a_merged_file_holds_are_read_once_and_compact_merges_leftover_par
     assert results.load(tmp_path).rounds["round"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4]
 
 
+def test_a_read_of_a_folder_its_writer_merges_meanwhile_reads_the_merged_files(tmp_path, monkeypatch):
+    """A notebook (or a sweep's progress check) reading a live folder: the run ends and merges its parts between
+    the reader's listing and its scan. The read starts again from a fresh listing and gets every row once; the
+    same vanished part on an unchanged listing is a refusal naming it (tests/results/test_readers.py)."""
+    import fedsap_ray.results.reader as reader
+
+    w = results.RunWriter(tmp_path, "r")
+    for t in (1, 2):
+        for table, rows in _round_rows(t).items():
+            w.add(table, rows)
+        w.flush()
+    running = results.load(tmp_path)
+    real, merged = reader.list_table, []
+
+    def list_then_merge(fs, base, table):
+        listing = real(fs, base, table)
+        if table == "rounds" and not merged:  # the writer ends the run right after this listing
+            merged.append(table)
+            w.set_run({"status": "finished"})
+        return listing
+
+    monkeypatch.setattr(reader, "list_table", list_then_merge)
+    res = results.load(tmp_path)
+    assert merged == ["rounds"] and not list(tmp_path.glob("*/r@r*.parquet"))
+    pd.testing.assert_frame_equal(res.rounds, running.rounds)
+    pd.testing.assert_frame_equal(res.clients, running.clients)
+
+    w2 = results.RunWriter(tmp_path / "b", "s")
+    for table, rows in _round_rows(1).items():
+        w2.add(table, rows)
+    w2.flush()
+    stale = real(*results.store.filesystem(tmp_path / "b"), "rounds")
+    (tmp_path / "b" / "rounds" / "s@r000001.parquet").unlink()  # gone for good: the listing stays as it is now
+    monkeypatch.setattr(reader, "list_table", lambda fs, base, table: stale if table == "rounds" else real(fs, base, table))
+    with pytest.raises(results.UnreadableFile, match=r"s@r000001\.parquet"):
+        results.load(tmp_path / "b")
+
+
 def test_a_merge_that_fails_leaves_the_parts_loadable(tmp_path, monkeypatch):
     """The end-of-run merge is best effort: an OSError (a full disk) warns and keeps every part, which load reads."""
     w = results.RunWriter(tmp_path, "r")
