@@ -38,6 +38,9 @@ from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundReco
 from fedsap_ray.models import model_macs
 
 WIDTHS = ("full", "capacity")
+# a method's ``algorithm.weighting`` where it offers one (HeteroFL, NeFL, FedSR): each client's weight in the
+# server's mean, its samples n_i (papers/003 Algorithm 1 line 18) or 1 (the count its authors' code divides by)
+WEIGHTINGS = ("samples", "count")
 MASK_CACHE = 32  # sub-model masks kept per run (a HAS-FL run sees many distinct widths)
 
 
@@ -140,7 +143,12 @@ class FedAvg(Strategy):
     def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult], t: int) -> np.ndarray:
         """Algorithm 1 line 18: each coordinate's sample-weighted mean over the clients that trained it (each
         result's ``mask``); ``plans`` and the round ``t`` are there for a method whose merge reads a plan's setting."""
-        return masked_weighted_average(state.params, [(r.mask, r.values, float(r.n_samples)) for r in results])
+        return masked_weighted_average(state.params, [(r.mask, r.values, self.client_weight(r)) for r in results])
+
+    def client_weight(self, result: ClientResult) -> float:
+        """A result's weight in the server's mean: its samples n_i, or 1 under a method's ``weighting=count``
+        (:data:`WEIGHTINGS`; methods without the option always weigh by samples)."""
+        return 1.0 if getattr(self.opts, "weighting", "samples") == "count" else float(result.n_samples)
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> Any:

@@ -83,7 +83,6 @@ lists only lr 0.01 and batch 64 for FedSR) gives other values.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -92,9 +91,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.context import RunContext
-from fedsap_ray.algorithms.fedavg import FedAvg
+from fedsap_ray.algorithms.fedavg import WEIGHTINGS, FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_choice, check_number
@@ -115,7 +113,6 @@ HOOK = "fedsr"  # the client hook (plan.hooks)
 
 
 L2R_FORMS = ("squared", "norm")  # squared: the paper's E||z||^2; norm: the official code's E||z||
-WEIGHTINGS = ("samples", "count")  # the server's client weights: n_i (FedAvg) or 1 each (the official code)
 
 
 def l2r_term(z: torch.Tensor, form: str = "squared") -> torch.Tensor:
@@ -281,14 +278,6 @@ class FedSR(FedAvg):
                     alpha_cmi=float(self.opts.alpha_cmi), noise_seed=seed_for(self.cfg.seed, t, client_id, "fedsr-noise"),
                     l2r_form=self.opts.l2r_form)
         return {"hooks": (hook,), "side_bytes_down": int(sum(state.strategy_state[k].nbytes for k in keys))}
-
-    def client_weight(self, result: ClientResult) -> float:
-        """A client's weight in every server mean: its sample count, or 1 with ``weighting=count``."""
-        return 1.0 if self.opts.weighting == "count" else float(result.n_samples)
-
-    def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult], t: int) -> np.ndarray:
-        """FedAvg's mean of the trained models with :meth:`client_weight` (``weighting``, module docstring)."""
-        return masked_weighted_average(state.params, [(r.mask, r.values, self.client_weight(r)) for r in results])
 
     def after_aggregate(self, state: ServerState, params: np.ndarray, results: list[ClientResult],
                         masks: dict[int, np.ndarray | None], t: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fedsap_ray.aggregation import Contribution, masked_weighted_average
-from fedsap_ray.algorithms.fedavg import FedAvg
+from fedsap_ray.algorithms.fedavg import WEIGHTINGS, FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY
@@ -41,7 +41,6 @@ from fedsap_ray.schema import check_bool, check_choice
 
 HOOK = "heterofl_label_mask"
 CLASSES = "held_classes"  # ClientResult.stats key: bool [num_classes], the classes of the client's training data
-WEIGHTINGS = ("samples", "count")
 
 
 @register_hook(HOOK)
@@ -102,7 +101,7 @@ class HeteroFL(FedAvg):
     def contribution(self, r: ClientResult) -> Contribution:
         """(mask, values, weight) of one result: weight n_i or 1, and under ``label_mask`` the mask and values
         without the classifier rows of the classes the client reported absent."""
-        weight = float(r.n_samples) if self.opts.weighting == "samples" else 1.0
+        weight = self.client_weight(r)
         if not self.opts.label_mask:
             return r.mask, r.values, weight
         keep = self.held_rows(self.held_classes(r))

@@ -56,6 +56,11 @@ residual blocks (cnn_small, the CNNs, the MLP, the LSTM) fall back to width-only
 A skipped block appears in the channel masks as an empty inner channel layer
 (``layerS.B.conv1`` all False), which is how aggregation and the MAC count see it.
 
+Weighting (``weighting``). NeFL's code (honggkang/NeFL, ``utils/NeFedAvg.py`` ``NeFedAvg``) divides each
+coordinate's sum over the sub-models holding it by their number, one per client; ours weighs each client by
+its samples, the rule of the other nested methods here (papers/003 Algorithm 1 line 18). ``weighting=count``
+gives the authors' (:meth:`~fedsap_ray.algorithms.fedavg.FedAvg.client_weight`, the same option as HeteroFL's).
+
 Not modelled: NeFL's learnable step sizes (the ODE-solver view that scales each
 residual branch) and its decoupled "inconsistent" parameters (step sizes and BN layers
 kept per sub-model and averaged separately); every parameter here is one shared,
@@ -64,13 +69,15 @@ nested parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 from collections.abc import Mapping
 
 import numpy as np
 
+from fedsap_ray.algorithms.fedavg import WEIGHTINGS
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_bool, check_number
+from fedsap_ray.schema import check_bool, check_choice, check_number
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
 from fedsap_ray.messages import ServerState
 from fedsap_ray.models.resnet import BasicBlock
@@ -95,10 +102,16 @@ class NeFL(SubModelStrategy):
     class Options:
         depth: bool = False  # False: width-only (DapperFL's NeFL setting); True: NeFL-WD depth rule
         depth_share: float = 0.5  # with depth=true: gamma_D ~ gamma^depth_share (module docstring)
+        # samples: each coordinate's mean over the sub-models holding it weighted by their samples (our nested
+        # rule); count: weighted by 1 per client, as the authors' utils/NeFedAvg.py NeFedAvg (module docstring)
+        weighting: str = "samples"
+        # options a run that names their default keeps the config hash it had before they existed
+        unhashed_defaults: ClassVar[tuple[str, ...]] = ("weighting",)
 
         def __post_init__(self) -> None:
             check_bool("algorithm.depth", self.depth)
             check_number("algorithm.depth_share", self.depth_share, 0, 1)
+            check_choice("algorithm.weighting", self.weighting, WEIGHTINGS)
 
     # --- the sub-model ----------------------------------------------------------------
     def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
