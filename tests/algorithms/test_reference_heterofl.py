@@ -139,3 +139,22 @@ def test_count_and_samples_differ_on_a_hand_made_case(hand_made):
     assert samples == pytest.approx(16 / 6, rel=1e-6)
     assert count == pytest.approx(4 / 3, rel=1e-6)
     assert float((samples - count).max()) == pytest.approx(4 / 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["samples", "count"])
+def test_nefl_width_only_equals_nefedavg(single_thread, weighting):
+    """NeFL at its default (width-only, ``depth=false``) trains HeteroFL's sub-models, and the authors' NeFedAvg
+    (honggkang/NeFL, ``utils/NeFedAvg.py``) averages each coordinate over the sub-models holding it, one weight a
+    client: the reference above with ``count`` (``weighting=count``), or with sample weights (ours by default).
+    Measured: 0.0 under both on this machine."""
+    cfg = config("nefl", len(SIZES), "capacity.scheme=explicit", f"capacity.keep_ratios=[{','.join(map(str, RATES))}]",
+                 "training.momentum=0.5", "training.grad_clip=1.0", f"algorithm.weighting={weighting}")
+    ours = drive(cfg, client_data(SIZES, classes=HELD), ROUNDS)
+    seeds = [[p[c].seed for c in sorted(p)] for p in ours.plans]
+    ref = reference(ours.weights(ours.states[0].params), client_data(SIZES, classes=HELD), RATES, seeds,
+                    count=weighting == "count", label_mask=False, **LOCAL)
+    for t in range(1, ROUNDS + 1):
+        assert max_difference(ours.round_weights(t), ref[t - 1]) < TOL, f"round {t}"
+    other = reference(ours.weights(ours.states[0].params), client_data(SIZES, classes=HELD), RATES, seeds,
+                      count=weighting != "count", label_mask=False, **LOCAL)
+    assert max_difference(ours.round_weights(ROUNDS), other[-1]) > 100 * TOL  # the other weighting is another model
