@@ -149,7 +149,11 @@ SCHEDULES = {
 # over-selection leaves one of four sampled clients out of every round, by jittered device time)
 VARIANTS = {"fedsap-train": ["algorithm.name=fedsap", *SCHEDULES["fedsap"], "algorithm.dga_source=train"],
             "fedavg-stragglers": ["algorithm.name=fedavg", "training.rounds=2", "training.participation=0.5",
-                                  "devices.policy=over_select", "devices.jitter=0.5"]}
+                                  "devices.policy=over_select", "devices.jitter=0.5"],
+            # the authors'-code readings whose plans carry client hooks of their own (docs/readings.md)
+            "heterofl-authors": ["algorithm.name=heterofl", "training.rounds=2", "algorithm.weighting=count",
+                                 "algorithm.label_mask=true"],
+            "fjord-batch": ["algorithm.name=fjord", "training.rounds=2", "algorithm.od_sampling=batch"]}
 
 
 def strategy_cases() -> dict[str, list[str]]:
@@ -160,6 +164,7 @@ def strategy_cases() -> dict[str, list[str]]:
 
 
 CASES = strategy_cases()
+READING_HOOKS = {"heterofl-authors": "heterofl_label_mask", "fjord-batch": "fjord_batch_widths"}
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +194,9 @@ def test_every_strategy_runs_on_ray_with_the_same_numbers(tmp_path, fed, name, c
     extra = CASES[name]
     base = [o for o in TINY if not o.startswith("algorithm.")]
     cfg_local = build_config(preset="smoke", overrides=base + extra)
+    if name in READING_HOOKS:  # the reading's own hook crosses the process boundary
+        strat = make_strategy(cfg_local, fed)[1]
+        assert READING_HOOKS[name] in {h.name for p in strat.configure_round(strat.init_state(), 1).values() for h in p.hooks}
     run_experiment(cfg_local, tmp_path / "local", run_id="f", federation=fed)
     cfg_ray = build_config(preset="smoke", overrides=base + extra + ["resources.backend=ray",
                                                                      "resources.num_workers=2",
