@@ -12,6 +12,9 @@ import pytest
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
+from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.runtime.local import LocalBackend
+from fedsap_ray.session import RunSession
 
 # clients of 1% of their domain (40 samples; 14 of UCI digits), not 2%: each still trains up to three steps of 16,
 # and each round's deployed models calibrate their BN statistics on half as many samples
@@ -80,3 +83,43 @@ def tmpfs(where: Path, options: str):
 def sets(overrides: list[str]) -> list[str]:
     """``--set`` arguments for ``overrides``."""
     return [a for o in overrides for a in ("--set", o)]
+
+
+class Recording:
+    """The local backend, keeping every ``train`` call's plans and results."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.inner = LocalBackend("cpu", num_workers=1)
+        self.calls: list[tuple[dict[int, ClientPlan], list[ClientResult]]] = []
+
+    @property
+    def plans(self) -> list[ClientPlan]:
+        """Every plan sent, in the order sent."""
+        return [p for plans, _ in self.calls for p in plans.values()]
+
+    def start(self, ctx) -> None:
+        self.inner.start(ctx)
+
+    def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
+        out = self.inner.train(plans)
+        self.calls.append((dict(plans), list(out)))
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def stepped_run(tmp_path: Path, cfg, federation) -> tuple[list, Recording]:
+    """Run ``cfg`` in-process round by round (or step by step, asynchronously) on a :class:`Recording` backend:
+    the server state after each (index 0: before the first) and the backend's calls."""
+    backend = Recording()
+    session = RunSession(cfg, tmp_path, "r", backend=backend, federation=federation)
+    session.start()
+    states = [session.state]
+    for t in range(1, cfg.training.rounds + 1):
+        session.step(t)
+        states.append(session.state)
+    session.finish("finished")
+    return states, backend

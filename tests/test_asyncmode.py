@@ -19,11 +19,9 @@ from fedsap_ray.asyncmode import crossed
 from fedsap_ray.config import build_config
 from fedsap_ray.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientPlan, ClientResult
-from fedsap_ray.runtime.local import LocalBackend
-from fedsap_ray.session import RunSession
 from fedsap_ray.staleness import staleness_weight
 from tests.conftest import federation_fixture, steady, tiny_overrides
+from tests.faultkit import stepped_run
 
 # every client has capacity 1 and trains one batch of 16 samples: equal train_macs and bytes, so equal devices
 # give equal simulated times; fast links, so a trace's speed decides the time
@@ -42,38 +40,9 @@ ASYNC_COLUMNS = {"rounds": ["updates_applied", "staleness_mean", "staleness_max"
                  "clients": ["version_trained", "version_applied", "staleness", "sim_arrival_s", "staleness_weight"]}
 
 
-class Recording:
-    """The local backend, keeping every ``train`` call's plans and results."""
-
-    name = "local"
-
-    def __init__(self) -> None:
-        self.inner = LocalBackend("cpu", num_workers=1)
-        self.calls: list[tuple[dict[int, ClientPlan], list[ClientResult]]] = []
-
-    def start(self, ctx) -> None:
-        self.inner.start(ctx)
-
-    def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
-        out = self.inner.train(plans)
-        self.calls.append((dict(plans), list(out)))
-        return out
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def _session(tmp_path, fed, *extra, base=TINY):
     """Run ``base + extra`` step by step in-process: (states by version, the backend's calls, the tables)."""
-    cfg = build_config(preset="smoke", overrides=[*base, *extra])
-    backend = Recording()
-    session = RunSession(cfg, tmp_path, "r", backend=backend, federation=fed)
-    session.start()
-    states = [session.state]
-    for t in range(1, cfg.training.rounds + 1):
-        session.step(t)
-        states.append(session.state)
-    session.finish("finished")
+    states, backend = stepped_run(tmp_path, build_config(preset="smoke", overrides=[*base, *extra]), fed)
     return states, backend.calls, results.load(tmp_path)
 
 

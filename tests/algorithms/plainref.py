@@ -90,3 +90,9 @@ def extract(w: Mapping[str, torch.Tensor], rate: float) -> Weights:
     """The width-``rate`` sub-model of ``w`` (copies)."""
     idx = sub_indices(w, rate)
     return {k: (v[idx[k]] if v.dim() == 2 else v[idx[k][0]]).clone() for k, v in w.items()}
+
+
+def sample_mean(models: list[Weights], sizes: list[int]) -> Weights:
+    """FedAvg's server step: the mean of the clients' models weighted by their sample counts (in float64)."""
+    total = sum(sizes)
+    return {k: (sum(n * m[k].double() for m, n in zip(models, sizes)) / total).float() for k in models[0]}

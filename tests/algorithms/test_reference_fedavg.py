@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plainref import batches, local_sgd
+from plainref import batches, local_sgd, sample_mean
 from refdrive import client_data, config, drive, max_difference
 
 ROUNDS, SIZES = 3, [13, 20, 9, 16]  # unequal sizes: a count-weighted mean differs from the sample-weighted one
@@ -24,8 +24,7 @@ def reference(w, data, seeds, *, lr, momentum, weight_decay, grad_clip, lr_decay
         trained = [local_sgd(w, x, y, batches(len(y), batch, round_seeds[i], epochs, cap), lr=lr * lr_decay ** t,
                              momentum=momentum, weight_decay=weight_decay, grad_clip=grad_clip)[0]
                    for i, (x, y) in enumerate(data)]
-        total = sum(len(y) for _, y in data)
-        w = {k: (sum(len(y) * wi[k].double() for wi, (_, y) in zip(trained, data)) / total).float() for k in w}
+        w = sample_mean(trained, [len(y) for _, y in data])
         out.append(w)
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch.nn.functional as F
 
-from plainref import batches, forward, local_sgd
+from plainref import batches, forward, local_sgd, sample_mean
 from refdrive import client_data, config, drive, max_difference
 
 ROUNDS, SIZES, MU = 3, [13, 20, 9, 16], 0.5
@@ -28,8 +28,7 @@ def reference(w, data, seeds, *, mu, lr=0.1, epochs=2, batch=8, cap=3):
 
         trained = [local_sgd(w, x, y, batches(len(y), batch, round_seeds[i], epochs, cap), lr=lr, loss_fn=objective)[0]
                    for i, (x, y) in enumerate(data)]
-        total = sum(len(y) for _, y in data)
-        w = {k: (sum(len(y) * wi[k].double() for wi, (_, y) in zip(trained, data)) / total).float() for k in w}
+        w = sample_mean(trained, [len(y) for _, y in data])
         out.append(w)
     return out
 

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import federation_fixture, tiny_overrides
+from faultkit import stepped_run
 from fedsap_ray import results
 from fedsap_ray.cli import main as cli_main
 from fedsap_ray.algorithms.fedrolex import FedRolex
@@ -33,10 +34,8 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout, covering_channel_masks
-from fedsap_ray.messages import ClientPlan, ClientResult
 from fedsap_ray.models import build_model
-from fedsap_ray.runtime.local import LocalBackend
-from fedsap_ray.session import RunSession
+from fedsap_ray.session import build_context
 
 HIDDEN = {"fc1": 5, "fc2": 4}  # small C: the windows wrap within three rounds
 INPUTS, CLASSES, ROUNDS = 6, 3, 3
@@ -195,39 +194,13 @@ ASYNC = tiny_overrides("fedrolex", "data.num_clients=6", "training.eval_deployed
 fed_async = federation_fixture(ASYNC, name="fed_async")
 
 
-class Recording:
-    """The local backend, keeping every ``train`` call's plans."""
-
-    name = "local"
-
-    def __init__(self) -> None:
-        self.inner = LocalBackend("cpu", num_workers=1)
-        self.plans: list[ClientPlan] = []
-
-    def start(self, ctx) -> None:
-        self.inner.start(ctx)
-
-    def train(self, plans: dict[int, ClientPlan]) -> list[ClientResult]:
-        self.plans.extend(plans.values())
-        return self.inner.train(plans)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
 def test_in_the_asynchronous_mode_a_client_trains_the_window_of_the_version_it_downloaded_plus_one(tmp_path, fed_async):
     cfg = build_config(preset="smoke", overrides=[*ASYNC, "devices.mode=async", "asynchronous.concurrency=4",
                                                   "asynchronous.buffer_size=2", "training.rounds=4",
                                                   "training.eval_every=4"])
-    backend = Recording()
-    session = RunSession(cfg, tmp_path, "r", backend=backend, federation=fed_async)
-    session.start()
-    states = [session.state]
-    for t in range(1, cfg.training.rounds + 1):
-        session.step(t)
-        states.append(session.state)
-    session.finish("finished")
-    space, layout = session.ctx.space, session.ctx.layout
+    states, backend = stepped_run(tmp_path, cfg, fed_async)
+    ctx = build_context(cfg, fed_async)
+    space, layout = ctx.space, ctx.layout
     rounds = set()
     for plan in backend.plans:
         cap = float(fed_async.clients[plan.client_id].capacity)
