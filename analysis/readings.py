@@ -38,7 +38,9 @@ def per_run(res: Any) -> pd.DataFrame:
     pr = sweep.per_run(sweep.load_sweep(res))
     pr = pr[pr["status"] == "finished"].copy()
     pr["method"] = pr["variant"].map(method_of)
-    return pr
+    # each method's rows together, its default reading first
+    order = pr["variant"].map(lambda v: (method_of(v), v != method_of(v), v))
+    return pr.iloc[sorted(range(len(pr)), key=lambda i: (order.iloc[i], pr["seed"].iloc[i]))]
 
 
 def table(res: Any) -> pd.DataFrame:
