@@ -14,6 +14,12 @@ Ours runs the strategy and the client loop on the same inputs (the model is the 
 layers, so the reference's forward pass is three slices; clients of 11, 7, 9 and 6 samples so weighting
 matters; momentum and weight decay on, so the untouched coordinates' decay between a step's width and
 p_max counts).
+
+``od_bn=per_width`` has its own reference (:func:`bn_forward`, :func:`bn_local_train`, :func:`bn_average`), on the
+``cnn_cifar`` CNN (six conv-BatchNorm layers): ``ODBatchNorm2d`` (an affine-free BatchNorm per width over its
+leading channels, the one affine weight and bias sliced to it) and ``fjord_average``'s ``layer_p`` branch (each
+width's statistics averaged over the clients whose p_max reaches it, sample-weighted); the reference's test-time
+forward pass at width p (``models.py`` ``test``) is compared with ours' deployed evaluation network.
 """
 from __future__ import annotations
 
