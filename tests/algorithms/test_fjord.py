@@ -238,6 +238,24 @@ def test_deployed_and_kept_models_carry_their_widths_statistics(pw_runs):
     assert not np.array_equal(rows["loss"].to_numpy(), sh["loss"].to_numpy())
 
 
+def test_a_resumed_asynchronous_per_width_run_gives_the_tables_of_the_run_never_stopped(tmp_path, pw_fed):
+    """With updates in flight across the checkpoint (their plans hold the narrower widths' statistics in the hook's
+    payload), the engine's state brings them back: the resumed run's tables are the uninterrupted run's."""
+    cfg = build_config(preset="smoke", overrides=[*PW, "training.rounds=3", "algorithm.od_sampling=batch",
+                                                  "devices.mode=async", "asynchronous.concurrency=2",
+                                                  "asynchronous.buffer_size=1"])
+
+    def stop(summary):
+        if summary.round == 2:
+            raise KeyboardInterrupt
+
+    run_experiment(cfg, tmp_path / "whole", run_id="a", federation=pw_fed)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(cfg, tmp_path / "cut", run_id="a", federation=pw_fed, progress=stop)
+    run_experiment(cfg, tmp_path / "cut", run_id="a", federation=pw_fed, resume=True)
+    assert_same_tables(results.load(tmp_path / "cut"), results.load(tmp_path / "whole"))
+
+
 def test_a_resumed_per_width_run_gives_the_tables_of_the_run_never_stopped(tmp_path, pw_runs, pw_fed, monkeypatch):
     """Interrupted after round 2 and resumed, the tables equal the uninterrupted run's; the checkpointed
     statistics are what makes it so: resumed with the narrow widths' sets reset, the deployed figures differ."""
