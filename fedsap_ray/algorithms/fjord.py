@@ -269,7 +269,8 @@ class FjORD(FedAvg):
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)
-        self.per_width = getattr(options, "od_bn", "shared") == "per_width"
+        # a model without BatchNorm has no statistics to keep: per_width then runs as shared
+        self.per_width = getattr(options, "od_bn", "shared") == "per_width" and bool(running_stats(ctx.layout).any())
         # width_params' vectors, for the one (params, statistics) they were built from: a pure function of the
         # state, kept so every plan and deployed model of a width shares one vector (backends and the kept models
         # move and store each distinct vector once)

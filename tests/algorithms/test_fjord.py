@@ -278,3 +278,15 @@ def test_a_resumed_per_width_run_gives_the_tables_of_the_run_never_stopped(tmp_p
     run_experiment(cfg, tmp_path / "reset", run_id="pw", federation=pw_fed, resume=True)
     with pytest.raises(AssertionError):
         assert_same_tables(results.load(tmp_path / "reset"), results.load(pw_runs / "pw"))
+
+
+def test_a_model_without_batchnorm_runs_per_width_as_shared():
+    """Nothing to keep per width: no state, no payload, plans on the global model (the numbers of ``shared``)."""
+    cfg = build_config(preset="smoke", overrides=["algorithm.name=fjord", "algorithm.od_bn=per_width",
+                                                  "algorithm.od_sampling=batch", "data.name=generated_blobs",
+                                                  "model.name=mlp", "data.partition=iid", "data.num_clients=4"])
+    ctx, strat = make_strategy(cfg, build_federation(cfg))
+    state = strat.init_state()
+    assert not strat.per_width and state.strategy_state == {}
+    plans = strat.configure_round(state, 1)
+    assert all(p.params is state.params and not (p.hooks and p.payload(HOOK).bn) for p in plans.values())
