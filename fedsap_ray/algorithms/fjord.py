@@ -55,7 +55,7 @@ from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.schema import check_choice
 from fedsap_ray.seeding import seed_for
 from fedsap_ray.sliced import SlicedModel
-from fedsap_ray.staleness import weight_for
+from fedsap_ray.staleness import update_factor
 
 OD_SAMPLING = ("round", "batch")
 OD_BN = ("shared", "per_width")
@@ -438,8 +438,7 @@ class FjORD(FedAvg):
         server steps since the version its plan was built on, ``result.round`` - 1); 1 synchronously."""
         if self.cfg.devices.mode != "async":
             return 1.0
-        a = self.cfg.asynchronous
-        return float(a.server_lr) * weight_for(a, state.round - (result.round - 1))
+        return update_factor(self.cfg.asynchronous, state.round - (result.round - 1))
 
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """FedAvg's (the sub-model of the client's next round) with, under ``per_width``, that width's statistics."""
