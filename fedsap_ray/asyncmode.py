@@ -76,7 +76,7 @@ from fedsap_ray.messagetree import plan_from_tree, plan_tree, result_from_tree, 
 from fedsap_ray.results.recorder import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.seeding import rng_for
 from fedsap_ray.server import Server, due
-from fedsap_ray.staleness import weight_for
+from fedsap_ray.staleness import update_factor, weight_for
 from fedsap_ray.statecheck import BadCheckpoint, check_params
 
 __all__ = ["AsyncServer", "AsyncStrategy", "RunNote", "Update", "crossed", "synchronous_equivalent"]
@@ -275,10 +275,10 @@ class AsyncServer(Server):
         dropped = sorted(self.discarded, key=lambda u: u.client_id)
         self.buffer, self.discarded = [], []
         s = self.astrategy
-        eta = float(self.acfg.server_lr)
         stal = {u.client_id: state.round - u.version for u in [*applied, *dropped]}
         weight = {u.client_id: weight_for(self.acfg, stal[u.client_id]) for u in applied}
-        recovered = [dataclasses.replace(u.result, values=self._recovered(state, u, eta * weight[u.client_id]))
+        recovered = [dataclasses.replace(u.result, values=self._recovered(state, u, update_factor(self.acfg,
+                                                                                                  stal[u.client_id])))
                      for u in applied]
         masks = {u.client_id: u.result.mask for u in applied}
         params = s.merge(state, {u.client_id: u.plan for u in applied}, recovered, t)

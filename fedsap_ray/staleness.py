@@ -36,3 +36,9 @@ def staleness_weight(rule: str, s: int, a: float | None = None, b: float = 4.0) 
 def weight_for(cfg: AsyncConfig, s: int) -> float:
     """s(s) under the config's rule and parameters."""
     return staleness_weight(cfg.staleness, s, cfg.staleness_a, cfg.staleness_b)
+
+
+def update_factor(cfg: AsyncConfig, s: int) -> float:
+    """eta_g s(s): the factor the asynchronous engine applies to an update of staleness ``s`` (the server
+    learning rate times its staleness weight), for the model and for any state a strategy moves the same way."""
+    return float(cfg.server_lr) * weight_for(cfg, s)

@@ -24,7 +24,8 @@ Hook points, in the order the client calls them (every hook of the plan at each 
                       plan's mask are zero; build state from them (FedProx's anchor, masks)
 ``epoch_start``       at the start of each local epoch (ChannelStats watches the last one)
 ``batch_start``       a batch's step begins (gradients zeroed, before the forward pass): FjORD's
-                      ``od_sampling=batch`` narrows the model to the step's drawn width here
+                      ``od_sampling=batch`` narrows the model to the step's drawn width here (and
+                      swaps in that width's BatchNorm statistics under ``od_bn=per_width``)
 ``loss``              the batch's base loss; at most one hook of a plan defines it, otherwise
                       it is ``cross_entropy(model(x), y)``
 ``add_terms``         ``loss -> loss + term`` (FedProx's (mu/2)||w - w^t||^2), after the base
