@@ -395,8 +395,8 @@ class FjORD(FedAvg):
         for r in sorted(results, key=lambda r: r.client_id):
             if float(self.ctx.federation.clients[r.client_id].capacity) < p:
                 continue
-            acc += float(r.n_samples) * self.returned_set(state, r, p)
-            total += float(r.n_samples)
+            acc += self.client_weight(r) * self.returned_set(state, r, p)
+            total += self.client_weight(r)
         return (acc / total).astype(np.float32) if total > 0 else current
 
     def returned_set(self, state: ServerState, result: ClientResult, p: float) -> np.ndarray:

@@ -153,7 +153,8 @@ VARIANTS = {"fedsap-train": ["algorithm.name=fedsap", *SCHEDULES["fedsap"], "alg
             # the authors'-code readings whose plans carry client hooks of their own (docs/readings.md)
             "heterofl-authors": ["algorithm.name=heterofl", "training.rounds=2", "algorithm.weighting=count",
                                  "algorithm.label_mask=true"],
-            "fjord-batch": ["algorithm.name=fjord", "training.rounds=2", "algorithm.od_sampling=batch"]}
+            "fjord-authors": ["algorithm.name=fjord", "training.rounds=2", "algorithm.od_sampling=batch",
+                              "algorithm.od_bn=per_width"]}
 
 
 def strategy_cases() -> dict[str, list[str]]:
@@ -164,7 +165,7 @@ def strategy_cases() -> dict[str, list[str]]:
 
 
 CASES = strategy_cases()
-READING_HOOKS = {"heterofl-authors": "heterofl_label_mask", "fjord-batch": "fjord_batch_widths"}
+READING_HOOKS = {"heterofl-authors": "heterofl_label_mask", "fjord-authors": "fjord_batch_widths"}
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 from fedsap_ray import results
 
 REPO = Path(__file__).resolve().parents[2]
-GRIDS = ["ablation", "sensitivity", "main_comparison", "capacity_confound", "mask_stability", "learning_check"]
+GRIDS = ["ablation", "sensitivity", "main_comparison", "capacity_confound", "mask_stability", "learning_check", "readings"]
 
 
 def _load(name: str):
