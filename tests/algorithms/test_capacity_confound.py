@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from conftest import aggregate, run_rounds
+from faultkit import stepped_run
 from fedsap_ray import results
 from fedsap_ray.algorithms.hasfl import allocation_rule
 from fedsap_ray.algorithms.random_budget import match_budget
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.experiment import run_experiment
+from fedsap_ray.experiment import build_context, run_experiment
 from fedsap_ray.masks import nested_channel_masks, param_mask, trainable_mask
 from fedsap_ray.messages import ClientResult
 
@@ -39,13 +40,13 @@ def _outside(ctx, p: float) -> np.ndarray:
 def test_prop3_capped_clients_leave_outer_coordinates_at_init_and_frozen_params_counts_them(tmp_path, fed):
     cfg = _cfg("capacity.scheme=full", "algorithm.name=uniform", "training.rounds=3")  # every p_i = 0.5 < 1
     fed = build_federation(cfg)
-    ctx, _, states = run_rounds(cfg, fed, 3)
+    states, _ = stepped_run(tmp_path, cfg, fed)  # one run: its states and its tables
+    ctx = build_context(cfg, fed)
     outside = _outside(ctx, 0.5)
     assert outside.sum() > 0
     assert states[3].params[outside].tobytes() == states[0].params[outside].tobytes()  # bit-identical
     inside = trainable_mask(ctx.layout, ctx.model) & ~outside
     assert (states[3].params[inside] != states[0].params[inside]).mean() > 0.9  # the rest trained
-    run_experiment(cfg, tmp_path, run_id="u", federation=fed)
     rounds = results.load(tmp_path).rounds
     assert set(rounds["frozen_params"]) == {int(outside.sum())}
 
