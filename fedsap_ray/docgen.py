@@ -475,7 +475,7 @@ def cli_page() -> str:
     return "".join(out)
 
 
-STUDIES = ("sensitivity", "ablation", "main_comparison", "capacity_confound", "mask_stability")
+STUDIES = ("sensitivity", "ablation", "main_comparison", "capacity_confound", "mask_stability", "readings")
 
 
 def _sweeps_section() -> str:
