@@ -141,15 +141,19 @@ def fed(single_thread):
     return build_federation(build_config(preset="smoke", overrides=BASE))
 
 
+def ours_at_start(fed, overrides: list[str]):
+    """Our FjORD on ``fed`` before its first round: (context, strategy, a scratch model, the tiers, the state)."""
+    cfg = build_config(preset="smoke", overrides=overrides)
+    ctx = build_context(cfg, fed)
+    strat = algorithms.get("fjord")(ctx, cfg.algorithm.opts)
+    return ctx, strat, copy.deepcopy(ctx.model), sorted({float(c.capacity) for c in fed.clients}), strat.init_state()
+
+
 def run_both(fed, data, sampling: str) -> tuple[float, list[list[float]], dict[int, int], dict[int, int]]:
     """Three rounds of ours and of the reference from the same initial weights: (max |difference| over every
     round's global model, each round's widths per step of client 0, ours' and the reference's train MACs)."""
-    cfg = build_config(preset="smoke", overrides=[*BASE, f"algorithm.od_sampling={sampling}"])
-    ctx = build_context(cfg, fed)
-    strat = algorithms.get("fjord")(ctx, cfg.algorithm.opts)
-    layout, scratch = ctx.layout, copy.deepcopy(ctx.model)
-    tiers = sorted({float(c.capacity) for c in fed.clients})
-    state = strat.init_state()
+    ctx, strat, scratch, tiers, state = ours_at_start(fed, [*BASE, f"algorithm.od_sampling={sampling}"])
+    layout = ctx.layout
 
     def as_dict(flat: np.ndarray) -> dict[str, torch.Tensor]:
         return {n: torch.from_numpy(layout.slice(n, flat.copy()).copy()) for n in layout.names}
@@ -315,12 +319,8 @@ def run_bn(fed, data, sampling: str, overrides: tuple[str, ...] = ()):
     |difference| of the weights, of every width's statistics and of the logits at each narrow width (ours
     through the deployed evaluation's network), and the steps' widths of client 0."""
     train, test_x = data
-    cfg = build_config(preset="smoke", overrides=[*BN_BASE, f"algorithm.od_sampling={sampling}", *overrides])
-    ctx = build_context(cfg, fed)
-    strat = algorithms.get("fjord")(ctx, cfg.algorithm.opts)
-    layout, scratch = ctx.layout, copy.deepcopy(ctx.model)
-    tiers = sorted({float(c.capacity) for c in fed.clients})
-    state = strat.init_state()
+    ctx, strat, scratch, tiers, state = ours_at_start(fed, [*BN_BASE, f"algorithm.od_sampling={sampling}", *overrides])
+    layout = ctx.layout
 
     def as_dict(flat: np.ndarray) -> dict[str, torch.Tensor]:
         return {n: torch.from_numpy(layout.slice(n, flat.copy()).copy()) for n in layout.names if "running" not in n}
