@@ -9,7 +9,9 @@ The federation (:data:`LEARN`, the same with or without ``--smoke-test``, which 
 the smoke preset's embedded four-domain digits (MNIST, UCI digits, rendered street numbers and synthetic
 digits: strong domain shift) at one client per domain (keep ratios 1/.8/.6/.4, so every sub-model rule is
 exercised), 5% of each domain's training set per client (72-200 samples), ResNet10 at 1/8 width, 5 rounds of 2
-full local epochs (no step cap), 60 test images per domain, the deployed models evaluated at round 5 only.
+full local epochs (no step cap), 60 test images per domain, the models evaluated at round 5 only (the check reads
+the last round's accuracy and every round's training loss, which every round records; evaluation trains nothing,
+so the numbers are those of an every-round evaluation, a fifth of a trial's time saved).
 Small enough for CI, large enough that a healthy method's loss falls and one of its models leaves chance in five
 rounds (FedAvg seed 0: training loss 2.24 -> 1.59, deployed 42% at round 5; FedDrop, whose full-width model
 stays near chance, 30% deployed). Every algorithm runs at its defaults: the point is the methods as they ship.
@@ -29,7 +31,7 @@ from sweeps.study import study_main  # noqa: E402
 # the federation of every trial (module docstring); under --smoke-test these come after the smoke base's settings
 LEARN = ["data.num_clients=4", "data.client_fraction=0.05", "data.max_test_per_domain=60", "model.width_mult=0.125",
          "training.rounds=5", "training.local_epochs=2", "training.max_steps_per_epoch=null",
-         "training.deployed_every=5"]
+         "training.eval_every=5", "training.deployed_every=5"]
 # one variant per registered algorithm at its Table 1 settings (sweeps/main_comparison.py: FedProx within capacity)
 VARIANTS = {name: [f"algorithm.name={name}", *SETTINGS.get(name, []), *LEARN] for name in algorithms.names()}
 STUDY = "learning_check"
