@@ -404,7 +404,7 @@ class FjORD(FedAvg):
         values when p is the width its plan started from, from its stats' change when it ran p in a narrower step
         (``batch``), the current set when it left p untouched."""
         current = self.tier_set(state, p).astype(np.float64)
-        factor = self.update_factor(state, result)
+        factor = self.staleness_factor(state, result)
         coords = self.stat_coords(p)
         if p == self.width_for(state, result.client_id, result.round):
             if result.mask is not None and not result.mask[coords].all():
@@ -433,7 +433,7 @@ class FjORD(FedAvg):
         start = sum(sizes[:below.index(p)])
         return sent[start:start + sizes[below.index(p)]].astype(np.float64)
 
-    def update_factor(self, state: ServerState, result: ClientResult) -> float:
+    def staleness_factor(self, state: ServerState, result: ClientResult) -> float:
         """eta_g s(tau), the factor the asynchronous engine applies to an update's change (its staleness tau: the
         server steps since the version its plan was built on, ``result.round`` - 1); 1 synchronously."""
         if self.cfg.devices.mode != "async":
