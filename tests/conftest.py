@@ -36,9 +36,12 @@ INTEGRATION_MODULES = frozenset({
     "tests/runtime/test_reaper.py",  # killed drivers and their process groups
     "tests/sweeps/test_sweeps.py", "tests/sweeps/test_mask_stability_study.py",  # study scripts under Tune
     "tests/test_cli_subprocess.py",  # the console script as a subprocess, a Ray run from the command line
-    # the fast tier's budget (5 min on 2 cores) bought back by two slow suites that are not unit tests: the
+    # the fast tier's budget (5 min on 2 cores) bought back by slow suites that are not unit tests: the
     # results-folder fuzz harness (hundreds of hostile folders, ~23 s) and the checks on the real data files (~13 s)
-    "tests/test_folder_fuzz.py", "tests/data/test_data_real.py",
+    # (issue 53); the golden tool recording and checking a run end to end and as a script (~13 s), and the node
+    # cache's processes sharing one entry (~16 s; its tampering cases also run in tests/data/test_cache_tamper.py)
+    # (issue 55, whose equivalence tests joined the fast tier)
+    "tests/test_folder_fuzz.py", "tests/data/test_data_real.py", "tests/test_golden.py", "tests/data/test_node_cache.py",
 })
 INTEGRATION_FIXTURES = frozenset({"smoke_study"})
 
