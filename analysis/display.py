@@ -39,6 +39,14 @@ def pm_table(df: pd.DataFrame, digits: int = 1, not_percent: Sequence[str] = NOT
     return out
 
 
+def per_seed(per_run: pd.DataFrame, values: Sequence[str]) -> pd.DataFrame:
+    """One row per variant (in first-appearance order) and a column ``<value> s<seed>`` per value and seed, in
+    percent to one decimal: a study's per-seed table."""
+    seeds = per_run.pivot_table(index="variant", columns="seed", values=list(values), sort=False)
+    seeds.columns = [f"{m} s{s}" for m, s in seeds.columns]
+    return (100 * seeds).round(1).reset_index()
+
+
 def drop_unrecorded(df: pd.DataFrame, cols: Sequence[str] = DEVICE_COLUMNS) -> pd.DataFrame:
     """``df`` without those of ``cols`` that no row has a value in (runs written before the deployed
     evaluation and ``train_macs`` existed), so a report does not print columns of dashes."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import runs, sweep
+from analysis import display, runs, sweep
 from fedsap_ray.cli import OneLineParser
 
 MEASURES = {"full-width best": "best_global_accuracy", "full-width final": "final_global_accuracy",
@@ -75,13 +75,11 @@ def report(res: Any) -> str:
     if pr.empty:
         return "No finished run of the readings study in the folder."
     main = sweep.markdown(sweep.pm_table(table(res), not_percent=NOT_PERCENT))
-    seeds = pr.pivot_table(index="variant", columns="seed", values=["best_global_accuracy", "deployed_final",
-                                                                     "worst_client"], sort=False)
-    seeds.columns = [f"{m} s{s}" for m, s in seeds.columns]
+    seeds = display.per_seed(pr, ["best_global_accuracy", "deployed_final", "worst_client"])
     v = verdicts(res)
     return "\n".join(["# Readings of HeteroFL, FjORD and FedRolex", "",
                       "Mean ± std over seeds (accuracies in %).", "", main, "",
-                      "## Per seed (%)", "", sweep.markdown((100 * seeds).round(1).reset_index()), "",
+                      "## Per seed (%)", "", sweep.markdown(seeds), "",
                       "## Each reading against the method's default (points; beyond noise: |difference| > the "
                       "larger std)", "",
                       sweep.markdown(v.round(1)) if len(v) else "–", ""])

@@ -12,7 +12,7 @@ from typing import Any
 
 import pandas as pd
 
-from analysis import sweep
+from analysis import display, sweep
 
 MEASURES = {"full-width best": "best_global_accuracy", "deployed best": "deployed", "deployed final": "deployed_final",
             "worst client final": "worst_client", "swap share keep-min": "swap_narrow",
@@ -83,11 +83,9 @@ def report(res: Any) -> str:
     if pr.empty:
         return "No FedSAP run in the folder."
     main = sweep.markdown(sweep.pm_table(table(res), not_percent=NOT_PERCENT))
-    seeds = pr.pivot_table(index="variant", columns="seed", values=["deployed_final", "worst_client", "swap_narrow"],
-                           sort=False)
-    seeds.columns = [f"{m} s{s}" for m, s in seeds.columns]
+    seeds = display.per_seed(pr, ["deployed_final", "worst_client", "swap_narrow"])
     keep = by_keep_ratio(res)
     return "\n".join(["# FedSAP mask stability", "", "Mean ± std over seeds (accuracies and shares in %).", "", main, "",
-                      "## Per seed", "", sweep.markdown((100 * seeds).round(1).reset_index()), "",
+                      "## Per seed", "", sweep.markdown(seeds), "",
                       "## Swapped share after warm-up, per keep ratio (%)", "",
                       sweep.markdown((keep.set_index("variant") * 100).round(1).reset_index()) if len(keep) else "–", ""])
