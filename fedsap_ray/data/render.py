@@ -22,11 +22,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
 import numpy as np
-from matplotlib.colors import hsv_to_rgb
 from PIL import Image, ImageDraw, ImageFont
-from scipy.ndimage import gaussian_filter
+
+# matplotlib (its fonts, hsv_to_rgb) and scipy (gaussian_filter) are imported where a digit is drawn: every
+# process that imports the package (a CLI call, a Ray worker, a trial) loads the data package, and most of them
+# read a cached dataset and never draw one; the two libraries were most of the package's import time.
 
 SIZE = 32  # output side
 _SS = 2  # supersampling factor for glyph masks
@@ -77,6 +78,8 @@ def _renders_digits(path: Path) -> bool:
 @functools.lru_cache(maxsize=1)
 def digit_fonts() -> tuple[Path, ...]:
     """Paths of matplotlib's bundled TrueType fonts that render the ten digits."""
+    import matplotlib
+
     ttf = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
     fonts = tuple(ttf / n for n in _FONT_FILES if (ttf / n).is_file() and _renders_digits(ttf / n))
     if not fonts:
@@ -179,6 +182,12 @@ def _linear_ramp(rng: np.random.Generator, m: int) -> np.ndarray:
 
 def _random_hsv(rng: np.random.Generator, m: int, sat: tuple[float, float], val: tuple[float, float]) -> np.ndarray:
     hsv = np.stack([rng.uniform(0, 1, m), rng.uniform(*sat, m), rng.uniform(*val, m)], axis=1)
+    return _hsv_rgb(hsv)
+
+
+def _hsv_rgb(hsv: np.ndarray) -> np.ndarray:
+    from matplotlib.colors import hsv_to_rgb
+
     return hsv_to_rgb(hsv).astype(np.float32)
 
 
@@ -204,11 +213,13 @@ def _contrasting_colour(rng: np.random.Generator, bg_mean: np.ndarray, sat: tupl
 
 def _blur_groups(img: np.ndarray, sigma: np.ndarray) -> np.ndarray:
     """Gaussian blur each image [m, H, W, 3] with its own sigma; vectorised per distinct sigma."""
+    from scipy import ndimage
+
     out = img.copy()
     for s in np.unique(sigma):
         if s > 0:
             idx = np.nonzero(sigma == s)[0]
-            out[idx] = gaussian_filter(img[idx], sigma=(0, s, s, 0), mode="nearest")
+            out[idx] = ndimage.gaussian_filter(img[idx], sigma=(0, s, s, 0), mode="nearest")
     return out
 
 
@@ -240,7 +251,7 @@ def _street_chunk(rng: np.random.Generator, labels: np.ndarray) -> np.ndarray:
     # background: gradient between two related colours + low-frequency texture + stripes
     c1 = _random_hsv(rng, m, (0.0, 0.6), (0.12, 0.95))
     hsv2 = np.stack([rng.uniform(0, 1, m), rng.uniform(0, 0.6, m), rng.uniform(0.12, 0.95, m)], 1)
-    c2 = 0.6 * c1 + 0.4 * hsv_to_rgb(hsv2).astype(np.float32)
+    c2 = 0.6 * c1 + 0.4 * _hsv_rgb(hsv2)
     ramp = _linear_ramp(rng, m)
     bg = c1[:, None, None, :] * (1 - ramp) + c2[:, None, None, :] * ramp
     bg += _smooth_noise(rng, m, 4) * rng.uniform(0.02, 0.10, m).astype(np.float32)[:, None, None, None]
