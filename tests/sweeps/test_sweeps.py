@@ -302,11 +302,14 @@ def test_a_sweep_logs_every_trials_curves_to_mlflow_and_tensorboard(tmp_path, se
 # ----------------------------------------------------------------------------------------------
 # Optuna: the study survives across invocations
 # ----------------------------------------------------------------------------------------------
-def test_tune_smoke_resumes_its_optuna_study(tmp_path):
+def test_tune_smoke_resumes_its_optuna_study(tmp_path, session_ray):
+    """The Optuna study across three invocations, each the script's ``main`` on the session's Ray (the study lives in
+    its SQLite file, not in a process; the script as a subprocess starting its own Ray is tested above: a failing
+    trial retried, a killed driver)."""
     import optuna
 
     out = tmp_path / "tune"
-    first = run_study("tune", "--smoke-test", "--out", str(out), "--num-samples", "1")
+    first = run_study_in_process("tune", "--smoke-test", "--out", str(out), "--num-samples", "1")
     assert first.returncode == 0, first.stderr[-4000:]
     storage = f"sqlite:///{out / 'optuna.db'}"
     study = optuna.load_study(study_name="fedsap-tune", storage=storage)
@@ -314,7 +317,7 @@ def test_tune_smoke_resumes_its_optuna_study(tmp_path):
     assert len(done1) == 1
     again = run_study_in_process("tune", "--smoke-test", "--out", str(out), "--num-samples", "1")  # refused before Ray
     assert again.returncode == 2 and "--resume" in again.stderr  # never silently mixed into an old study
-    second = run_study("tune", "--smoke-test", "--out", str(out), "--num-samples", "2", "--resume")
+    second = run_study_in_process("tune", "--smoke-test", "--out", str(out), "--num-samples", "2", "--resume")
     assert second.returncode == 0, second.stderr[-4000:]
     assert "1 trials completed, 1 to run" in second.stderr
     study = optuna.load_study(study_name="fedsap-tune", storage=storage)
