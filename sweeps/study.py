@@ -372,7 +372,7 @@ def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) 
 
 def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
                  default_preset: str) -> argparse.ArgumentParser:
-    """The command line of a grid study (also read by ``fedsap_ray.docgen`` for the reference pages)."""
+    """The command line of a grid study (also read by ``fedsap_ray.dev.docgen`` for the reference pages)."""
     p = OneLineParser(description=doc.splitlines()[0], epilog=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=study, default_preset=default_preset)

@@ -59,7 +59,7 @@ SPACE = {
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (also read by ``fedsap_ray.docgen`` for the reference pages)."""
+    """The command line (also read by ``fedsap_ray.dev.docgen`` for the reference pages)."""
     p = OneLineParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=STUDY, default_preset="laptop")

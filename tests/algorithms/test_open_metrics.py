@@ -16,7 +16,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from fedsap_ray import algorithms, docgen, results
+from fedsap_ray import algorithms, results
+from fedsap_ray.dev import docgen
 from fedsap_ray.algorithms import registry
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.fedsap.strategy import progress_template

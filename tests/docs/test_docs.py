@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsap_ray import docgen
+from fedsap_ray.dev import docgen
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

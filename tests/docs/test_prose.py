@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 import fedsap_ray
-from fedsap_ray import docgen, server
+from fedsap_ray import server
+from fedsap_ray.dev import docgen
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]

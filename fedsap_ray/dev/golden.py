@@ -5,8 +5,8 @@
 ``check DIR`` runs the same cases with the code on ``PYTHONPATH`` and compares every table
 exactly against what ``DIR`` holds::
 
-    PYTHONPATH=../base python ../new/fedsap_ray/golden.py record /tmp/golden   # the old checkout
-    PYTHONPATH=. python -m fedsap_ray.golden check /tmp/golden                  # the new one
+    PYTHONPATH=../base python ../new/fedsap_ray/dev/golden.py record /tmp/golden   # the old checkout
+    PYTHONPATH=. python -m fedsap_ray.dev.golden check /tmp/golden                  # the new one
 
 The cases (``--list`` prints them):
 
@@ -65,7 +65,7 @@ VARIANTS = ("local", "masked", "ray", "resume")
 BACKENDS = ("local", "ray")
 TABLES = ("runs", "rounds", "clients", "layers", "allocations")
 # Not compared, by name (never by pattern, so no number is dropped by accident), grouped by why (the
-# development guide's list is generated from these groups: python -m fedsap_ray.docgen). The torch version and
+# development guide's list is generated from these groups: python -m fedsap_ray.dev.docgen). The torch version and
 # CPU kernels name the machine: check says so when a baseline's kernels are not this machine's, as every trained
 # number may then differ in its last bits. (results.WALL_CLOCK names the same times; spelled out here, as this
 # file must run against checkouts that predate it)
@@ -473,7 +473,7 @@ def check(store: Path, cases: Sequence[Case] | None, backends: Sequence[str] = B
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedsap_ray.golden", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m fedsap_ray.dev.golden", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", choices=("record", "check"), help="record a baseline, or check against one")
     p.add_argument("dir", nargs="?", type=Path, help="the baseline folder")

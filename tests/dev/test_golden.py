@@ -1,4 +1,4 @@
-"""The golden-numbers tool (fedsap_ray.golden): record then check is identical, a perturbed
+"""The golden-numbers tool (fedsap_ray.dev.golden): record then check is identical, a perturbed
 recorded number is found and named, bad input exits 2. One case (fedavg, local), two tiny runs."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fedsap_ray import golden
+from fedsap_ray.dev import golden
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,8 @@ def test_bad_input_exits_2(baseline, tmp_path, capsys):
 
 
 def test_the_file_runs_on_its_own():
-    """``python fedsap_ray/golden.py`` (how a baseline is recorded from an older checkout): absolute imports only."""
-    p = subprocess.run([sys.executable, str(REPO / "fedsap_ray" / "golden.py"), "--list", "--backends", "local"],
+    """``python fedsap_ray/dev/golden.py`` (how a baseline is recorded from an older checkout): absolute imports only."""
+    p = subprocess.run([sys.executable, str(REPO / "fedsap_ray" / "dev" / "golden.py"), "--list", "--backends", "local"],
                        capture_output=True, text=True, cwd=REPO.parent, timeout=120)
     assert p.returncode == 0, p.stderr
     names = [line.split("\t")[0] for line in p.stdout.splitlines()]
