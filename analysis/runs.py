@@ -134,7 +134,7 @@ class Unreadable(ValueError):
 def open_folder(path: str | os.PathLike) -> Any:
     """:func:`_open_folder`, with a folder entry fedsap_ray refuses to touch (a link, the wrong kind:
     :mod:`fedsap_ray.outdir`) as one more :class:`Unreadable`."""
-    from fedsap_ray.errors import ConfigError
+    from fedsap_ray.common.errors import ConfigError
 
     try:
         return _open_folder(path)

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray import treecodec
-from fedsap_ray.errors import CheckpointUnreadable
-from fedsap_ray.messages import ServerState
+from fedsap_ray.common.errors import CheckpointUnreadable
+from fedsap_ray.common.messages import ServerState
 from fedsap_ray.outdir import OutDir
 
 SUFFIX = ".npz"

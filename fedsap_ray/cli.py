@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 
 from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
-from fedsap_ray.errors import ConfigError, DatasetUnavailable
+from fedsap_ray.common.errors import ConfigError, DatasetUnavailable
 from fedsap_ray.trackers import add_tracker_args
 
 

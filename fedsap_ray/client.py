@@ -81,10 +81,10 @@ import torch.nn.functional as F
 
 from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks, supports_sliced
 from fedsap_ray.data.base import DomainData, as_input
-from fedsap_ray.errors import ClientError
+from fedsap_ray.common.errors import ClientError
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.sliced import SlicedModel, sliced_model
 
 

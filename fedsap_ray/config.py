@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import yaml
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DEVICES, INT64_MAX, PARTITIONS, SEED_ALLOWED, SEED_MAX,
                                SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig, ExperimentConfig, ModelConfig,
                                ResourcesConfig, TrainingConfig, fail, clip, construct, path_text, short)

@@ -30,9 +30,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, clip, path_text, short
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.common.seeding import rng_for
 
 TRACE_COLUMNS = ("client_id", "speed")  # required
 TRACE_OPTIONAL = ("down_bytes_s", "up_bytes_s", "availability")  # optional; no other column is accepted

@@ -6,7 +6,7 @@ session per seed of a trial, in lockstep). What differs between them is a list o
 :class:`DriverCallback` objects, so the status rules are written once:
 
 - ``finished``: every round ran; the checkpoint is removed.
-- ``stopped``: a callback (or the session) raised :class:`~fedsap_ray.errors.RunStopped`,
+- ``stopped``: a callback (or the session) raised :class:`~fedsap_ray.common.errors.RunStopped`,
   e.g. Tune's scheduler stopped a weak trial; the outcome is returned, nothing is raised.
 - ``interrupted``: ``KeyboardInterrupt`` (Ctrl-C); re-raised after the runs are closed.
 - ``failed``: any other error, with its message and a short traceback in the runs row;
@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from fedsap_ray.errors import RunStopped
+from fedsap_ray.common.errors import RunStopped
 
 if TYPE_CHECKING:  # annotations only: the loop itself needs no torch (fedsap_ray.trackers builds on it)
     from fedsap_ray.server import RoundSummary
@@ -48,7 +48,7 @@ class Drivable(Protocol):
 
 class DriverCallback:
     """Hooks of :func:`drive`; each does nothing unless overridden. Raising
-    :class:`~fedsap_ray.errors.RunStopped` from a hook stops every run with status ``stopped``."""
+    :class:`~fedsap_ray.common.errors.RunStopped` from a hook stops every run with status ``stopped``."""
 
     def on_start(self, metrics: Sequence[SessionMetrics]) -> None:
         """After every session started (``metrics`` include each backend's workers)."""

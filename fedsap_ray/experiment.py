@@ -17,7 +17,7 @@ from fedsap_ray.results import aside
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.driver import DriverCallback, Progress, add_note, drive, drive_one
-from fedsap_ray.errors import ConfigError, RunStopped
+from fedsap_ray.common.errors import ConfigError, RunStopped
 from fedsap_ray.runtime import make_backend
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.server import RoundSummary

@@ -57,7 +57,7 @@ from torch import nn
 
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.data.base import as_input
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 
 #: format -> the file name ending it is written under
 FORMATS: dict[str, str] = {"onnx": ".onnx", "torchscript": ".pt", "safetensors": ".safetensors"}

@@ -22,7 +22,7 @@ from fedsap_ray import checkpoint, results, statecheck
 from fedsap_ray.outdir import DIR, FILE, OutDir, check_name_lengths, lock_path
 from fedsap_ray.results import aside, kept
 from fedsap_ray.results.store import check_tree
-from fedsap_ray.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
+from fedsap_ray.common.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
 from fedsap_ray.schema import ExperimentConfig, clip
 
 

@@ -6,7 +6,7 @@ bounds here depend on where the run starts, so they are checked by :func:`check_
 :func:`fedsap_ray.experiment.run_experiment` calls next to :func:`fedsap_ray.guard.check_device`, and,
 for the Ray backend, by :func:`check_cluster_resources` from
 :func:`fedsap_ray.runtime.ray.check_cluster` once the cluster is known. Each refusal is a
-:class:`~fedsap_ray.errors.ConfigError` naming the field, the value and the limit (exit code 2).
+:class:`~fedsap_ray.common.errors.ConfigError` naming the field, the value and the limit (exit code 2).
 No Ray and no torch here.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import ExperimentConfig
 
 

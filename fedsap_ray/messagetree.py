@@ -1,7 +1,7 @@
 """Plans and results as checkpoint trees (:mod:`fedsap_ray.treecodec`): what the asynchronous engine's clients
 in flight hold (:mod:`fedsap_ray.asyncmode`), stored so a resumed run applies exactly the updates it would have.
 
-A :class:`~fedsap_ray.messages.ClientPlan` or :class:`~fedsap_ray.messages.ClientResult` is stored by its
+A :class:`~fedsap_ray.common.messages.ClientPlan` or :class:`~fedsap_ray.common.messages.ClientResult` is stored by its
 dataclass fields, each value as it is (an ``int`` stays an ``int``, an ``np.float64`` learning rate one), so a
 restored message compares equal field by field. Three things need more than that:
 
@@ -10,8 +10,8 @@ restored message compares equal field by field. Three things need more than that
   version, and set back to that very object on load;
 - masks are shared objects (the clients of one width share theirs; a result holds its plan's mask object):
   the codec stores an array reached twice once and gives back one object, so whatever was shared within one
-  checkpoint is shared again, and :func:`fedsap_ray.messages.check_results`'s ``r.mask is plan.mask`` still holds;
-- hook payloads (:class:`~fedsap_ray.messages.HookCall`) are frozen dataclasses of the hook's ``Payload`` type:
+  checkpoint is shared again, and :func:`fedsap_ray.common.messages.check_results`'s ``r.mask is plan.mask`` still holds;
+- hook payloads (:class:`~fedsap_ray.common.messages.HookCall`) are frozen dataclasses of the hook's ``Payload`` type:
   stored as (hook name, payload fields) and rebuilt through the hook registry, so nothing in the file names a
   class to import (reading a checkpoint runs no code). A payload field the codec does not store stops the save
   naming its key (:class:`~fedsap_ray.treecodec.TreeTypeError`).
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.messages import ClientPlan, ClientResult, HookCall, Overlay
+from fedsap_ray.common.messages import ClientPlan, ClientResult, HookCall, Overlay
 from fedsap_ray.registry import HOOKS
 
 __all__ = ["plan_from_tree", "plan_tree", "result_from_tree", "result_tree"]

@@ -12,7 +12,7 @@ The rules (docs/guides/running.md#what-a-results-folder-promises):
 - below it, every existing component of a path is looked at with ``lstat`` before the operation: a
   symbolic link anywhere, a path that leaves the folder, or an entry of the wrong kind (a file where a
   folder is expected, a folder, FIFO or device where a file is expected) is refused with
-  :class:`UnsafeEntry`, a :class:`~fedsap_ray.errors.ConfigError` (exit 2) naming the entry;
+  :class:`UnsafeEntry`, a :class:`~fedsap_ray.common.errors.ConfigError` (exit 2) naming the entry;
 - files are opened with ``O_NOFOLLOW`` as well, so a link swapped in after the check fails the open
   rather than being followed. What is left is a race with a process that swaps a *parent folder* for a
   link between the check and the operation, which needs write access to the folder while the run
@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 import pyarrow.fs as pafs
 
 from fedsap_ray.atomic import atomic_write
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import clip
 
 FILE, DIR = "file", "dir"

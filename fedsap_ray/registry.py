@@ -30,7 +30,7 @@ import importlib
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -7,7 +7,7 @@ types from here. Assembling a config (presets, YAML, ``--set`` overrides) is
 (``data.name``, ``model.name``, ``algorithm.name``) are checked against their registry
 (:mod:`fedsap_ray.registry`, which imports nothing heavy and loads the registering package on first
 use), and ``algorithm.options`` becomes the strategy's typed ``Options`` here, once. Every error is a
-:class:`~fedsap_ray.errors.ConfigError` whose message names the field, the offending value and what is allowed.
+:class:`~fedsap_ray.common.errors.ConfigError` whose message names the field, the offending value and what is allowed.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from fedsap_ray import registry
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 
 
 SHORT_VALUE = 80  # characters of an offending value an error line quotes, at most

@@ -14,7 +14,7 @@
         evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
     summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
-Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.messages.RoundOutput`
+Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.common.messages.RoundOutput`
 and the server asks it for nothing after ``aggregate`` but the models to evaluate. Recording, where
 ground truth enters the results, is :class:`fedsap_ray.results.recorder.Recorder`'s job.
 """
@@ -29,15 +29,15 @@ import numpy as np
 
 from torch import nn
 
-from fedsap_ray.columns import Column
+from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.devices import Device, DeviceClock
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
 from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
 from fedsap_ray.results.writer import RunWriter
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.common.seeding import rng_for
 
 __all__ = ["DEPLOYED", "Backend", "RoundStrategy", "RoundSummary", "Server", "deployed_sample", "due"]
 

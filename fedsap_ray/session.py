@@ -28,14 +28,14 @@ from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.data.explicit import partition_digest
-from fedsap_ray.errors import CheckpointUnreadable, ClientError, ConfigError
+from fedsap_ray.common.errors import CheckpointUnreadable, ClientError, ConfigError
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ServerState
+from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models import build_model
 from fedsap_ray.results import DATA_TABLES, RunWriter
 from fedsap_ray.results.kept import ModelKeeper
 from fedsap_ray.schema import ExperimentConfig
-from fedsap_ray.seeding import seed_for
+from fedsap_ray.common.seeding import seed_for
 from fedsap_ray.server import Backend, RoundSummary, Server
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 
 NUMERIC_KINDS = "biuf"  # bool, int, uint, float: what model and strategy state are made of
 

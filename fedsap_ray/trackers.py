@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from fedsap_ray.driver import DriverCallback
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import ExperimentConfig, clip
 
 if TYPE_CHECKING:  # the command line reads TRACKERS without torch

@@ -35,7 +35,7 @@ from fedsap_ray.outdir import OutDir
 from fedsap_ray.data.federation import build_federation
 from fedsap_ray.data.node_cache import shared_splits
 from fedsap_ray.driver import DriverCallback, drive
-from fedsap_ray.errors import RunStopped
+from fedsap_ray.common.errors import RunStopped
 from fedsap_ray.runtime import make_backend
 from fedsap_ray.schema import ExperimentConfig
 from fedsap_ray.server import RoundSummary
@@ -118,7 +118,7 @@ class PushResults(DriverCallback):
 
 class TuneReport(DriverCallback):
     """Reports every round to Tune (means over the trial's runs) and turns a scheduler's stop into
-    :class:`~fedsap_ray.errors.RunStopped`. ASHA also "stops" a trial at ``max_t``: after the last
+    :class:`~fedsap_ray.common.errors.RunStopped`. ASHA also "stops" a trial at ``max_t``: after the last
     round that is no stop, the runs finish."""
 
     def __init__(self, run_ids: Sequence[str], rounds: int, tracked: bool = False) -> None:

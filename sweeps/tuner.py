@@ -20,7 +20,7 @@ import ray
 from ray import tune
 from ray.tune.logger import LoggerCallback
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.runtime.ray import connect
 from fedsap_ray.storage import ResultsDestination
 from fedsap_ray.trackers import TrackedRun, TrackerSpec, kept_files, run_info

@@ -12,7 +12,7 @@ import pytest
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime.local import LocalBackend
 from fedsap_ray.session import RunSession
 

@@ -17,7 +17,7 @@ from fedsap_ray import results
 from fedsap_ray.algorithms.dapperfl import MASK_KEY
 from fedsap_ray.asyncmode import crossed
 from fedsap_ray.config import build_config
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.staleness import staleness_weight
 from tests.conftest import federation_fixture, steady, tiny_overrides

@@ -20,9 +20,9 @@ from fedsap_ray.algorithms.fedprox import ProximalTerm
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.asyncmode import AsyncServer
 from fedsap_ray.config import build_config
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientPlan, ClientResult, Overlay, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, Overlay, ServerState
 from fedsap_ray.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.runtime.local import LocalBackend
 from fedsap_ray.session import RunSession

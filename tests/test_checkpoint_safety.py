@@ -24,7 +24,7 @@ from hypothesis.extra import numpy as hnp
 from faultkit import TINY, cli, sets, tiny_run
 from fedsap_ray import algorithms, checkpoint, treecodec
 from fedsap_ray.config import build_config
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 

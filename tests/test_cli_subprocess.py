@@ -110,7 +110,7 @@ def test_a_refused_async_resume_on_ray_is_one_line_and_exit_2_with_no_abort(tmp_
     ("terminate called without an active exception"): the refusal comes back as itself, the command shuts down
     the Ray it started and exits 2 with the one line, nothing in the folder changed."""
     pytest.importorskip("ray")
-    from fedsap_ray.messages import ServerState
+    from fedsap_ray.common.messages import ServerState
 
     overrides = tiny_overrides("fedavg", "data.num_clients=4", "devices.mode=async", "asynchronous.concurrency=3",
                                "asynchronous.buffer_size=2", "training.rounds=3")

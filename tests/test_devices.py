@@ -15,7 +15,7 @@ import pytest
 from analysis import comparison, device_time, runs
 from fedsap_ray import algorithms, devices, results
 from fedsap_ray.config import build_config
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.progress import ProgressPrinter
 from tests.conftest import federation_fixture, tiny_overrides

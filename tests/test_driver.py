@@ -10,7 +10,7 @@ from fedsap_ray import checkpoint, results
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.driver import DriverCallback, drive
-from fedsap_ray.errors import RunStopped
+from fedsap_ray.common.errors import RunStopped
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.runtime.local import LocalBackend
 from fedsap_ray.session import RunSession

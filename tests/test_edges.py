@@ -16,7 +16,7 @@ import pytest
 from faultkit import cli
 from fedsap_ray import results
 from fedsap_ray.config import build_config
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.runtime import address
 
 REPO = Path(__file__).resolve().parents[1]

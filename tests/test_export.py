@@ -17,7 +17,7 @@ from torch import nn
 
 from exportkit import fedsap_like_submodel
 from fedsap_ray import export
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.models import MODEL_REGISTRY
 
 

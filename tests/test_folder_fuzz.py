@@ -65,7 +65,7 @@ from faultkit import TINY, cli, tiny_run
 from fedsap_ray import results, treecodec
 from fedsap_ray.dev import golden
 from fedsap_ray.cli import main
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from analysis import device_time, learning
 from analysis.confound.cli import main as confound_main
 from fuzzkit import NOTHING, Expect, acts, apply, apply_table, config_docs, snapshot, table_acts

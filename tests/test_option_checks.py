@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from fedsap_ray import algorithms
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import check_bool, check_choice, check_int, check_number, fail
 
 ALGORITHMS = Path(algorithms.__file__).parent

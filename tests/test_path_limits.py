@@ -8,7 +8,7 @@ import pytest
 
 from faultkit import cli
 from fedsap_ray import results
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.outdir import DEEPEST_BELOW, OutDir
 
 

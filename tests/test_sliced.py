@@ -23,7 +23,7 @@ from fedsap_ray.client import train_client
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout, covering_channel_masks, param_mask, params_in_mask, trainable_mask
-from fedsap_ray.messages import ClientPlan, HookCall
+from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.models import build_model, model_macs
 from fedsap_ray.sliced import sliced_model

@@ -24,7 +24,7 @@ from fedsap_ray import results, trackers
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 from fedsap_ray.driver import DriverCallback
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
 from trackerkit import check_curves, mlflow_runs, rounds_cells, tensorboard_hparams, tensorboard_scalars, \
     tensorboard_text, wandb_run

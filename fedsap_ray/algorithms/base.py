@@ -17,7 +17,7 @@ the extra columns (name, Arrow type, one-line doc) it writes to each per-round t
 union of the registered strategies' declarations.
 
 A round's data flows one way: :meth:`Strategy.aggregate` returns a
-:class:`~fedsap_ray.messages.RoundOutput` (the new state and every row the strategy computed), and
+:class:`~fedsap_ray.common.messages.RoundOutput` (the new state and every row the strategy computed), and
 after it the server asks only for the models to evaluate (:meth:`Strategy.eval_sets`,
 :meth:`Strategy.deployed_model`).
 """
@@ -34,12 +34,12 @@ import numpy as np
 import pyarrow as pa
 
 from fedsap_ray import devices
-from fedsap_ray.columns import Column
+from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext, StrategyContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs, weight_uses
-from fedsap_ray.seeding import rng_for, seed_for
+from fedsap_ray.common.seeding import rng_for, seed_for
 
 T = TypeVar("T")
 
@@ -101,7 +101,7 @@ class Strategy(ABC):
     def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                   t: int) -> RoundOutput:
         """The server state after round t, from the clients' results, and the round's records
-        (:class:`~fedsap_ray.messages.RoundRecords`: every table's rows the strategy computed, the client groups
+        (:class:`~fedsap_ray.common.messages.RoundRecords`: every table's rows the strategy computed, the client groups
         it formed, its part of the progress line). ``plans`` are the round's plans, as
         :meth:`configure_round` returned them for ``state``."""
 

@@ -43,7 +43,7 @@ from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_choice
 from fedsap_ray.masks import ChannelMasks
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 AGGREGATIONS = ("r2sp", "coordinate")
 

@@ -46,7 +46,7 @@ from fedsap_ray.algorithms.fedavg import MASK_CACHE
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.masks import ChannelMasks, nested_count
-from fedsap_ray.messages import ServerState
+from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models.space import ChannelSpace
 from fedsap_ray.schema import check_choice
 

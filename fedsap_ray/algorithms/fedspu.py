@@ -75,8 +75,8 @@ from fedsap_ray.algorithms.registry import register
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, ServerState
+from fedsap_ray.common.seeding import rng_for
 
 HOOK = "fedspu"
 

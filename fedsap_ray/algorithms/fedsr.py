@@ -98,8 +98,8 @@ from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_choice, check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.seeding import seed_for
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.seeding import seed_for
 
 RHO_INIT = 0.0  # sigma = softplus(0) = log 2 (module docstring)
 R_MU_INIT = 0.0  # official code: r_mu = zeros

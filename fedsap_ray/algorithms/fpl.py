@@ -64,7 +64,7 @@ from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_number
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 HOOK = "fpl"
 PROTO_KEYS = ("fpl_cluster_protos", "fpl_cluster_labels", "fpl_unbiased", "fpl_has_proto")

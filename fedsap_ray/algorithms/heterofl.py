@@ -35,7 +35,7 @@ from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.schema import check_bool, check_choice
 

@@ -69,7 +69,7 @@ import torch
 
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, HookCall
+from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.registry import HOOKS
 from fedsap_ray.sliced import SlicedModel

@@ -79,7 +79,7 @@ from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_bool, check_choice, check_number
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
-from fedsap_ray.messages import ServerState
+from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models.resnet import BasicBlock
 from fedsap_ray.models.space import ParamAxis
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.masks import ChannelMasks
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 
 class SubModelStrategy(FedAvg):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from fedsap_ray.algorithms.hooks import ClientHook, register_hook
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.sliced import SlicedModel
 

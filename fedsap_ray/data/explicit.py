@@ -18,7 +18,7 @@ The file (docs/guides/own-data.md#an-explicit-partition)::
 - ``capacity`` (optional): the client's keep ratio, in (0, 1]; it replaces what ``capacity.scheme`` gives that
   client (its ``pruning_ratio`` is then 1 - capacity, as under ``capacity.scheme=explicit``).
 
-Every refusal is one :class:`~fedsap_ray.errors.ConfigError` line naming the file, the client (its id and its
+Every refusal is one :class:`~fedsap_ray.common.errors.ConfigError` line naming the file, the client (its id and its
 position in the list) and the field, before any work: what the file alone can say when it is read, what needs
 the data (domains, index ranges, overlaps) when the federation is built, before any round or any write.
 
@@ -42,7 +42,7 @@ import numpy as np
 
 from fedsap_ray.data.base import Federation
 from fedsap_ray.digest import arrays_digest
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import short
 
 FILE_KEYS = ("clients", "allow_overlap")

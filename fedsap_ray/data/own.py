@@ -40,7 +40,7 @@ from fedsap_ray.data.base import DomainData, InputKind
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.status import cache_home
 from fedsap_ray.digest import arrays_digest
-from fedsap_ray.errors import DatasetUnreadable
+from fedsap_ray.common.errors import DatasetUnreadable
 from fedsap_ray.registry import DATASETS
 
 GROUP = "fedsap_ray.datasets"  # the entry point group of dataset plugins (DATASETS.plugins)

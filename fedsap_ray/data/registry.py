@@ -15,8 +15,8 @@ from collections.abc import Callable
 import numpy as np
 
 from fedsap_ray.data.base import DomainData, InputKind
-from fedsap_ray.errors import DatasetUnavailable as DatasetUnavailable  # re-exported: it used to live here
-from fedsap_ray.errors import DatasetUnreadable
+from fedsap_ray.common.errors import DatasetUnavailable as DatasetUnavailable  # re-exported: it used to live here
+from fedsap_ray.common.errors import DatasetUnreadable
 from fedsap_ray.registry import DATASETS
 
 

@@ -158,7 +158,7 @@ def field_comments(cls: type) -> dict[str, str]:
 def probe_messages(field_name: str, tp: Any, attempt: Callable[[Any], None]) -> list[str]:
     """What the validator says about out-of-range values of one field (its one-line errors that
     name ``field_name``), de-duplicated, in probe order."""
-    from fedsap_ray.errors import ConfigError
+    from fedsap_ray.common.errors import ConfigError
 
     base = tp
     if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fedsap_ray.digest import arrays_digest, json_digest
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.outdir import FILE, OutDir
 from fedsap_ray.results.store import check_run_id, filesystem, list_table, run_ids
 

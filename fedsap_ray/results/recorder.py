@@ -1,7 +1,7 @@
 """The recording side of a round: every results table's rows, where ground truth enters the results.
 
 :class:`Recorder` turns what a round produced (plans, results, the strategy's
-:class:`~fedsap_ray.messages.RoundRecords`, the evaluation) into rows of ``rounds``, ``clients``,
+:class:`~fedsap_ray.common.messages.RoundRecords`, the evaluation) into rows of ``rounds``, ``clients``,
 ``layers`` and ``allocations`` and writes them. It holds the whole federation, so what a strategy
 must not know enters here: ``true_domain`` and ``tv_distance`` of every client, and ``ari_domain``,
 the agreement of the client groups a strategy formed with the true domains. Rows may hold only
@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.columns import Column
+from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.devices import SimRound
 from fedsap_ray.evaluate import summarise
 from fedsap_ray.grouping import agreement
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords
 from fedsap_ray.results.schema import CORE_TABLES, DATA_TABLES, GLOBAL_DOMAIN
 from fedsap_ray.results.writer import RunWriter
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from fedsap_ray.columns import RECORDED_TABLES, Column
+from fedsap_ray.common.columns import RECORDED_TABLES, Column
 
 SCHEMA_VERSION = 12  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);

@@ -28,7 +28,7 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.outdir import LOCAL_TYPE, OutDir
 from fedsap_ray.results.schema import CORE_TABLES, KEY_COLUMNS, TABLES, schema
 

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.outdir import OutDir
 from fedsap_ray.results.schema import DATA_TABLES, SCHEMA_VERSION, TABLES, to_table
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.results.store import (FINAL_STATUSES, PART_SEP, UPTO_KEY, atomic_output, check_run_id, dataset,
                                       filesystem, list_table, raise_unreadable, part_name, run_files_in, run_ids,
                                       write_batches)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.schema import check_ray_address
 
 CONNECT_TIMEOUT_S = 3.0  # a cluster's GCS (or Ray client server) answers a TCP connect well within this

@@ -46,8 +46,8 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.runtime.allocator import tune_malloc
 from fedsap_ray.data.base import DomainData, Federation
-from fedsap_ray.errors import CheckpointUnreadable, ClientError, ConfigError
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.common.errors import CheckpointUnreadable, ClientError, ConfigError
+from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper, wire
 from fedsap_ray.runtime.address import check_reachable, given

@@ -20,7 +20,7 @@ from fedsap_ray.algorithms.hooks import _HOOKS, ClientHook, NoPayload, register_
 from fedsap_ray.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, HookCall
+from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 
 CLIP = 0.05

@@ -9,7 +9,7 @@ from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.config import build_config
 from fedsap_ray.masks import nested_count, param_mask
-from fedsap_ray.messages import ClientResult, ServerState
+from fedsap_ray.common.messages import ClientResult, ServerState
 
 TINY = tiny_overrides("fedmp", "data.num_clients=6")
 # 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)

@@ -16,7 +16,7 @@ from fedsap_ray.algorithms.fedsr import EXTRA_KEYS, HOOK, FedSRObjective, gaussi
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.common.messages import ClientPlan
 
 TINY = tiny_overrides("fedsr", "data.num_clients=4", "training.rounds=1")
 

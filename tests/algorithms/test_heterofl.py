@@ -16,7 +16,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.common.messages import ClientResult
 from fedsap_ray.registry import STRATEGIES
 from refdrive import config
 

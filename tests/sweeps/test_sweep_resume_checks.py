@@ -252,7 +252,7 @@ CHECKPOINTS = {
 
 
 def _resave(out: Path, round_: int) -> None:
-    from fedsap_ray.messages import ServerState
+    from fedsap_ray.common.messages import ServerState
 
     ck = checkpoint.load(out, IDS[2])
     st = ck["state"]

@@ -15,7 +15,7 @@ from fedsap_ray.algorithms.fedsap import roles
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
 from fedsap_ray.algorithms.fedsap.state import FedSAPState, MaskPair
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.common.messages import ClientResult
 from fedsap_ray.models.space import ChannelSpace
 
 

@@ -12,7 +12,7 @@ from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.models import build_model
 from fedsap_ray.algorithms.fedsap.stats import ChannelStats
 

@@ -1,4 +1,4 @@
-"""What a result holds (issue 43, fedsap_ray/messages.py): ``ClientResult.values`` are the trained values at
+"""What a result holds (issue 43, fedsap_ray/common/messages.py): ``ClientResult.values`` are the trained values at
 ``ClientResult.mask``'s coordinates, set by the client (the plan's mask, or the one a hook chose), read by every
 consumer and checked at the boundary, naming the round, the client, the strategy and the field."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from fedsap_ray.aggregation import scatter
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientPlan, ClientResult, check_results
+from fedsap_ray.common.messages import ClientPlan, ClientResult, check_results
 from fedsap_ray.results.recorder import Recorder
 from fedsap_ray.runtime.local import LocalBackend
 from tests.conftest import tiny_overrides
