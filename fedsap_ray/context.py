@@ -14,7 +14,7 @@ import numpy as np
 from fedsap_ray.data.base import Federation, FederationView
 from fedsap_ray.masks import ParamLayout, trainable_mask
 from fedsap_ray.models.space import ChannelSpace, MaskableModel
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, clip, path_text, short
+from fedsap_ray.config.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, clip, path_text, short
 from fedsap_ray.common.seeding import rng_for
 
 TRACE_COLUMNS = ("client_id", "speed")  # required

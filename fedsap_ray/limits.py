@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 
 
 def machine_cpus() -> int:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray.common.messages import ClientPlan, ClientResult, HookCall, Overlay
-from fedsap_ray.registry import HOOKS
+from fedsap_ray.config.registry import HOOKS
 
 __all__ = ["plan_from_tree", "plan_tree", "result_from_tree", "result_tree"]
 

@@ -34,7 +34,7 @@ from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models import build_model
 from fedsap_ray.results import DATA_TABLES, RunWriter
 from fedsap_ray.results.kept import ModelKeeper
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 from fedsap_ray.common.seeding import seed_for
 from fedsap_ray.server import Backend, RoundSummary, Server
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fedsap_ray.driver import DriverCallback
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.schema import ExperimentConfig, clip
+from fedsap_ray.config.schema import ExperimentConfig, clip
 
 if TYPE_CHECKING:  # the command line reads TRACKERS without torch
     from fedsap_ray.server import RoundSummary

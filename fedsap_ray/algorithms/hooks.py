@@ -4,7 +4,7 @@ The client loop (:mod:`fedsap_ray.client`) is mini-batch SGD on the plan's sub-m
 Everything a method adds to local training (FedProx's proximal term, FedSAP's Eq. 7 and
 channel statistics, SCAFFOLD's correction, MOON's contrastive term, DapperFL's pruning, ...)
 is a :class:`ClientHook` subclass registered under a name in that method's module
-(:func:`register_hook`, the one generic registry :data:`fedsap_ray.registry.HOOKS`). Each hook
+(:func:`register_hook`, the one generic registry :data:`fedsap_ray.config.registry.HOOKS`). Each hook
 declares what it reads as a frozen dataclass, its ``Payload`` (module-level, so it pickles to Ray
 workers). A strategy puts the hooks of a plan in ``plan.hooks``, a tuple of :class:`HookCall`
 (hook name, payload instance) run in that order, each built one way: ``call(HookClass, field=...)``.
@@ -71,7 +71,7 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.masks import ParamLayout
 from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.registry import HOOKS
+from fedsap_ray.config.registry import HOOKS
 from fedsap_ray.sliced import SlicedModel
 
 _HOOKS: dict[str, type[ClientHook]] = HOOKS.entries  # the table itself (tests register and unregister)

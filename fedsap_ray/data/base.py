@@ -74,7 +74,7 @@ def input_transform(dataset: str) -> Callable[[torch.Tensor], torch.Tensor]:
     (uint8 images (N, C, H, W) -> float32 in [-1, 1]; float features and int64 token ids as stored). Nothing
     is attached to a kept model (:func:`fedsap_ray.results.load_model`): whoever feeds one applies this to
     raw samples first (docs/guides/models.md#inputs). An unknown ``dataset`` is refused, naming the valid ones."""
-    from fedsap_ray.registry import DATASETS
+    from fedsap_ray.config.registry import DATASETS
 
     DATASETS.get(dataset)  # ConfigError naming data.name and the registered datasets
     return as_input

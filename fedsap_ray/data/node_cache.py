@@ -69,7 +69,7 @@ from fedsap_ray.data.registry import DomainSplits, get_source
 from fedsap_ray.data.status import cache_home
 from fedsap_ray.digest import json_digest
 from fedsap_ray.common.errors import DatasetUnavailable
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 
 FORMAT_VERSION = 2  # 2: meta.json holds every array's digest and its own (issue 52)
 META = "meta.json"

@@ -188,16 +188,16 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- config.md
 
 def config_page() -> str:
-    from fedsap_ray import config
+    from fedsap_ray.config import build as config
 
     sections = [("", config.ExperimentConfig)] + [
         (f.name, f.type if isinstance(f.type, type) else typing.get_type_hints(config.ExperimentConfig)[f.name])
         for f in dataclasses.fields(config.ExperimentConfig)
         if dataclasses.is_dataclass(typing.get_type_hints(config.ExperimentConfig)[f.name])]
-    out = [HEADER.format(command=COMMAND, source="fedsap_ray/schema.py"),
+    out = [HEADER.format(command=COMMAND, source="fedsap_ray/config/schema.py"),
            "# Configuration reference\n\n",
            "Every run is described by one frozen, validated dataclass tree, `ExperimentConfig` in "
-           f"[fedsap_ray/schema.py]({rel('fedsap_ray/schema.py')}). Set a field with "
+           f"[fedsap_ray/config/schema.py]({rel('fedsap_ray/config/schema.py')}). Set a field with "
            "`--set section.field=VALUE` (values parse as YAML: `[0.5, 1]`, `null`, `1e-3`), in a YAML or "
            "JSON file given by `--config FILE` (the same nesting as the sections below), or through a "
            "preset. Precedence: defaults < preset < file < `--set` < `--seed`. Invalid input stops the "
@@ -414,7 +414,7 @@ def writers(table: str, declaring: Iterable[str]) -> list[str]:
 def _kept_models_section() -> str:
     """The results page's last section: the files a run keeps under ``OUT/models/<run_id>/`` (fedsap_ray.results.kept)."""
     from fedsap_ray.results import kept
-    from fedsap_ray.schema import KEEP_MODELS
+    from fedsap_ray.config.schema import KEEP_MODELS
 
     return (f"\n## Kept models\n\nBeside the tables, a run keeps the models `training.keep_model` names "
             f"({', '.join(code(k) for k in KEEP_MODELS)}; default `final`) in "
@@ -576,12 +576,12 @@ def dataset_table() -> str:
     """Every registered dataset: what it is, how to get its files, what the config allows for it."""
     from fedsap_ray.data.registry import dataset_names, get_source
 
-    from fedsap_ray.schema import PARTITIONS
+    from fedsap_ray.config.schema import PARTITIONS
 
     rows = []
     for name in dataset_names():
         src = get_source(name)
-        # what the config accepts (fedsap_ray.schema.ExperimentConfig): no domain split of one domain, no
+        # what the config accepts (fedsap_ray.config.schema.ExperimentConfig): no domain split of one domain, no
         # natural split without natural clients
         allowed = [p for p in PARTITIONS if not (p == "domain" and src.single_domain)
                    and not (p == "natural" and not src.natural_partition)]

@@ -1,7 +1,7 @@
 """Maskable models, registered by name (docs/architecture.md#layout).
 
 Importing this package registers every model module it imports (``@register_model("name")``,
-:data:`fedsap_ray.registry.MODELS`); a new model is one module plus one import line here.
+:data:`fedsap_ray.config.registry.MODELS`); a new model is one module plus one import line here.
 
 Every model exposes ``channel_space() -> ChannelSpace``, ``channel_counts()``,
 ``forward_features(x)`` (encoder output), ``classifier`` (name of the never-sliced
@@ -24,10 +24,10 @@ from fedsap_ray.models.cnn import CNN6, MLP, CNNSmall
 from fedsap_ray.models.lstm import CharLSTM
 from fedsap_ray.models.resnet import ResNet, resnet10, resnet18
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, check_layer_values
-from fedsap_ray.registry import MODELS, register_model
+from fedsap_ray.config.registry import MODELS, register_model
 
 ModelFactory = Callable[..., MaskableModel]
-# name -> factory, each registered with @register_model("name") where it is defined (fedsap_ray.registry)
+# name -> factory, each registered with @register_model("name") where it is defined (fedsap_ray.config.registry)
 MODEL_REGISTRY: dict[str, ModelFactory] = MODELS.entries
 
 

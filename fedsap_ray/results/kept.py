@@ -61,7 +61,7 @@ if TYPE_CHECKING:  # type-only: nothing here imports torch at module level
     from torch import nn
 
     from fedsap_ray.masks import ParamLayout
-    from fedsap_ray.schema import ExperimentConfig
+    from fedsap_ray.config.schema import ExperimentConfig
 
 FOLDER = "models"
 WHICH = ("final", "best")
@@ -528,7 +528,7 @@ def _finite(x: float | None) -> float | None:
 def stored_config(kept: Kept, shown: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """The run's config rebuilt from the kept JSON (as ``--resume`` rebuilds it), ``overrides`` applied; refused
     when, without overrides, it no longer hashes as the run's (this version builds it differently)."""
-    from fedsap_ray.config import build_config
+    from fedsap_ray.config.build import build_config
 
     stored = kept.meta.get("config")
     if not isinstance(stored, dict):

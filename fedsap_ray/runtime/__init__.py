@@ -4,7 +4,7 @@ Only this package (and ``sweeps/``) may import Ray, and only when the Ray backen
 """
 from __future__ import annotations
 
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 
 
 def make_backend(cfg: ExperimentConfig):

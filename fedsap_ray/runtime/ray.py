@@ -51,7 +51,7 @@ from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper, wire
 from fedsap_ray.runtime.address import check_reachable, given
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 from fedsap_ray.driver import DriverCallback, drive_one
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
 

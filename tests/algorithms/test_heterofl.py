@@ -17,7 +17,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.common.messages import ClientResult
-from fedsap_ray.registry import STRATEGIES
+from fedsap_ray.config.registry import STRATEGIES
 from refdrive import config
 
 AUTHORS = ["algorithm.weighting=count", "algorithm.label_mask=true"]  # the documented --set line

@@ -19,7 +19,7 @@ from fedsap_ray.data.explicit import partition_digest
 from fedsap_ray.data.own import splits_digest
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.registry import DATASETS
+from fedsap_ray.config.registry import DATASETS
 from tests.conftest import steady
 from tests.faultkit import cli, sets
 

@@ -182,7 +182,7 @@ def resolve(obj: Any, path: list[str]) -> bool:
 def config_sections() -> dict[str, set[str]]:
     """Config section -> its fields (``algorithm`` also takes every registered strategy's options)."""
     from fedsap_ray import algorithms
-    from fedsap_ray.schema import ExperimentConfig
+    from fedsap_ray.config.schema import ExperimentConfig
 
     hints = typing.get_type_hints(ExperimentConfig)
     out = {f.name: {g.name for g in dataclasses.fields(hints[f.name])} for f in dataclasses.fields(ExperimentConfig)

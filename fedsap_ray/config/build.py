@@ -1,7 +1,7 @@
 """Assembling an experiment config: defaults <- preset <- file <- ``--set`` overrides <- ``--seed``.
 
 The config is one frozen dataclass tree, the single source of truth for a run; its types and
-field checks are :mod:`fedsap_ray.schema` (re-exported here). This module loads it from YAML/JSON
+field checks are :mod:`fedsap_ray.config.schema` (re-exported here). This module loads it from YAML/JSON
 and from ``--set a.b=value`` overrides and validates it *before any work*: every error is a
 :class:`ConfigError` whose message names the field, the offending value and what is allowed, so
 the CLI can print one line and exit with code 2.
@@ -9,7 +9,7 @@ the CLI can print one line and exit with code 2.
 Presets (``smoke``, ``laptop``, ``paper``, ...) are plain nested dicts applied on top of the
 defaults; algorithm-specific options (e.g. FedProx ``mu``) live in ``algorithm.options`` and are
 turned into the strategy's own options dataclass, once, when the schema builds ``AlgorithmConfig``
-(it finds the strategy through :mod:`fedsap_ray.registry`, which imports no strategy).
+(it finds the strategy through :mod:`fedsap_ray.config.registry`, which imports no strategy).
 docs/reference/config.md is generated from both modules.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections.abc import Mapping
 import yaml
 
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.schema import (BACKENDS, CAPACITY_SCHEMES, DEVICES, INT64_MAX, PARTITIONS, SEED_ALLOWED, SEED_MAX,
+from fedsap_ray.config.schema import (BACKENDS, CAPACITY_SCHEMES, DEVICES, INT64_MAX, PARTITIONS, SEED_ALLOWED, SEED_MAX,
                                SUBMODELS, AlgorithmConfig, CapacityConfig, DataConfig, ExperimentConfig, ModelConfig,
                                ResourcesConfig, TrainingConfig, fail, clip, construct, path_text, short)
 
-__all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.schema
+__all__ = [  # the schema's names stay importable from here, where they were defined before fedsap_ray.config.schema
     "BACKENDS", "CAPACITY_SCHEMES", "DEVICES", "INT64_MAX", "PARTITIONS", "SEED_ALLOWED",
     "SEED_MAX", "SUBMODELS", "AlgorithmConfig", "CapacityConfig", "ConfigError", "DataConfig", "ExperimentConfig", "ModelConfig",
     "ResourcesConfig", "TrainingConfig", "PRESETS", "PRESET_NOTES", "DEFAULT_PRESET", "build_config", "from_dict",
@@ -432,7 +432,7 @@ def build_config(
 def preset_option_defaults(preset: Any) -> dict[str, dict[str, Any]]:
     """Per algorithm, the option defaults it declares for ``preset`` (``Strategy.preset_options``: a method
     scales its own schedules, e.g. a warm-up, to a preset's round budget; the config names no method)."""
-    from fedsap_ray.registry import STRATEGIES  # late: finding the strategies loads them (and torch)
+    from fedsap_ray.config.registry import STRATEGIES  # late: finding the strategies loads them (and torch)
 
     return {name: dict(STRATEGIES.get(name).preset_options.get(preset, {})) for name in STRATEGIES.names()}
 

@@ -5,7 +5,7 @@ This is the bottom of the config layer: data, models, algorithms and backends im
 types from here. Assembling a config (presets, YAML, ``--set`` overrides) is
 :mod:`fedsap_ray.config`; every name here is also importable from there. Names that are registered
 (``data.name``, ``model.name``, ``algorithm.name``) are checked against their registry
-(:mod:`fedsap_ray.registry`, which imports nothing heavy and loads the registering package on first
+(:mod:`fedsap_ray.config.registry`, which imports nothing heavy and loads the registering package on first
 use), and ``algorithm.options`` becomes the strategy's typed ``Options`` here, once. Every error is a
 :class:`~fedsap_ray.common.errors.ConfigError` whose message names the field, the offending value and what is allowed.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Mapping
 
-from fedsap_ray import registry
+from fedsap_ray.config import registry
 from fedsap_ray.common.errors import ConfigError
 
 
@@ -195,7 +195,7 @@ class DataConfig:
     partition_file: str | None = None
 
     def __post_init__(self) -> None:
-        registry.DATASETS.get(self.name)  # a registered dataset (fedsap_ray.registry)
+        registry.DATASETS.get(self.name)  # a registered dataset (fedsap_ray.config.registry)
         check_choice("data.partition", self.partition, PARTITIONS)
         if self.partition == "explicit":
             if self.partition_file is None:
@@ -287,7 +287,7 @@ class ModelConfig:
     width_mult: float = 1.0  # scales every layer's channel count (tests and laptops use < 1)
 
     def __post_init__(self) -> None:
-        registry.MODELS.get(self.name)  # a registered model (fedsap_ray.registry)
+        registry.MODELS.get(self.name)  # a registered model (fedsap_ray.config.registry)
         check_positive("model.width_mult", self.width_mult)
         if self.width_mult > 4:
             fail("model.width_mult", self.width_mult, "must be in (0, 4]")
