@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, clip, path_text, short
+from fedsap_ray.config.checks import DEVICE_RANGES, clip, path_text, short
+from fedsap_ray.config.device_config import DevicesConfig
+from fedsap_ray.config.schema import ExperimentConfig
 from fedsap_ray.common.seeding import rng_for
 
 TRACE_COLUMNS = ("client_id", "speed")  # required
 TRACE_OPTIONAL = ("down_bytes_s", "up_bytes_s", "availability")  # optional; no other column is accepted
-# the range of each numeric column: those of the config's constants (schema.DEVICE_RANGES), availability in (0, 1]
+# the range of each numeric column: those of the config's constants (checks.DEVICE_RANGES), availability in (0, 1]
 TRACE_RANGES: dict[str, tuple[float, float]] = {
     "speed": DEVICE_RANGES["speed_full"], "down_bytes_s": DEVICE_RANGES["down_bytes_s"],
     "up_bytes_s": DEVICE_RANGES["up_bytes_s"]}

@@ -23,7 +23,8 @@ from fedsap_ray.outdir import DIR, FILE, OutDir, check_name_lengths, lock_path
 from fedsap_ray.results import aside, kept
 from fedsap_ray.results.store import check_tree
 from fedsap_ray.common.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
-from fedsap_ray.config.schema import ExperimentConfig, clip
+from fedsap_ray.config.checks import clip
+from fedsap_ray.config.schema import ExperimentConfig
 
 
 def check_out(out: Path) -> bool:

@@ -39,7 +39,7 @@ import pyarrow.fs as pafs
 
 from fedsap_ray.atomic import atomic_write
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.schema import clip
+from fedsap_ray.config.checks import clip
 
 FILE, DIR = "file", "dir"
 

@@ -14,7 +14,7 @@ Every rule is 1 at s = 0, so a fresh update is never scaled.
 """
 from __future__ import annotations
 
-from fedsap_ray.config.schema import AsyncConfig
+from fedsap_ray.config.device_config import AsyncConfig
 
 DEFAULT_A = {"polynomial": 0.5, "hinge": 10.0}  # FedAsync's experimental values (asynchronous.staleness_a null)
 

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fedsap_ray.driver import DriverCallback
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.schema import ExperimentConfig, clip
+from fedsap_ray.config.checks import clip
+from fedsap_ray.config.schema import ExperimentConfig
 
 if TYPE_CHECKING:  # the command line reads TRACKERS without torch
     from fedsap_ray.server import RoundSummary

@@ -32,7 +32,7 @@ from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
 from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext
-from fedsap_ray.config.schema import check_choice
+from fedsap_ray.config.checks import check_choice
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs

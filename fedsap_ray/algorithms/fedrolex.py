@@ -48,7 +48,7 @@ from fedsap_ray.algorithms.registry import register
 from fedsap_ray.masks import ChannelMasks, nested_count
 from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models.space import ChannelSpace
-from fedsap_ray.config.schema import check_choice
+from fedsap_ray.config.checks import check_choice
 
 DIRECTIONS = ("backward", "forward")
 

@@ -52,7 +52,7 @@ from fedsap_ray.context import RunContext
 from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.config.schema import check_choice
+from fedsap_ray.config.checks import check_choice
 from fedsap_ray.common.seeding import seed_for
 from fedsap_ray.sliced import SlicedModel
 from fedsap_ray.staleness import update_factor

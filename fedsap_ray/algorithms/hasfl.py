@@ -34,7 +34,7 @@ from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.widths import WidthRule
 from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config.schema import check_bool, check_int, check_number
+from fedsap_ray.config.checks import check_bool, check_int, check_number
 from fedsap_ray.common.messages import ClientResult, ServerState
 
 

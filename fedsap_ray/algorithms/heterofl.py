@@ -37,7 +37,7 @@ from fedsap_ray.algorithms.widths import CAPACITY
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.config.schema import check_bool, check_choice
+from fedsap_ray.config.checks import check_bool, check_choice
 
 HOOK = "heterofl_label_mask"
 CLASSES = "held_classes"  # ClientResult.stats key: bool [num_classes], the classes of the client's training data

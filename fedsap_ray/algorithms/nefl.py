@@ -77,7 +77,7 @@ import numpy as np
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config.schema import check_bool, check_choice, check_number
+from fedsap_ray.config.checks import check_bool, check_choice, check_number
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
 from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models.resnet import BasicBlock

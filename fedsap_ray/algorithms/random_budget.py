@@ -20,7 +20,7 @@ import numpy as np
 
 from fedsap_ray.algorithms.hasfl import HasFL
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.config.schema import check_number
+from fedsap_ray.config.checks import check_number
 from fedsap_ray.common.seeding import rng_for
 
 

@@ -1,9 +1,10 @@
-"""The experiment config's schema: one frozen, validated dataclass tree, and the strict coercion that
-builds it (and every strategy's options) from plain mappings.
+"""The experiment config's schema: one frozen, validated dataclass tree, section by section, and its hash.
 
 This is the bottom of the config layer: data, models, algorithms and backends import their config
-types from here. Assembling a config (presets, YAML, ``--set`` overrides) is
-:mod:`fedsap_ray.config`; every name here is also importable from there. Names that are registered
+types from here. The sections of simulated device time are :mod:`fedsap_ray.config.device_config`, the field
+checks :mod:`fedsap_ray.config.checks`, the strict coercion from plain mappings :mod:`fedsap_ray.config.coerce`;
+assembling a config (presets, YAML, ``--set`` overrides) is :mod:`fedsap_ray.config.build`, and every public
+name of the folder is importable from :mod:`fedsap_ray.config`. Names that are registered
 (``data.name``, ``model.name``, ``algorithm.name``) are checked against their registry
 (:mod:`fedsap_ray.config.registry`, which imports nothing heavy and loads the registering package on first
 use), and ``algorithm.options`` becomes the strategy's typed ``Options`` here, once. Every error is a
@@ -12,169 +13,22 @@ use), and ``algorithm.options`` becomes the strategy's typed ``Options`` here, o
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import math
-import numbers
-import re
-import reprlib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from fedsap_ray.config import registry
 from fedsap_ray.common.errors import ConfigError
-
-
-SHORT_VALUE = 80  # characters of an offending value an error line quotes, at most
-
-
-def _short_repr() -> reprlib.Repr:
-    r = reprlib.Repr()
-    # a few levels and items of a container, a prefix of a long string or number: never the whole value
-    # (a YAML alias bomb or a megabyte of --set text must not become a gigabyte error line)
-    r.maxlevel, r.maxdict, r.maxlist, r.maxtuple, r.maxset, r.maxfrozenset, r.maxdeque, r.maxarray = 3, 6, 12, 12, 6, 6, 6, 6
-    r.maxstring, r.maxlong, r.maxother = SHORT_VALUE, SHORT_VALUE, SHORT_VALUE
-    return r
-
-
-_SHORT = _short_repr()
-
-
-def short(value: Any, limit: int = SHORT_VALUE) -> str:
-    """``repr(value)`` for an error line, cut to at most ``limit`` characters without ever building the
-    whole repr of a huge or deeply nested value (:mod:`reprlib`); what was cut ends in ``...``."""
-    try:
-        text = _SHORT.repr(value)
-    except (ValueError, RecursionError):  # an int past Python's digit limit for str(); a pathological object
-        text = f"<{type(value).__name__}>"
-    text = " ".join(text.split())  # one line, whatever the value holds
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def clip(text: str, limit: int = SHORT_VALUE) -> str:
-    """``text`` unquoted on one line, cut to at most ``limit`` characters (ending in ``...`` when cut)."""
-    text = " ".join(text[:limit * 4].split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def path_text(path: Any) -> str:
-    """A file path as an error line quotes it: whole (a user must find the file; temporary and cluster paths
-    are long), only cut past 1,024 characters, on one line."""
-    text = repr(str(path)[:2048])
-    return " ".join(text.split()) if len(text) <= 1024 else text[:1021] + "..."
-
-
-def key_text(k: Any) -> str:
-    """A mapping key as an error names it: as written when it is a plain word, else quoted (and short)."""
-    return k if isinstance(k, str) and re.fullmatch(r"[A-Za-z0-9_]{1,60}", k) else short(k, 60)
-
-
-# ----------------------------------------------------------------------------- checks
-# The one place for the checks behind every "invalid FIELD=VALUE: ALLOWED" line: the sections below and
-# every strategy's ``Options`` (fedsap_ray/algorithms) use them, so one kind of value is refused in one
-# wording. ``name`` is the field as the user writes it (``training.lr``, ``algorithm.mu``).
-
-def fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
-    """Raise the one-line :class:`ConfigError` naming the field, the offending value (quoted short) and what
-    is allowed: the message every check here sends and docgen quotes in the reference pages."""
-    raise ConfigError(f"invalid {name}={short(value)}: {allowed}")
-
-
-def is_number(v: Any) -> bool:
-    """An int or float that is not a bool (YAML's ``true`` is no number) and not NaN."""
-    return isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v)  # numbers: numpy's too
-
-
-def check_ratio(name: str, v: float, *, low_open: bool = False) -> None:
-    """``v`` in [0, 1] (or (0, 1] with ``low_open``): a share or probability of the config's sections."""
-    if not isinstance(v, (int, float)) or math.isnan(v) or v > 1 or v < 0 or (low_open and v == 0):
-        fail(name, v, "must be a number in " + ("(0, 1]" if low_open else "[0, 1]"))
-
-
-def check_positive(name: str, v: Any, *, allow_zero: bool = False) -> None:
-    """``v`` finite and > 0 (>= 0 with ``allow_zero``): a rate, size or resource of the config's sections."""
-    ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-          and (v >= 0 if allow_zero else v > 0))  # isfinite first: comparisons are never true for NaN
-    if not ok:
-        fail(name, v, "must be " + ("a non-negative finite number" if allow_zero else "a positive finite number"))
-
-
-def check_choice(name: str, v: Any, choices: typing.Iterable[Any]) -> None:
-    """``v`` one of ``choices`` (the message lists them in their order)."""
-    choices = list(choices)
-    if v not in choices:
-        fail(name, v, "allowed values are " + ", ".join(map(str, choices)))
-
-
-def check_number(name: str, v: Any, low: float, high: float | None = None, *, low_open: bool = False,
-                 high_open: bool = False, nullable: bool = False, note: str = "") -> None:
-    """``v`` a number >= ``low`` (> with ``low_open``) and, with ``high``, <= ``high`` (< with ``high_open``), or
-    None when ``nullable``: "must be a number >= 0", "must be null or a number in (0, 1]", ... and ``note`` (why
-    the range) after it."""
-    if nullable and v is None:
-        return
-    ok = is_number(v) and (v > low if low_open else v >= low)
-    if high is None:
-        bounds = f"{'>' if low_open else '>='} {low:g}"
-    else:
-        ok = ok and (v < high if high_open else v <= high)
-        bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-    if not ok:
-        fail(name, v, f"must be {'null or ' if nullable else ''}a number {bounds}{note}")
-
-
-def check_int(name: str, v: Any, low: int) -> None:
-    """``v`` an integer (not a bool) >= ``low``: a count of rounds, samples or steps."""
-    if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < low:
-        fail(name, v, f"must be an integer >= {low}")
-
-
-def check_bool(name: str, v: Any) -> None:
-    """``v`` a bool (YAML's true/false), not a truthy number or string."""
-    if not isinstance(v, bool):
-        fail(name, v, "must be true or false")
-
-
-SEED_MAX = 2**32 - 1  # the seed range every numpy/torch seeding API accepts
-SEED_ALLOWED = f"must be an integer in [0, {SEED_MAX}] (0 <= seed < 2**32)"
-
-PARTITIONS = ("domain", "dirichlet", "natural", "iid", "explicit")
-CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
-BACKENDS = ("local", "ray")
-DEVICES = ("auto", "cpu", "cuda")
-SUBMODELS = ("sliced", "masked")
-# training.keep_model: which global models a run keeps under OUT/models/<run_id>/ (fedsap_ray.results.kept)
-KEEP_MODELS = ("none", "final", "best", "final+best")
-DEVICE_POLICIES = ("wait_all", "deadline", "over_select")
-DEVICE_MODES = ("sync", "async")  # devices.mode: synchronous rounds, or asynchronous server steps (fedsap_ray.asyncmode)
-STALENESS_RULES = ("constant", "polynomial", "hinge")  # asynchronous.staleness (fedsap_ray.staleness)
-# [low, high] of the device model's numbers (and of a trace's columns): with train_macs and bytes up to
-# 1e15 and any lognormal draw, (1 + backward_factor) * macs / (speed * factor) + bytes / bandwidth is then a
-# finite float64 > 0 (a speed or bandwidth of 1e-300 or a backward_factor of 1e308 gave infinite times,
-# a jitter of 1000 a factor of 0 and a division by zero)
-DEVICE_RANGES: dict[str, tuple[float, float]] = {
-    "speed_full": (1.0, 1e18), "down_bytes_s": (1.0, 1e15), "up_bytes_s": (1.0, 1e15),
-    "backward_factor": (0.0, 1e3), "jitter": (0.0, 4.0), "over_select": (0.0, 1e3)}
-DEVICE_RANGE_WHY = "so that every simulated time is finite and > 0"
-_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*|\[[0-9A-Fa-f:.]+\])"
-_RAY_ADDRESS = re.compile(rf"(?:ray://)?{_HOST}:(\d{{1,5}})")
-RAY_ADDRESS_ALLOWED = "must be auto, local, HOST:PORT or ray://HOST:PORT (a host name or IP address, a port 1-65535)"
-
-
-def check_ray_address(field_name: str, v: Any) -> None:
-    """A Ray address the way ``ray.init`` takes it; anything else is refused here, before Ray starts
-    (ray.init would fail later, after the run was set up, with a message that does not name the option)."""
-    if v is None or v in ("auto", "local"):
-        return
-    m = _RAY_ADDRESS.fullmatch(v) if isinstance(v, str) else None
-    if m is None or not 1 <= int(m.group(1)) <= 65535:
-        fail(field_name, v, RAY_ADDRESS_ALLOWED)
-
+from fedsap_ray.config.checks import (BACKENDS, CAPACITY_SCHEMES, DEVICES, KEEP_MODELS, PARTITIONS, SEED_ALLOWED, SEED_MAX,
+                                      SUBMODELS, check_choice, check_positive, check_ratio, check_ray_address, fail, key_text,
+                                      short)
+from fedsap_ray.config.coerce import coerce
+from fedsap_ray.config.device_config import AsyncConfig, DevicesConfig
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -421,119 +275,6 @@ class ResourcesConfig:
         check_ray_address("resources.address", self.address)
 
 
-@dataclass(frozen=True)
-class DevicesConfig:
-    """Simulated device time (docs/guides/device-time.md): each client's compute speed and bandwidths, and
-    what a round waits for. Only ``policy`` other than ``wait_all`` and ``availability`` below 1 change
-    which clients train or are aggregated; the rest only adds the ``sim_*`` columns."""
-
-    # MACs/s of a device of capacity 1 (keep ratio 1); a client's speed is this times its capacity, so a
-    # keep-0.2 device takes as long for a 0.2-wide sub-model as a full device for the full model.
-    # An assumption (about a mid-range phone CPU on float32 convolutions), not a measurement: set your own.
-    # In [1, 1e18] MACs/s (and speed_full x capacity must be >= 1), so every simulated time is finite and > 0.
-    speed_full: float = 20e9
-    # download bandwidth of every device, bytes/s (20 Mbit/s; an assumption); in [1, 1e15]
-    down_bytes_s: float = 2.5e6
-    # upload bandwidth of every device, bytes/s (5 Mbit/s; an assumption); in [1, 1e15]
-    up_bytes_s: float = 0.625e6
-    # backward pass MACs per forward MAC: train_macs counts forward passes only (Strategy.train_macs); in [0, 1000]
-    backward_factor: float = 2.0
-    # sigma of a seeded lognormal factor on each client-round's speed (0: off); median 1; in [0, 4] (the
-    # factor exp(sigma * z) then stays finite and non-zero for every normal draw z)
-    jitter: float = 0.0
-    # wait_all: a round lasts until its slowest client (today's numbers); deadline: clients slower than
-    # deadline_s are stragglers, left out of aggregation (their compute still counted); over_select:
-    # ceil(k * (1 + over_select)) clients are sampled and the k that finish first are aggregated
-    policy: str = "wait_all"
-    deadline_s: float | None = None  # seconds; needed by policy=deadline
-    # extra fraction sampled under policy=over_select; in [0, 1000] (the sample is capped at the available clients)
-    over_select: float = 0.3
-    # probability that a client can be selected in a round (seeded per round and client); 1: always
-    availability: float = 1.0
-    # CSV or Parquet with client_id, speed (MACs/s) and optionally down_bytes_s, up_bytes_s, availability:
-    # replaces the capacity mapping (and the constants above) for the clients it lists. Checked strictly
-    # (docs/guides/device-time.md): only those columns, integer client ids of the federation, each once,
-    # values in the ranges above
-    trace: str | None = None
-    # SHA-256 of the trace file's bytes, recorded when the config is built (never set it by hand): part of
-    # the config hash, so a run refuses to start or resume on a trace edited since
-    trace_sha256: str | None = None
-    # sync: synchronous rounds under devices.policy; async: asynchronous training on the simulated clock
-    # (FedBuff, Nguyen et al. 2022), a rounds row per server step, settings in the asynchronous section
-    # (docs/guides/device-time.md#asynchronous-training)
-    mode: str = "sync"
-
-    def __post_init__(self) -> None:
-        check_choice("devices.mode", self.mode, DEVICE_MODES)
-        for f, (low, high) in DEVICE_RANGES.items():
-            v = getattr(self, f)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high):  # NaN: False
-                why = DEVICE_RANGE_WHY if f != "over_select" else "so that the sample ceil(k * (1 + over_select)) is finite"
-                fail(f"devices.{f}", v, f"must be a number in [{low:g}, {high:g}] ({why})")
-        check_choice("devices.policy", self.policy, DEVICE_POLICIES)
-        if self.deadline_s is not None:
-            check_positive("devices.deadline_s", self.deadline_s)
-        if self.policy == "deadline" and self.deadline_s is None:
-            fail("devices.deadline_s", None, "must be a number of seconds > 0 with devices.policy=deadline")
-        check_ratio("devices.availability", self.availability, low_open=True)
-        if self.trace is not None and not str(self.trace).endswith((".csv", ".parquet")):
-            fail("devices.trace", self.trace, "must be a .csv or .parquet file")
-        if self.trace_sha256 is not None:
-            if not isinstance(self.trace_sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", self.trace_sha256):
-                fail("devices.trace_sha256", self.trace_sha256, "must be 64 lowercase hex digits (recorded by the "
-                                                                 "config builder from the trace file)")
-            if self.trace is None:
-                fail("devices.trace_sha256", self.trace_sha256, "is the hash of devices.trace, which is not set")
-
-
-@dataclass(frozen=True)
-class AsyncConfig:
-    """Asynchronous training on the simulated device clock (``devices.mode=async``; docs/guides/device-time.md):
-    ``concurrency`` clients train at once, each finishing at its simulated time; the server applies the
-    buffered updates as deltas every ``buffer_size`` arrivals (FedBuff, Nguyen et al. 2022, Algorithm 1;
-    ``buffer_size=1`` is FedAsync, Xie et al. 2019), each weighted by a function of its staleness. One
-    ``training.rounds`` is one server step; ``training.eval_every`` counts server steps, unless
-    ``eval_every_s`` times the evaluation on the simulated clock. Only read with ``devices.mode=async`` (a
-    field set otherwise is refused)."""
-
-    # clients training at once; null: round(training.participation x data.num_clients), a synchronous round's clients
-    concurrency: int | None = None
-    # arrivals per server step (FedBuff's K); null: concurrency; 1: FedAsync
-    buffer_size: int | None = None
-    # weight of an update of staleness s: constant 1, polynomial (1 + s)^-a, hinge 1 if s <= b else 1/(a(s - b) + 1)
-    # (FedAsync, Xie et al. 2019, section 5.2)
-    staleness: str = "constant"
-    # a of the polynomial and hinge rules; null: FedAsync's experimental values, 0.5 (polynomial), 10 (hinge)
-    staleness_a: float | None = None
-    # b of the hinge rule (staleness steps before the weight falls); FedAsync's experiments use 4
-    staleness_b: float = 4.0
-    # server learning rate eta_g: the step moves the model by eta_g x the weighted mean delta (FedBuff Alg. 1)
-    server_lr: float = 1.0
-    # updates staler than this many server steps are discarded (clients.straggler); null: none is discarded
-    max_staleness: int | None = None
-    # evaluate every this many simulated seconds instead of every training.eval_every steps: at the first step
-    # whose rounds.sim_elapsed_s reaches each multiple (once, however many multiples the step passes) and at the
-    # last step; training.deployed_every then counts these periods. null: by steps (training.eval_every)
-    eval_every_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for f in ("concurrency", "buffer_size"):
-            v = getattr(self, f)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                fail(f"asynchronous.{f}", v, "must be null or an integer >= 1")
-        check_choice("asynchronous.staleness", self.staleness, STALENESS_RULES)
-        if self.staleness_a is not None:
-            check_positive("asynchronous.staleness_a", self.staleness_a)
-        check_positive("asynchronous.staleness_b", self.staleness_b, allow_zero=True)
-        check_positive("asynchronous.server_lr", self.server_lr)
-        if self.max_staleness is not None and (not isinstance(self.max_staleness, int)
-                                               or isinstance(self.max_staleness, bool) or self.max_staleness < 0):
-            fail("asynchronous.max_staleness", self.max_staleness, "must be null or an integer >= 0")
-        if self.eval_every_s is not None and not (is_number(self.eval_every_s) and math.isfinite(self.eval_every_s)
-                                                  and self.eval_every_s > 0):
-            fail("asynchronous.eval_every_s", self.eval_every_s, "must be null or a positive finite number of "
-                                                                  "simulated seconds")
-
 
 def check_async(cfg: ExperimentConfig) -> None:
     """The checks across sections of an asynchronous config (``devices.mode``): the asynchronous fields are
@@ -682,103 +423,3 @@ def _to_plain(x: Any) -> Any:
         return [_to_plain(v) for v in x]
     return x
 
-
-Checks = Mapping[type, Callable[[Any], None]]  # extra checks run on each built node of a type
-
-
-def construct(cls: Any, d: Any, prefix: str, checks: Checks | None = None) -> Any:
-    """The dataclass ``cls`` from the plain mapping ``d``, each value coerced to its field's type;
-    a one-line ConfigError naming ``prefix + key`` otherwise. ``checks[t](node)`` runs on every node
-    of type ``t`` as soon as it is built (how the config layer checks algorithm options, which this
-    module cannot know), so errors come in the order of the mapping's keys."""
-    if not isinstance(d, Mapping):
-        fail(prefix.rstrip(".") or "config", d, "must be a mapping")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [k for k in d if k not in fields]
-    if unknown:
-        k = unknown[0]  # any YAML key (an int, a null, ''), named as written: quoted unless it is a plain word
-        key = key_text(k)
-        fail(f"{prefix}{key}", d[k], f"unknown key; allowed keys under {prefix.rstrip('.') or 'the top level'} are " + ", ".join(fields))
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for k, v in d.items():
-        kwargs[k] = coerce(hints[k], v, prefix + k, checks)
-    try:
-        node = cls(**kwargs)
-    except TypeError as e:  # pragma: no cover - defensive
-        raise ConfigError(f"invalid {prefix.rstrip('.')}: {e}") from e
-    if checks and cls in checks:
-        checks[cls](node)
-    return node
-
-
-INT64_MAX = 2**63 - 1  # what the Parquet int64 columns (seed, rounds, num_clients...) can hold
-_SCALAR_ERRORS = {
-    float: {"finite_number": "must be a finite number (not NaN or infinity)"},
-    int: {"greater_than_equal": "must be an integer between -2**63 and 2**63-1",
-          "less_than_equal": "must be an integer between -2**63 and 2**63-1"},
-}
-
-
-@functools.cache
-def _adapter(tp: type) -> Any:
-    """A pydantic validator for one scalar type: strict (no "1" for 1, no bools for numbers),
-    no NaN or infinity (a NaN slips through every hand-written ``v <= 0`` check), and
-    integers within int64."""
-    from pydantic import ConfigDict, Field, TypeAdapter
-
-    if tp is int:
-        return TypeAdapter(typing.Annotated[int, Field(strict=True, ge=-INT64_MAX - 1, le=INT64_MAX)])
-    return TypeAdapter(tp, config=ConfigDict(strict=True, allow_inf_nan=False))
-
-
-def _scalar(tp: type, v: Any, name: str) -> Any:
-    """``v`` as a ``tp`` (int or float), or a one-line ConfigError naming ``name``."""
-    from pydantic import ValidationError
-
-    if isinstance(v, bool):  # a bool is an int to Python, never a number to a config
-        fail(name, v, "must be a number" if tp is float else "must be an integer")
-    try:
-        return _adapter(tp).validate_python(v)
-    except ValidationError as e:
-        kind = e.errors()[0]["type"]
-        if name == "seed" and kind in _SCALAR_ERRORS[int]:
-            fail(name, v, SEED_ALLOWED)
-        fail(name, v, _SCALAR_ERRORS[tp].get(kind, "must be a number" if tp is float else "must be an integer"))
-
-
-def coerce(tp: Any, v: Any, name: str, checks: Checks | None = None) -> Any:
-    """``v`` as a value of type ``tp`` (dataclass, optional, tuple, mapping, scalar), strictly: one
-    rule for the config tree and for every strategy's options (:mod:`fedsap_ray.algorithms.registry`)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return construct(tp, v, name + ".", checks)
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return coerce(inner[0], v, name, checks)
-    if origin is tuple:
-        if not isinstance(v, (list, tuple)):
-            fail(name, v, "must be a list")
-        return tuple(coerce(args[0], x, name, checks) for x in v)
-    if origin in (Mapping, dict) or tp is Mapping:
-        if not isinstance(v, Mapping):
-            fail(name, v, "must be a mapping")
-        return dict(v)
-    if tp is float:
-        return _scalar(float, v, name)
-    if tp is int:
-        if isinstance(v, float) and v.is_integer():  # YAML/JSON may spell an integer 3.0
-            v = int(v)
-        return _scalar(int, v, name)
-    if tp is bool:
-        if not isinstance(v, bool):
-            fail(name, v, "must be true or false")
-        return v
-    if tp is str:
-        if not isinstance(v, str):
-            fail(name, v, "must be a string")
-        return v
-    return v

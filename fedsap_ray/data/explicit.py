@@ -43,7 +43,7 @@ import numpy as np
 from fedsap_ray.data.base import Federation
 from fedsap_ray.digest import arrays_digest
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.schema import short
+from fedsap_ray.config.checks import short
 
 FILE_KEYS = ("clients", "allow_overlap")
 CLIENT_KEYS = ("id", "domain", "indices", "capacity")

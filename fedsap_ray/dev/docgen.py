@@ -188,7 +188,9 @@ def _nest(path: list[str], value: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- config.md
 
 def config_page() -> str:
-    from fedsap_ray.config import build as config
+    from fedsap_ray import config
+    from fedsap_ray.config.build import preset_option_defaults
+    from fedsap_ray.config.coerce import construct
 
     sections = [("", config.ExperimentConfig)] + [
         (f.name, f.type if isinstance(f.type, type) else typing.get_type_hints(config.ExperimentConfig)[f.name])
@@ -223,7 +225,7 @@ def config_page() -> str:
                 allowed = "the options of the chosen algorithm"
             elif name:  # the section alone: checks across sections would answer for the probe's side effects
                 msgs = probe_messages(full, hints[f.name],
-                                      lambda v, c=cls, n=f.name, pre=name: config.construct(c, {n: v}, pre + "."))
+                                      lambda v, c=cls, n=f.name, pre=name: construct(c, {n: v}, pre + "."))
                 allowed = "; ".join(msgs)
             else:  # top level: build_config also checks the preset name
                 msgs = probe_messages(full, hints[f.name],
@@ -241,7 +243,7 @@ def config_page() -> str:
     rows = []
     for preset, d in config.PRESETS.items():
         fields = _flatten(dict(d))
-        algo = {a: o for a, o in config.preset_option_defaults(preset).items() if o}
+        algo = {a: o for a, o in preset_option_defaults(preset).items() if o}
         per_algo = "; ".join(f"{a}: " + ", ".join(f"{k}={fmt_value(v)}" for k, v in opts.items())
                              for a, opts in algo.items())
         rows.append([code(preset), cell(config.PRESET_NOTES[preset]),
@@ -414,7 +416,7 @@ def writers(table: str, declaring: Iterable[str]) -> list[str]:
 def _kept_models_section() -> str:
     """The results page's last section: the files a run keeps under ``OUT/models/<run_id>/`` (fedsap_ray.results.kept)."""
     from fedsap_ray.results import kept
-    from fedsap_ray.config.schema import KEEP_MODELS
+    from fedsap_ray.config.checks import KEEP_MODELS
 
     return (f"\n## Kept models\n\nBeside the tables, a run keeps the models `training.keep_model` names "
             f"({', '.join(code(k) for k in KEEP_MODELS)}; default `final`) in "
@@ -576,7 +578,7 @@ def dataset_table() -> str:
     """Every registered dataset: what it is, how to get its files, what the config allows for it."""
     from fedsap_ray.data.registry import dataset_names, get_source
 
-    from fedsap_ray.config.schema import PARTITIONS
+    from fedsap_ray.config.checks import PARTITIONS
 
     rows = []
     for name in dataset_names():

@@ -30,7 +30,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
 from fedsap_ray.grouping import agreement, canonical_labels
-from fedsap_ray.config.schema import check_choice, check_number
+from fedsap_ray.config.checks import check_choice, check_number
 
 DGA_MODES = ("gradient", "none", "oracle", "random")
 DGA_METHODS = ("components", "agglomerative")

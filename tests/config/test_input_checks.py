@@ -121,7 +121,7 @@ def test_random_budget_p_low_above_p_min_is_legal_and_documented(capsys):
     assert cfg.algorithm.options["p_low"] == 0.9
     from pathlib import Path
 
-    page = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "algorithms.md").read_text()
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "algorithms.md").read_text()
     assert "Above p_min is legal" in page
 
 
@@ -199,7 +199,7 @@ def _ablation():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "sweeps" / "ablation.py"
+    path = Path(__file__).resolve().parents[2] / "sweeps" / "ablation.py"
     spec = importlib.util.spec_from_file_location("sweep_ablation_checks", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

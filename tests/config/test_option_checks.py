@@ -1,4 +1,4 @@
-"""The shared option checks (``fedsap_ray.config.schema``: ``check_number``, ``check_int``, ``check_bool``,
+"""The shared option checks (``fedsap_ray.config.checks``: ``check_number``, ``check_int``, ``check_bool``,
 ``check_choice``, ``fail``): the exact lines they answer, and that the strategies' ``Options`` use them
 rather than writing their own (issue 43: a dozen hand-written copies had drifted apart in wording and in
 what they let through, e.g. FedProx accepted ``mu=true`` and FedSAP a NaN temperature)."""
@@ -14,7 +14,7 @@ import pytest
 
 from fedsap_ray import algorithms
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.schema import check_bool, check_choice, check_int, check_number, fail
+from fedsap_ray.config.checks import check_bool, check_choice, check_int, check_number, fail
 
 ALGORITHMS = Path(algorithms.__file__).parent
 
@@ -93,7 +93,7 @@ def hand_written_checks(root: Path) -> list[str]:
 
 def test_strategies_options_use_the_shared_checks() -> None:
     hits = hand_written_checks(ALGORITHMS)
-    assert not hits, ("option checks written by hand in fedsap_ray/algorithms (use fedsap_ray.config.schema's "
+    assert not hits, ("option checks written by hand in fedsap_ray/algorithms (use fedsap_ray.config.checks's "
                       "check_number / check_int / check_bool / check_choice / fail):\n" + "\n".join(hits))
 
 

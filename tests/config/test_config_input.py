@@ -17,7 +17,9 @@ from faultkit import TINY, cli, sets, tiny_run
 from fedsap_ray import devices, limits
 from fedsap_ray.config import MAX_YAML_NODES, build_config, load_file
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.schema import DEVICE_RANGES, DevicesConfig, ExperimentConfig, short
+from fedsap_ray.config.checks import DEVICE_RANGES, short
+from fedsap_ray.config.device_config import DevicesConfig
+from fedsap_ray.config.schema import ExperimentConfig
 
 
 def _refused(capsys, *args: str, needles: tuple[str, ...]) -> str:
