@@ -72,12 +72,12 @@ from fedsap_ray.devices import SimRound, available, client_time, round_size
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.evaluate import evaluate_modes
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
-from fedsap_ray.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
+from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.results.recorder import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
 from fedsap_ray.server import Server, due
 from fedsap_ray.staleness import update_factor, weight_for
-from fedsap_ray.statecheck import BadCheckpoint, check_params
+from fedsap_ray.persist.statecheck import BadCheckpoint, check_params
 
 __all__ = ["AsyncServer", "AsyncStrategy", "RunNote", "Update", "crossed", "synchronous_equivalent"]
 
@@ -345,9 +345,9 @@ class AsyncServer(Server):
         deployed = self._evaluate_deployed(state) if deployed_now and cfg.training.eval_deployed else {}
         return RoundEvaluation(by_mode=by_mode, deployed=deployed), time.perf_counter() - t0
 
-    # --- checkpoint state (the round's checkpoint holds it: fedsap_ray.session, fedsap_ray.messagetree) ------------
+    # --- checkpoint state (the round's checkpoint holds it: fedsap_ray.session, fedsap_ray.persist.messagetree) ------------
     def state_dict(self) -> dict[str, Any]:
-        """The engine's state after a server step, as a checkpoint tree (:mod:`fedsap_ray.treecodec`): the clock,
+        """The engine's state after a server step, as a checkpoint tree (:mod:`fedsap_ray.persist.treecodec`): the clock,
         the dispatch counters (selection seeds), the event queue (heap order) with every update in flight, the
         buffer and the discarded arrivals, each update with its plan, its result and its version's downloaded
         vector, stored once per version (``bases``) however many updates downloaded it. Wall time (``train_s``) is
@@ -370,7 +370,7 @@ class AsyncServer(Server):
 
     def load_state_dict(self, tree: Any, state: ServerState, where: str) -> None:
         """Restore :meth:`state_dict`'s ``tree``, written after server step ``state.round``. Everything is checked
-        before anything is set, each refusal a :class:`~fedsap_ray.statecheck.BadCheckpoint` (exit 2) that starts
+        before anything is set, each refusal a :class:`~fedsap_ray.persist.statecheck.BadCheckpoint` (exit 2) that starts
         with ``where`` and names the field (``engine.flight[2]: ...``)."""
         if tree is None:
             raise BadCheckpoint(f"{where} holds no asynchronous engine state (the event queue and the clients in "

@@ -280,7 +280,7 @@ def _compact(args) -> int:
 
     try:
         if not results.is_uri(args.out):
-            from fedsap_ray.outdir import OutDir
+            from fedsap_ray.persist.outdir import OutDir
 
             OutDir(args.out)  # refuses a path the file system cannot hold before anything looks at it
         if not results.is_uri(args.out) and Path(args.out).is_dir():
@@ -288,7 +288,7 @@ def _compact(args) -> int:
 
             recover_abandoned(Path(args.out))  # an overwrite a kill left half done: finished before compacting
         n = results.compact(args.out)
-    except ConfigError:  # an entry of the folder it refuses to touch (fedsap_ray.outdir): names the entry
+    except ConfigError:  # an entry of the folder it refuses to touch (fedsap_ray.persist.outdir): names the entry
         raise
     except (FileNotFoundError, ValueError) as e:
         print(f"fedsap-ray: error: compact {args.out}: {e}", file=sys.stderr)
@@ -347,7 +347,7 @@ def check_export_out(out: str) -> str:
         raise ConfigError(f"invalid OUT={out!r}: must name the results folder of the run")
     if results.is_uri(out):
         return out
-    from fedsap_ray.outdir import OutDir
+    from fedsap_ray.persist.outdir import OutDir
 
     OutDir(out)  # refuses a path the file system cannot hold
     if not Path(out).is_dir():

@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
-from fedsap_ray import checkpoint
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist import checkpoint
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.results import aside
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation

@@ -33,7 +33,7 @@ batches of :data:`CHECK_BATCH`, so a batch size baked into the graph fails the c
   header metadata and in the sidecar ``<name>.json`` :func:`load_safetensors` rebuilds the model from (no
   pickle anywhere: reading a safetensors file runs no code).
 
-Files appear whole or not at all (:func:`fedsap_ray.atomic.atomic_write`). onnx and onnxruntime are the
+Files appear whole or not at all (:func:`fedsap_ray.persist.atomic.atomic_write`). onnx and onnxruntime are the
 optional ``export`` extra, imported only when an ONNX export is asked for (:func:`require`).
 """
 from __future__ import annotations
@@ -55,7 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.atomic import atomic_write
+from fedsap_ray.persist.atomic import atomic_write
 from fedsap_ray.data.base import as_input
 from fedsap_ray.common.errors import ConfigError
 

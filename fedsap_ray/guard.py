@@ -18,8 +18,9 @@ from collections.abc import Iterator
 
 import pyarrow.parquet as pq
 
-from fedsap_ray import checkpoint, results, statecheck
-from fedsap_ray.outdir import DIR, FILE, OutDir, check_name_lengths, lock_path
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint, statecheck
+from fedsap_ray.persist.outdir import DIR, FILE, OutDir, check_name_lengths, lock_path
 from fedsap_ray.results import aside, kept
 from fedsap_ray.results.store import check_tree
 from fedsap_ray.common.errors import CheckpointUnreadable, ConfigError, DatasetUnavailable
@@ -183,7 +184,7 @@ def check_resumable(out: Path, run_id: str) -> dict[str, Any]:
 
     Without this a resume would start from the checkpoint and silently rewrite a missing table from the
     resumed round on, losing the rounds before it. The checkpoint's content against the model and the
-    strategy is checked once they are built (:mod:`fedsap_ray.statecheck`, by the session).
+    strategy is checked once they are built (:mod:`fedsap_ray.persist.statecheck`, by the session).
     """
     out = Path(out)
     field = f"--resume={run_id!r}"
@@ -204,7 +205,7 @@ AFRESH = "; restore the file, or start the run afresh (--run-id ID --overwrite)"
 
 
 def load_checkpoint(out: Path, run_id: str, field: str, hint: str = "") -> dict[str, Any]:
-    """The run's checkpoint (:func:`fedsap_ray.checkpoint.load`: its format and content digest checked), or a
+    """The run's checkpoint (:func:`fedsap_ray.persist.checkpoint.load`: its format and content digest checked), or a
     ConfigError naming ``field`` and the file (``hint``: what to do, appended)."""
     try:
         return checkpoint.load(out, run_id)
@@ -217,7 +218,7 @@ def check_trial_checkpoint(out: Path, run_id: str, cfg: ExperimentConfig, field:
     from it), each refusal one line naming ``field`` and the file and ending with ``afresh``: its format and
     content digest; its round within the trial's rounds; an asynchronous engine's state exactly when the trial
     has ``devices.mode=async``; and the run's tables against it (:func:`check_tables`). What needs the model
-    and the strategy built (:mod:`fedsap_ray.statecheck`) is left to the trial, which builds them. Returns it.
+    and the strategy built (:mod:`fedsap_ray.persist.statecheck`) is left to the trial, which builds them. Returns it.
 
     The ``runs`` row's ``rounds_done`` is not compared (unlike :func:`check_resumable`): a trial whose start
     failed once (its data could not be loaded) has a ``failed`` row with no round, beside a good checkpoint."""
@@ -356,7 +357,7 @@ def recover_abandoned(out: Path) -> dict[str, str]:
 
 def check_layout(out: Path, run_id: str) -> None:
     """Before any work: every entry of ``out`` a run touches is of the right kind and no link
-    (:class:`~fedsap_ray.outdir.OutDir`): the table and checkpoint folders, the run's lock, files,
+    (:class:`~fedsap_ray.persist.outdir.OutDir`): the table and checkpoint folders, the run's lock, files,
     parts and checkpoint, and a pending overwrite's folder. A refusal names the entry (exit 2)."""
     d = OutDir(out)
     d.check(out, DIR)

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 import fedsap_ray
-from fedsap_ray import algorithms, checkpoint, devices, statecheck
+from fedsap_ray import algorithms, devices
+from fedsap_ray.persist import checkpoint, statecheck
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation

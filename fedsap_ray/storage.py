@@ -1,7 +1,7 @@
 """Where a sweep's results go: a local folder, or any pyarrow filesystem URI (``s3://``...).
 
 A run always writes its per-run Parquet files and checkpoint to a local folder
-(:class:`~fedsap_ray.results.RunWriter` and :mod:`fedsap_ray.checkpoint` stay plain
+(:class:`~fedsap_ray.results.RunWriter` and :mod:`fedsap_ray.persist.checkpoint` stay plain
 local-file code: each round adds its part files). For a remote ``--out`` that local folder is a
 node-local staging directory, and :meth:`ResultsDestination.push` copies the run's files
 to the destination after each round, so trials on every node of a cluster land in one
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from fedsap_ray import checkpoint, results
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.results import kept
-from fedsap_ray.atomic import atomic_write
+from fedsap_ray.persist.atomic import atomic_write
 
 _COPY_CHUNK = 1 << 20
 

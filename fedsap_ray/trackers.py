@@ -255,7 +255,7 @@ def _spec(name: str, location: str, field: str, out: str | None) -> TrackerSpec:
             raise ConfigError(f"invalid {field}={location!r}: {name} writes to a local folder, not a URI")
         return TrackerSpec(name, location)
     from fedsap_ray.guard import check_out_writable
-    from fedsap_ray.outdir import DIR, OutDir
+    from fedsap_ray.persist.outdir import DIR, OutDir
 
     folder = Path(location).expanduser().absolute()
     if out is not None:
@@ -440,7 +440,7 @@ MAKERS: dict[str, Callable[[TrackerSpec], Tracker]] = {
 
 def _made(spec: TrackerSpec, folder: Path) -> Path:
     """``folder`` created; inside the results folder through its checks (no link followed)."""
-    from fedsap_ray.outdir import OutDir
+    from fedsap_ray.persist.outdir import OutDir
 
     if spec.out is not None:
         return OutDir(spec.out).mkdir(folder)

@@ -7,7 +7,7 @@ runs (``--resume``; a folder that already holds the sweep is refused without it)
 under Tune (:func:`sweeps.tuner.run_trials`) and print the study's table.
 
 Resuming (``--resume``): finished runs are skipped; every other trial runs again and
-continues from its per-round checkpoint (``fedsap_ray.checkpoint``), whether the driver was
+continues from its per-round checkpoint (``fedsap_ray.persist.checkpoint``), whether the driver was
 stopped by Ctrl-C, killed, or a trial crashed. Tune retries a failed trial
 (``--max-failures``); a retry also resumes from the checkpoint. Trials that still fail are
 listed with their error and the script exits with status 1. Before Ray starts, a resume checks
@@ -30,10 +30,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from fedsap_ray import checkpoint, guard, results
+from fedsap_ray import guard, results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError, parse_override
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.results import kept
 from fedsap_ray.results.reader import read_arrow
 from fedsap_ray.results.store import is_dir, list_table, run_ids
@@ -356,7 +357,7 @@ def drop_stale_checkpoints(dest: ResultsDestination, finished: Sequence[str]) ->
 
 def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) -> None:
     """A run to continue whose checkpoint is an older version's pickle is refused before Ray starts
-    (reading it could run code: :mod:`fedsap_ray.checkpoint`), naming the file and what to do."""
+    (reading it could run code: :mod:`fedsap_ray.persist.checkpoint`), naming the file and what to do."""
     for run_id in run_ids:
         if dest.is_remote:
             assert dest.fs is not None  # set whenever is_remote

@@ -30,8 +30,9 @@ from typing import Any
 import ray
 from ray import tune
 
-from fedsap_ray import checkpoint, guard
-from fedsap_ray.outdir import OutDir
+from fedsap_ray import guard
+from fedsap_ray.persist import checkpoint
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.data.federation import build_federation
 from fedsap_ray.data.node_cache import shared_splits
 from fedsap_ray.driver import DriverCallback, drive

@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from hypothesis import strategies as st
 
-from fedsap_ray import treecodec
+from fedsap_ray.persist import treecodec
 from fedsap_ray.config import MAX_YAML_NODES
 
 # ----------------------------------------------------------------------------------------- folders

@@ -15,7 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedsap_ray import checkpoint, results, treecodec
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint, treecodec
 from fedsap_ray.algorithms.fedprox import ProximalTerm
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.asyncmode import AsyncServer
@@ -23,7 +24,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.common.messages import ClientPlan, ClientResult, Overlay, ServerState
-from fedsap_ray.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
+from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.runtime.local import LocalBackend
 from fedsap_ray.session import RunSession
 from tests.conftest import federation_fixture, steady, tiny_overrides

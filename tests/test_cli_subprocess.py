@@ -18,7 +18,8 @@ import pytest
 
 from conftest import steady, tiny_overrides
 from faultkit import runs_row, sets
-from fedsap_ray import checkpoint, results
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
 from test_cli import BAD_INPUT, one_line_refusal

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from faultkit import TINY, cli, runs_row, sets
-from fedsap_ray import checkpoint
+from fedsap_ray.persist import checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                                         "ignore:invalid value encountered:RuntimeWarning")

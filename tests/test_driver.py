@@ -6,7 +6,8 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from fedsap_ray import checkpoint, results
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.driver import DriverCallback, drive

@@ -7,7 +7,8 @@ import os
 import pytest
 
 from faultkit import TINY, cli, runs_row, sets, temp_files, tmpfs
-from fedsap_ray import checkpoint, results
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
 
@@ -76,7 +77,7 @@ def test_a_runs_row_that_cannot_be_written_never_replaces_the_error(tmp_path, ca
 def test_a_disk_full_error_names_the_file_it_failed_on(tmp_path, monkeypatch):
     """A write on a full disk raises ENOSPC with no file name; atomic_write adds the file's own path
     (what the user must free space for), and leaves no temporary file."""
-    from fedsap_ray.atomic import atomic_write
+    from fedsap_ray.persist.atomic import atomic_write
 
     target = tmp_path / "checkpoints" / "r.npz"
     with pytest.raises(OSError) as e:

@@ -62,7 +62,8 @@ from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 from faultkit import TINY, cli, tiny_run
-from fedsap_ray import results, treecodec
+from fedsap_ray import results
+from fedsap_ray.persist import treecodec
 from fedsap_ray.dev import golden
 from fedsap_ray.cli import main
 from fedsap_ray.common.errors import ConfigError

@@ -234,7 +234,7 @@ def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monk
     """Round 3's rows reach disk but its checkpoint does not (the run dies in between): the resume
     from round 2 drops them (as parts, or inside the merged per-run file) and redoes round 3, so the
     tables equal an uninterrupted run's."""
-    from fedsap_ray import checkpoint
+    from fedsap_ray.persist import checkpoint
 
     save = checkpoint.save
 

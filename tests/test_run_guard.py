@@ -13,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from faultkit import TINY, cli, runs_row, sets, tiny_run, tmpfs
-from fedsap_ray import checkpoint, results
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
 from fedsap_ray.guard import RunClaim
 

@@ -73,10 +73,10 @@ class Strategy(ABC):
     # the dataclass of ``ServerState.strategy_state`` (None: a dict); checkpoints store its fields (state_tree)
     State: ClassVar[type | None] = None
     # fields a dict state gains after its first round (absent from init_state): a resume accepts them in a
-    # checkpoint, and refuses any other field the initial state lacks (fedsap_ray.statecheck)
+    # checkpoint, and refuses any other field the initial state lacks (fedsap_ray.persist.statecheck)
     state_keys: ClassVar[tuple[str, ...]] = ()
     # fields of the state that hold model-sized vectors (as long as the parameter vector), directly or one per
-    # client or group id: a resume refuses a checkpoint where one has another length (fedsap_ray.statecheck)
+    # client or group id: a resume refuses a checkpoint where one has another length (fedsap_ray.persist.statecheck)
     state_vectors: ClassVar[tuple[str, ...]] = ()
     # option defaults per config preset, beneath the user's options: a method scales its own schedules (a
     # warm-up, an adaptation interval) to a preset's round budget (fedsap_ray.config.apply_algorithm_defaults)
@@ -223,7 +223,7 @@ class Strategy(ABC):
 
     # --- checkpoints: the strategy's own state as a tree the code-free format stores ----------
     def state_tree(self, strategy_state: Any) -> dict[str, Any]:
-        """``strategy_state`` as a dict of storable values (:mod:`fedsap_ray.treecodec`): its fields when it
+        """``strategy_state`` as a dict of storable values (:mod:`fedsap_ray.persist.treecodec`): its fields when it
         is the dataclass :attr:`State` declares, else the dict itself."""
         if self.State is not None:
             return {f.name: getattr(strategy_state, f.name) for f in dataclasses.fields(self.State)}

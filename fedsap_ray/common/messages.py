@@ -195,7 +195,7 @@ class ServerState:
     round: int
     params: np.ndarray  # float32 [n_params], the global model
     # what the strategy keeps between rounds besides the global model: its own state (a dict, or the dataclass its
-    # ``Strategy.State`` declares); only the strategy reads it, checkpoints store it (fedsap_ray.treecodec)
+    # ``Strategy.State`` declares); only the strategy reads it, checkpoints store it (fedsap_ray.persist.treecodec)
     strategy_state: Any = field(default_factory=dict)
 
 

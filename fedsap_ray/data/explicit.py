@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray.data.base import Federation
-from fedsap_ray.digest import arrays_digest
+from fedsap_ray.persist.digest import arrays_digest
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.config.checks import short
 
@@ -124,7 +124,7 @@ class ExplicitPartition:
 
     def save(self, path: str | Path) -> Path:
         """Write the file for ``data.partition_file`` (whole or not at all); returns its path."""
-        from fedsap_ray.atomic import atomic_write
+        from fedsap_ray.persist.atomic import atomic_write
 
         path = Path(path)
         with atomic_write(path) as f:

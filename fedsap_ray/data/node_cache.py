@@ -67,7 +67,7 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.cachefile import Unusable
 from fedsap_ray.data.registry import DomainSplits, get_source
 from fedsap_ray.data.status import cache_home
-from fedsap_ray.digest import json_digest
+from fedsap_ray.persist.digest import json_digest
 from fedsap_ray.common.errors import DatasetUnavailable
 from fedsap_ray.config.schema import ExperimentConfig
 

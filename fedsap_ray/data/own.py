@@ -39,7 +39,7 @@ import torch
 from fedsap_ray.data.base import DomainData, InputKind
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.status import cache_home
-from fedsap_ray.digest import arrays_digest
+from fedsap_ray.persist.digest import arrays_digest
 from fedsap_ray.common.errors import DatasetUnreadable
 from fedsap_ray.config.registry import DATASETS
 
@@ -228,7 +228,7 @@ def make_splits(name: str, train: Split, test: Split, *, num_classes: int | None
 def splits_digest(splits: DomainSplits) -> str:
     """sha256 of a dataset's arrays (every domain's train and test x and y, in domain order) and of what describes
     them (name, domains, classes, input kind and shape, vocabulary): what ``runs.partition_hash`` covers of own
-    data (:mod:`fedsap_ray.digest`)."""
+    data (:mod:`fedsap_ray.persist.digest`)."""
     arrays = {f"{part}/{k:06d}/{a}": getattr(getattr(splits, part)[d], a).numpy()
               for part in ("train", "test") for k, d in enumerate(splits.domains) for a in ("x", "y")}
     meta = {"dataset": splits.dataset, "domains": list(splits.domains), "num_classes": splits.num_classes,

@@ -14,13 +14,13 @@ are not results). Then:
   :func:`fedsap_ray.guard.claimed`) finishes the one that applies: commit when the new run's checkpoint
   exists, else restore.
 
-Everything goes through :class:`fedsap_ray.outdir.OutDir`.
+Everything goes through :class:`fedsap_ray.persist.outdir.OutDir`.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.results import kept
 from fedsap_ray.results.writer import drop_compacted, run_files
 

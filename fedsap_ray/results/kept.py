@@ -25,10 +25,10 @@ its Global Acc., its Experiments section and Table 1; papers/003 reports the fin
   :func:`fedsap_ray.evaluate.calibrate_bn_`) from the federation rebuilt from the stored config; the digest
   of each client's data is kept, so a federation that rebuilds differently is refused, never used.
 
-Every file goes through the results folder's door (:class:`fedsap_ray.outdir.OutDir`: no link followed,
-nothing outside the folder) and appears whole (:func:`fedsap_ray.atomic.atomic_write`); safetensors holds
+Every file goes through the results folder's door (:class:`fedsap_ray.persist.outdir.OutDir`: no link followed,
+nothing outside the folder) and appears whole (:func:`fedsap_ray.persist.atomic.atomic_write`); safetensors holds
 tensors and a JSON header only, so reading one runs no code, as every file the project reads. Reading checks
-content (:mod:`fedsap_ray.digest`): a JSON edited, a tensor file damaged, replaced or swapped with another
+content (:mod:`fedsap_ray.persist.digest`): a JSON edited, a tensor file damaged, replaced or swapped with another
 run's or another ``which``'s, is refused by name (:class:`KeptModelError`). The JSON files are written last
 and bind the tensors they describe, so a write killed half way is refused on load and rewritten by the resume.
 
@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsap_ray.digest import arrays_digest, json_digest
+from fedsap_ray.persist.digest import arrays_digest, json_digest
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.outdir import FILE, OutDir
+from fedsap_ray.persist.outdir import FILE, OutDir
 from fedsap_ray.results.store import check_run_id, filesystem, list_table, run_ids
 
 if TYPE_CHECKING:  # type-only: nothing here imports torch at module level

@@ -20,9 +20,10 @@ import pytest
 
 from faultkit import TINY, cli, tiny_run
 from fuzzkit import snapshot
-from fedsap_ray import algorithms, checkpoint, results
+from fedsap_ray import algorithms, results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.outdir import OutDir, UnsafeEntry
+from fedsap_ray.persist.outdir import OutDir, UnsafeEntry
 from fedsap_ray.results import aside
 
 RUN = ["--preset", "smoke", *[a for o in TINY for a in ("--set", o)], "--quiet"]

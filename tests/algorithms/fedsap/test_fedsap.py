@@ -270,7 +270,7 @@ def test_resumed_fedsap_run_equals_uninterrupted(tmp_path, fed, smoke):
 
     with pytest.raises(KeyboardInterrupt):
         run_experiment(cfg, tmp_path / "cut", run_id="r", federation=fed, progress=stop_after_round_2)
-    from fedsap_ray import checkpoint
+    from fedsap_ray.persist import checkpoint
 
     saved = checkpoint.load(tmp_path / "cut", "r")["server"]["best_by_mode"]
     g = results.load(tmp_path / "cut").rounds

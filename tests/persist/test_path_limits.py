@@ -9,7 +9,7 @@ import pytest
 from faultkit import cli
 from fedsap_ray import results
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.outdir import DEEPEST_BELOW, OutDir
+from fedsap_ray.persist.outdir import DEEPEST_BELOW, OutDir
 
 
 def _limits(path) -> tuple[int, int]:

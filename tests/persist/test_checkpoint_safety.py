@@ -1,5 +1,5 @@
 """Checkpoints cannot run code: the state is a JSON skeleton plus npz arrays read with allow_pickle=False
-(fedsap_ray.treecodec); a pickle where a checkpoint belongs is refused without being run; pickled
+(fedsap_ray.persist.treecodec); a pickle where a checkpoint belongs is refused without being run; pickled
 checkpoints of older versions are never opened; every strategy's state round-trips exactly."""
 from __future__ import annotations
 
@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from faultkit import TINY, cli, sets, tiny_run
-from fedsap_ray import algorithms, checkpoint, treecodec
+from fedsap_ray import algorithms
+from fedsap_ray.persist import checkpoint, treecodec
 from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def same(a: Any, b: Any) -> bool:
@@ -403,9 +404,9 @@ def test_a_version_1_checkpoint_without_a_digest_still_resumes(tmp_path, cut_run
 
 
 def test_the_digest_covers_every_array_the_skeleton_names_and_the_json_and_nothing_else():
-    """A version 2 file's digest is fedsap_ray.digest's over the JSON (less the digest) and the named arrays: an
+    """A version 2 file's digest is fedsap_ray.persist.digest's over the JSON (less the digest) and the named arrays: an
     array the skeleton does not name is never read, so it is no part of the content."""
-    from fedsap_ray import digest
+    from fedsap_ray.persist import digest
 
     buf = io.BytesIO()
     treecodec.write(buf, {"a": np.arange(5), "b": (1.5, "x")}, header={"kind": "k"})

@@ -6,11 +6,11 @@ same numbers as one that was never interrupted. The file is removed when the run
 finishes.
 
 Format: ``OUT/checkpoints/<run_id>.npz``, an uncompressed npz of the state's arrays plus a JSON
-skeleton for everything else (:mod:`fedsap_ray.treecodec`, format version in the file), read with
+skeleton for everything else (:mod:`fedsap_ray.persist.treecodec`, format version in the file), read with
 ``allow_pickle=False``, and a content digest over both, compared on every load: a checkpoint damaged or
 edited after it was written (without the digest recomputed) is refused by name, never resumed to other
 tables. A deliberate edit that recomputes the digest is taken on trust (its content is still checked
-against the run: :mod:`fedsap_ray.statecheck`); a checkpoint of format version 1, written before the
+against the run: :mod:`fedsap_ray.persist.statecheck`); a checkpoint of format version 1, written before the
 digest, is read without one (docs/guides/running.md#resuming-an-interrupted-run).
 
 A results folder is often someone else's (a shared sweep, a bucket), and
@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray import treecodec
+from fedsap_ray.persist import treecodec
 from fedsap_ray.common.errors import CheckpointUnreadable
 from fedsap_ray.common.messages import ServerState
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist.outdir import OutDir
 
 SUFFIX = ".npz"
 LEGACY_SUFFIX = ".pkl"  # pickled checkpoints of fedsap_ray before format version 1: refused, never read
@@ -61,10 +61,10 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
     synchronous run's checkpoint has none). One tree: an array the state and the engine share (the
     model the clients started on this version downloaded, a mask) is stored once and read back as one.
 
-    A value the format does not store raises :class:`~fedsap_ray.treecodec.TreeTypeError` naming
+    A value the format does not store raises :class:`~fedsap_ray.persist.treecodec.TreeTypeError` naming
     its key (before anything is written). On any failure (e.g. a full disk) the temporary file is
     removed: a half-written checkpoint the size of the model would otherwise keep the disk full
-    (:func:`fedsap_ray.atomic.atomic_write`, whose error names the file).
+    (:func:`fedsap_ray.persist.atomic.atomic_write`, whose error names the file).
     """
     tree = {"state": {"round": int(state.round), "params": state.params, "strategy": state.strategy_state},
             "server": server_metrics, "tables": list(tables or [])}

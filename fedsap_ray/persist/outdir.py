@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 
 import pyarrow.fs as pafs
 
-from fedsap_ray.atomic import atomic_write
+from fedsap_ray.persist.atomic import atomic_write
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.config.checks import clip
 
@@ -218,7 +218,7 @@ class OutDir:
 
     @contextmanager
     def atomic_write(self, path: str | Path, *, mode: int | None = None) -> Iterator[BinaryIO]:
-        """:func:`fedsap_ray.atomic.atomic_write` at a checked path (its folder created through :meth:`mkdir`)."""
+        """:func:`fedsap_ray.persist.atomic.atomic_write` at a checked path (its folder created through :meth:`mkdir`)."""
         real = self.check(path, FILE)
         self.mkdir(real.parent)
         with atomic_write(real, mode=mode) as f:
@@ -283,7 +283,7 @@ class OutDir:
         return pafs.PyFileSystem(_Handler(self))
 
 
-LOCAL_TYPE = "py::fedsap_ray.outdir"  # the type_name of OutDir.filesystem()
+LOCAL_TYPE = "py::fedsap_ray.persist.outdir"  # the type_name of OutDir.filesystem()
 
 
 class _Handler(pafs.FileSystemHandler):

@@ -1,11 +1,11 @@
-"""fedsap_ray.digest: the content digest every cache and checkpoint is checked by must see every change
+"""fedsap_ray.persist.digest: the content digest every cache and checkpoint is checked by must see every change
 that keeps shape and dtype (the changes a shape check misses), and nothing else."""
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from fedsap_ray.digest import array_digest, arrays_digest, is_digest, json_digest
+from fedsap_ray.persist.digest import array_digest, arrays_digest, is_digest, json_digest
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

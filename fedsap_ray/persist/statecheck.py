@@ -173,7 +173,7 @@ def check_rows(tables: Any, rows: Any, known: Iterable[str], rounds_done: int, w
 
 def check_state(ck: Mapping[str, Any], *, n_params: int, n_clients: int, strategy: Any, recorder_template: Mapping,
                 rounds: int, known_tables: Iterable[str], where: str) -> None:
-    """Everything :mod:`this module <fedsap_ray.statecheck>` checks, for a loaded checkpoint ``ck``."""
+    """Everything :mod:`this module <fedsap_ray.persist.statecheck>` checks, for a loaded checkpoint ``ck``."""
     st = ck["state"]
     if not 1 <= st.round <= rounds:
         raise BadCheckpoint(f"{where}: round is {st.round}; a checkpoint is written after rounds 1-{rounds}")

@@ -1,4 +1,4 @@
-"""Plans and results as checkpoint trees (:mod:`fedsap_ray.treecodec`): what the asynchronous engine's clients
+"""Plans and results as checkpoint trees (:mod:`fedsap_ray.persist.treecodec`): what the asynchronous engine's clients
 in flight hold (:mod:`fedsap_ray.asyncmode`), stored so a resumed run applies exactly the updates it would have.
 
 A :class:`~fedsap_ray.common.messages.ClientPlan` or :class:`~fedsap_ray.common.messages.ClientResult` is stored by its
@@ -14,10 +14,10 @@ restored message compares equal field by field. Three things need more than that
 - hook payloads (:class:`~fedsap_ray.common.messages.HookCall`) are frozen dataclasses of the hook's ``Payload`` type:
   stored as (hook name, payload fields) and rebuilt through the hook registry, so nothing in the file names a
   class to import (reading a checkpoint runs no code). A payload field the codec does not store stops the save
-  naming its key (:class:`~fedsap_ray.treecodec.TreeTypeError`).
+  naming its key (:class:`~fedsap_ray.persist.treecodec.TreeTypeError`).
 
 Anything malformed on load raises :class:`ValueError` or :class:`TypeError` with the field's name; the caller
-turns it into the one-line refusal of a resume (:mod:`fedsap_ray.statecheck`).
+turns it into the one-line refusal of a resume (:mod:`fedsap_ray.persist.statecheck`).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 def temp_name(path: Path) -> Path:
     """``.<name>.<8 hex>.tmp`` beside ``path``: hidden, and recognisable by the cleanups that glob for it
-    (``remove_temp_files`` in :mod:`fedsap_ray.results` and :mod:`fedsap_ray.checkpoint`)."""
+    (``remove_temp_files`` in :mod:`fedsap_ray.results` and :mod:`fedsap_ray.persist.checkpoint`)."""
     return path.parent / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
 
 

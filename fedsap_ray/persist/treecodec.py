@@ -16,7 +16,7 @@ would come back as something else, so it is refused at save time with an error n
 as is any other type. The same array object reached twice is stored once and comes back as one
 object (as pickle would), so aliasing in a strategy's state survives a resume.
 
-Every file of format version 2 carries a content digest (:mod:`fedsap_ray.digest`: sha256 over the JSON
+Every file of format version 2 carries a content digest (:mod:`fedsap_ray.persist.digest`: sha256 over the JSON
 header and skeleton and over every array's name, dtype, shape and bytes), written with the file and compared
 when it is read: flipped bytes inside an array (an uncompressed npz member has no checksum of its own the
 reader checks), a member or the skeleton rewritten by hand, a value nudged, an entry dropped, each without
@@ -24,7 +24,7 @@ the digest recomputed, are a :class:`DigestMismatch`. A deliberate edit that rec
 on trust, like any file a user points a run at (docs/guides/running.md). Version 1 files (written before
 the digest) are read as they always were, without one: a checkpoint left by an interrupted run of an
 older fedsap_ray still resumes, and its content is still checked against the run
-(:mod:`fedsap_ray.statecheck`).
+(:mod:`fedsap_ray.persist.statecheck`).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from fedsap_ray import digest
+from fedsap_ray.persist import digest
 
 FORMAT = "fedsap_ray.tree"
 VERSION = 2  # 2: the content digest (module docstring)
@@ -240,7 +240,7 @@ def read(path: Any) -> tuple[dict[str, Any], Any]:
 
 def content_digest(meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> str:
     """The digest of a file's content: its JSON ``meta`` (header and skeleton, less the digest itself) and
-    the arrays the skeleton names (:func:`fedsap_ray.digest.arrays_digest`)."""
+    the arrays the skeleton names (:func:`fedsap_ray.persist.digest.arrays_digest`)."""
     return digest.arrays_digest(arrays, meta={k: v for k, v in meta.items() if k != DIGEST})
 
 
