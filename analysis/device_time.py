@@ -1,7 +1,7 @@
 """Accuracy against simulated device time (issue 28; docs/guides/device-time.md).
 
 Every figure here is read from the runs' own rows: ``rounds.sim_elapsed_s`` (simulated device seconds
-of rounds 1..t, fedsap_ray.devices) against the best-so-far accuracy up to round t of the run's primary
+of rounds 1..t, fedsap_ray.data.devices) against the best-so-far accuracy up to round t of the run's primary
 eval mode (``full_width``: the server's models, as the papers report) or of its ``deployed`` mode (each
 client's own model). Methods are the Table 1 row names (:func:`analysis.comparison.method_of`), and
 HeteroFL's and FjORD's (:data:`ROWS`); seeds are averaged round by round (every seed of a method runs
@@ -80,7 +80,7 @@ def async_variant(run: Mapping[str, Any]) -> str:
 
 
 def _round_size(run: Mapping[str, Any]) -> int:
-    """A synchronous round's k: round(participation x N), at least 1 (fedsap_ray.devices.round_size)."""
+    """A synchronous round's k: round(participation x N), at least 1 (fedsap_ray.data.devices.round_size)."""
     return max(1, int(round(float(_config(run, "training.participation", 1.0)) * int(_config(run, "data.num_clients")))))
 
 

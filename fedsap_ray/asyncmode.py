@@ -1,7 +1,7 @@
 """Asynchronous training on the simulated device clock (``devices.mode=async``; docs/guides/device-time.md).
 
 FedBuff (Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous Aggregation", Algorithm 1) on
-the device model of :mod:`fedsap_ray.devices`, with sub-models; ``buffer_size=1`` is FedAsync (Xie et al.
+the device model of :mod:`fedsap_ray.data.devices`, with sub-models; ``buffer_size=1`` is FedAsync (Xie et al.
 2019) with FedBuff's delta update. Pure, no Ray: the backend is asked only ``backend.train(plans)``.
 
 The engine (:class:`AsyncServer`, one :meth:`~AsyncServer.round` call per server step):
@@ -10,8 +10,8 @@ The engine (:class:`AsyncServer`, one :meth:`~AsyncServer.round` call per server
   when the server holds model version v (v server steps done) downloads that model, trains the sub-model
   its strategy gives it for round v + 1 (:meth:`FedAvg.configure_clients`, so its plan, seed, learning rate,
   mask and jitter are those of round v + 1 of a synchronous run), and finishes at
-  start + :func:`fedsap_ray.devices.client_time` (its speed, bandwidths, jitter). Unavailable clients
-  (:func:`fedsap_ray.devices.available` for round v + 1) are not started.
+  start + :func:`fedsap_ray.data.devices.client_time` (its speed, bandwidths, jitter). Unavailable clients
+  (:func:`fedsap_ray.data.devices.available` for round v + 1) are not started.
 - An event queue on simulated time holds the clients in flight, ordered by (finish time, client id), so
   ties are broken by client id. Each arrival joins the buffer (or is discarded when staler than
   ``max_staleness``: recorded as a ``straggler``); at the ``buffer_size``-th buffered arrival the server
@@ -68,7 +68,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
-from fedsap_ray.devices import SimRound, available, client_time, round_size
+from fedsap_ray.data.devices import SimRound, available, client_time, round_size
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.evaluate import evaluate_modes
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
@@ -122,7 +122,7 @@ class Update:
     base: np.ndarray
     plan: ClientPlan
     result: ClientResult
-    sim_s: float  # its simulated seconds (clients.sim_time_s): fedsap_ray.devices.client_time; finish = start + sim_s
+    sim_s: float  # its simulated seconds (clients.sim_time_s): fedsap_ray.data.devices.client_time; finish = start + sim_s
 
     def downloaded(self) -> np.ndarray:
         """The values it downloaded at the coordinates its result holds (what its delta is taken from):

@@ -4,7 +4,7 @@ Sub-model training (docs/architecture.md#sub-model-training), chosen by ``plan.s
 (``training.submodel``):
 
 - ``sliced`` (default): when the plan has a mask that a channel set describes exactly,
-  :func:`fedsap_ray.sliced.sliced_model` gives a dense smaller network holding only the active
+  :func:`fedsap_ray.models.sliced.sliced_model` gives a dense smaller network holding only the active
   channels (cached per scratch model and channel counts) and the map from its flat coordinates to
   the full ones. The client loads the covered values into it, trains it with the loop below and
   scatters the trained values back into the full-size vector; ``values = flat[plan.mask]`` as in
@@ -82,10 +82,10 @@ import torch.nn.functional as F
 from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks, supports_sliced
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.common.errors import ClientError
-from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
+from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.common.messages import ClientPlan, ClientResult
-from fedsap_ray.sliced import SlicedModel, sliced_model
+from fedsap_ray.models.sliced import SlicedModel, sliced_model
 
 
 def pick_device(preference: str = "auto") -> torch.device:

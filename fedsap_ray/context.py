@@ -12,7 +12,7 @@ from functools import cached_property
 import numpy as np
 
 from fedsap_ray.data.base import Federation, FederationView
-from fedsap_ray.masks import ParamLayout, trainable_mask
+from fedsap_ray.models.masks import ParamLayout, trainable_mask
 from fedsap_ray.models.space import ChannelSpace, MaskableModel
 from fedsap_ray.config.schema import ExperimentConfig
 

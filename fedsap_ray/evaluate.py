@@ -4,7 +4,7 @@ docs/reference/results.md#rounds), for the server's models and for the model eac
 The ``deployed`` eval mode judges what a device would actually run: client i's own model at
 its own mask (:meth:`fedsap_ray.algorithms.base.Strategy.deployed_model`), on its own domain's
 test split. It is run as the device would run it, at the device's cost (issue 27): when a channel
-set describes the mask, as the dense sliced sub-network (:func:`fedsap_ray.sliced.sliced_model`, the
+set describes the mask, as the dense sliced sub-network (:func:`fedsap_ray.models.sliced.sliced_model`, the
 same one the client trains; ``training.submodel=sliced``, the default), else, and with
 ``training.submodel=masked``, as the masked full-size model with the uncovered coordinates zeroed,
 which computes the sliced sub-model's outputs to float rounding (a dropped channel's weights, BN
@@ -47,9 +47,9 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from fedsap_ray.data.base import DomainData, as_input
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.sliced import sliced_model
+from fedsap_ray.models.sliced import sliced_model
 
 K = TypeVar("K")
 V = TypeVar("V")

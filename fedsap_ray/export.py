@@ -2,7 +2,7 @@
 PyTorch module before anything is written (``fedsap-ray export``; docs/guides/export.md).
 
 What a device runs is a plain network in eval mode. A client's deployed sub-model is the dense sliced network
-(:func:`fedsap_ray.sliced.sliced_model`), not a masked full-size one, so it exports like any other model, at its
+(:func:`fedsap_ray.models.sliced.sliced_model`), not a masked full-size one, so it exports like any other model, at its
 own (smaller) size.
 
 **The check.** Every format is checked the same way, on the inputs the caller gives (``fedsap-ray export``: the

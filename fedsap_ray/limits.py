@@ -62,6 +62,6 @@ def check_trace(cfg: ExperimentConfig) -> None:
     its bytes against ``devices.trace_sha256`` (refused if the file changed since the config was made)."""
     if cfg.devices.trace is None:
         return
-    from fedsap_ray.devices import read_trace  # pandas: only when there is a trace
+    from fedsap_ray.data.devices import read_trace  # pandas: only when there is a trace
 
     read_trace(cfg.devices, cfg.data.num_clients)

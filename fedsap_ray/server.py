@@ -32,7 +32,7 @@ from torch import nn
 from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.devices import Device, DeviceClock
+from fedsap_ray.data.devices import Device, DeviceClock
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
 from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
@@ -116,7 +116,7 @@ class Server:
         # coverage counts the clients whose update reached the model: a straggler trained, but what it trained
         # was discarded (under wait_all every client is aggregated, so nothing changes there)
         self.recorder.cover({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
-        if sim.stragglers:  # left out of aggregation (fedsap_ray.devices); recorded with what they spent
+        if sim.stragglers:  # left out of aggregation (fedsap_ray.data.devices); recorded with what they spent
             kept = [r for r in results if r.client_id not in sim.stragglers]
             if kept:
                 out = self.strategy.aggregate(state, {r.client_id: plans[r.client_id] for r in kept}, kept, t)

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 import fedsap_ray
-from fedsap_ray import algorithms, devices
+from fedsap_ray import algorithms
+from fedsap_ray.data import devices
 from fedsap_ray.persist import checkpoint, statecheck
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
@@ -30,7 +31,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.data.explicit import partition_digest
 from fedsap_ray.common.errors import CheckpointUnreadable, ClientError, ConfigError
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models import build_model
 from fedsap_ray.results import DATA_TABLES, RunWriter

@@ -18,7 +18,7 @@ from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.experiment import build_context, run_experiment
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import check_results
 from fedsap_ray.models import build_model
 from fedsap_ray.runtime.local import LocalBackend

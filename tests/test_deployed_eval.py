@@ -19,7 +19,7 @@ from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.evaluate import DeployedModel, calibrate_bn_, evaluate, evaluate_deployed
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.masks import channel_mask_counts, extract_substate, param_mask
+from fedsap_ray.models.masks import channel_mask_counts, extract_substate, param_mask
 from fedsap_ray.models import build_model
 from fedsap_ray.server import DEPLOYED, deployed_sample
 from conftest import EvaluatedSizes, federation_fixture, make_strategy, run_rounds
@@ -154,7 +154,7 @@ def test_the_per_domain_figure_weights_clients_by_their_samples():
     """Two clients of one domain with different models: 3 x 1.0 and 1 x 0.0 samples -> 0.75."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    from fedsap_ray.masks import ParamLayout
+    from fedsap_ray.models.masks import ParamLayout
     layout = ParamLayout.from_model(model)
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     data = DomainData(x=x, y=torch.tensor([0, 1]))
@@ -169,7 +169,7 @@ def test_single_domain_clients_are_judged_on_their_own_label_mix():
     """One domain: class 0 always right, class 1 always wrong; a client holding only class 0 gets 1.0, one
     holding 1:3 of classes 0:1 gets 0.25, whatever the test split's own class balance."""
     model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    from fedsap_ray.masks import ParamLayout
+    from fedsap_ray.models.masks import ParamLayout
     layout = ParamLayout.from_model(model)
     params = np.array([10, 0, 10, 0, 0, 0], dtype=np.float32)  # always predicts class 0
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])

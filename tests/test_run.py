@@ -162,7 +162,7 @@ def test_heterogeneous_fedavg_at_full_width_equals_fedavg(tiny_fed):
 
 
 def test_untrained_coordinates_stay_bit_identical(tiny_fed):
-    from fedsap_ray.masks import nested_channel_masks, param_mask
+    from fedsap_ray.models.masks import nested_channel_masks, param_mask
 
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.width=capacity", "capacity.scheme=explicit",
                                                          "capacity.keep_ratios=[0.5,0.25,0.5,0.25]"])

@@ -33,7 +33,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray import devices
+from fedsap_ray.data import devices
 from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext, StrategyContext
 from fedsap_ray.data.base import EvalDomains
@@ -207,7 +207,7 @@ class Strategy(ABC):
     def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         """What one client-round spent (``params_trained``, ``macs_per_sample``, ``train_macs``) and the width it
         was assigned (``assigned_width``), whether or not it was aggregated (a straggler's compute is counted too:
-        fedsap_ray.devices): the columns every client row has, whichever way it was recorded."""
+        fedsap_ray.data.devices): the columns every client row has, whichever way it was recorded."""
         return {"params_trained": self.params_trained(plan, result), "macs_per_sample": self.mask_macs(plan.mask),
                 "train_macs": self.train_macs(plan, result), "assigned_width": self.assigned_width(plan)}
 
@@ -299,7 +299,7 @@ class Strategy(ABC):
     def sample_clients(self, t: int) -> list[int]:
         """Seeded uniform sample of ceil-free round(participation * N) clients (at least one).
 
-        Simulated devices (:mod:`fedsap_ray.devices`) change it only when asked: with an availability
+        Simulated devices (:mod:`fedsap_ray.data.devices`) change it only when asked: with an availability
         below 1 the sample is drawn from the clients available in round ``t``, and under
         ``devices.policy=over_select`` it holds ``ceil(k * (1 + over_select))`` of them (the server
         aggregates the ``k`` that finish first). Otherwise the draw is exactly the one above."""
@@ -321,7 +321,7 @@ class Strategy(ABC):
         return sorted(int(pool[i]) for i in rng.choice(len(pool), size=m, replace=False))
 
     def devices(self) -> list[devices.Device]:
-        """Every client's simulated device (:func:`fedsap_ray.devices.devices_for`), built once per run: the
+        """Every client's simulated device (:func:`fedsap_ray.data.devices.devices_for`), built once per run: the
         sampling here and the server's clock read the same list (a trace is read once)."""
         return self.memo("devices", None, lambda: devices.devices_for(
             self.cfg, [c.capacity for c in self.ctx.federation.clients]))

@@ -33,7 +33,7 @@ from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
 from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.config.checks import check_choice
-from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
+from fedsap_ray.models.masks import ChannelMasks, nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs
 
@@ -216,7 +216,7 @@ class FedAvg(Strategy):
 
     # --- memoised sub-model geometry (pure in the per-layer channel counts) -------------
     def coverage(self, cmasks: ChannelMasks) -> np.ndarray:
-        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.masks`)."""
+        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.models.masks`)."""
         return param_mask(self.ctx.space, self.ctx.layout, cmasks)
 
     def macs(self, p: float) -> int:

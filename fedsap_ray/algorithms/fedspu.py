@@ -6,7 +6,7 @@ Every client keeps its own full model w_i (personalised). In round t, client i d
 uniformly random subset of ceil(kappa_i C_l) neurons (channels) of every layer l
 (:func:`fedsap_ray.algorithms.pruning.random_channel_masks`, seeded by
 ``rng_for(seed, t, i, "fedspu")``), with kappa_i = ``federation.clients[i].capacity``. Let
-M_i^t be the parameter mask of those active channels (:func:`fedsap_ray.masks.param_mask`:
+M_i^t be the parameter mask of those active channels (:func:`fedsap_ray.models.masks.param_mask`:
 a coordinate is trained only if BOTH its output channel and its input channel are active;
 classifier bias and output rows always are). Then
 
@@ -73,7 +73,7 @@ from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
+from fedsap_ray.models.masks import ChannelMasks, ParamLayout, param_mask
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, ServerState
 from fedsap_ray.common.seeding import rng_for

@@ -49,12 +49,12 @@ from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, RANDOM_TIER, WidthRule
 from fedsap_ray.context import RunContext
-from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
+from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.config.checks import check_choice
 from fedsap_ray.common.seeding import seed_for
-from fedsap_ray.sliced import SlicedModel
+from fedsap_ray.models.sliced import SlicedModel
 from fedsap_ray.staleness import update_factor
 
 OD_SAMPLING = ("round", "batch")

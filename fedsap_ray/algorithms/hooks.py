@@ -42,7 +42,7 @@ hooks trains exactly as the plain loop.
 
 Sliced sub-models (``training.submodel=sliced``, the default; docs/architecture.md#sub-model-training):
 when the plan's mask is a channel sub-model the client trains a dense smaller network
-(:class:`fedsap_ray.sliced.SlicedModel`) instead of the masked full-size one, but only if EVERY hook of
+(:class:`fedsap_ray.models.sliced.SlicedModel`) instead of the masked full-size one, but only if EVERY hook of
 the plan declares ``supports_sliced = True``; otherwise the plan trains masked, bit for bit as before.
 A hook that supports it is built with ``sliced`` (None when the plan trains masked or has no mask) and
 
@@ -68,11 +68,11 @@ import numpy as np
 import torch
 
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.config.registry import HOOKS
-from fedsap_ray.sliced import SlicedModel
+from fedsap_ray.models.sliced import SlicedModel
 
 _HOOKS: dict[str, type[ClientHook]] = HOOKS.entries  # the table itself (tests register and unregister)
 

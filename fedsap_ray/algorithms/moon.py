@@ -104,7 +104,7 @@ from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config.checks import check_choice, check_number
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 

@@ -1,7 +1,7 @@
 """Typed messages between server and clients (docs/architecture.md#one-round), checked when built.
 
 Parameters travel as flat float32 numpy buffers laid out by
-:class:`fedsap_ray.masks.ParamLayout`. A plan *names* the full-size vector its client starts from
+:class:`fedsap_ray.models.masks.ParamLayout`. A plan *names* the full-size vector its client starts from
 (``params``: the server model, or the view of the client's group) and says which coordinates the
 client holds (``mask``); the simulated protocol sends only those (``values`` is ``params[mask]``,
 ``bytes_down`` counts them and the packed mask). Many plans of a round name the same vector, so a

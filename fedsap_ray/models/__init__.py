@@ -1,4 +1,6 @@
-"""Maskable models, registered by name (docs/architecture.md#layout).
+"""Maskable networks, registered by name: their channel spaces, channel -> parameter masks, dense sliced sub-networks.
+
+May import: common, config.
 
 Importing this package registers every model module it imports (``@register_model("name")``,
 :data:`fedsap_ray.config.registry.MODELS`); a new model is one module plus one import line here.
@@ -46,7 +48,7 @@ def build_model(name: str, *, num_classes: int, input_shape: tuple[int, ...], wi
     text = {"vocab_size": vocab_size} if "vocab_size" in inspect.signature(factory).parameters else {}
     model = factory(num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
                     channels=channels, **text)
-    # how to build it again at other widths (the client's sliced sub-models, fedsap_ray.sliced)
+    # how to build it again at other widths (the client's sliced sub-models, fedsap_ray.models.sliced)
     model.build_spec = (name, dict(num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
                                    vocab_size=vocab_size))
     return model

@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # type-only: nothing here imports torch at module level
     import torch
     from torch import nn
 
-    from fedsap_ray.masks import ParamLayout
+    from fedsap_ray.models.masks import ParamLayout
     from fedsap_ray.config.schema import ExperimentConfig
 
 FOLDER = "models"
@@ -559,7 +559,7 @@ def _global_model(kept: Kept, shown: str) -> tuple[nn.Module, ParamLayout, np.nd
     """(the model built as the JSON says, its layout, the kept flat vector), checked against the layout digest."""
     import torch
 
-    from fedsap_ray.masks import ParamLayout
+    from fedsap_ray.models.masks import ParamLayout
     from fedsap_ray.models import build_model
 
     m = kept.meta
@@ -629,7 +629,7 @@ def load_model(out: str | Path, run_id: str, which: str = "final", client: int |
 
     ``client=None``: the global model (the server's parameters after round ``meta['round']``). ``client=K``:
     the model client K deploys, as the run's deployed evaluation ran it: the dense sliced sub-network
-    (:func:`fedsap_ray.sliced.sliced_model`, the network a device of its width runs, not the masked full
+    (:func:`fedsap_ray.models.sliced.sliced_model`, the network a device of its width runs, not the masked full
     one) when a channel set describes its mask, else the full-size network with the uncovered coordinates
     zeroed; under ``training.deployed_bn=client`` its BN statistics are recomputed on K's own training data
     (:func:`fedsap_ray.evaluate.calibrate_bn_`) with the run's ``resources.torch_threads``, from the
@@ -760,7 +760,7 @@ def model_size(cfg: ExperimentConfig) -> int:
     import torch
 
     from fedsap_ray.data.federation import NATIVE_INPUT, load_splits
-    from fedsap_ray.masks import ParamLayout
+    from fedsap_ray.models.masks import ParamLayout
     from fedsap_ray.models import build_model
 
     splits = load_splits(cfg)

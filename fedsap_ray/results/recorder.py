@@ -19,7 +19,7 @@ import numpy as np
 
 from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext
-from fedsap_ray.devices import SimRound
+from fedsap_ray.data.devices import SimRound
 from fedsap_ray.evaluate import summarise
 from fedsap_ray.grouping import agreement
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords
@@ -69,7 +69,7 @@ class RoundSummary:
     progress: str = ""  # the strategy's part of the progress line (RoundRecords.progress, filled in)
     deployed_accuracy: float | None = None  # the 'deployed' eval mode's global figure (None: not evaluated)
     worst_client_accuracy: float | None = None  # ... and its worst client
-    sim_elapsed_s: float = 0.0  # simulated device seconds of rounds 1..this one (fedsap_ray.devices)
+    sim_elapsed_s: float = 0.0  # simulated device seconds of rounds 1..this one (fedsap_ray.data.devices)
     n_stragglers: int = 0  # clients left out of aggregation by devices.policy this round
     lost: tuple[str, ...] = ()  # workers or nodes the Ray backend lost this round (their clients re-ran)
     # the rows this round wrote to the rounds table, as written (run_id and schema_version aside): what the
@@ -96,7 +96,7 @@ class Recorder:
         self.best_by_mode: dict[str, float] = {}  # best-so-far global accuracy per eval mode
         self.primary_mode: str | None = None  # the first eval mode: drives global/best accuracy
         self.last_global = float("nan")
-        self.sim_elapsed_s = 0.0  # simulated device seconds of the rounds so far (fedsap_ray.devices)
+        self.sim_elapsed_s = 0.0  # simulated device seconds of the rounds so far (fedsap_ray.data.devices)
         self.trainable = ctx.trainable
         # per domain, the union of its clients' plan coverage since initialisation (papers/003 Proposition 3
         # per domain); every client has a domain, so the union over domains is the run's coverage

@@ -168,7 +168,7 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
     Column("node", pa.string(), "Ray node id of the process that trained the client, first 12 hex digits: the worker's, or "
            "the trial's for a sweep trial training in-process; 'local' outside Ray"),
-    Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.devices): "
+    Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.data.devices): "
            "(1 + devices.backward_factor) x train_macs / speed + bytes_down / down + bytes_up / up"),
     Column("straggler", pa.bool_(), "trained but left out of aggregation by devices.policy (its compute counted)"),
     Column("version_trained", pa.int64(), "devices.mode=async: the model version (server steps done) the client "

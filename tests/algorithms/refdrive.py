@@ -19,7 +19,7 @@ from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 # 6 features would do; generated_blobs has 32 and 10 classes. Width 1/32: hidden layers of 16 and 8 units.

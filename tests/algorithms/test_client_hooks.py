@@ -19,7 +19,7 @@ from fedsap_ray.aggregation import scatter
 from fedsap_ray.algorithms.hooks import _HOOKS, ClientHook, NoPayload, register_hook, unregister_hook
 from fedsap_ray.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 

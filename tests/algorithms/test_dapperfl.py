@@ -22,7 +22,7 @@ from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout, nested_channel_masks, nested_count, param_mask, trainable_mask
+from fedsap_ray.models.masks import ParamLayout, nested_channel_masks, nested_count, param_mask, trainable_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import build_model
 

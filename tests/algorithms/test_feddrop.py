@@ -9,7 +9,7 @@ from conftest import (aggregate, assert_finite_global_accuracy, assert_options_r
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.masks import nested_count, trainable_mask
+from fedsap_ray.models.masks import nested_count, trainable_mask
 from fedsap_ray.common.messages import ClientResult
 from fedsap_ray.models import model_macs
 from fedsap_ray.common.seeding import rng_for

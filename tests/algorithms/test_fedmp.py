@@ -8,7 +8,7 @@ from conftest import (aggregate, assert_finite_global_accuracy, assert_options_r
 from fedsap_ray.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.config import build_config
-from fedsap_ray.masks import nested_count, param_mask
+from fedsap_ray.models.masks import nested_count, param_mask
 from fedsap_ray.common.messages import ClientResult, ServerState
 
 TINY = tiny_overrides("fedmp", "data.num_clients=6")

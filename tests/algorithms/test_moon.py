@@ -20,7 +20,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.masks import ParamLayout, trainable_mask
+from fedsap_ray.models.masks import ParamLayout, trainable_mask
 from fedsap_ray.common.messages import ClientPlan
 
 TINY = tiny_overrides("moon", "data.num_clients=4", "training.rounds=2")

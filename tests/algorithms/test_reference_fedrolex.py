@@ -33,7 +33,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.context import RunContext
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout, covering_channel_masks
+from fedsap_ray.models.masks import ParamLayout, covering_channel_masks
 from fedsap_ray.models import build_model
 from fedsap_ray.session import build_context
 

@@ -18,7 +18,7 @@ from fedsap_ray.algorithms.scaffold import ControlCorrection
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import ClientPlan
 
 TINY = tiny_overrides("scaffold", "data.num_clients=4", "training.rounds=2")

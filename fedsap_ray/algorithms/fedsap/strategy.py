@@ -84,7 +84,7 @@ from fedsap_ray.common.columns import Column
 from fedsap_ray.context import RunContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.masks import param_mask
+from fedsap_ray.models.masks import param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.common.seeding import rng_for, seed_for
 

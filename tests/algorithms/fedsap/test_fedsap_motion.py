@@ -18,7 +18,7 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.registry import DomainSplits
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
-from fedsap_ray.masks import nested_channel_masks, param_mask
+from fedsap_ray.models.masks import nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientResult
 from fedsap_ray.models import build_model
 from conftest import aggregate, federation_fixture, make_strategy, run_rounds_with_records

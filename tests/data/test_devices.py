@@ -1,4 +1,4 @@
-"""Simulated device time (issue 28, fedsap_ray.devices): each client-round's time equals its formula, a
+"""Simulated device time (issue 28, fedsap_ray.data.devices): each client-round's time equals its formula, a
 client past the deadline is left out of an aggregate that equals the one computed without it (and comes
 back when it is in time), over-selection aggregates exactly the fastest k, an unavailable client is never
 selected, and a bad device setting is one line naming the field."""
@@ -13,7 +13,8 @@ import pandas as pd
 import pytest
 
 from analysis import comparison, device_time, runs
-from fedsap_ray import algorithms, devices, results
+from fedsap_ray import algorithms, results
+from fedsap_ray.data import devices
 from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment

@@ -2,12 +2,12 @@
 (``training.submodel=sliced``, the default; docs/architecture.md#sub-model-training).
 
 A plan's parameter mask is a *channel sub-model* when some channel set describes it exactly:
-:func:`fedsap_ray.masks.covering_channel_masks` reads the active channels off each layer's first ``out``
-tensor, and the mask qualifies iff :func:`fedsap_ray.masks.param_mask` of those channels gives the mask
+:func:`fedsap_ray.models.masks.covering_channel_masks` reads the active channels off each layer's first ``out``
+tensor, and the mask qualifies iff :func:`fedsap_ray.models.masks.param_mask` of those channels gives the mask
 back and every layer keeps at least one channel. Then the covered coordinates are exactly the state of
 the network built with ``channels=channel_mask_counts(cm)``, and :attr:`SlicedModel.index` says where
 each of its flat coordinates lives in the full flat vector (built once per channel set by slicing an
-``arange`` through :func:`fedsap_ray.masks.extract_substate`, the same machinery that slices the
+``arange`` through :func:`fedsap_ray.models.masks.extract_substate`, the same machinery that slices the
 weights). Anything else (NeFL's ``depth=true`` skipped branches, a layer with no channel left, a model
 not built by :func:`fedsap_ray.models.build_model`) returns None and the client trains masked.
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.masks import ChannelMasks, ParamLayout, channel_mask_counts, covering_channel_masks, extract_substate, param_mask
+from fedsap_ray.models.masks import ChannelMasks, ParamLayout, channel_mask_counts, covering_channel_masks, extract_substate, param_mask
 from fedsap_ray.models.space import ChannelSpace, MaskableModel
 
 INDEX_CACHE_SIZE = 32  # channel sets whose index map a scratch model remembers

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE, active_channel_masks, tristate_param_masks
-from fedsap_ray.masks import (ParamLayout, TorchMask, apply_mask_, channel_mask_counts, covered_params, extract_substate,
+from fedsap_ray.models.masks import (ParamLayout, TorchMask, apply_mask_, channel_mask_counts, covered_params, extract_substate,
                               full_channel_masks, mask_grads_, nested_channel_masks, nested_count, param_mask,
                               params_in_mask)
 from fedsap_ray.models import build_model, example_input

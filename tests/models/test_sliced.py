@@ -1,4 +1,4 @@
-"""Sliced sub-model training (issue 17; fedsap_ray/sliced.py, fedsap_ray/client.py): the dense smaller network
+"""Sliced sub-model training (issue 17; fedsap_ray/models/sliced.py, fedsap_ray/client.py): the dense smaller network
 a client trains by default agrees with the masked full-size reference to float rounding, on every strategy,
 really is smaller, and masks no channel set describes (or plans with a hook that does not declare
 ``supports_sliced``) fall back to masked training bit for bit."""
@@ -22,11 +22,11 @@ from fedsap_ray.algorithms.scaffold import ControlCorrection
 from fedsap_ray.client import train_client
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout, covering_channel_masks, param_mask, params_in_mask, trainable_mask
+from fedsap_ray.models.masks import ParamLayout, covering_channel_masks, param_mask, params_in_mask, trainable_mask
 from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.models import build_model, model_macs
-from fedsap_ray.sliced import sliced_model
+from fedsap_ray.models.sliced import sliced_model
 
 # Sliced and masked sum in different orders (smaller convolutions, no zero channels), so they agree to
 # float rounding: relative L2 difference of a client's uploaded values (and of its statistics, which are
