@@ -37,7 +37,7 @@ tau_i = V - v_i its staleness at the server's version V,
     x_j <- x_j + eta_g * sum_i n_i s(tau_i) [m_i]_j Delta_ij / sum_i n_i [m_i]_j
 
 for every coordinate some buffered client covered (others keep their value bit for bit). It is computed
-by the strategy's own :meth:`merge` (:func:`fedsap_ray.aggregation.masked_weighted_average`, sample
+by the strategy's own :meth:`merge` (:func:`fedsap_ray.algorithms.aggregation.masked_weighted_average`, sample
 weights n_i) over the "recovered" values z_i = x|m_i + eta_g s(tau_i) Delta_i, whose coordinate-wise
 weighted mean is the line above; FedMP's R2SP merge and DapperFL's reconstruction (pruned coordinates
 refilled from the current model) then average over every buffered client as they do synchronously. An

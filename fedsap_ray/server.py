@@ -30,7 +30,7 @@ import numpy as np
 from torch import nn
 
 from fedsap_ray.common.columns import Column
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.data.devices import Device, DeviceClock
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes

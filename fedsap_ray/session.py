@@ -25,7 +25,7 @@ import fedsap_ray
 from fedsap_ray import algorithms
 from fedsap_ray.data import devices
 from fedsap_ray.persist import checkpoint, statecheck
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation

@@ -35,7 +35,7 @@ import pyarrow as pa
 
 from fedsap_ray.data import devices
 from fedsap_ray.common.columns import Column
-from fedsap_ray.context import RunContext, StrategyContext
+from fedsap_ray.algorithms.context import RunContext, StrategyContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs, weight_uses
@@ -126,7 +126,7 @@ class Strategy(ABC):
     @classmethod
     def needs_oracle(cls, options: Any) -> bool:
         """Whether a run with ``options`` is a control that uses ground truth (it then gets
-        ``ctx.oracle``, :class:`~fedsap_ray.context.OracleInputs`); False for every method."""
+        ``ctx.oracle``, :class:`~fedsap_ray.algorithms.context.OracleInputs`); False for every method."""
         return False
 
     @classmethod

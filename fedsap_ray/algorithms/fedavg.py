@@ -13,7 +13,7 @@ and methods of arbitrary channel subsets extend :class:`~fedsap_ray.algorithms.n
 
 Aggregation is papers/003 Algorithm 1 line 18: each coordinate is averaged over exactly the
 clients that trained it, weighted by sample counts; coordinates nobody trained keep their value
-(:func:`fedsap_ray.aggregation.masked_weighted_average`). With the full rule that is FedAvg's
+(:func:`fedsap_ray.algorithms.aggregation.masked_weighted_average`). With the full rule that is FedAvg's
 sample-weighted mean. Masks are pure functions of (state the round starts from, client, round),
 so the deployed model recomputes next round's instead of keeping it.
 """
@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
 from fedsap_ray.common.columns import Column
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.config.checks import check_choice
 from fedsap_ray.models.masks import ChannelMasks, nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsap_ray.aggregation import masked_weighted_average, scatter
+from fedsap_ray.algorithms.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register

@@ -91,7 +91,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS, FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register

@@ -48,7 +48,7 @@ from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, RANDOM_TIER, WidthRule
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel

@@ -22,7 +22,7 @@ One round:
   extra forward pass. The step at which that epoch begins is computed by the server from the
   client's sample count (:func:`last_epoch_start`, the client loop's batching rule) and sent in
   the plan.
-- the server averages the models (FedAvg, sample-weighted, :mod:`fedsap_ray.aggregation`)
+- the server averages the models (FedAvg, sample-weighted, :mod:`fedsap_ray.algorithms.aggregation`)
   and, per class k, clusters the participating clients' prototypes with FINCH (Sarfraz et al.
   2019, :func:`finch`), cosine distance, keeping the coarsest partition FINCH returns (FPL's
   code takes ``c[:, -1]``); each cluster's mean is a "cluster prototype" and the class's
@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from scipy.sparse.csgraph import connected_components
 
-from fedsap_ray.grouping import canonical_labels
+from fedsap_ray.algorithms.grouping import canonical_labels
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray.aggregation import Contribution, masked_weighted_average
+from fedsap_ray.algorithms.aggregation import Contribution, masked_weighted_average
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS, FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register

@@ -1,7 +1,7 @@
 """MOON (Li, He and Song, CVPR 2021, "Model-Contrastive Federated Learning"), full model.
 
 Every client trains the whole model; the server aggregates by FedAvg (sample-weighted
-mean, :func:`fedsap_ray.aggregation.masked_weighted_average` with full masks). The local
+mean, :func:`fedsap_ray.algorithms.aggregation.masked_weighted_average` with full masks). The local
 loss of one mini-batch is (MOON Section 3.3, Eqs. 2-3 of arXiv 2103.16257; Algorithm 1 lines 14-17)
 
     l     = l_sup + mu * l_con,                    l_sup = cross-entropy

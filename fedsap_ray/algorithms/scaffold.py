@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config.checks import check_number

@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray.common.columns import Column
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data.devices import SimRound
 from fedsap_ray.evaluate import summarise
-from fedsap_ray.grouping import agreement
+from fedsap_ray.algorithms.grouping import agreement
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords
 from fedsap_ray.results.schema import CORE_TABLES, DATA_TABLES, GLOBAL_DOMAIN
 from fedsap_ray.results.writer import RunWriter

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.client import PreparedData, default_workers, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime import wire

@@ -42,7 +42,7 @@ import ray.util.scheduling_strategies
 import torch
 
 from fedsap_ray import limits
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.runtime.allocator import tune_malloc
 from fedsap_ray.data.base import DomainData, Federation

@@ -11,7 +11,7 @@ import torch
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.algorithms.representation import RepresentationNorm

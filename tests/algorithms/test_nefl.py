@@ -7,7 +7,7 @@ import torch
 
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds, run_twice, tiny_overrides)
-from fedsap_ray.aggregation import scatter
+from fedsap_ray.algorithms.aggregation import scatter
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context

@@ -21,7 +21,7 @@ from fedsap_ray.dev import docgen
 from fedsap_ray.algorithms import registry
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.fedsap.strategy import progress_template
-from fedsap_ray.grouping import canonical_labels
+from fedsap_ray.algorithms.grouping import canonical_labels
 from fedsap_ray.common.columns import Column
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment

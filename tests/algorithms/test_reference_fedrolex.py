@@ -30,7 +30,7 @@ from fedsap_ray.cli import main as cli_main
 from fedsap_ray.algorithms.fedrolex import FedRolex
 from fedsap_ray.client import train_client
 from fedsap_ray.config import build_config
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.models.masks import ParamLayout, covering_channel_masks

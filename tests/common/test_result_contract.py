@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedsap_ray import algorithms, results
-from fedsap_ray.aggregation import scatter
+from fedsap_ray.algorithms.aggregation import scatter
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.fedsap import roles
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
 from fedsap_ray.algorithms.fedsap.state import FedSAPState, MaskPair

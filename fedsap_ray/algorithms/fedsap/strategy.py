@@ -81,7 +81,7 @@ from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.pruning import filter_l1_scores
 from fedsap_ray.common.columns import Column
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.models.masks import param_mask

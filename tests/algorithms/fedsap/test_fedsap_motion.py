@@ -11,7 +11,7 @@ import torch
 from fedsap_ray import results
 from fedsap_ray.algorithms.fedsap import budget, roles
 from fedsap_ray.algorithms.fedsap.hooks import DGA_PROBE
-from fedsap_ray.grouping import agreement
+from fedsap_ray.algorithms.grouping import agreement
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData

@@ -63,7 +63,7 @@ def make_plan(model: nn.Module, layout: ParamLayout, mask: np.ndarray | None = N
 def manual_run(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: DomainData):
     """The client's loop written out: per-step gradients (after masking, before clipping) of the last epoch,
     the batches it used and the trained flat vector."""
-    from fedsap_ray.aggregation import scatter
+    from fedsap_ray.algorithms.aggregation import scatter
     layout.load_into(model, scatter(plan.values, plan.mask, layout.size))
     params = list(model.parameters())
     named = dict(model.named_parameters())

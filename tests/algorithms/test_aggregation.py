@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 
 
 def test_full_masks_equal_plain_weighted_average():
@@ -44,7 +44,7 @@ def test_restrict_and_order_independence():
 # --- the chunked, threaded form against the plain one (issue 42) -----------------------------------
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from fedsap_ray.aggregation import reference_average  # noqa: E402
+from fedsap_ray.algorithms.aggregation import reference_average  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
