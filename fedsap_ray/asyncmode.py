@@ -73,7 +73,7 @@ from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.evaluate import evaluate_modes
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
 from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
-from fedsap_ray.results.recorder import PhaseTimes, RoundEvaluation, RoundSummary
+from fedsap_ray.engine.summary import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
 from fedsap_ray.server import Server, due
 from fedsap_ray.staleness import update_factor, weight_for

@@ -16,7 +16,8 @@
 
 Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.common.messages.RoundOutput`
 and the server asks it for nothing after ``aggregate`` but the models to evaluate. Recording, where
-ground truth enters the results, is :class:`fedsap_ray.results.recorder.Recorder`'s job.
+ground truth enters the results, is the job of the recorder the server is handed (:class:`RoundRecorder`; the
+run's session builds a :class:`fedsap_ray.results.recorder.Recorder`), so the engine imports nothing of results/.
 """
 from __future__ import annotations
 
@@ -32,14 +33,13 @@ from torch import nn
 from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.data.devices import Device, DeviceClock
+from fedsap_ray.data.devices import Device, DeviceClock, SimRound
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
-from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
-from fedsap_ray.results.writer import RunWriter
+from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
 
-__all__ = ["DEPLOYED", "Backend", "RoundStrategy", "RoundSummary", "Server", "deployed_sample", "due"]
+__all__ = ["DEPLOYED", "Backend", "RoundRecorder", "RoundStrategy", "RoundSummary", "Server", "deployed_sample", "due"]
 
 
 class RoundStrategy(Protocol):
@@ -66,6 +66,18 @@ class RoundStrategy(Protocol):
     def declared_columns(cls, table: str) -> list[Column]: ...
 
 
+class RoundRecorder(Protocol):
+    """What the round loop asks of the recorder it is handed (``fedsap_ray.results.recorder.Recorder`` is one): the
+    coverage of the updates that reached the model, every table's rows of a round, and the simulated clock so far."""
+
+    sim_elapsed_s: float
+
+    def cover(self, plans: Mapping[int, ClientPlan]) -> None: ...
+
+    def record(self, t: int, plans: Mapping[int, ClientPlan], results: list[ClientResult], records: RoundRecords,
+               evaluation: RoundEvaluation, times: PhaseTimes, sim: SimRound) -> RoundSummary: ...
+
+
 class Backend(Protocol):
     name: str
 
@@ -79,14 +91,11 @@ class Backend(Protocol):
 class Server:
     """One round at a time: strategy + backend + evaluation; the recorder writes the rows."""
 
-    def __init__(self, ctx: RunContext, strategy: RoundStrategy, backend: Backend, writer: RunWriter,
-                 eval_models: list[nn.Module], device) -> None:
-        self.ctx, self.strategy, self.backend = ctx, strategy, backend
+    def __init__(self, ctx: RunContext, strategy: RoundStrategy, backend: Backend, recorder: RoundRecorder,
+                 deployed_clients: list[int], eval_models: list[nn.Module], device) -> None:
+        self.ctx, self.strategy, self.backend, self.recorder = ctx, strategy, backend, recorder
         self.eval_scratch, self.device = eval_models, device
-        self.deployed_clients, sampled = deployed_sample(ctx)
-        self.recorder = Recorder(ctx, {t: strategy.declared_columns(t) for t in ("rounds", "clients", "layers",
-                                                                             "allocations")},
-                                 writer, type(strategy).__name__, deployed_sampled=sampled)
+        self.deployed_clients = deployed_clients  # whose deployed model is evaluated (deployed_sample)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
         self.clock = DeviceClock(ctx.cfg, strategy.devices())  # simulated device time, the strategy's devices
 
@@ -94,7 +103,7 @@ class Server:
         """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).
 
         The round's wall time is split into its phases (``rounds.train_s``, ``eval_s``, ``server_s``;
-        :class:`~fedsap_ray.results.recorder.PhaseTimes`): the backend's ``train`` call, the evaluation,
+        :class:`~fedsap_ray.engine.summary.PhaseTimes`): the backend's ``train`` call, the evaluation,
         and the strategy's plans and aggregation."""
         clock = time.perf_counter
         t0 = clock()

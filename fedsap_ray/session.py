@@ -36,9 +36,10 @@ from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models import build_model
 from fedsap_ray.results import DATA_TABLES, RunWriter
 from fedsap_ray.results.kept import ModelKeeper
+from fedsap_ray.results.recorder import Recorder
 from fedsap_ray.config.schema import ExperimentConfig
 from fedsap_ray.common.seeding import seed_for
-from fedsap_ray.server import Backend, RoundSummary, Server
+from fedsap_ray.server import Backend, RoundSummary, Server, deployed_sample
 
 if TYPE_CHECKING:
     from fedsap_ray.asyncmode import AsyncServer
@@ -181,8 +182,10 @@ class RunSession:
             from fedsap_ray.asyncmode import AsyncServer
 
             server_cls = AsyncServer
-        self.server = server_cls(self.ctx, self.strategy, self.backend, self.writer, eval_models=_scratch(self.ctx),
-                                 device=pick_device(cfg.resources.device))
+        deployed_clients, sampled = deployed_sample(self.ctx)
+        self.recorder = Recorder.for_strategy(self.ctx, self.strategy, self.writer, sampled)  # the server is handed it
+        self.server = server_cls(self.ctx, self.strategy, self.backend, self.recorder, deployed_clients,
+                                 eval_models=_scratch(self.ctx), device=pick_device(cfg.resources.device))
         if cfg.devices.mode == "async":
             self.engine = cast("AsyncServer", self.server)
         fed = self.ctx.federation
@@ -193,7 +196,6 @@ class RunSession:
         # what was trained, from the federation itself (a given one too), not from what the config names
         self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes,
                                 partition_source=fed.partition_source, partition_hash=partition_digest(fed))
-        self.recorder = self.server.recorder
         # the models the run keeps under OUT/models/<run_id>/ (training.keep_model), of the clients it evaluates
         self.keeper = ModelKeeper(self.out, run_id, self.ctx, self.strategy, self.server.deployed_clients)
         self.last_summary: RoundSummary | None = None
