@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 from fedsap_ray.common.errors import RunStopped
 
 if TYPE_CHECKING:  # annotations only: the loop itself needs no torch (fedsap_ray.trackers builds on it)
-    from fedsap_ray.server import RoundSummary
+    from fedsap_ray.engine.server import RoundSummary
     from fedsap_ray.session import RunOutcome, SessionMetrics
 
 

@@ -20,7 +20,7 @@ from fedsap_ray.driver import DriverCallback, Progress, add_note, drive, drive_o
 from fedsap_ray.common.errors import ConfigError, RunStopped
 from fedsap_ray.runtime import make_backend
 from fedsap_ray.config.schema import ExperimentConfig
-from fedsap_ray.server import RoundSummary
+from fedsap_ray.engine.server import RoundSummary
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, build_context, record_failed_start, run_row
 
 __all__ = ["DriverCallback", "RunOutcome", "RunSession", "RunStopped", "SessionMetrics", "add_note", "build_context",

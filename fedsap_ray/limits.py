@@ -19,7 +19,7 @@ from fedsap_ray.config.schema import ExperimentConfig
 
 
 def machine_cpus() -> int:
-    """The CPU count the local backend plans with (:func:`fedsap_ray.client.default_workers` uses the same)."""
+    """The CPU count the local backend plans with (:func:`fedsap_ray.engine.client.default_workers` uses the same)."""
     return os.cpu_count() or 1
 
 

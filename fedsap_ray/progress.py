@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from fedsap_ray.server import RoundSummary
+from fedsap_ray.engine.server import RoundSummary
 
 
 def _mb(n: int) -> str:

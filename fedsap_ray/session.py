@@ -26,7 +26,7 @@ from fedsap_ray import algorithms
 from fedsap_ray.data import devices
 from fedsap_ray.persist import checkpoint, statecheck
 from fedsap_ray.algorithms.context import RunContext
-from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
+from fedsap_ray.engine.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.data.explicit import partition_digest
@@ -39,10 +39,10 @@ from fedsap_ray.results.kept import ModelKeeper
 from fedsap_ray.results.recorder import Recorder
 from fedsap_ray.config.schema import ExperimentConfig
 from fedsap_ray.common.seeding import seed_for
-from fedsap_ray.server import Backend, RoundSummary, Server, deployed_sample
+from fedsap_ray.engine.server import Backend, RoundSummary, Server, deployed_sample
 
 if TYPE_CHECKING:
-    from fedsap_ray.asyncmode import AsyncServer
+    from fedsap_ray.engine.asyncmode import AsyncServer
 
 
 @dataclass
@@ -179,7 +179,7 @@ class RunSession:
         server_cls = Server
         self.engine: AsyncServer | None = None  # the asynchronous engine: each checkpoint holds its state too
         if cfg.devices.mode == "async":  # asynchronous server steps on the simulated clock (issue 44)
-            from fedsap_ray.asyncmode import AsyncServer
+            from fedsap_ray.engine.asyncmode import AsyncServer
 
             server_cls = AsyncServer
         deployed_clients, sampled = deployed_sample(self.ctx)

@@ -7,7 +7,7 @@ one tracker run per results run and feed every chosen tracker the same records:
   columns (:func:`config_params`), and the run's study, seed, algorithm and run id (a sweep adds its variant
   and trial) as tags (:func:`run_tags`);
 - after every round, every number of the rows that round wrote to the ``rounds`` table
-  (:attr:`fedsap_ray.server.RoundSummary.rows`), named by :func:`round_metrics`, at step = the round: what is
+  (:attr:`fedsap_ray.engine.server.RoundSummary.rows`), named by :func:`round_metrics`, at step = the round: what is
   logged is what the table holds, never a figure computed again;
 - at the end, the model files the run kept (``OUT/models/<run_id>/``) where the tracker stores files
   (MLflow, W&B; TensorBoard has no place for them).
@@ -40,7 +40,7 @@ from fedsap_ray.config.checks import clip
 from fedsap_ray.config.schema import ExperimentConfig
 
 if TYPE_CHECKING:  # the command line reads TRACKERS without torch
-    from fedsap_ray.server import RoundSummary
+    from fedsap_ray.engine.server import RoundSummary
     from fedsap_ray.session import RunOutcome, SessionMetrics
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")

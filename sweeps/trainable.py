@@ -39,7 +39,7 @@ from fedsap_ray.driver import DriverCallback, drive
 from fedsap_ray.common.errors import RunStopped
 from fedsap_ray.runtime import make_backend
 from fedsap_ray.config.schema import ExperimentConfig
-from fedsap_ray.server import RoundSummary
+from fedsap_ray.engine.server import RoundSummary
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, record_failed_start
 from fedsap_ray.storage import ResultsDestination
 from fedsap_ray.trackers import round_metrics

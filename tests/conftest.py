@@ -437,11 +437,11 @@ def smoke_study(tmp_path_factory, _session_ray_owner):
 
 
 class EvaluatedSizes:
-    """Spies on :mod:`fedsap_ray.evaluate`'s ``name`` (``evaluate`` or ``evaluate_by_class``): ``sizes`` is the
+    """Spies on :mod:`fedsap_ray.engine.evaluate`'s ``name`` (``evaluate`` or ``evaluate_by_class``): ``sizes`` is the
     parameter count of every network it evaluated, so a test sees how often and at what size evaluation ran."""
 
     def __init__(self, monkeypatch, name: str) -> None:
-        from fedsap_ray import evaluate as ev
+        from fedsap_ray.engine import evaluate as ev
 
         self.sizes: list[int] = []
         inner = getattr(ev, name)

@@ -51,7 +51,7 @@ def test_a_full_disk_keeps_the_original_error_leaves_no_temp_file_and_resumes_on
 
 def test_a_runs_row_that_cannot_be_written_never_replaces_the_error(tmp_path, capsys, monkeypatch):
     from fedsap_ray.results import RunWriter
-    from fedsap_ray.server import Server
+    from fedsap_ray.engine.server import Server
 
     real_round, real_set_run = Server.round, RunWriter.set_run
 

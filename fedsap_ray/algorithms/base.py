@@ -105,7 +105,7 @@ class Strategy(ABC):
         it formed, its part of the progress line). ``plans`` are the round's plans, as
         :meth:`configure_round` returned them for ``state``."""
 
-    # Whether this class has an asynchronous reading (devices.mode=async, fedsap_ray.asyncmode; docs/readings.md):
+    # Whether this class has an asynchronous reading (devices.mode=async, fedsap_ray.engine.asyncmode; docs/readings.md):
     # read from the class's own body only, never inherited, so a subclass with round-synchronous state
     # (MOON's previous models, HAS-FL's adaptation steps) is refused until it declares a reading of its own
     supports_async: ClassVar[bool] = False
@@ -179,7 +179,7 @@ class Strategy(ABC):
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(full-size parameters, parameter mask or None) of the model client ``client_id`` would run on its
         device once the round that produced ``state`` is over (the ``deployed`` eval mode,
-        :mod:`fedsap_ray.evaluate`).
+        :mod:`fedsap_ray.engine.evaluate`).
 
         Default: the global model, whole (full-model methods). Sub-model methods return the model and
         mask the client would receive next (:class:`~fedsap_ray.algorithms.nested.SubModelStrategy`),

@@ -118,7 +118,7 @@ class FedAvg(Strategy):
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]:
         """The round-t plans of ``clients`` from ``state`` (what :meth:`configure_round` gives its sample; the
-        asynchronous mode, :mod:`fedsap_ray.asyncmode`, asks for the clients it starts)."""
+        asynchronous mode, :mod:`fedsap_ray.engine.asyncmode`, asks for the clients it starts)."""
         plans: dict[int, ClientPlan] = {}
         for cid in clients:
             mask, _, used = self.sub_model(state, cid, t)

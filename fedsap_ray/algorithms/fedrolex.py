@@ -32,7 +32,7 @@ Our reading of the authors' code (AIoT-MLSys-Lab/FedRolex, ``resnet_server.py``
 The deployed model of a client is the window it would receive next, round ``state.round + 1``
 (:meth:`FedAvg.deployed_model`): a rolling method has no fixed sub-model, and that window is the
 one the server would extract for the client now, a pure function of the round, so it is recomputed,
-never stored. Asynchronous mode (:mod:`fedsap_ray.asyncmode`): a client started on model version v trains
+never stored. Asynchronous mode (:mod:`fedsap_ray.engine.asyncmode`): a client started on model version v trains
 the window of round t = v + 1, the version it downloaded plus one; the coordinates it uploads are that
 window's (``ClientResult.mask``), however stale it arrives.
 """

@@ -28,7 +28,7 @@ global model w^0 (``spues.py``: ``personal_models[i] = initial_parameters``), so
 sampled for the first time in a later round freezes neurons at their w^0 values.
 
 Frozen means bit-identical: coordinates outside M_i^t get zero gradients in the masked loop
-(:mod:`fedsap_ray.client`) and the ``fedspu`` client hook writes the personal values back
+(:mod:`fedsap_ray.engine.client`) and the ``fedspu`` client hook writes the personal values back
 after every optimiser step, because weight decay and momentum would move them even with a zero
 gradient (the authors' code trains with plain SGD, where a gradient mask suffices). BatchNorm
 running statistics of frozen channels are restored too (they belong to the frozen neuron).

@@ -200,7 +200,7 @@ def fpl_regulariser(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, prot
 
 
 def last_epoch_start(n: int, batch_size: int, local_epochs: int, max_steps_per_epoch: int | None) -> int:
-    """Optimizer steps before the last local epoch under :mod:`fedsap_ray.client`'s batching:
+    """Optimizer steps before the last local epoch under :mod:`fedsap_ray.engine.client`'s batching:
     full batches plus a last batch of >= 2 samples (one sample only when the client has one),
     at most ``max_steps_per_epoch`` per epoch."""
     per = n // batch_size + (1 if n % batch_size >= 2 else 0) if n >= 2 else n

@@ -1,6 +1,6 @@
 """The one client extension point: named hooks a strategy declares for its clients' local training.
 
-The client loop (:mod:`fedsap_ray.client`) is mini-batch SGD on the plan's sub-model (sliced or masked) and names no algorithm.
+The client loop (:mod:`fedsap_ray.engine.client`) is mini-batch SGD on the plan's sub-model (sliced or masked) and names no algorithm.
 Everything a method adds to local training (FedProx's proximal term, FedSAP's Eq. 7 and
 channel statistics, SCAFFOLD's correction, MOON's contrastive term, DapperFL's pruning, ...)
 is a :class:`ClientHook` subclass registered under a name in that method's module

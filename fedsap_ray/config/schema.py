@@ -172,7 +172,7 @@ class TrainingConfig:
     # BN statistics of a deployed model: 'client' recomputes them on the client's own training data with its
     # own sub-model (what the device would hold); 'aggregated' keeps the server's averaged running statistics
     deployed_bn: str = "client"
-    # How a client trains a sub-model (fedsap_ray/client.py). sliced: a dense smaller network holding only
+    # How a client trains a sub-model (fedsap_ray/engine/client.py). sliced: a dense smaller network holding only
     # the active channels (pays for the sub-model); masked: the full-size network with the other
     # coordinates zeroed (the reference). They agree to float rounding, not bit for bit, so this is part
     # of the config hash (here, not under resources). Clients whose mask no channel set describes, and

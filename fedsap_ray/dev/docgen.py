@@ -20,7 +20,7 @@ Pages and where their content comes from:
 
 Hand-written pages hold generated regions where they restate the code (:data:`REGIONS`), between
 ``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``: the round of ``Server.round``
-(``docs/architecture.md``, from :mod:`fedsap_ray.server`'s docstring), the golden cases and the columns
+(``docs/architecture.md``, from :mod:`fedsap_ray.engine.server`'s docstring), the golden cases and the columns
 they leave out (``docs/guides/development.md``, from :mod:`fedsap_ray.dev.golden`) and the dataset table
 (``docs/guides/data.md``, from the dataset registry). The command rewrites them; ``--check`` names a page
 whose regions are stale.
@@ -526,9 +526,9 @@ REGION_OPEN = re.compile(r"^<!-- (end )?generated: ([\w-]+)", re.M)
 
 
 def server_round() -> str:
-    """The round as pseudo-code: the indented block of :mod:`fedsap_ray.server`'s docstring (tests/docs
+    """The round as pseudo-code: the indented block of :mod:`fedsap_ray.engine.server`'s docstring (tests/docs
     checks that block names the calls ``Server.round`` makes, in their order)."""
-    from fedsap_ray import server
+    from fedsap_ray.engine import server
 
     return "```text\n" + round_pseudocode(inspect.getdoc(server) or "") + "```\n"
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-DEPLOYED = "deployed"  # the eval mode of each client's own model (fedsap_ray.evaluate)
+DEPLOYED = "deployed"  # the eval mode of each client's own model (fedsap_ray.engine.evaluate)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class PhaseTimes:
 
 @dataclass
 class RoundSummary:
-    """One round for the progress line and drivers (what :meth:`fedsap_ray.server.Server.round` returns with the state)."""
+    """One round for the progress line and drivers (what :meth:`fedsap_ray.engine.server.Server.round` returns with the state)."""
 
     round: int
     evaluated: bool

@@ -202,7 +202,7 @@ class MaskableModel(nn.Module):
     def conv_bn_pairs(self) -> list[tuple[str, str]]:
         """(convolution, BatchNorm) submodule names where the BatchNorm is applied to that convolution's output
         and nothing else reads it, so that evaluation may fold the two into one convolution
-        (:func:`fedsap_ray.evaluate.inference_module`). None by default: a model lists its own."""
+        (:func:`fedsap_ray.engine.evaluate.inference_module`). None by default: a model lists its own."""
         return []
 
 

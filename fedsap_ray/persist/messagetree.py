@@ -1,5 +1,5 @@
 """Plans and results as checkpoint trees (:mod:`fedsap_ray.persist.treecodec`): what the asynchronous engine's clients
-in flight hold (:mod:`fedsap_ray.asyncmode`), stored so a resumed run applies exactly the updates it would have.
+in flight hold (:mod:`fedsap_ray.engine.asyncmode`), stored so a resumed run applies exactly the updates it would have.
 
 A :class:`~fedsap_ray.common.messages.ClientPlan` or :class:`~fedsap_ray.common.messages.ClientResult` is stored by its
 dataclass fields, each value as it is (an ``int`` stays an ``int``, an ``np.float64`` learning rate one), so a

@@ -15,14 +15,14 @@ its Global Acc., its Experiments section and Table 1; papers/003 reports the fin
   classes, input shape and the input transform, the metric that selected it, the eval mode whose recorded
   figures are this model's, the layout's digest) and the digests that bind it to its tensors;
 - ``<which>.deployed.safetensors`` + ``.json``: what each client of the run's deployed sample
-  (:func:`fedsap_ray.server.deployed_sample`, at most ``training.eval_clients``) runs, as
+  (:func:`fedsap_ray.engine.server.deployed_sample`, at most ``training.eval_clients``) runs, as
   :meth:`Strategy.deployed_model <fedsap_ray.algorithms.base.Strategy.deployed_model>` gives it: its
   parameters at its parameter mask. Stored deduplicated: every distinct mask once (packed bits), every
   distinct vector once and only at its mask's coordinates (nested-width clients share the global vector:
   nothing but their masks is stored), an index per client. The BN rule goes with them: under
   ``training.deployed_bn=client`` the deployed model's BN statistics are those of the client's own training
   data, recomputed when the model is loaded (the rule the deployed evaluation applies,
-  :func:`fedsap_ray.evaluate.calibrate_bn_`) from the federation rebuilt from the stored config; the digest
+  :func:`fedsap_ray.engine.evaluate.calibrate_bn_`) from the federation rebuilt from the stored config; the digest
   of each client's data is kept, so a federation that rebuilds differently is refused, never used.
 
 Every file goes through the results folder's door (:class:`fedsap_ray.persist.outdir.OutDir`: no link followed,
@@ -296,8 +296,8 @@ def pack_deployed(global_params: np.ndarray, models: Sequence[ClientModel]) -> t
     """(tensors, one entry per client) of the deployed parts, deduplicated: each distinct mask once as packed
     bits (``mask.<j>``, uint8), each distinct vector once at its mask's coordinates only (``values.<i>``,
     float32; none for a client whose values there are the global model's). Uncovered coordinates are never
-    stored: the deployed model zeroes them (:func:`fedsap_ray.evaluate.masked`)."""
-    from fedsap_ray.evaluate import digest
+    stored: the deployed model zeroes them (:func:`fedsap_ray.engine.evaluate.masked`)."""
+    from fedsap_ray.engine.evaluate import digest
 
     tensors: dict[str, np.ndarray] = {}
     masks: dict[bytes, int] = {}
@@ -505,7 +505,7 @@ class ModelKeeper:
         """Per client of the deployed sample, the digest of its training data when its deployed model's BN
         statistics are recomputed on it (``deployed_bn=client`` and a model with BatchNorm); {} otherwise."""
         if self._data_digests is None:
-            from fedsap_ray.evaluate import has_batchnorm
+            from fedsap_ray.engine.evaluate import has_batchnorm
 
             ctx = self.ctx
             self._data_digests = {}
@@ -590,13 +590,13 @@ class DeployedParts:
 
 def deployed_parts(kept: Kept, client: int, *, device: torch.device | None = None, sliced: bool = True,
                    federation: Any = None) -> DeployedParts:
-    """Client ``client``'s deployed network (:func:`fedsap_ray.evaluate.deployed_network`, the function the run's
+    """Client ``client``'s deployed network (:func:`fedsap_ray.engine.evaluate.deployed_network`, the function the run's
     deployed evaluation calls), BN statistics recomputed on its own training data when the run did: the
     federation is rebuilt from the stored config (``federation``: one the caller built so) and the client's
     data checked against its kept digest."""
     import torch
 
-    from fedsap_ray.evaluate import DeployedModel, deployed_network
+    from fedsap_ray.engine.evaluate import DeployedModel, deployed_network
 
     assert kept.deployed is not None
     run_id, which = kept.meta["run_id"], kept.meta["which"]
@@ -632,7 +632,7 @@ def load_model(out: str | Path, run_id: str, which: str = "final", client: int |
     (:func:`fedsap_ray.models.sliced.sliced_model`, the network a device of its width runs, not the masked full
     one) when a channel set describes its mask, else the full-size network with the uncovered coordinates
     zeroed; under ``training.deployed_bn=client`` its BN statistics are recomputed on K's own training data
-    (:func:`fedsap_ray.evaluate.calibrate_bn_`) with the run's ``resources.torch_threads``, from the
+    (:func:`fedsap_ray.engine.evaluate.calibrate_bn_`) with the run's ``resources.torch_threads``, from the
     federation rebuilt out of the stored config (refused when K's data is not what the run used). On
     ``device`` (default: CPU; figures equal the run's on the device kind it ran on).
 
@@ -675,7 +675,7 @@ class DomainFigures:
 class KeptEvaluation:
     """What :func:`evaluate_kept` measured: per test domain, their unweighted mean (as ``rounds``' global row),
     and for a client on the run's own data its figure as the run records it (``own``: on its own domain;
-    reweighted to its training labels in a one-domain federation, fedsap_ray.evaluate's docstring)."""
+    reweighted to its training labels in a one-domain federation, fedsap_ray.engine.evaluate's docstring)."""
 
     meta: dict[str, Any]
     client: int | None
@@ -709,15 +709,15 @@ def evaluate_kept(out: str | Path, run_id: str, which: str = "final", client: in
                   overrides: Sequence[str] = (), *, device: torch.device | None = None) -> KeptEvaluation:
     """Evaluate a kept model (:func:`load_model`'s) on the test splits of the run's data, or of the data
     ``overrides`` (``data.*`` settings: another registered dataset, other domains, another cap) choose, with
-    the functions the run evaluated with: :func:`fedsap_ray.evaluate.evaluate` for the global model (the eval
-    mode of ``meta['evaluated_as']``), :func:`fedsap_ray.evaluate.deployed_network` and
-    :func:`~fedsap_ray.evaluate.evaluate_by_class` for client K's deployed model (as the run ran it: sliced
+    the functions the run evaluated with: :func:`fedsap_ray.engine.evaluate.evaluate` for the global model (the eval
+    mode of ``meta['evaluated_as']``), :func:`fedsap_ray.engine.evaluate.deployed_network` and
+    :func:`~fedsap_ray.engine.evaluate.evaluate_by_class` for client K's deployed model (as the run ran it: sliced
     under ``training.submodel=sliced``, BN per ``training.deployed_bn``), with the run's torch threads on the
     run's device choice. On the run's own data the figures are the recorded ones, bit for bit (on the device
     kind and CPU kernels it ran with: docs/architecture.md#determinism)."""
-    from fedsap_ray.client import pick_device
+    from fedsap_ray.engine.client import pick_device
     from fedsap_ray.data import build_federation
-    from fedsap_ray.evaluate import client_figures, evaluate, evaluate_by_class, summarise
+    from fedsap_ray.engine.evaluate import client_figures, evaluate, evaluate_by_class, summarise
 
     check_data_overrides(overrides)
     kept = read_kept(out, run_id, which, deployed=client is not None)

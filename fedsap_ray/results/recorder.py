@@ -19,7 +19,7 @@ import numpy as np
 from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data.devices import SimRound
-from fedsap_ray.evaluate import summarise
+from fedsap_ray.engine.evaluate import summarise
 from fedsap_ray.algorithms.grouping import agreement
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords
 from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary

@@ -4,7 +4,7 @@ A strategy declares its own columns (:attr:`fedsap_ray.algorithms.base.Strategy.
 per-round table's schema is the core columns below followed by the union of every registered
 strategy's declarations (:func:`extension_columns`), so every run of every algorithm writes the
 same stable Parquet schema and adding a metric never means editing this file. The core columns
-are those the recording side fills for every strategy (:class:`fedsap_ray.server.Server`),
+are those the recording side fills for every strategy (:class:`fedsap_ray.engine.server.Server`),
 including the ones computed from ground truth a strategy never sees (``true_domain``,
 ``tv_distance``, ``ari_domain``). docs/reference/results.md is generated from these declarations.
 """

@@ -12,9 +12,9 @@
   A worker trains on its CUDA device when there is one, else on CPU, always with
   ``resources.torch_threads`` intra-op threads (the numerics are then those of the
   local backend, whichever worker runs which client). A worker prepares each client's data
-  once per run (:class:`~fedsap_ray.client.PreparedData`, within its memory budget) and pays
-  torch's optimizer start-up when it starts (:func:`~fedsap_ray.client.warm_torch`), not in
-  round 1 (issue 27; measured in :mod:`fedsap_ray.client`'s docstring).
+  once per run (:class:`~fedsap_ray.engine.client.PreparedData`, within its memory budget) and pays
+  torch's optimizer start-up when it starts (:func:`~fedsap_ray.engine.client.warm_torch`), not in
+  round 1 (issue 27; measured in :mod:`fedsap_ray.engine.client`'s docstring).
 - Dispatch and fault tolerance (issue 42): a round's plans are shared among the workers longest
   first by expected work (:func:`~fedsap_ray.runtime.wire.longest_first`) and each worker gets its
   share in up to ``PIECES`` calls (``PIPELINE`` in flight, so results travel while the next piece trains),
@@ -23,7 +23,7 @@
   (``rounds.backend_bytes_down``/``backend_bytes_up`` record what moved). A worker that dies is
   replaced once and every piece it held re-runs from its plans (plans are pure data, so the numbers
   are those of an uninterrupted run). A client that raises stops the run with a
-  :class:`~fedsap_ray.client.ClientError` naming the round and client.
+  :class:`~fedsap_ray.engine.client.ClientError` naming the round and client.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ import torch
 
 from fedsap_ray import limits
 from fedsap_ray.algorithms.context import RunContext
-from fedsap_ray.client import PreparedData, pick_device, to_device, train_client, warm_torch
+from fedsap_ray.engine.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.runtime.allocator import tune_malloc
 from fedsap_ray.data.base import DomainData, Federation
 from fedsap_ray.common.errors import CheckpointUnreadable, ClientError, ConfigError

@@ -2,7 +2,7 @@
 
 A tiny ``mlp`` federation config on ``generated_blobs`` (only its size, classes and capacities matter: the
 clients train on the tensors a test hands them, not on the federation's data), the strategy built in-process,
-and each round's plans trained by :func:`fedsap_ray.client.train_client` on those tensors, in client-id order,
+and each round's plans trained by :func:`fedsap_ray.engine.client.train_client` on those tensors, in client-id order,
 then aggregated by the strategy. What a reference needs from a plan is plain data: its seed (the batch order)
 and its learning rate.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from conftest import make_strategy
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData

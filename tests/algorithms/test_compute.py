@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import federation_fixture, run_rounds_with_plans, tiny_mlp, tiny_overrides
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.common.messages import ClientPlan
 

@@ -18,7 +18,7 @@ from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.dapperfl import (HOOK, MASK_KEY, DapperFL, ModelFusionPruning, dar_loss, first_epoch_samples, fusion_alpha,
                                             fusion_prune, pack_channel_masks, unpack_channel_masks)
 from fedsap_ray.algorithms.pruning import l1_channel_masks
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData

@@ -10,7 +10,7 @@ import numpy as np
 from conftest import (aggregate, assert_same_tables, federation_fixture, global_rows, make_strategy, run_rounds_with_plans,
                       run_twice, tiny_overrides)
 from fedsap_ray.algorithms.fedspu import FrozenNeurons
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.models.masks import param_mask
 

@@ -11,7 +11,7 @@ from faultkit import cli
 from fedsap_ray import results
 from fedsap_ray.algorithms.heterofl import CLASSES, LabelMask
 from fedsap_ray.algorithms.hooks import call
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData

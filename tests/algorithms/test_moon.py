@@ -15,7 +15,7 @@ from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.moon import HOOK, MoonObjective, model_contrastive_loss
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.models import build_model
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context

@@ -28,7 +28,7 @@ from faultkit import stepped_run
 from fedsap_ray import results
 from fedsap_ray.cli import main as cli_main
 from fedsap_ray.algorithms.fedrolex import FedRolex
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data import build_federation

@@ -15,7 +15,7 @@ from fedsap_ray import results
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.scaffold import HOOK as SCAFFOLD_HOOK
 from fedsap_ray.algorithms.scaffold import ControlCorrection
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.models.masks import ParamLayout

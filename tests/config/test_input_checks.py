@@ -134,7 +134,7 @@ def test_participation_at_one_client_a_round_is_accepted():
 def test_resume_of_a_run_that_failed_before_its_first_checkpoint_says_overwrite_starts_it_again(tmp_path, capsys,
                                                                                                monkeypatch):
     from faultkit import TINY, sets
-    from fedsap_ray.server import Server
+    from fedsap_ray.engine.server import Server
 
     def fails(self, state, t):
         raise RuntimeError("boom in round 1")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import fedsap_ray
-from fedsap_ray import server
+from fedsap_ray.engine import server
 from fedsap_ray.dev import docgen
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def round_calls_in_docstring(block: str, names: typing.Iterable[str]) -> list[st
 
 
 def test_the_documented_round_makes_the_calls_server_round_makes_in_order() -> None:
-    """The pseudo-code in fedsap_ray/server.py's docstring (which docgen puts on the architecture page) names
+    """The pseudo-code in fedsap_ray/engine/server.py's docstring (which docgen puts on the architecture page) names
     every call of ``Server.round`` in the order the code makes them, and no call the code does not make:
     the page once left out the device clock and the straggler branch."""
     code = round_calls_in_code()
@@ -114,7 +114,7 @@ def test_the_documented_round_makes_the_calls_server_round_makes_in_order() -> N
             "recorder.record"} <= set(code), f"the reader of Server.round lost its way: {code}"
     block = docgen.round_pseudocode(inspect.getdoc(server) or "")
     assert round_calls_in_docstring(block, code) == code, (
-        f"fedsap_ray/server.py's docstring round names {round_calls_in_docstring(block, code)}; Server.round makes "
+        f"fedsap_ray/engine/server.py's docstring round names {round_calls_in_docstring(block, code)}; Server.round makes "
         f"{code}: update the docstring, then run `{docgen.COMMAND}`")
     assert "if sim.stragglers:" in block, "the docstring round must show the straggler branch Server.round takes"
 

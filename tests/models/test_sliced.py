@@ -1,4 +1,4 @@
-"""Sliced sub-model training (issue 17; fedsap_ray/models/sliced.py, fedsap_ray/client.py): the dense smaller network
+"""Sliced sub-model training (issue 17; fedsap_ray/models/sliced.py, fedsap_ray/engine/client.py): the dense smaller network
 a client trains by default agrees with the masked full-size reference to float rounding, on every strategy,
 really is smaller, and masks no channel set describes (or plans with a hook that does not declare
 ``supports_sliced``) fall back to masked training bit for bit."""
@@ -19,7 +19,7 @@ from fedsap_ray.algorithms.hooks import (ClientHook, NoPayload, call, register_h
                                          unregister_hook)
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.scaffold import ControlCorrection
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.models.masks import ParamLayout, covering_channel_masks, param_mask, params_in_mask, trainable_mask

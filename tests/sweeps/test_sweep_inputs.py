@@ -190,7 +190,7 @@ def test_a_tracked_sweeps_trials_say_so_and_keep_their_run_ids(tmp_path):
 
 
 def _summary(t: int, accuracy: float):
-    from fedsap_ray.server import RoundSummary
+    from fedsap_ray.engine.server import RoundSummary
 
     row = {"round": t, "domain": "__global__", "eval_mode": "global", "evaluated": True, "accuracy": accuracy,
            "bytes_up": 100 * t}

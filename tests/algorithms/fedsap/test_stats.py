@@ -9,7 +9,7 @@ from torch import nn
 
 import fedsap_ray.algorithms.fedsap.hooks as fedsap_hooks
 from fedsap_ray.algorithms.hooks import call
-from fedsap_ray.client import ClientError, train_client
+from fedsap_ray.engine.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
 from fedsap_ray.common.messages import ClientPlan

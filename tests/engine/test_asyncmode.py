@@ -1,4 +1,4 @@
-"""Asynchronous training on the simulated clock (issue 44, fedsap_ray.asyncmode) in motion: a slow client's
+"""Asynchronous training on the simulated clock (issue 44, fedsap_ray.engine.asyncmode) in motion: a slow client's
 update arrives after the fast ones and is applied with its hand-computed staleness weight (the parameters
 move by exactly server_lr x weight x its delta), one server step per buffer_size arrivals in simulated-time
 order, every client trains on the version of the moment it started, the mode with equal devices equals the
@@ -15,11 +15,11 @@ import pytest
 
 from fedsap_ray import results
 from fedsap_ray.algorithms.dapperfl import MASK_KEY
-from fedsap_ray.asyncmode import crossed
+from fedsap_ray.engine.asyncmode import crossed
 from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.staleness import staleness_weight
+from fedsap_ray.engine.staleness import staleness_weight
 from tests.conftest import federation_fixture, steady, tiny_overrides
 from tests.faultkit import stepped_run
 

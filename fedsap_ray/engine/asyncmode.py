@@ -70,13 +70,13 @@ import numpy as np
 
 from fedsap_ray.data.devices import SimRound, available, client_time, round_size
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.evaluate import evaluate_modes
+from fedsap_ray.engine.evaluate import evaluate_modes
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
 from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.engine.summary import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
-from fedsap_ray.server import Server, due
-from fedsap_ray.staleness import update_factor, weight_for
+from fedsap_ray.engine.server import Server, due
+from fedsap_ray.engine.staleness import update_factor, weight_for
 from fedsap_ray.persist.statecheck import BadCheckpoint, check_params
 
 __all__ = ["AsyncServer", "AsyncStrategy", "RunNote", "Update", "crossed", "synchronous_equivalent"]
@@ -90,7 +90,7 @@ PROGRESS = "  step: {updates_applied} updates, staleness mean {staleness_mean:.2
 
 
 class AsyncStrategy(Protocol):
-    """What the asynchronous engine asks of a strategy besides :class:`~fedsap_ray.server.RoundStrategy`
+    """What the asynchronous engine asks of a strategy besides :class:`~fedsap_ray.engine.server.RoundStrategy`
     (:class:`~fedsap_ray.algorithms.fedavg.FedAvg` and its supported subclasses have it, and
     :class:`~fedsap_ray.algorithms.dapperfl.DapperFL`)."""
 
@@ -194,7 +194,7 @@ class AsyncServer(Server):
         self.train_s = 0.0  # wall seconds in backend.train since the last step
         note = synchronous_equivalent(cfg)
         if note is not None:  # once, at the start: one line attributed to the package, not to a source line
-            warnings.warn_explicit(note, RunNote, filename="fedsap_ray", lineno=0, module="fedsap_ray.asyncmode")
+            warnings.warn_explicit(note, RunNote, filename="fedsap_ray", lineno=0, module="fedsap_ray.engine.asyncmode")
 
     # --- the event loop --------------------------------------------------------------------------
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:

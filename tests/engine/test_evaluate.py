@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedsap_ray import evaluate as ev
+from fedsap_ray.engine import evaluate as ev
 from fedsap_ray import results
 from fedsap_ray.config import build_config
-from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
+from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.experiment import run_experiment
 from conftest import EvaluatedSizes, federation_fixture, make_strategy
 

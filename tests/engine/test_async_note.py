@@ -1,4 +1,4 @@
-"""An asynchronous run whose settings make it the synchronous one says so, once (issue 53, fedsap_ray/asyncmode.py):
+"""An asynchronous run whose settings make it the synchronous one says so, once (issue 53, fedsap_ray/engine/asyncmode.py):
 with every client training every step (concurrency = buffer_size = all clients, participation 1) and server_lr 1,
 each step waits for every client's fresh update, whatever the devices' speeds. The note's claim is checked: such a
 run on clients of different widths (so different simulated times) writes the synchronous run's tables."""
@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from fedsap_ray import results
-from fedsap_ray.asyncmode import RunNote, synchronous_equivalent
+from fedsap_ray.engine.asyncmode import RunNote, synchronous_equivalent
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
 from tests.conftest import federation_fixture, steady, tiny_overrides

@@ -17,11 +17,11 @@ import torch
 from fedsap_ray import algorithms, results
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.evaluate import DeployedModel, calibrate_bn_, evaluate, evaluate_deployed
+from fedsap_ray.engine.evaluate import DeployedModel, calibrate_bn_, evaluate, evaluate_deployed
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.models.masks import channel_mask_counts, extract_substate, param_mask
 from fedsap_ray.models import build_model
-from fedsap_ray.server import DEPLOYED, deployed_sample
+from fedsap_ray.engine.server import DEPLOYED, deployed_sample
 from conftest import EvaluatedSizes, federation_fixture, make_strategy, run_rounds
 
 # clients of 1% of their domain (40 samples, 14 of UCI digits): a deployed model's BN statistics are calibrated on

@@ -1,4 +1,4 @@
-"""An asynchronous run (issue 44, fedsap_ray.asyncmode) resumed from a checkpoint gives the tables of the run never
+"""An asynchronous run (issue 44, fedsap_ray.engine.asyncmode) resumed from a checkpoint gives the tables of the run never
 stopped: the checkpoint holds the engine's state (the event queue with every update in flight, its plan, result
 and downloaded model, stored once per version; the buffer; the discarded arrivals; the clock; the dispatch
 counters), and without it the tables differ. The state also round-trips taken in the middle of a step, with
@@ -19,7 +19,7 @@ from fedsap_ray import results
 from fedsap_ray.persist import checkpoint, treecodec
 from fedsap_ray.algorithms.fedprox import ProximalTerm
 from fedsap_ray.algorithms.hooks import call
-from fedsap_ray.asyncmode import AsyncServer
+from fedsap_ray.engine.asyncmode import AsyncServer
 from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment

@@ -34,7 +34,7 @@ from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.data.devices import Device, DeviceClock, SimRound
-from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
+from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
 from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
@@ -158,7 +158,7 @@ class Server:
         return new_state, self.recorder.record(t, plans, results, out.records, ev, times, sim)
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
-        """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.evaluate)."""
+        """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.engine.evaluate)."""
         fed = self.ctx.federation
         models = []
         for cid in self.deployed_clients:

@@ -1,4 +1,4 @@
-"""Staleness weights of asynchronous updates (``asynchronous.staleness``; :mod:`fedsap_ray.asyncmode`).
+"""Staleness weights of asynchronous updates (``asynchronous.staleness``; :mod:`fedsap_ray.engine.asyncmode`).
 
 An update trained on model version v and applied when the server holds version V has staleness
 s = V - v (server steps it missed). FedAsync (Xie, Koyejo and Gupta 2019, "Asynchronous Federated
