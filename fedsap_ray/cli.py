@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-EXPORT_FORMATS = ("onnx", "torchscript", "safetensors")  # fedsap_ray.export.FORMATS (not imported here: it loads torch)
+EXPORT_FORMATS = ("onnx", "torchscript", "safetensors")  # fedsap_ray.results.export.FORMATS (not imported here: it loads torch)
 
 
 def _kept_model_args(p: argparse.ArgumentParser, verb: str, out_help: str) -> None:
@@ -302,7 +302,8 @@ def _compact(args) -> int:
 
 def _export(args) -> int:
     """``fedsap-ray export``: every check that needs no model first, then the kept model, its check inputs, the file."""
-    from fedsap_ray import export, results
+    from fedsap_ray import results
+    from fedsap_ray.results import export
 
     results.check_run_id(args.run_id, "--run-id")
     if args.client is not None and args.client < 0:
@@ -358,7 +359,7 @@ def check_export_out(out: str) -> str:
 def check_export_output(output: str, fmt: str, out: str) -> Path:
     """``--output`` of ``fedsap-ray export``: a file name ending as the format's files do, in an existing
     writable folder, not a folder itself, and outside the results folder (which holds only what runs write)."""
-    from fedsap_ray.export import FORMATS
+    from fedsap_ray.results.export import FORMATS
 
     ending = FORMATS[fmt]
     try:
@@ -406,7 +407,7 @@ def _export_inputs(cfg: ExperimentConfig, model, client: int | None, on: str):
     or seeded random inputs of the model's kind."""
     import torch
 
-    from fedsap_ray import export
+    from fedsap_ray.results import export
 
     if on == "random":
         x = export.random_inputs(model)

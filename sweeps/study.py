@@ -40,7 +40,7 @@ from fedsap_ray.results.reader import read_arrow
 from fedsap_ray.results.store import is_dir, list_table, run_ids
 from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.config.checks import check_ray_address
-from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.results.destination import ResultsDestination
 from fedsap_ray.trackers import add_tracker_args, check_libraries, tracker_specs
 from sweeps.trials import flat_overrides, to_configs
 from sweeps.tuner import SweepOptions, run_trials, tracked

@@ -6,7 +6,7 @@ per seed and drives them with two callbacks:
 
 - :class:`PushResults`: after every round (once its checkpoint is written) and after the runs
   are closed, each run's files go to the sweep's destination (a local path, or any pyarrow
-  filesystem URI: the run writes to node-local staging, :class:`fedsap_ray.storage.ResultsDestination`);
+  filesystem URI: the run writes to node-local staging, :class:`fedsap_ray.results.destination.ResultsDestination`);
 - :class:`TuneReport`: each round's metrics (means over the seeds) go to Tune, read from each
   session's :class:`~fedsap_ray.session.SessionMetrics`; a scheduler that stops the trial
   (Tune raises ``SystemExit`` in ``tune.report``) ends the runs with status ``stopped``. A sweep with
@@ -41,7 +41,7 @@ from fedsap_ray.runtime import make_backend
 from fedsap_ray.config.schema import ExperimentConfig
 from fedsap_ray.engine.server import RoundSummary
 from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, record_failed_start
-from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.results.destination import ResultsDestination
 from fedsap_ray.trackers import round_metrics
 from sweeps.trials import METRIC, flatten, to_configs
 

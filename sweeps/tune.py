@@ -41,7 +41,7 @@ from fedsap_ray.cli import OneLineParser  # noqa: E402
 from fedsap_ray import results  # noqa: E402
 from fedsap_ray.config import ConfigError  # noqa: E402
 from fedsap_ray.persist.outdir import FILE, OutDir  # noqa: E402
-from fedsap_ray.storage import ResultsDestination  # noqa: E402
+from fedsap_ray.results.destination import ResultsDestination  # noqa: E402
 from sweeps.study import (add_common_args, check_overrides, finished_gaps, options_from, read_runs,  # noqa: E402
                           refuse_missing_out, report_failures)
 from sweeps.trials import METRIC, flat_overrides, to_configs  # noqa: E402

@@ -22,7 +22,7 @@ from ray.tune.logger import LoggerCallback
 
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.runtime.ray import connect
-from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.results.destination import ResultsDestination
 from fedsap_ray.trackers import TrackedRun, TrackerSpec, kept_files, run_info
 from sweeps.live import LiveProgress
 from sweeps.trainable import ROUNDS_METRICS, TRACKED, run_trial

@@ -41,7 +41,7 @@ INTEGRATION_MODULES = frozenset({
     # (issue 53); the golden tool recording and checking a run end to end and as a script (~13 s), and the node
     # cache's processes sharing one entry (~16 s; its tampering cases also run in tests/data/test_cache_tamper.py)
     # (issue 55, whose equivalence tests joined the fast tier)
-    "tests/test_folder_fuzz.py", "tests/data/test_data_real.py", "tests/dev/test_golden.py", "tests/data/test_node_cache.py",
+    "tests/results/test_folder_fuzz.py", "tests/data/test_data_real.py", "tests/dev/test_golden.py", "tests/data/test_node_cache.py",
 })
 INTEGRATION_FIXTURES = frozenset({"smoke_study"})
 

@@ -233,7 +233,7 @@ def test_resume_refuses_a_malicious_pickle_without_running_it(tmp_path, capsys, 
 
 @pytest.mark.parametrize("uri", [False, True])
 def test_a_sweep_resume_refuses_a_pickled_checkpoint_before_ray_starts(tmp_path, uri):
-    from fedsap_ray.storage import ResultsDestination
+    from fedsap_ray.results.destination import ResultsDestination
     from sweeps.study import refuse_legacy_checkpoints
 
     folder = tmp_path / "sweep"

@@ -30,7 +30,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import as_input, input_transform
 from fedsap_ray.results import kept
 from fedsap_ray.results.kept import KeptModelError
-from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.results.destination import ResultsDestination
 
 FA = ["training.keep_model=final+best", "seed=0", "training.rounds=4"]  # global accuracy .131, .100, .138, .094
 HE = ["algorithm.name=heterofl", "training.rounds=2"]  # keep ratios 1, .8, .6, .4 (cyclic pruning ratios): narrow deployed sub-models

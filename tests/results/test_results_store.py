@@ -14,7 +14,7 @@ import pytest
 from fedsap_ray import results
 from fedsap_ray.results import compaction
 from fedsap_ray.cli import main as cli_main
-from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.results.destination import ResultsDestination
 
 T0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
 

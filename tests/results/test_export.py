@@ -1,4 +1,4 @@
-"""fedsap_ray.export: a FedSAP client's dense sub-model written as ONNX, TorchScript and safetensors, each read back
+"""fedsap_ray.results.export: a FedSAP client's dense sub-model written as ONNX, TorchScript and safetensors, each read back
 and checked against PyTorch before it is written; the check measures the file (a perturbed weight is caught, a
 file that fails is never written); every registered model exports in every format."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from exportkit import fedsap_like_submodel
-from fedsap_ray import export
+from fedsap_ray.results import export
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.models import MODEL_REGISTRY
 
