@@ -45,7 +45,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context
 from fedsap_ray.runtime.local import LocalBackend
 from fedsap_ray.engine.server import deployed_sample
-from fedsap_ray.session import _scratch
+from fedsap_ray.run.session import _scratch
 
 
 @contextmanager

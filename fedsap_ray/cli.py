@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
 from fedsap_ray.common.errors import ConfigError, DatasetUnavailable
-from fedsap_ray.trackers import add_tracker_args
+from fedsap_ray.run.trackers import add_tracker_args
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -162,7 +162,7 @@ def _resolve(args) -> ExperimentConfig:
 
 
 def _stored_config(out: Path, run_id: str) -> dict:
-    from fedsap_ray import guard
+    from fedsap_ray.run import guard
 
     row = guard.check_checkpoint_present(out, run_id)
     return config_object(row["config_json"], f"--resume={run_id!r}", str(out / "runs" / f"{run_id}.parquet"))
@@ -183,7 +183,7 @@ def config_object(text: object, field: str, where: str) -> dict:
 
 def _run(args) -> int:
     cfg = _resolve(args)
-    from fedsap_ray import trackers
+    from fedsap_ray.run import trackers
 
     specs = trackers.tracker_specs(args.tracker, args.tracker_uri, args.out)
     trackers.check_libraries(specs)
@@ -192,7 +192,7 @@ def _run(args) -> int:
         return 0
     from fedsap_ray.experiment import new_run_id, run_experiment
     from fedsap_ray.results import kept_models, run_files
-    from fedsap_ray.progress import ProgressPrinter
+    from fedsap_ray.run.progress import ProgressPrinter
 
     out = Path(args.out)
     run_id = args.resume or args.run_id or new_run_id(cfg)
@@ -284,7 +284,7 @@ def _compact(args) -> int:
 
             OutDir(args.out)  # refuses a path the file system cannot hold before anything looks at it
         if not results.is_uri(args.out) and Path(args.out).is_dir():
-            from fedsap_ray.guard import recover_abandoned
+            from fedsap_ray.run.guard import recover_abandoned
 
             recover_abandoned(Path(args.out))  # an overwrite a kill left half done: finished before compacting
         n = results.compact(args.out)

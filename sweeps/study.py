@@ -30,7 +30,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from fedsap_ray import guard, results
+from fedsap_ray import results
+from fedsap_ray.run import guard
 from fedsap_ray.persist import checkpoint
 from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError, parse_override
@@ -41,7 +42,7 @@ from fedsap_ray.results.store import is_dir, list_table, run_ids
 from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.config.checks import check_ray_address
 from fedsap_ray.results.destination import ResultsDestination
-from fedsap_ray.trackers import add_tracker_args, check_libraries, tracker_specs
+from fedsap_ray.run.trackers import add_tracker_args, check_libraries, tracker_specs
 from sweeps.trials import flat_overrides, to_configs
 from sweeps.tuner import SweepOptions, run_trials, tracked
 
@@ -294,7 +295,7 @@ def rerun_incomplete(dest: ResultsDestination, gaps: Mapping[str, str], study: s
 
 def check_checkpoints(dest: ResultsDestination, trials: Sequence[Mapping[str, Any]]) -> None:
     """Before Ray starts: each run of ``trials`` that has a checkpoint (the trial will continue from it) has one
-    it can continue from (:func:`fedsap_ray.guard.check_trial_checkpoint`: format, content digest, round, engine,
+    it can continue from (:func:`fedsap_ray.run.guard.check_trial_checkpoint`: format, content digest, round, engine,
     and the run's tables against it); else one line naming the trial's run and the file, exit 2. A remote run's
     files are brought to this node's staging folder first (:meth:`ResultsDestination.pull`)."""
     for t in trials:

@@ -80,7 +80,7 @@ def test_tables_have_design_columns(tmp_path, tiny_fed):
     assert runs.loc[0, "status"] == "finished" and runs.loc[0, "rounds_done"] == 2
     assert runs.loc[0, "config_hash"] == cfg.config_hash()
     # what the numbers reproduce against: this process's torch and the CPU kernels it picked
-    from fedsap_ray.session import cpu_kernels
+    from fedsap_ray.run.session import cpu_kernels
 
     assert runs.loc[0, "torch_version"] == torch.__version__ and runs.loc[0, "cpu_kernels"] == cpu_kernels()
 
@@ -92,7 +92,7 @@ def test_cpu_kernels_name_the_kernels_the_environment_chose():
     import subprocess
     import sys
 
-    code = "from fedsap_ray.session import cpu_kernels; print(cpu_kernels())"
+    code = "from fedsap_ray.run.session import cpu_kernels; print(cpu_kernels())"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "aten=DEFAULT onednn=AVX2", out

@@ -302,7 +302,7 @@ def build_config(
     cfg = from_dict(apply_algorithm_defaults(merged))
     if cfg.devices.trace is not None and cfg.devices.trace_sha256 is None:
         # the trace's content is part of the run's identity (the config hash): a resume re-reads the
-        # recorded hash from the stored config and the run start compares it with the file (fedsap_ray.limits)
+        # recorded hash from the stored config and the run start compares it with the file (fedsap_ray.runtime.limits)
         import dataclasses
 
         cfg = dataclasses.replace(cfg, devices=dataclasses.replace(cfg.devices,

@@ -236,7 +236,7 @@ class DeviceClock:
 def empty_round(cfg: ExperimentConfig, devices: Sequence[Device], rounds: range) -> int | None:
     """The first round of ``rounds`` in which no client is available (:func:`available`), or None.
 
-    Checked before a run trains anything (:class:`fedsap_ray.session.RunSession`), so a low availability
+    Checked before a run trains anything (:class:`fedsap_ray.run.session.RunSession`), so a low availability
     fails with exit 2 before round 1 rather than in the round it empties. Cheap: each round stops at its
     first available client (about 1 / availability draws); only an empty round draws for every client.
     """

@@ -39,6 +39,7 @@ if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(_
     del sys.path[0]
 
 import argparse  # noqa: E402
+import importlib  # noqa: E402
 import io  # noqa: E402
 import json  # noqa: E402
 import subprocess  # noqa: E402
@@ -346,11 +347,12 @@ def _provenance() -> dict[str, Any]:
 def _cpu_kernels() -> str | None:
     """The CPU kernels torch picks in this process (``runs.cpu_kernels``); None with a package that predates
     them: two machines whose kernels differ round differently."""
-    try:
-        from fedsap_ray.session import cpu_kernels
-    except ImportError:
-        return None
-    return cpu_kernels()
+    for where in ("fedsap_ray.run.session", "fedsap_ray.session"):  # this layout, then the one before issue 54
+        try:
+            return importlib.import_module(where).cpu_kernels()
+        except (ImportError, AttributeError):
+            continue
+    return None
 
 
 def _version(mod: str) -> str | None:

@@ -345,7 +345,7 @@ class AsyncServer(Server):
         deployed = self._evaluate_deployed(state) if deployed_now and cfg.training.eval_deployed else {}
         return RoundEvaluation(by_mode=by_mode, deployed=deployed), time.perf_counter() - t0
 
-    # --- checkpoint state (the round's checkpoint holds it: fedsap_ray.session, fedsap_ray.persist.messagetree) ------------
+    # --- checkpoint state (the round's checkpoint holds it: fedsap_ray.run.session, fedsap_ray.persist.messagetree) ------------
     def state_dict(self) -> dict[str, Any]:
         """The engine's state after a server step, as a checkpoint tree (:mod:`fedsap_ray.persist.treecodec`): the clock,
         the dispatch counters (selection seeds), the event queue (heap order) with every update in flight, the

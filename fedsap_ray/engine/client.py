@@ -152,7 +152,7 @@ class PreparedData:
 
 
 #: The hint a diverged client's error ends with; the run's session names its own step sizes in it
-#: (:func:`fedsap_ray.session.diverged`: in ``devices.mode=async`` also ``asynchronous.server_lr``).
+#: (:func:`fedsap_ray.run.session.diverged`: in ``devices.mode=async`` also ``asynchronous.server_lr``).
 DIVERGED_HINT = "diverged; lower training.lr?"
 
 PREPARED_BYTES = 512 << 20  # per backend / Ray worker: 200 x 16 CIFAR-sized clients take 39 MB

@@ -56,7 +56,7 @@ class RoundSummary:
     n_stragglers: int = 0  # clients left out of aggregation by devices.policy this round
     lost: tuple[str, ...] = ()  # workers or nodes the Ray backend lost this round (their clients re-ran)
     # the rows this round wrote to the rounds table, as written (run_id and schema_version aside): what the
-    # trackers log (fedsap_ray.trackers.round_metrics), so they show the table's numbers, never recomputed ones
+    # trackers log (fedsap_ray.run.trackers.round_metrics), so they show the table's numbers, never recomputed ones
     rows: tuple[dict[str, Any], ...] = ()
 
 

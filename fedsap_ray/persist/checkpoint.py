@@ -56,7 +56,7 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
     """Write the checkpoint atomically; ``tables``: the per-round tables the run has written
     so far, so a resume can tell a missing table file from one the run never had; ``rows``: per table,
     the rows of each round written so far (``RunWriter.counts``), so a resume can tell a lost or
-    truncated part of any table (:func:`fedsap_ray.guard.check_resumable`); ``engine``: the asynchronous
+    truncated part of any table (:func:`fedsap_ray.run.guard.check_resumable`); ``engine``: the asynchronous
     engine's state (:meth:`fedsap_ray.engine.asyncmode.AsyncServer.state_dict`, versioned in itself; a
     synchronous run's checkpoint has none). One tree: an array the state and the engine share (the
     model the clients started on this version downloaded, a mask) is stored once and read back as one.

@@ -45,7 +45,7 @@ FILE, DIR = "file", "dir"
 
 
 def lock_path(out: str | Path, run_id: str) -> Path:
-    """A run's lock file: ``OUT/.<run_id>.lock`` (:class:`fedsap_ray.guard.RunClaim`)."""
+    """A run's lock file: ``OUT/.<run_id>.lock`` (:class:`fedsap_ray.run.guard.RunClaim`)."""
     return Path(out) / f".{run_id}.lock"
 
 
@@ -259,7 +259,7 @@ class OutDir:
 
     def lock_holder(self, path: str | Path) -> str | None:
         """The pid written in the lock file ``path`` while a process holds its ``flock``, else None (asks the
-        kernel without creating the file or keeping any lock: :class:`fedsap_ray.guard.RunClaim`)."""
+        kernel without creating the file or keeping any lock: :class:`fedsap_ray.run.guard.RunClaim`)."""
         if not self.is_file(path):
             return None  # no lock file: nobody has claimed it since it was last released
         try:

@@ -1,5 +1,5 @@
 """A checkpoint's content against the run it would resume: checked whole before a resume deletes or
-writes anything (:class:`fedsap_ray.session.RunSession`), so a damaged or edited checkpoint is refused
+writes anything (:class:`fedsap_ray.run.session.RunSession`), so a damaged or edited checkpoint is refused
 with one line (exit 2) instead of an IndexError in round t+1 or, worse, a silent retraining from a wrong
 state.
 

@@ -32,7 +32,7 @@ content (:mod:`fedsap_ray.persist.digest`): a JSON edited, a tensor file damaged
 run's or another ``which``'s, is refused by name (:class:`KeptModelError`). The JSON files are written last
 and bind the tensors they describe, so a write killed half way is refused on load and rewritten by the resume.
 
-When they are written (:class:`ModelKeeper`, called by :class:`fedsap_ray.session.RunSession`): ``best`` at
+When they are written (:class:`ModelKeeper`, called by :class:`fedsap_ray.run.session.RunSession`): ``best`` at
 an evaluated round where the figure strictly improves, *before* that round's checkpoint (a kill in between
 resumes from the round before, which the resume trains again and keeps again, byte for byte); ``final`` when
 the run ends ``finished`` or ``stopped``, before its ``runs`` row says so (an interrupted or failed run

@@ -1,9 +1,9 @@
 """Ray backend (docs/architecture.md#backends): a ServerActor hosting the run, ClientWorker actors on GPU fractions.
 
-- ``ServerActor`` hosts a :class:`~fedsap_ray.session.RunSession` (server state,
+- ``ServerActor`` hosts a :class:`~fedsap_ray.run.session.RunSession` (server state,
   strategy ``configure_round``/``aggregate``, evaluation, Parquet writer); it is pinned
   to the driver's node so results land in the driver's ``--out`` folder. The driver
-  runs the one loop (:func:`fedsap_ray.driver.drive`) through :class:`RemoteSession`, each
+  runs the one loop (:func:`fedsap_ray.run.driver.drive`) through :class:`RemoteSession`, each
   ``start``/``step``/``metrics``/``finish`` a call on the actor, and prints progress.
 - ``ClientWorker`` actors are created with ``num_gpus=resources.gpus_per_worker`` and
   ``num_cpus=resources.cpus_per_worker``; each hosts many virtual clients. The training
@@ -41,7 +41,7 @@ import ray
 import ray.util.scheduling_strategies
 import torch
 
-from fedsap_ray import limits
+from fedsap_ray.runtime import limits
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.engine.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.runtime.allocator import tune_malloc
@@ -52,8 +52,8 @@ from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper, wire
 from fedsap_ray.runtime.address import check_reachable, given
 from fedsap_ray.config.schema import ExperimentConfig
-from fedsap_ray.driver import DriverCallback, drive_one
-from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
+from fedsap_ray.run.driver import DriverCallback, drive_one
+from fedsap_ray.run.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 # a worker's share of a round goes in up to PIECES calls, one per PIECE_BYTES of results it will send back, PIPELINE

@@ -26,7 +26,7 @@ from fedsap_ray.common.columns import Column
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.common.messages import RoundRecords
-from fedsap_ray.progress import ProgressPrinter
+from fedsap_ray.run.progress import ProgressPrinter
 from conftest import federation_fixture, make_strategy, run_rounds_with_records, tiny_overrides
 
 FED_OVERRIDES = tiny_overrides("fedavg", "data.num_clients=8")

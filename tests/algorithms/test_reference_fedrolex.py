@@ -35,7 +35,7 @@ from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.models.masks import ParamLayout, covering_channel_masks
 from fedsap_ray.models import build_model
-from fedsap_ray.session import build_context
+from fedsap_ray.run.session import build_context
 
 HIDDEN = {"fc1": 5, "fc2": 4}  # small C: the windows wrap within three rounds
 INPUTS, CLASSES, ROUNDS = 6, 3, 3

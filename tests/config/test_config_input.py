@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from faultkit import TINY, cli, sets, tiny_run
-from fedsap_ray import limits
+from fedsap_ray.runtime import limits
 from fedsap_ray.data import devices
 from fedsap_ray.config import MAX_YAML_NODES, build_config, load_file
 from fedsap_ray.common.errors import ConfigError

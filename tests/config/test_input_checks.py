@@ -159,7 +159,7 @@ def test_resume_of_a_run_that_is_still_running_names_its_pid(tmp_path, capsys):
     from faultkit import tiny_run
 
     tiny_run(tmp_path, "r", stop_after=1)
-    code = ("import sys; from fedsap_ray.guard import RunClaim; c = RunClaim(sys.argv[1], sys.argv[2]); "
+    code = ("import sys; from fedsap_ray.run.guard import RunClaim; c = RunClaim(sys.argv[1], sys.argv[2]); "
             "c.acquire(); print('held', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "r"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)

@@ -18,7 +18,7 @@ from fedsap_ray.data import devices
 from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.progress import ProgressPrinter
+from fedsap_ray.run.progress import ProgressPrinter
 from tests.conftest import federation_fixture, tiny_overrides
 
 # FedAvg on the full model: a keep-0.2 device runs the same MACs at a fifth of the speed, so the

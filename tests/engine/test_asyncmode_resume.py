@@ -26,7 +26,7 @@ from fedsap_ray.experiment import run_experiment
 from fedsap_ray.common.messages import ClientPlan, ClientResult, Overlay, ServerState
 from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.runtime.local import LocalBackend
-from fedsap_ray.session import RunSession
+from fedsap_ray.run.session import RunSession
 from tests.conftest import federation_fixture, steady, tiny_overrides
 
 # HeteroFL on cyclic capacities (sub-models of five widths, masks shared by the clients of one width), devices of

@@ -90,7 +90,7 @@ def test_fedsaps_warm_up_modes_are_evaluated_once_per_domain(tmp_path, monkeypat
 
 def test_a_rounds_time_is_split_into_its_phases(tmp_path, capsys):
     out = tmp_path / "p"
-    from fedsap_ray.progress import ProgressPrinter
+    from fedsap_ray.run.progress import ProgressPrinter
 
     run_experiment(build_config(preset="smoke", overrides=["algorithm.name=heterofl", *TINY, "training.rounds=3",
                                                            "training.eval_every=2"]),

@@ -144,7 +144,7 @@ def test_a_checkpoint_of_another_run_or_format_version_is_unreadable(tmp_path):
 @pytest.mark.parametrize("algo", algorithms.names())
 def test_every_strategys_state_round_trips_exactly_through_its_checkpoint(tmp_path, algo):
     from fedsap_ray.runtime import make_backend
-    from fedsap_ray.session import RunSession
+    from fedsap_ray.run.session import RunSession
 
     # evaluated at round 2 only (what the server's metrics hold then is what is round-tripped; a round's evaluation,
     # deployed models included, cost about half of it)

@@ -362,7 +362,7 @@ def test_a_final_model_that_cannot_be_written_fails_the_run_and_a_resume_keeps_i
 
 
 def test_best_is_kept_only_on_a_strict_improvement_of_an_evaluated_round():
-    from fedsap_ray.session import _improved
+    from fedsap_ray.run.session import _improved
 
     nan = float("nan")
     assert _improved(nan, 0.1, True) and _improved(0.1, 0.2, True)  # the first evaluation; a better one

@@ -202,7 +202,7 @@ def _summary(t: int, accuracy: float):
 def test_a_trial_reports_each_runs_rounds_metrics_only_when_tracked(monkeypatch):
     """A trial of two seeds, the second resumed past round 1 (so it sits round 1 out, as drive steps it): each
     round's report names the runs that ran it, with their rounds metrics; untracked, the report is as before."""
-    from fedsap_ray.session import SessionMetrics
+    from fedsap_ray.run.session import SessionMetrics
     from sweeps import trainable
 
     reports: list[dict] = []

@@ -3,7 +3,7 @@ checked when the run starts, before any work and before anything is written.
 
 The config itself stays portable (the frozen schema checks only what holds on every machine): the
 bounds here depend on where the run starts, so they are checked by :func:`check_resources`, which
-:func:`fedsap_ray.experiment.run_experiment` calls next to :func:`fedsap_ray.guard.check_device`, and,
+:func:`fedsap_ray.experiment.run_experiment` calls next to :func:`fedsap_ray.run.guard.check_device`, and,
 for the Ray backend, by :func:`check_cluster_resources` from
 :func:`fedsap_ray.runtime.ray.check_cluster` once the cluster is known. Each refusal is a
 :class:`~fedsap_ray.common.errors.ConfigError` naming the field, the value and the limit (exit code 2).

@@ -14,7 +14,7 @@ session per seed of a trial, in lockstep). What differs between them is a list o
   (``error.__notes__``), never a replacement.
 
 Callbacks, in the order given, see each round only once it is durable: a session saves its
-checkpoint inside :meth:`~fedsap_ray.session.RunSession.step`, where the session lives (the
+checkpoint inside :meth:`~fedsap_ray.run.session.RunSession.step`, where the session lives (the
 ``ServerActor`` for Ray), before it counts the round as done. That is where the sweeps copy a
 run's files (checkpoint included) to their destination (``on_round``/``on_finish``). A kill at
 any point leaves either round t's checkpoint with a ``running`` row (a resume has nothing
@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Protocol
 
 from fedsap_ray.common.errors import RunStopped
 
-if TYPE_CHECKING:  # annotations only: the loop itself needs no torch (fedsap_ray.trackers builds on it)
+if TYPE_CHECKING:  # annotations only: the loop itself needs no torch (fedsap_ray.run.trackers builds on it)
     from fedsap_ray.engine.server import RoundSummary
-    from fedsap_ray.session import RunOutcome, SessionMetrics
+    from fedsap_ray.run.session import RunOutcome, SessionMetrics
 
 
 class Drivable(Protocol):
-    """What the loop needs of a session: :class:`~fedsap_ray.session.RunSession`, or its remote proxy."""
+    """What the loop needs of a session: :class:`~fedsap_ray.run.session.RunSession`, or its remote proxy."""
 
     def start(self) -> int: ...
 

@@ -1,7 +1,7 @@
 """One run's server side: what both backends and the sweeps share.
 
 :class:`RunSession` owns a run's context, strategy, backend, writer and checkpoints; the one
-driver loop, :func:`fedsap_ray.driver.drive`, runs its rounds and closes it with the right status.
+driver loop, :func:`fedsap_ray.run.driver.drive`, runs its rounds and closes it with the right status.
 The local path drives a session in-process; the Ray backend (:mod:`fedsap_ray.runtime.ray`) hosts
 one in a ``ServerActor`` and drives the same methods remotely. Callers read a session's progress
 through :meth:`RunSession.metrics`, a read-only :class:`SessionMetrics` (also what crosses the

@@ -95,7 +95,7 @@ def test_a_disk_full_error_names_the_file_it_failed_on(tmp_path, monkeypatch):
 def _losing(monkeypatch, lose) -> None:
     """``fedsap-ray run``'s progress line, replaced by ``lose()`` after round 1 (something deleting files while the
     run goes on: another user, a cleanup script, an ``rm -r`` of the wrong folder)."""
-    import fedsap_ray.progress
+    import fedsap_ray.run.progress
 
     class Printer:
         def __init__(self, rounds: int) -> None:
@@ -105,7 +105,7 @@ def _losing(monkeypatch, lose) -> None:
             if summary.round == 1:
                 lose()
 
-    monkeypatch.setattr(fedsap_ray.progress, "ProgressPrinter", Printer)
+    monkeypatch.setattr(fedsap_ray.run.progress, "ProgressPrinter", Printer)
 
 
 @pytest.mark.parametrize("what", ["the-folder", "a-table-folder", "a-part", "the-runs-file"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "round_overhead.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "round_overhead.py"
 
 
 @pytest.fixture()

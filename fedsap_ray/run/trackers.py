@@ -34,14 +34,14 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from fedsap_ray.driver import DriverCallback
+from fedsap_ray.run.driver import DriverCallback
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.config.checks import clip
 from fedsap_ray.config.schema import ExperimentConfig
 
 if TYPE_CHECKING:  # the command line reads TRACKERS without torch
     from fedsap_ray.engine.server import RoundSummary
-    from fedsap_ray.session import RunOutcome, SessionMetrics
+    from fedsap_ray.run.session import RunOutcome, SessionMetrics
 
 TRACKERS = ("tensorboard", "mlflow", "wandb")
 # the import that proves each tracker's library is installed (all three are the `trackers` extra)
@@ -254,7 +254,7 @@ def _spec(name: str, location: str, field: str, out: str | None) -> TrackerSpec:
         if name != "mlflow":
             raise ConfigError(f"invalid {field}={location!r}: {name} writes to a local folder, not a URI")
         return TrackerSpec(name, location)
-    from fedsap_ray.guard import check_out_writable
+    from fedsap_ray.run.guard import check_out_writable
     from fedsap_ray.persist.outdir import DIR, OutDir
 
     folder = Path(location).expanduser().absolute()

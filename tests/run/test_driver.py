@@ -1,4 +1,4 @@
-"""The one driver loop (fedsap_ray.driver): callbacks see every durable round, stop or break the runs
+"""The one driver loop (fedsap_ray.run.driver): callbacks see every durable round, stop or break the runs
 with the right status, drive resumed sessions in lockstep, and read progress through SessionMetrics."""
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from fedsap_ray import results
 from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.driver import DriverCallback, drive
+from fedsap_ray.run.driver import DriverCallback, drive
 from fedsap_ray.common.errors import RunStopped
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.runtime.local import LocalBackend
-from fedsap_ray.session import RunSession
+from fedsap_ray.run.session import RunSession
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=4", "data.max_test_per_domain=40", "model.width_mult=0.0625",
         "training.rounds=3", "training.local_epochs=1", "training.batch_size=16", "training.max_steps_per_epoch=3"]

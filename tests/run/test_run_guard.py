@@ -16,7 +16,7 @@ from faultkit import TINY, cli, runs_row, sets, tiny_run, tmpfs
 from fedsap_ray import results
 from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
-from fedsap_ray.guard import RunClaim
+from fedsap_ray.run.guard import RunClaim
 
 
 @pytest.mark.parametrize("bad", ["../evil", "a/b", "..", ".hidden", "_x", "a..b", "compacted-1", "x" * 129, "",
@@ -54,7 +54,7 @@ def test_an_existing_run_id_is_refused_and_overwrite_replaces_every_table(tmp_pa
 
 
 def _hold_claim(out: Path, run_id: str) -> subprocess.Popen:
-    code = ("import sys; from fedsap_ray.guard import RunClaim; c = RunClaim(sys.argv[1], sys.argv[2]); "
+    code = ("import sys; from fedsap_ray.run.guard import RunClaim; c = RunClaim(sys.argv[1], sys.argv[2]); "
             "c.acquire(); print('held', flush=True); sys.stdin.read()")
     p = subprocess.Popen([sys.executable, "-c", code, str(out), run_id], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)

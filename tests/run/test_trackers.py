@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import pytest
 
 from faultkit import TINY, sets
-from fedsap_ray import results, trackers
+from fedsap_ray import results
+from fedsap_ray.run import trackers
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
-from fedsap_ray.driver import DriverCallback
+from fedsap_ray.run.driver import DriverCallback
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
 from trackerkit import check_curves, mlflow_runs, rounds_cells, tensorboard_hparams, tensorboard_scalars, \

@@ -19,7 +19,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.runtime import address
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def closed_port() -> int:
