@@ -32,7 +32,7 @@ from analysis.display import markdown
 from analysis.metrics import primary_rounds
 from fedsap_ray import results
 from fedsap_ray.cli import OneLineParser
-from fedsap_ray.engine.staleness import DEFAULT_A
+from fedsap_ray.algorithms.staleness import DEFAULT_A
 
 GLOBAL = results.GLOBAL_DOMAIN
 MEASURES = ("full_width", "deployed")
@@ -59,7 +59,7 @@ def is_async(run: Mapping[str, Any]) -> bool:
 def async_variant(run: Mapping[str, Any]) -> str:
     """What an asynchronous run's training was, as its row name says it ("" for a synchronous run): the resolved
     buffer size and concurrency (nulls resolved as fedsap_ray.engine.asyncmode resolves them), the staleness rule with its
-    parameters (FedAsync's defaults filled in, fedsap_ray.engine.staleness), and ``max_staleness`` and ``server_lr``
+    parameters (FedAsync's defaults filled in, fedsap_ray.algorithms.staleness), and ``max_staleness`` and ``server_lr``
     where set away from their defaults. Every field that changes the training but the seed, so runs of one name
     are seeds of one variant."""
     if not is_async(run):

@@ -1,4 +1,4 @@
-"""``fedsap-ray`` / ``python -m fedsap_ray``.
+"""The ``fedsap-ray`` command (also ``python -m fedsap_ray``): one subcommand per task, over the library.
 
 Exit codes: 0 success, 1 the run failed (the original error first; a failure to record
 it follows on an ``also:`` line) or an export's file failed its check (nothing written), 2 bad

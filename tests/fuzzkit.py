@@ -1,4 +1,4 @@
-"""Hypothesis strategies of the fuzz harness (tests/test_folder_fuzz.py): tampering actions on a results
+"""Hypothesis strategies of the fuzz harness (tests/results/test_folder_fuzz.py): tampering actions on a results
 folder, and config documents (duplicate keys, null and empty sections, anchors and aliases).
 
 A tampering action is plain data (:class:`Act`), printed by Hypothesis as a falsifying example; it picks

@@ -60,7 +60,7 @@ def test_an_async_run_killed_mid_run_and_resumed_equals_the_run_never_killed(tmp
     """kill -9 of ``fedsap-ray run`` with ``devices.mode=async`` (issue 44) once it has checkpointed step 3 of 12:
     wherever in a step the kill lands (training, writing rows, writing the checkpoint), ``--resume`` continues
     from the last checkpoint, whose engine state holds the updates in flight, and every table equals the
-    uninterrupted run's (tests/test_asyncmode_resume.py checks the engine's state in-process)."""
+    uninterrupted run's (tests/engine/test_asyncmode_resume.py checks the engine's state in-process)."""
     trace = tmp_path / "trace.csv"
     pd.DataFrame({"client_id": range(6), "speed": [0.5e9, 1e9, 0.6e9, 0.8e9, 0.45e9, 1e9], "down_bytes_s": 1e12,
                   "up_bytes_s": 1e12}).to_csv(trace, index=False)

@@ -21,7 +21,7 @@ so the vector is cut into :data:`CHUNK`-coordinate pieces (float64 accumulators 
 cache) and the pieces are shared among up to :data:`THREADS` threads (numpy releases the GIL in
 its loops). Every coordinate still sees the same float64 operations in the same client order, so
 the result is bit-identical to the plain form (:func:`reference_average`) whatever the chunk size
-or thread count (tests/test_aggregation.py compares them on random masks and weights).
+or thread count (tests/algorithms/test_aggregation.py compares them on random masks and weights).
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.config.checks import check_choice
 from fedsap_ray.common.seeding import seed_for
 from fedsap_ray.models.sliced import SlicedModel
-from fedsap_ray.engine.staleness import update_factor
+from fedsap_ray.algorithms.staleness import update_factor
 
 OD_SAMPLING = ("round", "batch")
 OD_BN = ("shared", "per_width")

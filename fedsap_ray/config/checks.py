@@ -138,7 +138,7 @@ SUBMODELS = ("sliced", "masked")
 KEEP_MODELS = ("none", "final", "best", "final+best")
 DEVICE_POLICIES = ("wait_all", "deadline", "over_select")
 DEVICE_MODES = ("sync", "async")  # devices.mode: synchronous rounds, or asynchronous server steps (fedsap_ray.engine.asyncmode)
-STALENESS_RULES = ("constant", "polynomial", "hinge")  # asynchronous.staleness (fedsap_ray.engine.staleness)
+STALENESS_RULES = ("constant", "polynomial", "hinge")  # asynchronous.staleness (fedsap_ray.algorithms.staleness)
 # [low, high] of the device model's numbers (and of a trace's columns): with train_macs and bytes up to
 # 1e15 and any lognormal draw, (1 + backward_factor) * macs / (speed * factor) + bytes / bandwidth is then a
 # finite float64 > 0 (a speed or bandwidth of 1e-300 or a backward_factor of 1e308 gave infinite times,

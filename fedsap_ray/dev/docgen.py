@@ -19,7 +19,8 @@ Pages and where their content comes from:
   with every study's variants.
 
 Hand-written pages hold generated regions where they restate the code (:data:`REGIONS`), between
-``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``: the round of ``Server.round``
+``<!-- generated: NAME ... -->`` and ``<!-- end generated: NAME -->``: the package's layout (``docs/architecture.md``,
+from each folder's ``__init__`` docstring: its job and its ``May import:`` line), the round of ``Server.round``
 (``docs/architecture.md``, from :mod:`fedsap_ray.engine.server`'s docstring), the golden cases and the columns
 they leave out (``docs/guides/development.md``, from :mod:`fedsap_ray.dev.golden`) and the dataset table
 (``docs/guides/data.md``, from the dataset registry). The command rewrites them; ``--check`` names a page
@@ -41,7 +42,7 @@ import textwrap
 import tokenize
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from collections.abc import Callable, Iterable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -525,6 +526,57 @@ REGION = re.compile(r"^(<!-- generated: (?P<name>[\w-]+) [^\n]*-->\n)(?P<body>.*
 REGION_OPEN = re.compile(r"^<!-- (end )?generated: ([\w-]+)", re.M)
 
 
+class FolderRule(NamedTuple):
+    """What a folder of the package says of itself in its ``__init__`` docstring: its one job (the first line)
+    and the ``May import:`` line (folder names, ``nothing`` or ``everything``; None when it has none)."""
+
+    job: str
+    may_import: str | None
+
+
+def folder_rules(package: Path = REPO / "fedsap_ray") -> dict[str, FolderRule]:
+    """Each folder (subpackage) of ``package`` -> its rule, read from the source (nothing is imported), in
+    layer order: a folder after every folder it may import (ties by name), ``everything`` last. The one reader
+    of these lines: tests/test_architecture.py checks every import against them, the layout region shows them."""
+    rules = {}
+    for init in sorted(package.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        may = next((ln.split(":", 1)[1].strip().rstrip(".") for ln in doc.splitlines() if ln.startswith("May import:")),
+                   None)
+        rules[init.parent.name] = FolderRule(doc.split("\n", 1)[0].strip(), may)
+    placed: list[str] = []
+    while len(placed) < len(rules):
+        ready = [n for n, r in rules.items() if n not in placed and r.may_import != "everything"
+                 and all(d in placed for d in may_import_list(r) if d in rules)]
+        placed.append(min(ready) if ready else min(n for n in rules if n not in placed))
+    return {n: rules[n] for n in placed}
+
+
+def may_import_list(rule: FolderRule) -> list[str]:
+    """The folder names of a ``May import:`` line (none for ``nothing``; ``everything`` is the caller's to read)."""
+    if rule.may_import in (None, "nothing", "everything"):
+        return []
+    return [x.strip() for x in (rule.may_import or "").split(",")]
+
+
+def layout_tree(package: Path = REPO / "fedsap_ray") -> str:
+    """docs/architecture.md's layout block: the package's root files and folders, each with its docstring's first
+    line, and each folder's ``May import:`` line."""
+    def first_line(path: Path) -> str:
+        return (ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or "").split("\n", 1)[0].strip()
+
+    rows = [(f"{package.name}/", "the library (installed as a package; `fedsap-ray` is its CLI)")]
+    rows += [(f"  {f.name}", first_line(f)) for f in sorted(package.glob("*.py"))]
+    for name, rule in folder_rules(package).items():
+        rows += [(f"  {name}/", rule.job), ("", f"may import: {rule.may_import}")]
+    width = max(len(left) for left, _ in rows) + 2
+    lines = []
+    for left, text in rows:
+        wrapped = textwrap.wrap(text, 116 - width) or [""]
+        lines += [left.ljust(width) + wrapped[0], *(" " * width + w for w in wrapped[1:])]
+    return "```text\n" + "\n".join(line.rstrip() for line in lines).replace("``", "`") + "\n```\n"
+
+
 def server_round() -> str:
     """The round as pseudo-code: the indented block of :mod:`fedsap_ray.engine.server`'s docstring (tests/docs
     checks that block names the calls ``Server.round`` makes, in their order)."""
@@ -592,6 +644,7 @@ def dataset_table() -> str:
 
 
 REGIONS: dict[str, tuple[str, Callable[[], str]]] = {  # name -> (page, what writes the region)
+    "layout": ("docs/architecture.md", layout_tree),
     "server-round": ("docs/architecture.md", server_round),
     "golden-cases": ("docs/guides/development.md", golden_cases),
     "golden-dropped": ("docs/guides/development.md", golden_dropped),

@@ -44,7 +44,7 @@ refilled from the current model) then average over every buffered client as they
 update trained on the current version with eta_g s(tau_i) = 1 contributes its trained values themselves
 (z_i = y_i), so with equal device times, ``concurrency`` = a round's clients and
 ``buffer_size`` = ``concurrency`` every step is the synchronous round, bit for bit
-(tests/test_asyncmode.py). FedBuff averages the buffer with weight 1/K; the sample-weighted,
+(tests/engine/test_asyncmode.py). FedBuff averages the buffer with weight 1/K; the sample-weighted,
 coordinate-wise mean is this simulator's aggregation rule and equals it for equal sample counts.
 
 Evaluation: every ``training.eval_every`` steps, or with ``asynchronous.eval_every_s`` every t simulated
@@ -76,7 +76,7 @@ from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_fro
 from fedsap_ray.engine.summary import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
 from fedsap_ray.engine.server import Server, due
-from fedsap_ray.engine.staleness import update_factor, weight_for
+from fedsap_ray.algorithms.staleness import update_factor, weight_for
 from fedsap_ray.persist.statecheck import BadCheckpoint, check_params
 
 __all__ = ["AsyncServer", "AsyncStrategy", "RunNote", "Update", "crossed", "synchronous_equivalent"]

@@ -11,7 +11,7 @@ Sub-model training (docs/architecture.md#sub-model-training), chosen by ``plan.s
   masked mode. Gradient clipping acts on the sub-network (its norm over the sub-network's
   gradients equals the masked one, whose other gradients are zero); the hooks map between the
   two layouts themselves (:mod:`fedsap_ray.algorithms.hooks`, "Sliced sub-models"). Sliced and
-  masked agree to float rounding (tests/test_sliced.py).
+  masked agree to float rounding (tests/models/test_sliced.py).
 - ``masked``, and the fallback whatever the option: when no channel set describes the mask (NeFL's
   ``depth=true``), when the model cannot be rebuilt at other widths (not built by
   :func:`fedsap_ray.models.build_model`), or when a hook of the plan does not declare
@@ -21,7 +21,7 @@ Sub-model training (docs/architecture.md#sub-model-training), chosen by ``plan.s
   training and their gradients are zeroed after every backward pass. Zero weights, zero
   gradients, zero momentum and weight decay of a zero weight keep them exactly zero, and because a
   dropped channel's BN weight and bias are zero too its activation is exactly zero, so the forward
-  pass equals that of the physically sliced sub-model (tested in tests/test_masks.py).
+  pass equals that of the physically sliced sub-model (tested in tests/models/test_masks.py).
 
 Either way only the covered coordinates are sent back, so BatchNorm running statistics of channels
 the client did not train never reach the server (docs/architecture.md#batchnorm: statistics

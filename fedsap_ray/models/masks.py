@@ -17,7 +17,7 @@ its affine parameters (docs/architecture.md#batchnorm: statistics kept per chann
 and role). A client's dropped channels are uncovered, so whatever its local forward
 pass writes into their running statistics is never uploaded or aggregated. For the
 active channels the masked full-size model computes exactly the sliced sub-model's
-batch statistics (tests/test_masks.py), so no pollution reaches the server.
+batch statistics (tests/models/test_masks.py), so no pollution reaches the server.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from fedsap_ray.engine.asyncmode import crossed
 from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.engine.staleness import staleness_weight
+from fedsap_ray.algorithms.staleness import staleness_weight
 from tests.conftest import federation_fixture, steady, tiny_overrides
 from tests.faultkit import stepped_run
 

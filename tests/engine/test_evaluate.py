@@ -1,7 +1,7 @@
 """Evaluation at the cost of the model evaluated (issue 27): the same figures, less work.
 
 - (deployed sub-models run as dense sliced sub-networks give the masked full-size model's figures to
-  float rounding: tests/test_deployed_eval.py, for every registered strategy);
+  float rounding: tests/engine/test_deployed_eval.py, for every registered strategy);
 - a parameter vector is evaluated once per domain however many clients deploy it (with the client's
   own BN statistics only when the model has BatchNorm) and however many eval modes share it;
 - a round's time is split into training, evaluation and server work that add up to its wall time.

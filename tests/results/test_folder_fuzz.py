@@ -38,7 +38,7 @@ examples (load 14, compact 9, analysis 8) and 180 config documents. Measured on 
 1 s and the finding reproductions 3 s. The table searches add 2.7 s (their intact analysis outputs 0.3 s
 of it; measured on 2 cores shared with two other test runs, 2026-12-05).
 
-More examples locally: ``FEDSAP_FUZZ_EXAMPLES=400 pytest tests/test_folder_fuzz.py`` (folder examples in all;
+More examples locally: ``FEDSAP_FUZZ_EXAMPLES=400 pytest tests/results/test_folder_fuzz.py`` (folder examples in all;
 configs get 3x), ``FEDSAP_FUZZ_SEED=N`` for other examples than CI's, and ``FEDSAP_FUZZ_REPORT=findings.txt``
 to append every failing example (what was done, the command, what went wrong) to a file and go on instead
 of stopping at the first. Larger runs meet the findings at the end of this module (strict xfails).

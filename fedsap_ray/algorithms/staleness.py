@@ -10,7 +10,8 @@ buffered delta:
 - polynomial: s(s) = (1 + s)^(-a)                                 (FedAsync: a = 0.5 in the experiments)
 - hinge:      s(s) = 1 if s <= b else 1 / (a (s - b) + 1)         (FedAsync: a = 10, b = 4)
 
-Every rule is 1 at s = 0, so a fresh update is never scaled.
+Every rule is 1 at s = 0, so a fresh update is never scaled. Here, beside the strategies, rather than in the
+engine: a strategy moves its own state by the same factor (FjORD's ``staleness_factor``).
 """
 from __future__ import annotations
 
