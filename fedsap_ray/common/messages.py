@@ -20,6 +20,7 @@ device time and coverage read a result's coordinates from its ``mask``, never fr
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
 from functools import cached_property
@@ -226,3 +227,15 @@ class RoundOutput:
 
     state: ServerState
     records: RoundRecords
+
+    @classmethod
+    def unchanged(cls, state: ServerState, t: int) -> RoundOutput:
+        """A round that changed no parameter (no client's update reached the model): the state renumbered to
+        round ``t``, no records."""
+        return cls(dataclasses.replace(state, round=t), RoundRecords())
+
+    def with_client_rows(self, rows: Mapping[int, dict[str, Any]]) -> RoundOutput:
+        """The same output with these clients' rows added to its ``clients`` records (a straggler's: what it
+        spent, though its update was left out)."""
+        return dataclasses.replace(self, records=dataclasses.replace(self.records,
+                                                                     clients={**self.records.clients, **rows}))

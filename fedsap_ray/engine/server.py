@@ -21,7 +21,6 @@ run's session builds a :class:`fedsap_ray.results.recorder.Recorder`), so the en
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Protocol
@@ -126,15 +125,11 @@ class Server:
         # was discarded (under wait_all every client is aggregated, so nothing changes there)
         self.recorder.cover({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
         if sim.stragglers:  # left out of aggregation (fedsap_ray.data.devices); recorded with what they spent
-            kept = [r for r in results if r.client_id not in sim.stragglers]
-            if kept:
-                out = self.strategy.aggregate(state, {r.client_id: plans[r.client_id] for r in kept}, kept, t)
-            else:  # no client finished in time: the round changes no parameter
-                out = RoundOutput(dataclasses.replace(state, round=t), RoundRecords())
-            out = dataclasses.replace(out, records=dataclasses.replace(
-                out.records, clients={**out.records.clients,
-                                      **{r.client_id: self.strategy.spent(plans[r.client_id], r)
-                                         for r in results if r.client_id in sim.stragglers}}))
+            on_time = [r for r in results if r.client_id not in sim.stragglers]
+            out = (self.strategy.aggregate(state, {r.client_id: plans[r.client_id] for r in on_time}, on_time, t)
+                   if on_time else RoundOutput.unchanged(state, t))  # none in time: the round changes no parameter
+            out = out.with_client_rows({r.client_id: self.strategy.spent(plans[r.client_id], r)
+                                        for r in results if r.client_id in sim.stragglers})
         else:
             out = self.strategy.aggregate(state, plans, results, t)
         new_state = out.state
