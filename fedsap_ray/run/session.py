@@ -25,16 +25,17 @@ import fedsap_ray
 from fedsap_ray import algorithms
 from fedsap_ray.data import devices
 from fedsap_ray.persist import checkpoint, statecheck
+from fedsap_ray.run import resume
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.engine.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
 from fedsap_ray.data.explicit import partition_digest
-from fedsap_ray.common.errors import CheckpointUnreadable, ClientError, ConfigError
+from fedsap_ray.common.errors import ClientError, ConfigError
 from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models import build_model
-from fedsap_ray.results import DATA_TABLES, RunWriter
+from fedsap_ray.results import RunWriter
 from fedsap_ray.results.kept import ModelKeeper
 from fedsap_ray.results.recorder import Recorder
 from fedsap_ray.config.schema import ExperimentConfig
@@ -133,22 +134,6 @@ def run_row(cfg: ExperimentConfig, *, dataset: str, num_clients: int, notes: str
                 partition_hash=partition_hash)
 
 
-def check_same_partition(run_id: str, old: dict | None, row: dict) -> None:
-    """A resume trains exactly the federation the run started with: the ``partition_hash`` its runs row recorded
-    (rows written before the column have none: nothing to compare). Otherwise one :class:`ConfigError` naming
-    where each came from and both hashes, before anything of the run changes."""
-    before = None if old is None else old.get("partition_hash")
-    if before is None or before == row["partition_hash"]:
-        return
-    assert old is not None
-    was, now = old.get("partition_source"), row["partition_source"]
-    what = f"{now} now gives hash {row['partition_hash']}" if was == now else \
-        f"this resume's {now} gives hash {row['partition_hash']}"
-    raise ConfigError(f"invalid --resume={run_id!r}: the run trained dataset {old.get('dataset')} split by {was} "
-                      f"(partition hash {before}); {what}: the partition file, the dataset's data or the given "
-                      "federation changed since; restore it, or start a new run")
-
-
 def record_failed_start(cfg: ExperimentConfig, out: str | Path, run_id: str, error: BaseException) -> None:
     """A ``runs`` row (status ``failed``, the error) for a run that failed before it could start
     (e.g. its data could not be loaded), so a sweep's runs table shows every trial."""
@@ -176,23 +161,12 @@ class RunSession:
         self.ctx = build_context(cfg, federation)
         self.strategy = algorithms.get(cfg.algorithm.name)(self.ctx, cfg.algorithm.opts)  # options typed once, by the config
         self.backend = backend
-        server_cls = Server
-        self.engine: AsyncServer | None = None  # the asynchronous engine: each checkpoint holds its state too
-        if cfg.devices.mode == "async":  # asynchronous server steps on the simulated clock (issue 44)
-            from fedsap_ray.engine.asyncmode import AsyncServer
-
-            server_cls = AsyncServer
         deployed_clients, sampled = deployed_sample(self.ctx)
         self.recorder = Recorder.for_strategy(self.ctx, self.strategy, self.writer, sampled)  # the server is handed it
-        self.server = server_cls(self.ctx, self.strategy, self.backend, self.recorder, deployed_clients,
-                                 eval_models=_scratch(self.ctx), device=pick_device(cfg.resources.device))
-        if cfg.devices.mode == "async":
-            self.engine = cast("AsyncServer", self.server)
+        self.engine: AsyncServer | None = None  # the asynchronous engine: each checkpoint holds its state too
+        self.server = self._engine(cfg, deployed_clients)
         fed = self.ctx.federation
-        if cfg.devices.availability < 1 or cfg.devices.trace is not None:  # a round no client can train: refused now
-            empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))
-            if empty is not None:
-                raise devices.no_client_error(cfg, empty)
+        self._refuse_empty_rounds()
         # what was trained, from the federation itself (a given one too), not from what the config names
         self.base_row = run_row(cfg, dataset=fed.dataset, num_clients=len(fed.clients), notes=fed.notes,
                                 partition_source=fed.partition_source, partition_hash=partition_digest(fed))
@@ -203,39 +177,65 @@ class RunSession:
         self.prior_wall_s = 0.0
         self._resumed: ServerState | None = None
         if resume:  # every check first: nothing of the run is deleted or rewritten before they all pass
-            ck = checkpoint.load(self.out, run_id)
-            where = f"invalid --resume={run_id!r}: checkpoint {checkpoint.path_for(self.out, run_id)}"
-            statecheck.check_state(ck, n_params=self.ctx.layout.size, n_clients=len(self.ctx.federation.clients),
-                                   strategy=self.strategy, recorder_template=self.recorder.metrics_state(),
-                                   rounds=cfg.training.rounds, known_tables=DATA_TABLES, where=where)
-            st = ck["state"]
-            try:
-                own = self.strategy.state_from_tree(st.strategy_state)
-            except TypeError as e:  # a State whose fields changed since the checkpoint was written
-                raise CheckpointUnreadable(f"checkpoint of run {run_id} in {self.out} holds {cfg.algorithm.name} state "
-                                           f"this version cannot read ({e}): start the run again with --run-id "
-                                           f"{run_id} --overwrite") from e
-            old = self.writer.previous_row()
-            if old is not None and old["config_hash"] != cfg.config_hash():
-                raise ConfigError(f"invalid --resume={run_id!r}: the run was made with another config "
-                                  f"(hash {old['config_hash']}, now {cfg.config_hash()})")
-            check_same_partition(run_id, old, self.base_row)
-            self._resumed = ServerState(round=st.round, params=st.params, strategy_state=own)
-            if self.engine is not None:  # the event queue, the clients in flight, the clock: checked, then set
-                self.engine.load_state_dict(ck.get("engine"), self._resumed, where)
-            elif "engine" in ck:
-                raise statecheck.BadCheckpoint(f"{where} holds an asynchronous engine's state; this run has "
-                                               f"devices.mode={cfg.devices.mode}")
-            self.recorder.restore_metrics(ck["server"])
-            self.keeper.check_resume(st.round, ck["server"], where)  # the kept best model the checkpoint counted
-            self.writer.restore(self._resumed.round)
-            if old is not None:
-                self.base_row["started_at"] = old["started_at"]
-                # the provenance stays the bytes the run started with (a re-serialised config
-                # can spell the same numbers differently, e.g. 7 as 7.0)
-                self.base_row["config_json"] = old["config_json"] or self.base_row["config_json"]
-                self.prior_wall_s = float(old["wall_s"] or 0.0)
+            self._resumed = self._resume()
         self.writer.set_run(self._row("running"))
+
+    def _engine(self, cfg: ExperimentConfig, deployed_clients: list[int]) -> Server:
+        """The round engine: the synchronous :class:`Server`, or the asynchronous engine (``devices.mode=async``,
+        also kept as ``self.engine``: its state goes into every checkpoint)."""
+        server_cls = Server
+        if cfg.devices.mode == "async":  # asynchronous server steps on the simulated clock (issue 44)
+            from fedsap_ray.engine.asyncmode import AsyncServer
+
+            server_cls = AsyncServer
+        server = server_cls(self.ctx, self.strategy, self.backend, self.recorder, deployed_clients,
+                            eval_models=_scratch(self.ctx), device=pick_device(cfg.resources.device))
+        if cfg.devices.mode == "async":
+            self.engine = cast("AsyncServer", server)
+        return server
+
+    def _refuse_empty_rounds(self) -> None:
+        """A round in which no client can train (``devices.availability``, a trace) is refused now, before any work."""
+        cfg = self.cfg
+        if cfg.devices.availability < 1 or cfg.devices.trace is not None:
+            empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))
+            if empty is not None:
+                raise devices.no_client_error(cfg, empty)
+
+    def _resume(self) -> ServerState:
+        """The state to resume from. Every check comes first (:mod:`fedsap_ray.run.resume`: the checkpoint, the
+        strategy's state, the runs row's config and partition), then what is restored in memory (the engine, the
+        recorder's metrics, the kept models' count), and only then the first write: the tables rewound to the
+        checkpoint's round (:meth:`_rewind_files`)."""
+        cfg, run_id = self.cfg, self.run_id
+        ck, where = resume.load_checked(self.out, run_id, self.ctx, self.strategy, self.recorder.metrics_state(),
+                                        cfg.training.rounds)
+        st = ck["state"]
+        own = resume.strategy_state(self.strategy, st.strategy_state, run_id, self.out, cfg.algorithm.name)
+        old = self.writer.previous_row()
+        resume.check_same_config(run_id, old, cfg)
+        resume.check_same_partition(run_id, old, self.base_row)
+        state = ServerState(round=st.round, params=st.params, strategy_state=own)
+        if self.engine is not None:  # the event queue, the clients in flight, the clock: checked, then set
+            self.engine.load_state_dict(ck.get("engine"), state, where)
+        elif "engine" in ck:
+            raise statecheck.BadCheckpoint(f"{where} holds an asynchronous engine's state; this run has "
+                                           f"devices.mode={cfg.devices.mode}")
+        self.recorder.restore_metrics(ck["server"])
+        self.keeper.check_resume(st.round, ck["server"], where)  # the kept best model the checkpoint counted
+        self._rewind_files(state.round, old)
+        return state
+
+    def _rewind_files(self, round_: int, old: dict | None) -> None:
+        """The run's tables back to ``round_`` (the first write of a resume), and the runs row's provenance kept
+        from the row the run started with."""
+        self.writer.restore(round_)
+        if old is not None:
+            self.base_row["started_at"] = old["started_at"]
+            # the provenance stays the bytes the run started with (a re-serialised config
+            # can spell the same numbers differently, e.g. 7 as 7.0)
+            self.base_row["config_json"] = old["config_json"] or self.base_row["config_json"]
+            self.prior_wall_s = float(old["wall_s"] or 0.0)
 
     def start(self) -> int:
         """Start the backend; return the last completed round (0, or the checkpoint's when resuming)."""
