@@ -292,13 +292,17 @@ def _toy(tmp_path: Path) -> Path:
 def test_a_planted_upward_import_breaks_the_layout(tmp_path: Path) -> None:
     """On a made-up package that keeps its rules, each kind of break planted in turn is found, and named."""
     pkg = _toy(tmp_path)
-    assert layout_breaks(pkg, "toy", ("__init__", "main")) == []
+
+    def breaks() -> list[str]:
+        return layout_breaks(pkg, "toy", ("__init__", "main"))
+
+    assert breaks() == []
     (pkg / "low" / "a.py").write_text("def f():\n    from toy.high import b\n")  # upward, and deferred
-    assert layout_breaks(pkg, "toy", ("__init__", "main")) == [
+    assert breaks() == [
         "toy/low/a.py:2: toy.low.a imports toy.high.b: low/ may import nothing, not high/",
         "toy/low/a.py:2: toy.low.a imports toy.high: low/ may import nothing, not high/"]
     (pkg / "low" / "a.py").write_text("import ray\nfrom toy.dev import t\nfrom toy import main\n")
-    assert layout_breaks(pkg, "toy", ("__init__", "main")) == [
+    assert breaks() == [
         "toy/low/a.py:2: toy.low.a imports toy.dev.t: nothing in the library imports dev/",
         "toy/low/a.py:2: toy.low.a imports toy.dev: nothing in the library imports dev/",
         "toy/low/a.py:3: toy.low.a imports the root module toy.main: only dev/ may",
@@ -306,7 +310,7 @@ def test_a_planted_upward_import_breaks_the_layout(tmp_path: Path) -> None:
     (pkg / "low" / "a.py").write_text("")
     (pkg / "stray.py").write_text("")
     (pkg / "high" / "__init__.py").write_text('"""The top, without its rule."""\n')
-    assert layout_breaks(pkg, "toy", ("__init__", "main")) == [
+    assert breaks() == [
         "toy/high/__init__.py: the docstring needs its job (first line) and a 'May import:' line",
         "toy/stray.py: toy.stray is not an entry point: move it into its folder",
         "toy/high/b.py:1: toy.high.b imports toy.low.a: high/ may import nothing, not low/",
