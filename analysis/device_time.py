@@ -1,13 +1,13 @@
 """Accuracy against simulated device time (issue 28; docs/guides/device-time.md).
 
 Every figure here is read from the runs' own rows: ``rounds.sim_elapsed_s`` (simulated device seconds
-of rounds 1..t, fedsap_ray.devices) against the best-so-far accuracy up to round t of the run's primary
+of rounds 1..t, fedsap_ray.data.devices) against the best-so-far accuracy up to round t of the run's primary
 eval mode (``full_width``: the server's models, as the papers report) or of its ``deployed`` mode (each
 client's own model). Methods are the Table 1 row names (:func:`analysis.comparison.method_of`), and
 HeteroFL's and FjORD's (:data:`ROWS`); seeds are averaged round by round (every seed of a method runs
 the same rounds).
 
-Asynchronous runs (``devices.mode=async``, fedsap_ray.asyncmode) are read beside synchronous ones: a
+Asynchronous runs (``devices.mode=async``, fedsap_ray.engine.asyncmode) are read beside synchronous ones: a
 ``rounds`` row is a server step at its simulated time (``sim_elapsed_s`` is the step's instant), an update
 discarded as staler than ``asynchronous.max_staleness`` is a straggler, and a method's async variants are
 told apart by name (:func:`async_variant`: buffer, concurrency, staleness rule), so two variants of one method
@@ -32,7 +32,7 @@ from analysis.display import markdown
 from analysis.metrics import primary_rounds
 from fedsap_ray import results
 from fedsap_ray.cli import OneLineParser
-from fedsap_ray.staleness import DEFAULT_A
+from fedsap_ray.algorithms.staleness import DEFAULT_A
 
 GLOBAL = results.GLOBAL_DOMAIN
 MEASURES = ("full_width", "deployed")
@@ -58,8 +58,8 @@ def is_async(run: Mapping[str, Any]) -> bool:
 
 def async_variant(run: Mapping[str, Any]) -> str:
     """What an asynchronous run's training was, as its row name says it ("" for a synchronous run): the resolved
-    buffer size and concurrency (nulls resolved as fedsap_ray.asyncmode resolves them), the staleness rule with its
-    parameters (FedAsync's defaults filled in, fedsap_ray.staleness), and ``max_staleness`` and ``server_lr``
+    buffer size and concurrency (nulls resolved as fedsap_ray.engine.asyncmode resolves them), the staleness rule with its
+    parameters (FedAsync's defaults filled in, fedsap_ray.algorithms.staleness), and ``max_staleness`` and ``server_lr``
     where set away from their defaults. Every field that changes the training but the seed, so runs of one name
     are seeds of one variant."""
     if not is_async(run):
@@ -80,12 +80,12 @@ def async_variant(run: Mapping[str, Any]) -> str:
 
 
 def _round_size(run: Mapping[str, Any]) -> int:
-    """A synchronous round's k: round(participation x N), at least 1 (fedsap_ray.devices.round_size)."""
+    """A synchronous round's k: round(participation x N), at least 1 (fedsap_ray.data.devices.round_size)."""
     return max(1, int(round(float(_config(run, "training.participation", 1.0)) * int(_config(run, "data.num_clients")))))
 
 
 def _concurrency(run: Mapping[str, Any]) -> int:
-    """An asynchronous run's clients in flight, null resolved to k as fedsap_ray.asyncmode resolves it."""
+    """An asynchronous run's clients in flight, null resolved to k as fedsap_ray.engine.asyncmode resolves it."""
     return int(_config(run, "asynchronous.concurrency", _round_size(run)))
 
 

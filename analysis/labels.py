@@ -40,7 +40,7 @@ NOT_PROTOCOL = ("seed", "study", "preset", "resources", "data.root", "data.downl
 @cache
 def _resolved(name: str, options_json: str) -> tuple[tuple[str, Any], ...]:
     from fedsap_ray.algorithms.registry import parse_options
-    from fedsap_ray.errors import ConfigError
+    from fedsap_ray.common.errors import ConfigError
 
     options = json.loads(options_json)
     try:

@@ -83,9 +83,9 @@ def table(res: Any, name: str) -> pd.DataFrame:
 def _allocations(folder: Path) -> pd.DataFrame | None:
     """The ``allocations`` table for a loader that does not expose it (read and checked as
     :func:`fedsap_ray.results.read_table` reads it); None when the folder has no such table."""
-    from fedsap_ray.outdir import OutDir
+    from fedsap_ray.persist.outdir import OutDir
 
-    if not OutDir(folder).is_dir(Path(folder) / "allocations"):  # no link followed (fedsap_ray.outdir)
+    if not OutDir(folder).is_dir(Path(folder) / "allocations"):  # no link followed (fedsap_ray.persist.outdir)
         return None
     return results.read_table(folder, "allocations")
 
@@ -133,8 +133,8 @@ class Unreadable(ValueError):
 
 def open_folder(path: str | os.PathLike) -> Any:
     """:func:`_open_folder`, with a folder entry fedsap_ray refuses to touch (a link, the wrong kind:
-    :mod:`fedsap_ray.outdir`) as one more :class:`Unreadable`."""
-    from fedsap_ray.errors import ConfigError
+    :mod:`fedsap_ray.persist.outdir`) as one more :class:`Unreadable`."""
+    from fedsap_ray.common.errors import ConfigError
 
     try:
         return _open_folder(path)

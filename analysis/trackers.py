@@ -5,7 +5,7 @@ it (``MlflowClient``, from ``OUT/_trackers/mlflow/mlflow.db``) beside one as Ten
 (``EventAccumulator``, from ``OUT/_trackers/tensorboard/<run_id>/``): what a researcher sees in either tool,
 drawn with matplotlib because a browser screenshot cannot be taken here. The README's trackers figure is this
 command on a small sweep (docs/guides/trackers.md#the-readme-figure). The tables stay the record: every value
-drawn is a cell of the rounds table (tests/test_trackers.py checks that, tracker by tracker).
+drawn is a cell of the rounds table (tests/run/test_trackers.py checks that, tracker by tracker).
 """
 from __future__ import annotations
 

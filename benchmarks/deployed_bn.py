@@ -17,7 +17,7 @@ import torch
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.evaluate import DeployedModel, evaluate_deployed
+from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed
 from fedsap_ray.experiment import build_context
 from fedsap_ray import algorithms
 from fedsap_ray.runtime.local import LocalBackend

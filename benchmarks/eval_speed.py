@@ -4,7 +4,7 @@ Trains a strategy in-process on a preset for a few rounds (the default job's: Fe
 timing each round's training call, then times the round's evaluation as the server runs it: the
 server's models (``evaluate_modes``, every round) and the deployed models (``evaluate_deployed``
 with each client's own BN statistics, every ``training.deployed_every``-th round), once with the
-inference settings of :mod:`fedsap_ray.evaluate` (batches of ``INFER_BATCH``, BN folded into the
+inference settings of :mod:`fedsap_ray.engine.evaluate` (batches of ``INFER_BATCH``, BN folded into the
 convolutions, channels-last: ``inference_module``) and once as before issue 42 (batches of 1024, the model
 as it is, contiguous), interleaved ``--repeats`` times so both see the
 same load. Prints per setting the median seconds, the figures (which must agree to float rounding),
@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from fedsap_ray import algorithms
-from fedsap_ray import evaluate as ev
+from fedsap_ray.engine import evaluate as ev
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context
 from fedsap_ray.runtime.local import LocalBackend
-from fedsap_ray.server import deployed_sample
-from fedsap_ray.session import _scratch
+from fedsap_ray.engine.server import deployed_sample
+from fedsap_ray.run.session import _scratch
 
 
 @contextmanager

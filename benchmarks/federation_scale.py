@@ -107,7 +107,7 @@ def child(n: int, per_round: int, rounds: int, method: str, backend: str, addres
     from fedsap_ray import results
     from fedsap_ray.config import build_config
     from fedsap_ray.data import build_federation
-    from fedsap_ray.driver import DriverCallback
+    from fedsap_ray.run.driver import DriverCallback
     from fedsap_ray.experiment import run_experiment
 
     cfg = build_config(preset="smoke", overrides=overrides(n, per_round, rounds, method, backend, address))

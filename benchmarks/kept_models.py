@@ -20,7 +20,7 @@ from pathlib import Path
 from fedsap_ray.config import build_config
 from fedsap_ray.results import kept_models, load_model
 from fedsap_ray.runtime import make_backend
-from fedsap_ray.session import RunSession
+from fedsap_ray.run.session import RunSession
 
 
 def timed(fn, repeats: int) -> tuple[float, float]:

@@ -65,7 +65,7 @@ if str(HERE) not in sys.path:
 import round_overhead as ro  # noqa: E402  (beside this file; imports fedsap_ray)
 
 from fedsap_ray.data.base import as_input  # noqa: E402
-from fedsap_ray.seeding import seed_for  # noqa: E402
+from fedsap_ray.common.seeding import seed_for  # noqa: E402
 from fedsap_ray.runtime.allocator import tune_malloc  # noqa: E402
 
 SYSTEMS = ("local", "ray", "reference", "flower", "pfl", "pfl-2p")

@@ -71,7 +71,7 @@ import fedsap_ray
 from fedsap_ray.config import from_dict
 from fedsap_ray.data.base import ClientSpec, DomainData, Federation, as_input
 from fedsap_ray.models import build_model
-from fedsap_ray.seeding import seed_for
+from fedsap_ray.common.seeding import seed_for
 from fedsap_ray.runtime.allocator import tune_malloc
 
 BACKENDS = ("reference", "local", "ray")

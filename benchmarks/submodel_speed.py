@@ -55,7 +55,7 @@ import fedsap_ray
 from fedsap_ray import results
 from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 
 MODES = ("masked", "sliced")
 CASES: dict[str, tuple[str, list[str]]] = {

@@ -1,4 +1,4 @@
-"""``fedsap-ray`` / ``python -m fedsap_ray``.
+"""The ``fedsap-ray`` command (also ``python -m fedsap_ray``): one subcommand per task, over the library.
 
 Exit codes: 0 success, 1 the run failed (the original error first; a failure to record
 it follows on an ``also:`` line) or an export's file failed its check (nothing written), 2 bad
@@ -16,8 +16,8 @@ import typing
 from pathlib import Path
 
 from fedsap_ray.config import PRESETS, ExperimentConfig, build_config, load_file
-from fedsap_ray.errors import ConfigError, DatasetUnavailable
-from fedsap_ray.trackers import add_tracker_args
+from fedsap_ray.common.errors import ConfigError, DatasetUnavailable
+from fedsap_ray.run.trackers import add_tracker_args
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-EXPORT_FORMATS = ("onnx", "torchscript", "safetensors")  # fedsap_ray.export.FORMATS (not imported here: it loads torch)
+EXPORT_FORMATS = ("onnx", "torchscript", "safetensors")  # fedsap_ray.results.export.FORMATS (not imported here: it loads torch)
 
 
 def _kept_model_args(p: argparse.ArgumentParser, verb: str, out_help: str) -> None:
@@ -162,7 +162,7 @@ def _resolve(args) -> ExperimentConfig:
 
 
 def _stored_config(out: Path, run_id: str) -> dict:
-    from fedsap_ray import guard
+    from fedsap_ray.run import guard
 
     row = guard.check_checkpoint_present(out, run_id)
     return config_object(row["config_json"], f"--resume={run_id!r}", str(out / "runs" / f"{run_id}.parquet"))
@@ -183,7 +183,7 @@ def config_object(text: object, field: str, where: str) -> dict:
 
 def _run(args) -> int:
     cfg = _resolve(args)
-    from fedsap_ray import trackers
+    from fedsap_ray.run import trackers
 
     specs = trackers.tracker_specs(args.tracker, args.tracker_uri, args.out)
     trackers.check_libraries(specs)
@@ -192,7 +192,7 @@ def _run(args) -> int:
         return 0
     from fedsap_ray.experiment import new_run_id, run_experiment
     from fedsap_ray.results import kept_models, run_files
-    from fedsap_ray.progress import ProgressPrinter
+    from fedsap_ray.run.progress import ProgressPrinter
 
     out = Path(args.out)
     run_id = args.resume or args.run_id or new_run_id(cfg)
@@ -280,15 +280,15 @@ def _compact(args) -> int:
 
     try:
         if not results.is_uri(args.out):
-            from fedsap_ray.outdir import OutDir
+            from fedsap_ray.persist.outdir import OutDir
 
             OutDir(args.out)  # refuses a path the file system cannot hold before anything looks at it
         if not results.is_uri(args.out) and Path(args.out).is_dir():
-            from fedsap_ray.guard import recover_abandoned
+            from fedsap_ray.run.guard import recover_abandoned
 
             recover_abandoned(Path(args.out))  # an overwrite a kill left half done: finished before compacting
         n = results.compact(args.out)
-    except ConfigError:  # an entry of the folder it refuses to touch (fedsap_ray.outdir): names the entry
+    except ConfigError:  # an entry of the folder it refuses to touch (fedsap_ray.persist.outdir): names the entry
         raise
     except (FileNotFoundError, ValueError) as e:
         print(f"fedsap-ray: error: compact {args.out}: {e}", file=sys.stderr)
@@ -302,7 +302,8 @@ def _compact(args) -> int:
 
 def _export(args) -> int:
     """``fedsap-ray export``: every check that needs no model first, then the kept model, its check inputs, the file."""
-    from fedsap_ray import export, results
+    from fedsap_ray import results
+    from fedsap_ray.results import export
 
     results.check_run_id(args.run_id, "--run-id")
     if args.client is not None and args.client < 0:
@@ -347,7 +348,7 @@ def check_export_out(out: str) -> str:
         raise ConfigError(f"invalid OUT={out!r}: must name the results folder of the run")
     if results.is_uri(out):
         return out
-    from fedsap_ray.outdir import OutDir
+    from fedsap_ray.persist.outdir import OutDir
 
     OutDir(out)  # refuses a path the file system cannot hold
     if not Path(out).is_dir():
@@ -358,7 +359,7 @@ def check_export_out(out: str) -> str:
 def check_export_output(output: str, fmt: str, out: str) -> Path:
     """``--output`` of ``fedsap-ray export``: a file name ending as the format's files do, in an existing
     writable folder, not a folder itself, and outside the results folder (which holds only what runs write)."""
-    from fedsap_ray.export import FORMATS
+    from fedsap_ray.results.export import FORMATS
 
     ending = FORMATS[fmt]
     try:
@@ -406,7 +407,7 @@ def _export_inputs(cfg: ExperimentConfig, model, client: int | None, on: str):
     or seeded random inputs of the model's kind."""
     import torch
 
-    from fedsap_ray import export
+    from fedsap_ray.results import export
 
     if on == "random":
         x = export.random_inputs(model)

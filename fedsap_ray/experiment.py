@@ -1,8 +1,8 @@
 """One run end to end: config -> federation, model, strategy, backend -> Parquet.
 
 :func:`run_experiment` is what ``fedsap-ray run`` calls: the checks before any write, the run
-claim, then a :class:`~fedsap_ray.session.RunSession` driven in-process or, for the Ray backend,
-hosted on a ``ServerActor``, by the one driver loop (:func:`fedsap_ray.driver.drive`). The
+claim, then a :class:`~fedsap_ray.run.session.RunSession` driven in-process or, for the Ray backend,
+hosted on a ``ServerActor``, by the one driver loop (:func:`fedsap_ray.run.driver.drive`). The
 session's names are re-exported here.
 """
 from __future__ import annotations
@@ -11,17 +11,17 @@ import uuid
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
-from fedsap_ray import checkpoint
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist import checkpoint
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.results import aside
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
-from fedsap_ray.driver import DriverCallback, Progress, add_note, drive, drive_one
-from fedsap_ray.errors import ConfigError, RunStopped
+from fedsap_ray.run.driver import DriverCallback, Progress, add_note, drive, drive_one
+from fedsap_ray.common.errors import ConfigError, RunStopped
 from fedsap_ray.runtime import make_backend
-from fedsap_ray.schema import ExperimentConfig
-from fedsap_ray.server import RoundSummary
-from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, build_context, record_failed_start, run_row
+from fedsap_ray.config.schema import ExperimentConfig
+from fedsap_ray.engine.server import RoundSummary
+from fedsap_ray.run.session import RunOutcome, RunSession, SessionMetrics, build_context, record_failed_start, run_row
 
 __all__ = ["DriverCallback", "RunOutcome", "RunSession", "RunStopped", "SessionMetrics", "add_note", "build_context",
            "drive", "new_run_id", "record_failed_start", "run_experiment", "run_row"]
@@ -43,7 +43,7 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
 
     Before anything is written (each refusal a :class:`ConfigError` naming the field):
     the run id must be safe as a file name, ``out`` a writable folder, the device
-    present, and the id not in use by another process (:class:`fedsap_ray.guard.RunClaim`,
+    present, and the id not in use by another process (:class:`fedsap_ray.run.guard.RunClaim`,
     held for the whole run); a new run refuses an id ``out`` already holds unless
     ``overwrite`` (the old run is then moved aside and deleted only once the new run has
     checkpointed its first round; if the new run fails or stops before that, the old one is
@@ -51,10 +51,12 @@ def run_experiment(cfg: ExperimentConfig, out: str | Path, *, run_id: str | None
     written is missing, unreadable or inconsistent with its checkpoint.
 
     ``progress(summary)`` is called after every round; ``callbacks`` are further hooks of the
-    driver loop (:class:`fedsap_ray.driver.DriverCallback`; one may stop the run early by
+    driver loop (:class:`fedsap_ray.run.driver.DriverCallback`; one may stop the run early by
     raising :class:`RunStopped`: the outcome then has status ``stopped``).
     """
-    from fedsap_ray import guard, limits, results
+    from fedsap_ray import results
+    from fedsap_ray.run import guard
+    from fedsap_ray.runtime import limits
 
     if resume and not run_id:
         raise ConfigError("invalid resume: needs the run_id of the run to continue")

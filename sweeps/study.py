@@ -7,7 +7,7 @@ runs (``--resume``; a folder that already holds the sweep is refused without it)
 under Tune (:func:`sweeps.tuner.run_trials`) and print the study's table.
 
 Resuming (``--resume``): finished runs are skipped; every other trial runs again and
-continues from its per-round checkpoint (``fedsap_ray.checkpoint``), whether the driver was
+continues from its per-round checkpoint (``fedsap_ray.persist.checkpoint``), whether the driver was
 stopped by Ctrl-C, killed, or a trial crashed. Tune retries a failed trial
 (``--max-failures``); a retry also resumes from the checkpoint. Trials that still fail are
 listed with their error and the script exits with status 1. Before Ray starts, a resume checks
@@ -30,17 +30,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from fedsap_ray import checkpoint, guard, results
+from fedsap_ray import results
+from fedsap_ray.run import guard
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.cli import OneLineParser
 from fedsap_ray.config import PRESETS, ConfigError, parse_override
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.results import kept
 from fedsap_ray.results.reader import read_arrow
 from fedsap_ray.results.store import is_dir, list_table, run_ids
 from fedsap_ray.runtime.address import check_reachable, given
-from fedsap_ray.schema import check_ray_address
-from fedsap_ray.storage import ResultsDestination
-from fedsap_ray.trackers import add_tracker_args, check_libraries, tracker_specs
+from fedsap_ray.config.checks import check_ray_address
+from fedsap_ray.results.destination import ResultsDestination
+from fedsap_ray.run.trackers import add_tracker_args, check_libraries, tracker_specs
 from sweeps.trials import flat_overrides, to_configs
 from sweeps.tuner import SweepOptions, run_trials, tracked
 
@@ -293,7 +295,7 @@ def rerun_incomplete(dest: ResultsDestination, gaps: Mapping[str, str], study: s
 
 def check_checkpoints(dest: ResultsDestination, trials: Sequence[Mapping[str, Any]]) -> None:
     """Before Ray starts: each run of ``trials`` that has a checkpoint (the trial will continue from it) has one
-    it can continue from (:func:`fedsap_ray.guard.check_trial_checkpoint`: format, content digest, round, engine,
+    it can continue from (:func:`fedsap_ray.run.guard.check_trial_checkpoint`: format, content digest, round, engine,
     and the run's tables against it); else one line naming the trial's run and the file, exit 2. A remote run's
     files are brought to this node's staging folder first (:meth:`ResultsDestination.pull`)."""
     for t in trials:
@@ -356,7 +358,7 @@ def drop_stale_checkpoints(dest: ResultsDestination, finished: Sequence[str]) ->
 
 def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) -> None:
     """A run to continue whose checkpoint is an older version's pickle is refused before Ray starts
-    (reading it could run code: :mod:`fedsap_ray.checkpoint`), naming the file and what to do."""
+    (reading it could run code: :mod:`fedsap_ray.persist.checkpoint`), naming the file and what to do."""
     for run_id in run_ids:
         if dest.is_remote:
             assert dest.fs is not None  # set whenever is_remote
@@ -372,7 +374,7 @@ def refuse_legacy_checkpoints(dest: ResultsDestination, run_ids: Sequence[str]) 
 
 def study_parser(*, doc: str, variants: Mapping[str, Sequence[str]], study: str,
                  default_preset: str) -> argparse.ArgumentParser:
-    """The command line of a grid study (also read by ``fedsap_ray.docgen`` for the reference pages)."""
+    """The command line of a grid study (also read by ``fedsap_ray.dev.docgen`` for the reference pages)."""
     p = OneLineParser(description=doc.splitlines()[0], epilog=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=study, default_preset=default_preset)

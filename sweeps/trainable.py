@@ -1,14 +1,14 @@
-"""The Ray Tune trainable: a trial's runs through the one driver loop (:func:`fedsap_ray.driver.drive`).
+"""The Ray Tune trainable: a trial's runs through the one driver loop (:func:`fedsap_ray.run.driver.drive`).
 
 A trial is one simulation, or (``tune.py``'s mean-over-seeds objective) the same config at
-several seeds run in lockstep. The trainable opens one :class:`~fedsap_ray.session.RunSession`
+several seeds run in lockstep. The trainable opens one :class:`~fedsap_ray.run.session.RunSession`
 per seed and drives them with two callbacks:
 
 - :class:`PushResults`: after every round (once its checkpoint is written) and after the runs
   are closed, each run's files go to the sweep's destination (a local path, or any pyarrow
-  filesystem URI: the run writes to node-local staging, :class:`fedsap_ray.storage.ResultsDestination`);
+  filesystem URI: the run writes to node-local staging, :class:`fedsap_ray.results.destination.ResultsDestination`);
 - :class:`TuneReport`: each round's metrics (means over the seeds) go to Tune, read from each
-  session's :class:`~fedsap_ray.session.SessionMetrics`; a scheduler that stops the trial
+  session's :class:`~fedsap_ray.run.session.SessionMetrics`; a scheduler that stops the trial
   (Tune raises ``SystemExit`` in ``tune.report``) ends the runs with status ``stopped``. A sweep with
   ``--tracker`` (the trial's ``_trackers``) also reports every run's rounds metrics of the round, for the
   driver's :class:`sweeps.tuner.TrackerLogger`.
@@ -30,18 +30,19 @@ from typing import Any
 import ray
 from ray import tune
 
-from fedsap_ray import checkpoint, guard
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.run import guard
+from fedsap_ray.persist import checkpoint
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.data.federation import build_federation
 from fedsap_ray.data.node_cache import shared_splits
-from fedsap_ray.driver import DriverCallback, drive
-from fedsap_ray.errors import RunStopped
+from fedsap_ray.run.driver import DriverCallback, drive
+from fedsap_ray.common.errors import RunStopped
 from fedsap_ray.runtime import make_backend
-from fedsap_ray.schema import ExperimentConfig
-from fedsap_ray.server import RoundSummary
-from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, record_failed_start
-from fedsap_ray.storage import ResultsDestination
-from fedsap_ray.trackers import round_metrics
+from fedsap_ray.config.schema import ExperimentConfig
+from fedsap_ray.engine.server import RoundSummary
+from fedsap_ray.run.session import RunOutcome, RunSession, SessionMetrics, record_failed_start
+from fedsap_ray.results.destination import ResultsDestination
+from fedsap_ray.run.trackers import round_metrics
 from sweeps.trials import METRIC, flatten, to_configs
 
 TRACKED = "_trackers"  # a trial's flat-config key: the sweep logs to trackers (sweeps.tuner.tracked)
@@ -118,7 +119,7 @@ class PushResults(DriverCallback):
 
 class TuneReport(DriverCallback):
     """Reports every round to Tune (means over the trial's runs) and turns a scheduler's stop into
-    :class:`~fedsap_ray.errors.RunStopped`. ASHA also "stops" a trial at ``max_t``: after the last
+    :class:`~fedsap_ray.common.errors.RunStopped`. ASHA also "stops" a trial at ``max_t``: after the last
     round that is no stop, the runs finish."""
 
     def __init__(self, run_ids: Sequence[str], rounds: int, tracked: bool = False) -> None:

@@ -40,8 +40,8 @@ from ray.tune.search.optuna import OptunaSearch  # noqa: E402
 from fedsap_ray.cli import OneLineParser  # noqa: E402
 from fedsap_ray import results  # noqa: E402
 from fedsap_ray.config import ConfigError  # noqa: E402
-from fedsap_ray.outdir import FILE, OutDir  # noqa: E402
-from fedsap_ray.storage import ResultsDestination  # noqa: E402
+from fedsap_ray.persist.outdir import FILE, OutDir  # noqa: E402
+from fedsap_ray.results.destination import ResultsDestination  # noqa: E402
 from sweeps.study import (add_common_args, check_overrides, finished_gaps, options_from, read_runs,  # noqa: E402
                           refuse_missing_out, report_failures)
 from sweeps.trials import METRIC, flat_overrides, to_configs  # noqa: E402
@@ -59,7 +59,7 @@ SPACE = {
 
 
 def parser() -> argparse.ArgumentParser:
-    """The command line (also read by ``fedsap_ray.docgen`` for the reference pages)."""
+    """The command line (also read by ``fedsap_ray.dev.docgen`` for the reference pages)."""
     p = OneLineParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, study=STUDY, default_preset="laptop")

@@ -20,10 +20,10 @@ import ray
 from ray import tune
 from ray.tune.logger import LoggerCallback
 
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.runtime.ray import connect
-from fedsap_ray.storage import ResultsDestination
-from fedsap_ray.trackers import TrackedRun, TrackerSpec, kept_files, run_info
+from fedsap_ray.results.destination import ResultsDestination
+from fedsap_ray.run.trackers import TrackedRun, TrackerSpec, kept_files, run_info
 from sweeps.live import LiveProgress
 from sweeps.trainable import ROUNDS_METRICS, TRACKED, run_trial
 from sweeps.trials import METRIC, flatten, to_configs, trial_name, trial_resources
@@ -45,7 +45,7 @@ class SweepOptions:
     server_cpus: float = 1.0
     max_failures: int = 2
     extra: list[str] = field(default_factory=list)
-    trackers: tuple[TrackerSpec, ...] = ()  # --tracker / --tracker-uri (fedsap_ray.trackers.tracker_specs)
+    trackers: tuple[TrackerSpec, ...] = ()  # --tracker / --tracker-uri (fedsap_ray.run.trackers.tracker_specs)
 
 
 def tracked(opts: SweepOptions) -> dict[str, bool]:
@@ -132,7 +132,7 @@ def _trial_dirname(trial) -> str:
 
 class TrackerLogger(LoggerCallback):
     """``--tracker`` for a sweep: on the driver, one tracker run per run of every trial (a trial of several seeds
-    has one per seed, tagged with the trial's name), fed by :class:`fedsap_ray.trackers.TrackedRun` exactly as
+    has one per seed, tagged with the trial's name), fed by :class:`fedsap_ray.run.trackers.TrackedRun` exactly as
     ``fedsap-ray run --tracker`` feeds its run.
 
     Why not Tune's own TBXLoggerCallback / MLflowLoggerCallback / WandbLoggerCallback: they log at Tune's
@@ -141,7 +141,7 @@ class TrackerLogger(LoggerCallback):
     ``_workers``, ...) instead of each run's resolved config and seed, they set no study/variant/seed tags, they
     log every reported number under one run per trial (a trial of several seeds reports means), and they store
     the trial's Tune folder instead of the kept models. Each trial reports its rounds' metrics
-    (:data:`sweeps.trainable.ROUNDS_METRICS`: per run, :func:`fedsap_ray.trackers.round_metrics` of the rows
+    (:data:`sweeps.trainable.ROUNDS_METRICS`: per run, :func:`fedsap_ray.run.trackers.round_metrics` of the rows
     it wrote), and this logs them at step = the round."""
 
     def __init__(self, specs: tuple[TrackerSpec, ...], local_out: str | None) -> None:

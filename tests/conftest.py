@@ -18,8 +18,8 @@ from fedsap_ray.config import ConfigError, build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.experiment import build_context, run_experiment
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import check_results
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import check_results
 from fedsap_ray.models import build_model
 from fedsap_ray.runtime.local import LocalBackend
 
@@ -41,7 +41,7 @@ INTEGRATION_MODULES = frozenset({
     # (issue 53); the golden tool recording and checking a run end to end and as a script (~13 s), and the node
     # cache's processes sharing one entry (~16 s; its tampering cases also run in tests/data/test_cache_tamper.py)
     # (issue 55, whose equivalence tests joined the fast tier)
-    "tests/test_folder_fuzz.py", "tests/data/test_data_real.py", "tests/test_golden.py", "tests/data/test_node_cache.py",
+    "tests/results/test_folder_fuzz.py", "tests/data/test_data_real.py", "tests/dev/test_golden.py", "tests/data/test_node_cache.py",
 })
 INTEGRATION_FIXTURES = frozenset({"smoke_study"})
 
@@ -437,11 +437,11 @@ def smoke_study(tmp_path_factory, _session_ray_owner):
 
 
 class EvaluatedSizes:
-    """Spies on :mod:`fedsap_ray.evaluate`'s ``name`` (``evaluate`` or ``evaluate_by_class``): ``sizes`` is the
+    """Spies on :mod:`fedsap_ray.engine.evaluate`'s ``name`` (``evaluate`` or ``evaluate_by_class``): ``sizes`` is the
     parameter count of every network it evaluated, so a test sees how often and at what size evaluation ran."""
 
     def __init__(self, monkeypatch, name: str) -> None:
-        from fedsap_ray import evaluate as ev
+        from fedsap_ray.engine import evaluate as ev
 
         self.sizes: list[int] = []
         inner = getattr(ev, name)

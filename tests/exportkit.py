@@ -7,10 +7,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.masks import ParamLayout, param_mask
+from fedsap_ray.models.masks import ParamLayout, param_mask
 from fedsap_ray.models import build_model
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.sliced import sliced_model
+from fedsap_ray.models.sliced import sliced_model
 
 INPUT_SHAPES = {"mlp": (800,), "char_lstm": (80,), "cnn_emnist": (1, 28, 28)}  # every other model: (3, 32, 32)
 
@@ -32,7 +32,7 @@ def fedsap_like_submodel(name: str, *, width_mult: float = 0.0625, keep: float =
                          full: MaskableModel | None = None) -> tuple[MaskableModel, MaskableModel]:
     """(the dense sub-model, the full model it was sliced from): each layer keeps a random subset of about ``keep`` of
     its channels (at least one; not a prefix, as FedSAP's channel choice), sliced with
-    :func:`fedsap_ray.sliced.sliced_model` and holding the full model's values at those channels, in eval mode.
+    :func:`fedsap_ray.models.sliced.sliced_model` and holding the full model's values at those channels, in eval mode.
     The sub-model is a copy (the slicer's cached network is shared)."""
     rng = np.random.default_rng(seed)
     if full is None:

@@ -12,9 +12,9 @@ import pytest
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime.local import LocalBackend
-from fedsap_ray.session import RunSession
+from fedsap_ray.run.session import RunSession
 
 # clients of 1% of their domain (40 samples; 14 of UCI digits), not 2%: each still trains up to three steps of 16,
 # and each round's deployed models calibrate their BN statistics on half as many samples

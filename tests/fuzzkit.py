@@ -1,4 +1,4 @@
-"""Hypothesis strategies of the fuzz harness (tests/test_folder_fuzz.py): tampering actions on a results
+"""Hypothesis strategies of the fuzz harness (tests/results/test_folder_fuzz.py): tampering actions on a results
 folder, and config documents (duplicate keys, null and empty sections, anchors and aliases).
 
 A tampering action is plain data (:class:`Act`), printed by Hypothesis as a falsifying example; it picks
@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from hypothesis import strategies as st
 
-from fedsap_ray import treecodec
+from fedsap_ray.persist import treecodec
 from fedsap_ray.config import MAX_YAML_NODES
 
 # ----------------------------------------------------------------------------------------- folders

@@ -13,11 +13,18 @@ What makes an edge ``a -> b`` (module ``a`` depends on module ``b``):
   points at ``p.q`` (and ``p``), except where ``a`` is itself inside that package (it is then
   already being imported). This is why ``masks -> models.space`` closed a cycle with
   ``models/__init__ -> masks``.
+
+The folder rules: every folder of the package states its one job and the folders it may import in its
+``__init__`` docstring (``May import:``; read by ``dev.docgen.folder_rules``, which also draws the layout block
+of docs/architecture.md from them), and every edge of the graph above is checked against them.
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+from conftest import INTEGRATION_MODULES, REPO
+from fedsap_ray.dev.docgen import folder_rules, may_import_list
 
 PACKAGE = "fedsap_ray"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
@@ -206,3 +213,112 @@ def test_the_private_import_check_finds_one(tmp_path: Path) -> None:
     (pkg / "a.py").write_text("def _helper():\n    pass\n")
     (pkg / "b.py").write_text("from pkg.a import _helper\nfrom pkg.a import __doc__\n")
     assert private_imports(pkg, "pkg") == ["pkg/b.py:1: pkg.a._helper"]
+
+
+# ----------------------------------------------------------------------------- the folder rules
+ROOT_MODULES = ("__init__", "__main__", "cli", "experiment")  # the entry points; everything else is in a folder
+RAY_FOLDER, DEV_FOLDER = "runtime", "dev"
+
+
+def folder_of(module: str, package: str, folders: set[str]) -> str:
+    """The folder a module is in, or ``""`` for a module at the package root (and the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in folders else ""
+
+
+def layout_breaks(root: Path = ROOT, package: str = PACKAGE, root_modules: tuple[str, ...] = ROOT_MODULES) -> list[str]:
+    """Every way the package breaks its layout rules (see the module docstring), one line each naming the file and
+    line: a folder without its job or ``May import:`` line (or naming a folder that does not exist), an import a
+    folder's line does not allow, an import of ``dev/`` from the library or of a root module from a folder but
+    ``dev/``, Ray imported outside ``runtime/``, a module at the root that is not an entry point."""
+    rules = folder_rules(root)
+    folders = set(rules)
+    breaks = []
+    for name, rule in rules.items():
+        if not rule.job or rule.may_import is None:
+            breaks.append(f"{package}/{name}/__init__.py: the docstring needs its job (first line) and a 'May import:' line")
+        breaks += [f"{package}/{name}/__init__.py: 'May import:' names {d!r}, not a folder of {package}"
+                   for d in may_import_list(rule) if d not in folders]
+    allowed = {n: folders - {DEV_FOLDER} if r.may_import == "everything" and n != DEV_FOLDER
+               else folders if r.may_import == "everything" else set(may_import_list(r)) for n, r in rules.items()}
+    mods = module_files(root, package)
+    breaks += [f"{path.relative_to(root.parent).as_posix()}: {module} is not an entry point: move it into its folder"
+               for module, (path, _) in mods.items()
+               if module != package and not folder_of(module, package, folders) and module.split(".")[-1] not in root_modules]
+    for module, edges in import_graph(root, package).items():
+        here = folder_of(module, package, folders)
+        for target, (_, where, line) in edges.items():
+            there = folder_of(target, package, folders)
+            if target == package or there == here or here == DEV_FOLDER:
+                continue
+            if there == DEV_FOLDER:
+                breaks.append(f"{where}:{line}: {module} imports {target}: nothing in the library imports {DEV_FOLDER}/")
+            elif not there:
+                breaks.append(f"{where}:{line}: {module} imports the root module {target}: only {DEV_FOLDER}/ may")
+            elif here and there not in allowed[here]:
+                breaks.append(f"{where}:{line}: {module} imports {target}: {here}/ may import "
+                              f"{', '.join(sorted(allowed[here])) or 'nothing'}, not {there}/")
+    for module, (path, is_pkg) in mods.items():
+        if folder_of(module, package, folders) != RAY_FOLDER:
+            breaks += [f"{path.relative_to(root.parent).as_posix()}:{line}: {module} imports {name}: only {RAY_FOLDER}/ "
+                       f"imports Ray" for name, line in _imports(module, is_pkg, ast.parse(path.read_text(encoding="utf-8")))
+                       if name == "ray" or name.startswith("ray.")]
+    return breaks
+
+
+def test_the_package_keeps_its_layout() -> None:
+    """Every folder says its job and what it may import, and every import of the package keeps to it."""
+    rules = folder_rules()
+    assert {"common", "config", "engine", "run", "runtime", "dev"} <= set(rules), f"the rule reader lost its way: {rules}"
+    assert sorted(p.stem for p in ROOT.glob("*.py")) == sorted(ROOT_MODULES)
+    breaks = layout_breaks()
+    assert not breaks, "the package breaks its layout rules (docs/architecture.md#layout):\n" + "\n".join(breaks)
+
+
+def _toy(tmp_path: Path) -> Path:
+    pkg = tmp_path / "toy"
+    for folder, doc in (("low", "The bottom.\n\nMay import: nothing.\n"), ("high", "The top.\n\nMay import: low.\n"),
+                        ("dev", "Tools.\n\nMay import: everything.\n")):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text(f'"""{doc}"""\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "main.py").write_text("from toy.high import b\n")
+    (pkg / "high" / "b.py").write_text("from toy.low import a\n")
+    (pkg / "low" / "a.py").write_text("")
+    (pkg / "dev" / "t.py").write_text("from toy import main\nfrom toy.high import b\n")
+    return pkg
+
+
+def test_a_planted_upward_import_breaks_the_layout(tmp_path: Path) -> None:
+    """On a made-up package that keeps its rules, each kind of break planted in turn is found, and named."""
+    pkg = _toy(tmp_path)
+
+    def breaks() -> list[str]:
+        return layout_breaks(pkg, "toy", ("__init__", "main"))
+
+    assert breaks() == []
+    (pkg / "low" / "a.py").write_text("def f():\n    from toy.high import b\n")  # upward, and deferred
+    assert breaks() == [
+        "toy/low/a.py:2: toy.low.a imports toy.high.b: low/ may import nothing, not high/",
+        "toy/low/a.py:2: toy.low.a imports toy.high: low/ may import nothing, not high/"]
+    (pkg / "low" / "a.py").write_text("import ray\nfrom toy.dev import t\nfrom toy import main\n")
+    assert breaks() == [
+        "toy/low/a.py:2: toy.low.a imports toy.dev.t: nothing in the library imports dev/",
+        "toy/low/a.py:2: toy.low.a imports toy.dev: nothing in the library imports dev/",
+        "toy/low/a.py:3: toy.low.a imports the root module toy.main: only dev/ may",
+        "toy/low/a.py:1: toy.low.a imports ray: only runtime/ imports Ray"]
+    (pkg / "low" / "a.py").write_text("")
+    (pkg / "stray.py").write_text("")
+    (pkg / "high" / "__init__.py").write_text('"""The top, without its rule."""\n')
+    assert breaks() == [
+        "toy/high/__init__.py: the docstring needs its job (first line) and a 'May import:' line",
+        "toy/stray.py: toy.stray is not an entry point: move it into its folder",
+        "toy/high/b.py:1: toy.high.b imports toy.low.a: high/ may import nothing, not low/",
+        "toy/high/b.py:1: toy.high.b imports toy.low: high/ may import nothing, not low/"]
+
+
+def test_every_integration_module_exists() -> None:
+    """tests/conftest.py names the integration tier's modules by path: a module moved without its entry would
+    silently join the fast tier (and its 5-minute budget)."""
+    missing = sorted(m for m in INTEGRATION_MODULES if not (REPO / m).is_file())
+    assert not missing, f"INTEGRATION_MODULES names files that do not exist (moved?): {missing}"

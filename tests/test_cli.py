@@ -118,7 +118,7 @@ def test_a_resume_keeps_the_stored_config_json_byte_for_byte(tmp_path, capsys):
 
 
 def test_the_interrupt_message_names_the_run_to_resume(tmp_path, capsys, monkeypatch):
-    from fedsap_ray.server import Server
+    from fedsap_ray.engine.server import Server
 
     real_round = Server.round
 

@@ -18,10 +18,11 @@ import torch
 
 from exportkit import fedsap_like_submodel
 from faultkit import cli_process, tiny_run
-from fedsap_ray import export, results
+from fedsap_ray import results
+from fedsap_ray.results import export
 from fedsap_ray.config import build_config
 from fedsap_ray.data.base import as_input
-from fedsap_ray.session import build_context
+from fedsap_ray.run.session import build_context
 
 RUN = "r1"
 

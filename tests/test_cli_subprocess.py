@@ -18,7 +18,8 @@ import pytest
 
 from conftest import steady, tiny_overrides
 from faultkit import runs_row, sets
-from fedsap_ray import checkpoint, results
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
 from test_cli import BAD_INPUT, one_line_refusal
@@ -59,7 +60,7 @@ def test_an_async_run_killed_mid_run_and_resumed_equals_the_run_never_killed(tmp
     """kill -9 of ``fedsap-ray run`` with ``devices.mode=async`` (issue 44) once it has checkpointed step 3 of 12:
     wherever in a step the kill lands (training, writing rows, writing the checkpoint), ``--resume`` continues
     from the last checkpoint, whose engine state holds the updates in flight, and every table equals the
-    uninterrupted run's (tests/test_asyncmode_resume.py checks the engine's state in-process)."""
+    uninterrupted run's (tests/engine/test_asyncmode_resume.py checks the engine's state in-process)."""
     trace = tmp_path / "trace.csv"
     pd.DataFrame({"client_id": range(6), "speed": [0.5e9, 1e9, 0.6e9, 0.8e9, 0.45e9, 1e9], "down_bytes_s": 1e12,
                   "up_bytes_s": 1e12}).to_csv(trace, index=False)
@@ -110,7 +111,7 @@ def test_a_refused_async_resume_on_ray_is_one_line_and_exit_2_with_no_abort(tmp_
     ("terminate called without an active exception"): the refusal comes back as itself, the command shuts down
     the Ray it started and exits 2 with the one line, nothing in the folder changed."""
     pytest.importorskip("ray")
-    from fedsap_ray.messages import ServerState
+    from fedsap_ray.common.messages import ServerState
 
     overrides = tiny_overrides("fedavg", "data.num_clients=4", "devices.mode=async", "asynchronous.concurrency=3",
                                "asynchronous.buffer_size=2", "training.rounds=3")

@@ -80,7 +80,7 @@ def test_tables_have_design_columns(tmp_path, tiny_fed):
     assert runs.loc[0, "status"] == "finished" and runs.loc[0, "rounds_done"] == 2
     assert runs.loc[0, "config_hash"] == cfg.config_hash()
     # what the numbers reproduce against: this process's torch and the CPU kernels it picked
-    from fedsap_ray.session import cpu_kernels
+    from fedsap_ray.run.session import cpu_kernels
 
     assert runs.loc[0, "torch_version"] == torch.__version__ and runs.loc[0, "cpu_kernels"] == cpu_kernels()
 
@@ -92,7 +92,7 @@ def test_cpu_kernels_name_the_kernels_the_environment_chose():
     import subprocess
     import sys
 
-    code = "from fedsap_ray.session import cpu_kernels; print(cpu_kernels())"
+    code = "from fedsap_ray.run.session import cpu_kernels; print(cpu_kernels())"
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "avx2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "aten=DEFAULT onednn=AVX2", out
@@ -162,7 +162,7 @@ def test_heterogeneous_fedavg_at_full_width_equals_fedavg(tiny_fed):
 
 
 def test_untrained_coordinates_stay_bit_identical(tiny_fed):
-    from fedsap_ray.masks import nested_channel_masks, param_mask
+    from fedsap_ray.models.masks import nested_channel_masks, param_mask
 
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.width=capacity", "capacity.scheme=explicit",
                                                          "capacity.keep_ratios=[0.5,0.25,0.5,0.25]"])
@@ -234,7 +234,7 @@ def test_resume_drops_rows_written_after_the_checkpoint(tmp_path, tiny_fed, monk
     """Round 3's rows reach disk but its checkpoint does not (the run dies in between): the resume
     from round 2 drops them (as parts, or inside the merged per-run file) and redoes round 3, so the
     tables equal an uninterrupted run's."""
-    from fedsap_ray import checkpoint
+    from fedsap_ray.persist import checkpoint
 
     save = checkpoint.save
 

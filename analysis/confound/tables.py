@@ -138,7 +138,7 @@ def cost_table(model_name: str, input_shape: tuple[int, ...], num_classes: int,
     """papers/003 Table 1 from the model itself: per width p (nested channel masks) the
     trainable parameters, MACs per sample (models.model_macs) and upload size
     (4 bytes x params). Columns p, params, macs, params_M, macs_M, upload_MB."""
-    from fedsap_ray.masks import ParamLayout, nested_channel_masks, param_mask, params_in_mask
+    from fedsap_ray.models.masks import ParamLayout, nested_channel_masks, param_mask, params_in_mask
     from fedsap_ray.models import build_model, model_macs
 
     m = build_model(model_name, num_classes=num_classes, input_shape=tuple(input_shape), vocab_size=vocab_size,

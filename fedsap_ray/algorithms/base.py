@@ -17,7 +17,7 @@ the extra columns (name, Arrow type, one-line doc) it writes to each per-round t
 union of the registered strategies' declarations.
 
 A round's data flows one way: :meth:`Strategy.aggregate` returns a
-:class:`~fedsap_ray.messages.RoundOutput` (the new state and every row the strategy computed), and
+:class:`~fedsap_ray.common.messages.RoundOutput` (the new state and every row the strategy computed), and
 after it the server asks only for the models to evaluate (:meth:`Strategy.eval_sets`,
 :meth:`Strategy.deployed_model`).
 """
@@ -33,13 +33,13 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray import devices
-from fedsap_ray.columns import Column
-from fedsap_ray.context import RunContext, StrategyContext
+from fedsap_ray.data import devices
+from fedsap_ray.common.columns import Column
+from fedsap_ray.algorithms.context import RunContext, StrategyContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs, weight_uses
-from fedsap_ray.seeding import rng_for, seed_for
+from fedsap_ray.common.seeding import rng_for, seed_for
 
 T = TypeVar("T")
 
@@ -73,10 +73,10 @@ class Strategy(ABC):
     # the dataclass of ``ServerState.strategy_state`` (None: a dict); checkpoints store its fields (state_tree)
     State: ClassVar[type | None] = None
     # fields a dict state gains after its first round (absent from init_state): a resume accepts them in a
-    # checkpoint, and refuses any other field the initial state lacks (fedsap_ray.statecheck)
+    # checkpoint, and refuses any other field the initial state lacks (fedsap_ray.persist.statecheck)
     state_keys: ClassVar[tuple[str, ...]] = ()
     # fields of the state that hold model-sized vectors (as long as the parameter vector), directly or one per
-    # client or group id: a resume refuses a checkpoint where one has another length (fedsap_ray.statecheck)
+    # client or group id: a resume refuses a checkpoint where one has another length (fedsap_ray.persist.statecheck)
     state_vectors: ClassVar[tuple[str, ...]] = ()
     # option defaults per config preset, beneath the user's options: a method scales its own schedules (a
     # warm-up, an adaptation interval) to a preset's round budget (fedsap_ray.config.apply_algorithm_defaults)
@@ -101,11 +101,11 @@ class Strategy(ABC):
     def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                   t: int) -> RoundOutput:
         """The server state after round t, from the clients' results, and the round's records
-        (:class:`~fedsap_ray.messages.RoundRecords`: every table's rows the strategy computed, the client groups
+        (:class:`~fedsap_ray.common.messages.RoundRecords`: every table's rows the strategy computed, the client groups
         it formed, its part of the progress line). ``plans`` are the round's plans, as
         :meth:`configure_round` returned them for ``state``."""
 
-    # Whether this class has an asynchronous reading (devices.mode=async, fedsap_ray.asyncmode; docs/readings.md):
+    # Whether this class has an asynchronous reading (devices.mode=async, fedsap_ray.engine.asyncmode; docs/readings.md):
     # read from the class's own body only, never inherited, so a subclass with round-synchronous state
     # (MOON's previous models, HAS-FL's adaptation steps) is refused until it declares a reading of its own
     supports_async: ClassVar[bool] = False
@@ -126,7 +126,7 @@ class Strategy(ABC):
     @classmethod
     def needs_oracle(cls, options: Any) -> bool:
         """Whether a run with ``options`` is a control that uses ground truth (it then gets
-        ``ctx.oracle``, :class:`~fedsap_ray.context.OracleInputs`); False for every method."""
+        ``ctx.oracle``, :class:`~fedsap_ray.algorithms.context.OracleInputs`); False for every method."""
         return False
 
     @classmethod
@@ -179,7 +179,7 @@ class Strategy(ABC):
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(full-size parameters, parameter mask or None) of the model client ``client_id`` would run on its
         device once the round that produced ``state`` is over (the ``deployed`` eval mode,
-        :mod:`fedsap_ray.evaluate`).
+        :mod:`fedsap_ray.engine.evaluate`).
 
         Default: the global model, whole (full-model methods). Sub-model methods return the model and
         mask the client would receive next (:class:`~fedsap_ray.algorithms.nested.SubModelStrategy`),
@@ -207,7 +207,7 @@ class Strategy(ABC):
     def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, Any]:
         """What one client-round spent (``params_trained``, ``macs_per_sample``, ``train_macs``) and the width it
         was assigned (``assigned_width``), whether or not it was aggregated (a straggler's compute is counted too:
-        fedsap_ray.devices): the columns every client row has, whichever way it was recorded."""
+        fedsap_ray.data.devices): the columns every client row has, whichever way it was recorded."""
         return {"params_trained": self.params_trained(plan, result), "macs_per_sample": self.mask_macs(plan.mask),
                 "train_macs": self.train_macs(plan, result), "assigned_width": self.assigned_width(plan)}
 
@@ -223,7 +223,7 @@ class Strategy(ABC):
 
     # --- checkpoints: the strategy's own state as a tree the code-free format stores ----------
     def state_tree(self, strategy_state: Any) -> dict[str, Any]:
-        """``strategy_state`` as a dict of storable values (:mod:`fedsap_ray.treecodec`): its fields when it
+        """``strategy_state`` as a dict of storable values (:mod:`fedsap_ray.persist.treecodec`): its fields when it
         is the dataclass :attr:`State` declares, else the dict itself."""
         if self.State is not None:
             return {f.name: getattr(strategy_state, f.name) for f in dataclasses.fields(self.State)}
@@ -299,7 +299,7 @@ class Strategy(ABC):
     def sample_clients(self, t: int) -> list[int]:
         """Seeded uniform sample of ceil-free round(participation * N) clients (at least one).
 
-        Simulated devices (:mod:`fedsap_ray.devices`) change it only when asked: with an availability
+        Simulated devices (:mod:`fedsap_ray.data.devices`) change it only when asked: with an availability
         below 1 the sample is drawn from the clients available in round ``t``, and under
         ``devices.policy=over_select`` it holds ``ceil(k * (1 + over_select))`` of them (the server
         aggregates the ``k`` that finish first). Otherwise the draw is exactly the one above."""
@@ -321,7 +321,7 @@ class Strategy(ABC):
         return sorted(int(pool[i]) for i in rng.choice(len(pool), size=m, replace=False))
 
     def devices(self) -> list[devices.Device]:
-        """Every client's simulated device (:func:`fedsap_ray.devices.devices_for`), built once per run: the
+        """Every client's simulated device (:func:`fedsap_ray.data.devices.devices_for`), built once per run: the
         sampling here and the server's clock read the same list (a trace is read once)."""
         return self.memo("devices", None, lambda: devices.devices_for(
             self.cfg, [c.capacity for c in self.ctx.federation.clients]))

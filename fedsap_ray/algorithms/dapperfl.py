@@ -46,7 +46,7 @@ pruned weights refilled from the previous global model before the weighted avera
   W^{t-1} to kappa_i before training (:func:`fedsap_ray.algorithms.pruning.l1_channel_masks`), trains that
   pruned model in every epoch, and after the first epoch fuses it with W^{t-1} on the kept coordinates
   (w = alpha_t W^{t-1} + (1 - alpha_t) w_hat, pruned coordinates stay 0); the mask is not re-chosen.
-- Asynchronous training (``devices.mode=async``, :mod:`fedsap_ray.asyncmode`; both ``full_first_epoch``
+- Asynchronous training (``devices.mode=async``, :mod:`fedsap_ray.engine.asyncmode`; both ``full_first_epoch``
   readings, docs/readings.md#asynchronous-training): a client started on version v fuses with and prunes
   the x_v it downloaded at alpha_{v+1}; the server applies w_i - x_v on the coordinates the client uploaded
   (``ClientResult.mask``), staleness-weighted, and step 7 refills the rest from the current model, which
@@ -93,10 +93,10 @@ from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
-from fedsap_ray.schema import check_bool, check_choice, check_number, fail
-from fedsap_ray.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
+from fedsap_ray.config.checks import check_bool, check_choice, check_number, fail
+from fedsap_ray.models.masks import (ChannelMasks, ParamLayout, TorchMask, apply_mask_, mask_grads_, nested_channel_masks,
                               nested_count, param_mask)
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs
 from fedsap_ray.models.space import ChannelSpace, MaskableModel
 
@@ -157,7 +157,7 @@ def unpack_channel_masks(space: ChannelSpace, flat: np.ndarray) -> dict[str, np.
 
 
 def first_epoch_steps(n_samples: int, batch_size: int, max_steps_per_epoch: int | None) -> int:
-    """Optimizer steps of one local epoch in :mod:`fedsap_ray.client` (a last batch of one sample is
+    """Optimizer steps of one local epoch in :mod:`fedsap_ray.engine.client` (a last batch of one sample is
     skipped when n >= 2; at most ``max_steps_per_epoch``): where the client fuses and prunes."""
     if n_samples < 2:
         steps = n_samples
@@ -354,7 +354,7 @@ class DapperFL(Strategy):
                   t: int) -> RoundOutput:
         """Step 7 (:meth:`merge`); each client's kept channels are stored for its deployed model
         (:meth:`after_aggregate`). Split as FedAvg's is, so the asynchronous engine
-        (:class:`fedsap_ray.asyncmode.AsyncStrategy`) calls the same pieces on its buffer."""
+        (:class:`fedsap_ray.engine.asyncmode.AsyncStrategy`) calls the same pieces on its buffer."""
         params = self.merge(state, plans, results, t)
         masks = {r.client_id: r.mask for r in results}
         new = ServerState(round=t, params=params, strategy_state=self.after_aggregate(state, params, results, masks, t))

@@ -13,7 +13,7 @@ and methods of arbitrary channel subsets extend :class:`~fedsap_ray.algorithms.n
 
 Aggregation is papers/003 Algorithm 1 line 18: each coordinate is averaged over exactly the
 clients that trained it, weighted by sample counts; coordinates nobody trained keep their value
-(:func:`fedsap_ray.aggregation.masked_weighted_average`). With the full rule that is FedAvg's
+(:func:`fedsap_ray.algorithms.aggregation.masked_weighted_average`). With the full rule that is FedAvg's
 sample-weighted mean. Masks are pure functions of (state the round starts from, client, round),
 so the deployed model recomputes next round's instead of keeping it.
 """
@@ -26,15 +26,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
-from fedsap_ray.columns import Column
-from fedsap_ray.context import RunContext
-from fedsap_ray.schema import check_choice
-from fedsap_ray.masks import ChannelMasks, nested_channel_masks, param_mask
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
+from fedsap_ray.common.columns import Column
+from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.config.checks import check_choice
+from fedsap_ray.models.masks import ChannelMasks, nested_channel_masks, param_mask
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
 from fedsap_ray.models import model_macs
 
 WIDTHS = ("full", "capacity")
@@ -118,7 +118,7 @@ class FedAvg(Strategy):
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]:
         """The round-t plans of ``clients`` from ``state`` (what :meth:`configure_round` gives its sample; the
-        asynchronous mode, :mod:`fedsap_ray.asyncmode`, asks for the clients it starts)."""
+        asynchronous mode, :mod:`fedsap_ray.engine.asyncmode`, asks for the clients it starts)."""
         plans: dict[int, ClientPlan] = {}
         for cid in clients:
             mask, _, used = self.sub_model(state, cid, t)
@@ -216,7 +216,7 @@ class FedAvg(Strategy):
 
     # --- memoised sub-model geometry (pure in the per-layer channel counts) -------------
     def coverage(self, cmasks: ChannelMasks) -> np.ndarray:
-        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.masks`)."""
+        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.models.masks`)."""
         return param_mask(self.ctx.space, self.ctx.layout, cmasks)
 
     def macs(self, p: float) -> int:

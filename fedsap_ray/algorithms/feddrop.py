@@ -49,10 +49,10 @@ import numpy as np
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_choice
-from fedsap_ray.masks import ChannelMasks, nested_count
-from fedsap_ray.messages import ClientResult, ServerState
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.config.checks import check_choice
+from fedsap_ray.models.masks import ChannelMasks, nested_count
+from fedsap_ray.common.messages import ClientResult, ServerState
+from fedsap_ray.common.seeding import rng_for
 
 SELECTIONS = ("random", "afd")
 

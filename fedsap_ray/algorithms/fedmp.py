@@ -37,13 +37,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsap_ray.aggregation import masked_weighted_average, scatter
+from fedsap_ray.algorithms.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_choice
-from fedsap_ray.masks import ChannelMasks
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.config.checks import check_choice
+from fedsap_ray.models.masks import ChannelMasks
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 AGGREGATIONS = ("r2sp", "coordinate")
 

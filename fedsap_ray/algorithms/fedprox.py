@@ -16,11 +16,11 @@ import torch
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_number
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, ServerState
+from fedsap_ray.config.checks import check_number
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan, ServerState
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.sliced import SlicedModel
+from fedsap_ray.models.sliced import SlicedModel
 
 HOOK = "fedprox"
 

@@ -2,7 +2,7 @@
 Sub-Model Extraction") on the federation's capacity tiers.
 
 A client of capacity kappa_i < 1 trains, of every channel layer l, the contiguous window of
-k_l = ceil(kappa_i C_l) channels (:func:`fedsap_ray.masks.nested_count`, HeteroFL's count) that starts at
+k_l = ceil(kappa_i C_l) channels (:func:`fedsap_ray.models.masks.nested_count`, HeteroFL's count) that starts at
 an index rolling one channel per round and wrapping modulo C_l, each layer by its own C_l; a client at
 kappa_i = 1 trains the full model. Round t (1-based) uses the roll r = (t - 1) mod C_l, so round 1 trains
 the leading channels, as HeteroFL would. Aggregation is coordinate-wise over the clients that trained each
@@ -22,7 +22,7 @@ Our reading of the authors' code (AIoT-MLSys-Lab/FedRolex, ``resnet_server.py``
 - **BatchNorm and the scaler.** The authors' models (``models/resnet.py``) use HeteroFL's static
   BatchNorm (``track_running_stats=False``) and its ``Scaler`` (activations divided by the width ratio in
   training); as for ``heterofl``, neither is modelled: BN running statistics follow their channel like
-  every coordinate (:mod:`fedsap_ray.masks`) and the deployed model recomputes them on the client's data
+  every coordinate (:mod:`fedsap_ray.models.masks`) and the deployed model recomputes them on the client's data
   (``training.deployed_bn``).
 - **Not modelled.** The authors' ``combine`` averages by client count (and the classifier by label split,
   with cumulative update counts as weights on 1-d and classifier tensors); ours is the sample-weighted
@@ -32,7 +32,7 @@ Our reading of the authors' code (AIoT-MLSys-Lab/FedRolex, ``resnet_server.py``
 The deployed model of a client is the window it would receive next, round ``state.round + 1``
 (:meth:`FedAvg.deployed_model`): a rolling method has no fixed sub-model, and that window is the
 one the server would extract for the client now, a pure function of the round, so it is recomputed,
-never stored. Asynchronous mode (:mod:`fedsap_ray.asyncmode`): a client started on model version v trains
+never stored. Asynchronous mode (:mod:`fedsap_ray.engine.asyncmode`): a client started on model version v trains
 the window of round t = v + 1, the version it downloaded plus one; the coordinates it uploads are that
 window's (``ClientResult.mask``), however stale it arrives.
 """
@@ -45,10 +45,10 @@ import numpy as np
 from fedsap_ray.algorithms.fedavg import MASK_CACHE
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.masks import ChannelMasks, nested_count
-from fedsap_ray.messages import ServerState
+from fedsap_ray.models.masks import ChannelMasks, nested_count
+from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models.space import ChannelSpace
-from fedsap_ray.schema import check_choice
+from fedsap_ray.config.checks import check_choice
 
 DIRECTIONS = ("backward", "forward")
 

@@ -6,7 +6,7 @@ Every client keeps its own full model w_i (personalised). In round t, client i d
 uniformly random subset of ceil(kappa_i C_l) neurons (channels) of every layer l
 (:func:`fedsap_ray.algorithms.pruning.random_channel_masks`, seeded by
 ``rng_for(seed, t, i, "fedspu")``), with kappa_i = ``federation.clients[i].capacity``. Let
-M_i^t be the parameter mask of those active channels (:func:`fedsap_ray.masks.param_mask`:
+M_i^t be the parameter mask of those active channels (:func:`fedsap_ray.models.masks.param_mask`:
 a coordinate is trained only if BOTH its output channel and its input channel are active;
 classifier bias and output rows always are). Then
 
@@ -28,7 +28,7 @@ global model w^0 (``spues.py``: ``personal_models[i] = initial_parameters``), so
 sampled for the first time in a later round freezes neurons at their w^0 values.
 
 Frozen means bit-identical: coordinates outside M_i^t get zero gradients in the masked loop
-(:mod:`fedsap_ray.client`) and the ``fedspu`` client hook writes the personal values back
+(:mod:`fedsap_ray.engine.client`) and the ``fedspu`` client hook writes the personal values back
 after every optimiser step, because weight decay and momentum would move them even with a zero
 gradient (the authors' code trains with plain SGD, where a gradient mask suffices). BatchNorm
 running statistics of frozen channels are restored too (they belong to the frozen neuron).
@@ -67,16 +67,16 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedsap_ray.aggregation import masked_weighted_average, scatter
+from fedsap_ray.algorithms.aggregation import masked_weighted_average, scatter
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.masks import ChannelMasks, ParamLayout, param_mask
+from fedsap_ray.models.masks import ChannelMasks, ParamLayout, param_mask
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, ServerState
+from fedsap_ray.common.seeding import rng_for
 
 HOOK = "fedspu"
 

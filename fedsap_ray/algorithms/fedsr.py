@@ -91,15 +91,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS, FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_choice, check_number
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.config.checks import check_choice, check_number
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
-from fedsap_ray.seeding import seed_for
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.seeding import seed_for
 
 RHO_INIT = 0.0  # sigma = softplus(0) = log 2 (module docstring)
 R_MU_INIT = 0.0  # official code: r_mu = zeros

@@ -48,14 +48,14 @@ from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, RANDOM_TIER, WidthRule
-from fedsap_ray.context import RunContext
-from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.schema import check_choice
-from fedsap_ray.seeding import seed_for
-from fedsap_ray.sliced import SlicedModel
-from fedsap_ray.staleness import update_factor
+from fedsap_ray.config.checks import check_choice
+from fedsap_ray.common.seeding import seed_for
+from fedsap_ray.models.sliced import SlicedModel
+from fedsap_ray.algorithms.staleness import update_factor
 
 OD_SAMPLING = ("round", "batch")
 OD_BN = ("shared", "per_width")
@@ -388,7 +388,7 @@ class FjORD(FedAvg):
         received (the reference's ``fjord_average``, its ``layer_p`` branch); kept when no such client trained.
 
         What a client returns for p (:meth:`returned_set`) is read through the asynchronous engine's rule
-        (:mod:`fedsap_ray.asyncmode`): the current set plus eta_g s(tau) times the client's change; synchronously,
+        (:mod:`fedsap_ray.engine.asyncmode`): the current set plus eta_g s(tau) times the client's change; synchronously,
         and for a fresh update with factor 1, the client's set itself."""
         current = self.tier_set(state, p)
         acc, total = np.zeros(current.size, dtype=np.float64), 0.0

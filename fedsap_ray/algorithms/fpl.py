@@ -22,7 +22,7 @@ One round:
   extra forward pass. The step at which that epoch begins is computed by the server from the
   client's sample count (:func:`last_epoch_start`, the client loop's batching rule) and sent in
   the plan.
-- the server averages the models (FedAvg, sample-weighted, :mod:`fedsap_ray.aggregation`)
+- the server averages the models (FedAvg, sample-weighted, :mod:`fedsap_ray.algorithms.aggregation`)
   and, per class k, clusters the participating clients' prototypes with FINCH (Sarfraz et al.
   2019, :func:`finch`), cosine distance, keeping the coarsest partition FINCH returns (FPL's
   code takes ``c[:, -1]``); each cluster's mean is a "cluster prototype" and the class's
@@ -57,14 +57,14 @@ import torch
 import torch.nn.functional as F
 from scipy.sparse.csgraph import connected_components
 
-from fedsap_ray.grouping import canonical_labels
+from fedsap_ray.algorithms.grouping import canonical_labels
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_number
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.config.checks import check_number
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 HOOK = "fpl"
 PROTO_KEYS = ("fpl_cluster_protos", "fpl_cluster_labels", "fpl_unbiased", "fpl_has_proto")
@@ -200,7 +200,7 @@ def fpl_regulariser(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, prot
 
 
 def last_epoch_start(n: int, batch_size: int, local_epochs: int, max_steps_per_epoch: int | None) -> int:
-    """Optimizer steps before the last local epoch under :mod:`fedsap_ray.client`'s batching:
+    """Optimizer steps before the last local epoch under :mod:`fedsap_ray.engine.client`'s batching:
     full batches plus a last batch of >= 2 samples (one sample only when the client has one),
     at most ``max_steps_per_epoch`` per epoch."""
     per = n // batch_size + (1 if n % batch_size >= 2 else 0) if n >= 2 else n

@@ -32,10 +32,10 @@ import pyarrow as pa
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.widths import WidthRule
-from fedsap_ray.columns import Column
+from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_bool, check_int, check_number
-from fedsap_ray.messages import ClientResult, ServerState
+from fedsap_ray.config.checks import check_bool, check_int, check_number
+from fedsap_ray.common.messages import ClientResult, ServerState
 
 
 def allocation_rule(h_tilde: np.ndarray, p_max: np.ndarray, p_min: float, gamma: float, eps: float,

@@ -29,15 +29,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedsap_ray.aggregation import Contribution, masked_weighted_average
+from fedsap_ray.algorithms.aggregation import Contribution, masked_weighted_average
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS, FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.schema import check_bool, check_choice
+from fedsap_ray.config.checks import check_bool, check_choice
 
 HOOK = "heterofl_label_mask"
 CLASSES = "held_classes"  # ClientResult.stats key: bool [num_classes], the classes of the client's training data

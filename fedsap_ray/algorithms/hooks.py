@@ -1,10 +1,10 @@
 """The one client extension point: named hooks a strategy declares for its clients' local training.
 
-The client loop (:mod:`fedsap_ray.client`) is mini-batch SGD on the plan's sub-model (sliced or masked) and names no algorithm.
+The client loop (:mod:`fedsap_ray.engine.client`) is mini-batch SGD on the plan's sub-model (sliced or masked) and names no algorithm.
 Everything a method adds to local training (FedProx's proximal term, FedSAP's Eq. 7 and
 channel statistics, SCAFFOLD's correction, MOON's contrastive term, DapperFL's pruning, ...)
 is a :class:`ClientHook` subclass registered under a name in that method's module
-(:func:`register_hook`, the one generic registry :data:`fedsap_ray.registry.HOOKS`). Each hook
+(:func:`register_hook`, the one generic registry :data:`fedsap_ray.config.registry.HOOKS`). Each hook
 declares what it reads as a frozen dataclass, its ``Payload`` (module-level, so it pickles to Ray
 workers). A strategy puts the hooks of a plan in ``plan.hooks``, a tuple of :class:`HookCall`
 (hook name, payload instance) run in that order, each built one way: ``call(HookClass, field=...)``.
@@ -42,7 +42,7 @@ hooks trains exactly as the plain loop.
 
 Sliced sub-models (``training.submodel=sliced``, the default; docs/architecture.md#sub-model-training):
 when the plan's mask is a channel sub-model the client trains a dense smaller network
-(:class:`fedsap_ray.sliced.SlicedModel`) instead of the masked full-size one, but only if EVERY hook of
+(:class:`fedsap_ray.models.sliced.SlicedModel`) instead of the masked full-size one, but only if EVERY hook of
 the plan declares ``supports_sliced = True``; otherwise the plan trains masked, bit for bit as before.
 A hook that supports it is built with ``sliced`` (None when the plan trains masked or has no mask) and
 
@@ -68,11 +68,11 @@ import numpy as np
 import torch
 
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, HookCall
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.registry import HOOKS
-from fedsap_ray.sliced import SlicedModel
+from fedsap_ray.config.registry import HOOKS
+from fedsap_ray.models.sliced import SlicedModel
 
 _HOOKS: dict[str, type[ClientHook]] = HOOKS.entries  # the table itself (tests register and unregister)
 

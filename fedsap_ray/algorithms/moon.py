@@ -1,7 +1,7 @@
 """MOON (Li, He and Song, CVPR 2021, "Model-Contrastive Federated Learning"), full model.
 
 Every client trains the whole model; the server aggregates by FedAvg (sample-weighted
-mean, :func:`fedsap_ray.aggregation.masked_weighted_average` with full masks). The local
+mean, :func:`fedsap_ray.algorithms.aggregation.masked_weighted_average` with full masks). The local
 loss of one mini-batch is (MOON Section 3.3, Eqs. 2-3 of arXiv 2103.16257; Algorithm 1 lines 14-17)
 
     l     = l_sup + mu * l_con,                    l_sup = cross-entropy
@@ -103,10 +103,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_choice, check_number
-from fedsap_ray.masks import ParamLayout
+from fedsap_ray.config.checks import check_choice, check_number
+from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 
 HOOK = "moon"

@@ -16,7 +16,7 @@ for a coordinate is papers/003 Algorithm 1 line 18; :class:`~fedsap_ray.algorith
 Budget. Client i with keep ratio kappa_i (= 1 - pruning ratio; kappa_i = 1: full model)
 gets the parameter budget of the width-only nested sub-model at kappa_i,
 B = trainable parameters of the leading ceil(kappa_i C_l) channels of every layer
-(:func:`fedsap_ray.masks.params_in_mask` over nn.Parameters, BN running statistics not
+(:func:`fedsap_ray.models.masks.params_in_mask` over nn.Parameters, BN running statistics not
 counted), i.e. NeFL's model-size ratio gamma = B / P (P: the full model's count).
 
 Depth/width split (NeFL-WD). NeFL writes gamma = gamma_W * gamma_D (width and depth
@@ -77,9 +77,9 @@ import numpy as np
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS
 from fedsap_ray.algorithms.nested import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_bool, check_choice, check_number
-from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
-from fedsap_ray.messages import ServerState
+from fedsap_ray.config.checks import check_bool, check_choice, check_number
+from fedsap_ray.models.masks import ChannelMasks, nested_channel_masks, nested_count
+from fedsap_ray.common.messages import ServerState
 from fedsap_ray.models.resnet import BasicBlock
 from fedsap_ray.models.space import ParamAxis
 
@@ -170,7 +170,7 @@ class NeFL(SubModelStrategy):
         """Trainable parameters of the sub-model with ``counts`` leading channels per layer and ``skip`` blocks left out.
 
         A tensor's covered count is the product over its axes of the active entries (the
-        coverage rule of :func:`fedsap_ray.masks.param_mask` is an outer product), so this
+        coverage rule of :func:`fedsap_ray.models.masks.param_mask` is an outer product), so this
         equals params_in_mask of :meth:`coverage` without building the mask.
         """
         n = 0

@@ -4,7 +4,7 @@
 width rule) to any per-client channel subset: a subclass says which channels a client trains
 (:meth:`SubModelStrategy.channel_masks`: FedDrop's random subsets, FedMP's largest-L1 filters,
 NeFL's depth-and-width nested sub-models), turned into parameter masks by
-:func:`fedsap_ray.masks.param_mask` (the classifier's output units, and the LSTM's embedding, are
+:func:`fedsap_ray.models.masks.param_mask` (the classifier's output units, and the LSTM's embedding, are
 always shared in full). Aggregation, the deployed model and the records are FedAvg's: each
 coordinate is averaged over exactly the clients that trained it (Algorithm 1 line 18).
 """
@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.masks import ChannelMasks
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models.masks import ChannelMasks
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 
 class SubModelStrategy(FedAvg):

@@ -3,13 +3,13 @@
 Every rule returns per-layer boolean channel masks over a model's ChannelSpace that keep
 ceil(kappa * C_l) channels of every layer (the count of papers/003 Algorithm 2, so a
 keep ratio means the same width under every rule); turn them into parameter masks with
-:func:`fedsap_ray.masks.param_mask`.
+:func:`fedsap_ray.models.masks.param_mask`.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from fedsap_ray.masks import ChannelMasks, ParamLayout, nested_count
+from fedsap_ray.models.masks import ChannelMasks, ParamLayout, nested_count
 from fedsap_ray.models.space import ChannelSpace
 
 

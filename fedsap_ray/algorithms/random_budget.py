@@ -20,8 +20,8 @@ import numpy as np
 
 from fedsap_ray.algorithms.hasfl import HasFL
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_number
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.config.checks import check_number
+from fedsap_ray.common.seeding import rng_for
 
 
 def match_budget(draws: np.ndarray, p_max: np.ndarray, fixed: np.ndarray, total: float) -> np.ndarray:

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from fedsap_ray.algorithms.hooks import ClientHook, register_hook
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.sliced import SlicedModel
+from fedsap_ray.models.sliced import SlicedModel
 
 HOOK = "rep_norm"
 REP_FORMS = ("norm", "squared")

@@ -48,14 +48,14 @@ import torch
 from torch import nn
 
 from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_number
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, ServerState
+from fedsap_ray.config.checks import check_number
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, ServerState
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.sliced import SlicedModel
+from fedsap_ray.models.sliced import SlicedModel
 
 HOOK = "scaffold"
 

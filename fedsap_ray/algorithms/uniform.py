@@ -12,7 +12,7 @@ from typing import Any
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.widths import Capped, WidthRule
 from fedsap_ray.algorithms.registry import register
-from fedsap_ray.schema import check_number
+from fedsap_ray.config.checks import check_number
 
 
 @register("uniform")

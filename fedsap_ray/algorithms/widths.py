@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from fedsap_ray.algorithms.base import Strategy
-from fedsap_ray.messages import ServerState
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.common.messages import ServerState
+from fedsap_ray.common.seeding import rng_for
 
 
 class WidthRule:

@@ -1,4 +1,6 @@
-"""Datasets (registered by name), partitions, capacities and the Federation a run trains on.
+"""The federation a run trains on: datasets (registered by name), partitions, capacities, each client's simulated device.
+
+May import: common, config, persist.
 
 Importing this package registers every dataset module listed below.
 """

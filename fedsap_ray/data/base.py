@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from fedsap_ray.errors import DatasetUnreadable
+from fedsap_ray.common.errors import DatasetUnreadable
 
 InputKind = Literal["image", "features", "text"]
 
@@ -41,7 +41,7 @@ class DomainData:
 def check_labels(dataset: str, domain: str, labels: np.ndarray | torch.Tensor, num_classes: int,
                  files: Iterable[Path] = ()) -> None:
     """Every loader's check of the labels it read: a label outside 0..num_classes-1 means a damaged file or
-    another dataset, so it is bad input (:class:`~fedsap_ray.errors.DatasetUnreadable`, exit 2) naming the
+    another dataset, so it is bad input (:class:`~fedsap_ray.common.errors.DatasetUnreadable`, exit 2) naming the
     ``files`` read, never a run that fails later on an index error."""
     y = np.asarray(labels)
     if len(y) and (y.min() < 0 or y.max() >= num_classes):
@@ -74,7 +74,7 @@ def input_transform(dataset: str) -> Callable[[torch.Tensor], torch.Tensor]:
     (uint8 images (N, C, H, W) -> float32 in [-1, 1]; float features and int64 token ids as stored). Nothing
     is attached to a kept model (:func:`fedsap_ray.results.load_model`): whoever feeds one applies this to
     raw samples first (docs/guides/models.md#inputs). An unknown ``dataset`` is refused, naming the valid ones."""
-    from fedsap_ray.registry import DATASETS
+    from fedsap_ray.config.registry import DATASETS
 
     DATASETS.get(dataset)  # ConfigError naming data.name and the registered datasets
     return as_input

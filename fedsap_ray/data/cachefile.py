@@ -9,7 +9,7 @@ all read, and a run trained on them with exit 0.
 
 The rules every cache of :mod:`fedsap_ray.data` keeps (docs/guides/data.md#caches):
 
-- a cache is written with the sha256 digest of each of its arrays (:mod:`fedsap_ray.digest`: name, dtype,
+- a cache is written with the sha256 digest of each of its arrays (:mod:`fedsap_ray.persist.digest`: name, dtype,
   shape and bytes), and each digest is compared with the content once per process, before the first use;
 - below the cache's root (``$FEDSAP_RAY_CACHE``, a ``cache_dir``, the embedded file's ``data.root``: the
   root itself may be a link, like ``--out``), every folder and file is looked at with ``lstat`` and opened
@@ -17,7 +17,7 @@ The rules every cache of :mod:`fedsap_ray.data` keeps (docs/guides/data.md#cache
   or member the build did not write, or one it wrote that is gone, makes the cache :class:`Unusable`;
 - an unusable cache is rebuilt from its source, then one warning line says so (:class:`CacheRebuilt`,
   naming the file and what was wrong); the link or stray entry is replaced, never followed. Where the
-  source is gone too, the load stops with :class:`~fedsap_ray.errors.DatasetUnavailable` (exit 2) naming
+  source is gone too, the load stops with :class:`~fedsap_ray.common.errors.DatasetUnavailable` (exit 2) naming
   the cache file and what is missing (:func:`cannot_rebuild`), and nothing is changed.
 
 What a digest does not prove: whoever can write the cache can also write digests that match an edit. A
@@ -41,10 +41,10 @@ from typing import BinaryIO
 
 import numpy as np
 
-from fedsap_ray.atomic import atomic_write
-from fedsap_ray.digest import arrays_digest
-from fedsap_ray.errors import DatasetUnavailable
-from fedsap_ray.outdir import entry_kind
+from fedsap_ray.persist.atomic import atomic_write
+from fedsap_ray.persist.digest import arrays_digest
+from fedsap_ray.common.errors import DatasetUnavailable
+from fedsap_ray.persist.outdir import entry_kind
 
 DIGESTS = "content_digests"  # the member of a cache .npz holding the digest of every other member (JSON)
 MAX_THREADS = 8  # digests of a cache's arrays are taken in parallel (hashlib releases the GIL)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedsap_ray.schema import CapacityConfig
+from fedsap_ray.config.schema import CapacityConfig
 
 _PURPOSE_TIERS = 201
 

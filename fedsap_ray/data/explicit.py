@@ -18,7 +18,7 @@ The file (docs/guides/own-data.md#an-explicit-partition)::
 - ``capacity`` (optional): the client's keep ratio, in (0, 1]; it replaces what ``capacity.scheme`` gives that
   client (its ``pruning_ratio`` is then 1 - capacity, as under ``capacity.scheme=explicit``).
 
-Every refusal is one :class:`~fedsap_ray.errors.ConfigError` line naming the file, the client (its id and its
+Every refusal is one :class:`~fedsap_ray.common.errors.ConfigError` line naming the file, the client (its id and its
 position in the list) and the field, before any work: what the file alone can say when it is read, what needs
 the data (domains, index ranges, overlaps) when the federation is built, before any round or any write.
 
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray.data.base import Federation
-from fedsap_ray.digest import arrays_digest
-from fedsap_ray.errors import ConfigError
-from fedsap_ray.schema import short
+from fedsap_ray.persist.digest import arrays_digest
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.config.checks import short
 
 FILE_KEYS = ("clients", "allow_overlap")
 CLIENT_KEYS = ("id", "domain", "indices", "capacity")
@@ -124,7 +124,7 @@ class ExplicitPartition:
 
     def save(self, path: str | Path) -> Path:
         """Write the file for ``data.partition_file`` (whole or not at all); returns its path."""
-        from fedsap_ray.atomic import atomic_write
+        from fedsap_ray.persist.atomic import atomic_write
 
         path = Path(path)
         with atomic_write(path) as f:

@@ -56,8 +56,8 @@ from fedsap_ray.data.partition import (
 )
 from fedsap_ray.data.own import OwnData, digest_if_own
 from fedsap_ray.data.registry import DatasetSource, DomainSplits, check_inputs, get_source, unreadable
-from fedsap_ray.errors import ConfigError, DatasetUnavailable, DatasetUnreadable
-from fedsap_ray.schema import DataConfig, ExperimentConfig
+from fedsap_ray.common.errors import ConfigError, DatasetUnavailable, DatasetUnreadable
+from fedsap_ray.config.schema import DataConfig, ExperimentConfig
 
 _PURPOSE_PARTITION = 101
 _PURPOSE_TRAIN_CAP = 102

@@ -22,7 +22,7 @@ import numpy as np
 
 from fedsap_ray.data.explicit import ExplicitClient, ExplicitPartition
 from fedsap_ray.data.registry import DomainSplits
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 
 LABEL, INDEX = "label", "fedsap_index"  # the columns of the in-memory dataset a partitioner sees
 EXTRA = "from_flower needs the flower extra: pip install 'fedsap-ray[flower]'"

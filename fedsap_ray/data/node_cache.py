@@ -29,7 +29,7 @@ never read through a link), it holds exactly the files the build wrote, ``meta.j
 its digest and every array its own (the digests are taken in parallel threads over the maps:
 the pages they read are those the first use would read). An entry that fails is rebuilt with
 one :class:`~fedsap_ray.data.cachefile.CacheRebuilt` line naming the file, or, when its source
-is gone, refused with :class:`~fedsap_ray.errors.DatasetUnavailable` naming it.
+is gone, refused with :class:`~fedsap_ray.common.errors.DatasetUnavailable` naming it.
 
 Every build appends one JSON line (entry folder name, pid, time) to ``<root>/builds.jsonl``
 (:func:`node_cache_builds` counts them), so "loaded once per node" can be checked on a real
@@ -67,9 +67,9 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.cachefile import Unusable
 from fedsap_ray.data.registry import DomainSplits, get_source
 from fedsap_ray.data.status import cache_home
-from fedsap_ray.digest import json_digest
-from fedsap_ray.errors import DatasetUnavailable
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.persist.digest import json_digest
+from fedsap_ray.common.errors import DatasetUnavailable
+from fedsap_ray.config.schema import ExperimentConfig
 
 FORMAT_VERSION = 2  # 2: meta.json holds every array's digest and its own (issue 52)
 META = "meta.json"
@@ -111,7 +111,7 @@ def shared_splits(cfg: ExperimentConfig, cache_dir: Path | str | None = None) ->
     complete entry without locking, or builds it under the entry's lock (re-checking first, since
     another process may have built it while this one waited). An entry that is there but fails its
     checks is rebuilt with one :class:`~fedsap_ray.data.cachefile.CacheRebuilt` line; when its
-    source is gone, :class:`~fedsap_ray.errors.DatasetUnavailable` names the entry's file. A source that
+    source is gone, :class:`~fedsap_ray.common.errors.DatasetUnavailable` names the entry's file. A source that
     declares ``node_cache = False`` (own data and plugins, :mod:`fedsap_ray.data.own`: no file shows their
     changes) is loaded by each process instead.
     """

@@ -1,6 +1,6 @@
 """Your own data, registered without editing the package (docs/guides/own-data.md).
 
-Two ways in, one result: a dataset in :data:`fedsap_ray.registry.DATASETS`, usable as ``data.name`` by the
+Two ways in, one result: a dataset in :data:`fedsap_ray.config.registry.DATASETS`, usable as ``data.name`` by the
 command line, the sweeps and ``run_experiment`` like the package's own.
 
 - :func:`register_arrays` registers train and test arrays held in this process (a notebook, a script that then
@@ -8,7 +8,7 @@ command line, the sweeps and ``run_experiment`` like the package's own.
   first use.
 - A plugin: an installed distribution declares an entry point in the group ``fedsap_ray.datasets`` whose name is
   the dataset's (``mydata = mypkg.data:load``). The registry loads it the first time it is asked for a name it does
-  not hold (:meth:`fedsap_ray.registry.Registry.load_plugin`), in every process that asks (a Ray worker, a Tune
+  not hold (:meth:`fedsap_ray.config.registry.Registry.load_plugin`), in every process that asks (a Ray worker, a Tune
   trial), and hands it to :func:`register_plugin`: a function is registered as a loader, a class as a dataset
   source like the package's own (docs/guides/development.md#adding-a-dataset).
 
@@ -39,9 +39,9 @@ import torch
 from fedsap_ray.data.base import DomainData, InputKind
 from fedsap_ray.data.registry import DomainSplits, FileStatus, register_dataset
 from fedsap_ray.data.status import cache_home
-from fedsap_ray.digest import arrays_digest
-from fedsap_ray.errors import DatasetUnreadable
-from fedsap_ray.registry import DATASETS
+from fedsap_ray.persist.digest import arrays_digest
+from fedsap_ray.common.errors import DatasetUnreadable
+from fedsap_ray.config.registry import DATASETS
 
 GROUP = "fedsap_ray.datasets"  # the entry point group of dataset plugins (DATASETS.plugins)
 SOURCE_ATTRS = ("description", "how_to_obtain", "default_root", "files", "load")  # a dataset class has them all
@@ -228,7 +228,7 @@ def make_splits(name: str, train: Split, test: Split, *, num_classes: int | None
 def splits_digest(splits: DomainSplits) -> str:
     """sha256 of a dataset's arrays (every domain's train and test x and y, in domain order) and of what describes
     them (name, domains, classes, input kind and shape, vocabulary): what ``runs.partition_hash`` covers of own
-    data (:mod:`fedsap_ray.digest`)."""
+    data (:mod:`fedsap_ray.persist.digest`)."""
     arrays = {f"{part}/{k:06d}/{a}": getattr(getattr(splits, part)[d], a).numpy()
               for part in ("train", "test") for k, d in enumerate(splits.domains) for a in ("x", "y")}
     meta = {"dataset": splits.dataset, "domains": list(splits.domains), "num_classes": splits.num_classes,

@@ -1,7 +1,7 @@
 """Dataset registry: each source loads per-domain train/test splits and reports its files.
 
 Adding a dataset means one module with a ``@register_dataset("name")`` class and one
-import line in ``fedsap_ray/data/__init__.py``. The table is :data:`fedsap_ray.registry.DATASETS`
+import line in ``fedsap_ray/data/__init__.py``. The table is :data:`fedsap_ray.config.registry.DATASETS`
 (the one generic registry), which the config schema asks for ``data.name``; what the config must
 know about a dataset is declared in the decorator (``single_domain``, ``natural_partition``).
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable
 import numpy as np
 
 from fedsap_ray.data.base import DomainData, InputKind
-from fedsap_ray.errors import DatasetUnavailable as DatasetUnavailable  # re-exported: it used to live here
-from fedsap_ray.errors import DatasetUnreadable
-from fedsap_ray.registry import DATASETS
+from fedsap_ray.common.errors import DatasetUnavailable as DatasetUnavailable  # re-exported: it used to live here
+from fedsap_ray.common.errors import DatasetUnreadable
+from fedsap_ray.config.registry import DATASETS
 
 
 def corrupt_file_errors() -> tuple[type[BaseException], ...]:
@@ -87,7 +87,7 @@ def register_dataset(name: str, *, single_domain: bool = False, natural_partitio
                      inputs: tuple[InputKind, ...] | None = None) -> Callable[[Any], Any]:
     """Class decorator: register a dataset source under ``name``; ``single_domain`` (the split has one domain,
     so ``data.partition=domain`` is refused) and ``natural_partition`` (it has natural client splits,
-    ``data.partition=natural``) are what the config checks read (:class:`fedsap_ray.schema.ExperimentConfig`).
+    ``data.partition=natural``) are what the config checks read (:class:`fedsap_ray.config.schema.ExperimentConfig`).
     ``inputs``: the kinds of input its loads give (``InputKind``), whose scaling to the model
     (:data:`fedsap_ray.data.base.INPUT_SCALING`) the datasets reference states; a load of another kind is refused
     (:func:`check_inputs`). None: not declared (the reference says so)."""

@@ -3,7 +3,7 @@ and the one-domain splits.
 
 A source subclasses :class:`FileSource`, lists its files in ``files(root)`` and reads them in ``load``;
 :meth:`FileSource.require` stops a load whose files are missing with the one-line
-:class:`~fedsap_ray.errors.DatasetUnavailable` that names the first missing path and how to get it
+:class:`~fedsap_ray.common.errors.DatasetUnavailable` that names the first missing path and how to get it
 (exit code 2), and :func:`one_domain` builds the :class:`DomainSplits` of a dataset with one domain.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fedsap_ray.data.base import InputKind
 from fedsap_ray.data.digits import Split, to_domain
 from fedsap_ray.data.registry import DomainSplits, FileStatus
 from fedsap_ray.data.status import default_root, unavailable
-from fedsap_ray.errors import DatasetUnavailable
+from fedsap_ray.common.errors import DatasetUnavailable
 
 
 class FileSource(ABC):

@@ -108,7 +108,7 @@ def dataset_table(root: Path | None = None) -> list[dict]:
                 "how_to_obtain": src.how_to_obtain,
             }
         )
-    from fedsap_ray.registry import DATASETS, describe_entry_point
+    from fedsap_ray.config.registry import DATASETS, describe_entry_point
 
     held = {r["name"] for r in rows}
     for ep in DATASETS.plugin_entry_points():  # installed plugins not loaded yet: listed, not imported

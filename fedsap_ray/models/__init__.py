@@ -1,7 +1,9 @@
-"""Maskable models, registered by name (docs/architecture.md#layout).
+"""Maskable networks, registered by name: their channel spaces, channel -> parameter masks, dense sliced sub-networks.
+
+May import: common, config.
 
 Importing this package registers every model module it imports (``@register_model("name")``,
-:data:`fedsap_ray.registry.MODELS`); a new model is one module plus one import line here.
+:data:`fedsap_ray.config.registry.MODELS`); a new model is one module plus one import line here.
 
 Every model exposes ``channel_space() -> ChannelSpace``, ``channel_counts()``,
 ``forward_features(x)`` (encoder output), ``classifier`` (name of the never-sliced
@@ -24,10 +26,10 @@ from fedsap_ray.models.cnn import CNN6, MLP, CNNSmall
 from fedsap_ray.models.lstm import CharLSTM
 from fedsap_ray.models.resnet import ResNet, resnet10, resnet18
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, check_layer_values
-from fedsap_ray.registry import MODELS, register_model
+from fedsap_ray.config.registry import MODELS, register_model
 
 ModelFactory = Callable[..., MaskableModel]
-# name -> factory, each registered with @register_model("name") where it is defined (fedsap_ray.registry)
+# name -> factory, each registered with @register_model("name") where it is defined (fedsap_ray.config.registry)
 MODEL_REGISTRY: dict[str, ModelFactory] = MODELS.entries
 
 
@@ -46,7 +48,7 @@ def build_model(name: str, *, num_classes: int, input_shape: tuple[int, ...], wi
     text = {"vocab_size": vocab_size} if "vocab_size" in inspect.signature(factory).parameters else {}
     model = factory(num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
                     channels=channels, **text)
-    # how to build it again at other widths (the client's sliced sub-models, fedsap_ray.sliced)
+    # how to build it again at other widths (the client's sliced sub-models, fedsap_ray.models.sliced)
     model.build_spec = (name, dict(num_classes=num_classes, input_shape=tuple(input_shape), width_mult=width_mult,
                                    vocab_size=vocab_size))
     return model

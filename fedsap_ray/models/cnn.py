@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedsap_ray.models.resnet import scaled
-from fedsap_ray.registry import register_model
+from fedsap_ray.config.registry import register_model
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, bn_out, conv_out, weight_in
 
 

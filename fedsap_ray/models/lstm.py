@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fedsap_ray.models.resnet import scaled
-from fedsap_ray.registry import register_model
+from fedsap_ray.config.registry import register_model
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, weight_in
 
 GATES = 4  # i, f, g, o blocks of PyTorch's LSTM weights

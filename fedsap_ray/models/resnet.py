@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedsap_ray.registry import register_model
+from fedsap_ray.config.registry import register_model
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, MaskableModel, ParamAxis, bn_out, conv_out, weight_in
 
 BASE_WIDTHS = (64, 128, 256, 512)

@@ -5,7 +5,7 @@ Every maskable model lists its channel layers in forward order. A layer owns ``C
 channels; each entry of ``out`` is a tensor axis *produced* by those channels (conv
 filters, biases, BatchNorm affine parameters and running statistics, LSTM gate rows)
 and each entry of ``inp`` is a tensor axis *consuming* them (the input axis of the next
-convs, of a shortcut conv, of the classifier). ``fedsap_ray.masks`` turns a per-layer
+convs, of a shortcut conv, of the classifier). ``fedsap_ray.models.masks`` turns a per-layer
 channel mask into parameter-level masks from this description alone, so the masking
 code never needs to know the architecture.
 
@@ -190,7 +190,7 @@ class MaskableModel(nn.Module):
     forward_features: Callable[[torch.Tensor], torch.Tensor]
     channel_space: Callable[[], ChannelSpace]
     # (registry name, build_model keywords) when built by fedsap_ray.models.build_model: how to build it
-    # again at other widths (sliced sub-models, fedsap_ray.sliced); absent otherwise
+    # again at other widths (sliced sub-models, fedsap_ray.models.sliced); absent otherwise
     build_spec: tuple[str, dict[str, Any]]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +202,7 @@ class MaskableModel(nn.Module):
     def conv_bn_pairs(self) -> list[tuple[str, str]]:
         """(convolution, BatchNorm) submodule names where the BatchNorm is applied to that convolution's output
         and nothing else reads it, so that evaluation may fold the two into one convolution
-        (:func:`fedsap_ray.evaluate.inference_module`). None by default: a model lists its own."""
+        (:func:`fedsap_ray.engine.evaluate.inference_module`). None by default: a model lists its own."""
         return []
 
 

@@ -1,4 +1,8 @@
-"""Parquet results: one typed schema per table, atomic writes, and :func:`load`.
+"""What a run leaves: the Parquet tables (schema, recorder, writer, readers), kept models, exports, destinations.
+
+May import: common, config, persist, models, data, algorithms, engine.
+
+The tables: one typed schema per table, atomic writes, and :func:`load`.
 
 The package, by responsibility: :mod:`~fedsap_ray.results.schema` (the core columns and the columns
 strategies declare), :mod:`~fedsap_ray.results.store` (local folders and URIs, listings, run ids,

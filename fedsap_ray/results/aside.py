@@ -11,16 +11,16 @@ are not results). Then:
 - the new run fails, is interrupted or is refused before that: :func:`restore` deletes the new run's
   files and moves the old ones back, byte for byte;
 - the process is killed in between: the next command that claims the run id (:func:`recover`, called by
-  :func:`fedsap_ray.guard.claimed`) finishes the one that applies: commit when the new run's checkpoint
+  :func:`fedsap_ray.run.guard.claimed`) finishes the one that applies: commit when the new run's checkpoint
   exists, else restore.
 
-Everything goes through :class:`fedsap_ray.outdir.OutDir`.
+Everything goes through :class:`fedsap_ray.persist.outdir.OutDir`.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.results import kept
 from fedsap_ray.results.writer import drop_compacted, run_files
 

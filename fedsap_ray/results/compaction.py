@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from fedsap_ray import checkpoint
-from fedsap_ray.outdir import OutDir, lock_path
+from fedsap_ray.persist import checkpoint
+from fedsap_ray.persist.outdir import OutDir, lock_path
 from fedsap_ray.results.reader import check_folder, run_statuses
 from fedsap_ray.results.schema import DATA_TABLES
 from fedsap_ray.results.store import (COMPACTED_PREFIX, FINAL_STATUSES, check_tree, dataset, filesystem, is_dir, is_uri,

@@ -15,24 +15,24 @@ its Global Acc., its Experiments section and Table 1; papers/003 reports the fin
   classes, input shape and the input transform, the metric that selected it, the eval mode whose recorded
   figures are this model's, the layout's digest) and the digests that bind it to its tensors;
 - ``<which>.deployed.safetensors`` + ``.json``: what each client of the run's deployed sample
-  (:func:`fedsap_ray.server.deployed_sample`, at most ``training.eval_clients``) runs, as
+  (:func:`fedsap_ray.engine.server.deployed_sample`, at most ``training.eval_clients``) runs, as
   :meth:`Strategy.deployed_model <fedsap_ray.algorithms.base.Strategy.deployed_model>` gives it: its
   parameters at its parameter mask. Stored deduplicated: every distinct mask once (packed bits), every
   distinct vector once and only at its mask's coordinates (nested-width clients share the global vector:
   nothing but their masks is stored), an index per client. The BN rule goes with them: under
   ``training.deployed_bn=client`` the deployed model's BN statistics are those of the client's own training
   data, recomputed when the model is loaded (the rule the deployed evaluation applies,
-  :func:`fedsap_ray.evaluate.calibrate_bn_`) from the federation rebuilt from the stored config; the digest
+  :func:`fedsap_ray.engine.evaluate.calibrate_bn_`) from the federation rebuilt from the stored config; the digest
   of each client's data is kept, so a federation that rebuilds differently is refused, never used.
 
-Every file goes through the results folder's door (:class:`fedsap_ray.outdir.OutDir`: no link followed,
-nothing outside the folder) and appears whole (:func:`fedsap_ray.atomic.atomic_write`); safetensors holds
+Every file goes through the results folder's door (:class:`fedsap_ray.persist.outdir.OutDir`: no link followed,
+nothing outside the folder) and appears whole (:func:`fedsap_ray.persist.atomic.atomic_write`); safetensors holds
 tensors and a JSON header only, so reading one runs no code, as every file the project reads. Reading checks
-content (:mod:`fedsap_ray.digest`): a JSON edited, a tensor file damaged, replaced or swapped with another
+content (:mod:`fedsap_ray.persist.digest`): a JSON edited, a tensor file damaged, replaced or swapped with another
 run's or another ``which``'s, is refused by name (:class:`KeptModelError`). The JSON files are written last
 and bind the tensors they describe, so a write killed half way is refused on load and rewritten by the resume.
 
-When they are written (:class:`ModelKeeper`, called by :class:`fedsap_ray.session.RunSession`): ``best`` at
+When they are written (:class:`ModelKeeper`, called by :class:`fedsap_ray.run.session.RunSession`): ``best`` at
 an evaluated round where the figure strictly improves, *before* that round's checkpoint (a kill in between
 resumes from the round before, which the resume trains again and keeps again, byte for byte); ``final`` when
 the run ends ``finished`` or ``stopped``, before its ``runs`` row says so (an interrupted or failed run
@@ -51,17 +51,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsap_ray.digest import arrays_digest, json_digest
-from fedsap_ray.errors import ConfigError
-from fedsap_ray.outdir import FILE, OutDir
+from fedsap_ray.persist.digest import arrays_digest, json_digest
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.persist.outdir import FILE, OutDir
 from fedsap_ray.results.store import check_run_id, filesystem, list_table, run_ids
 
 if TYPE_CHECKING:  # type-only: nothing here imports torch at module level
     import torch
     from torch import nn
 
-    from fedsap_ray.masks import ParamLayout
-    from fedsap_ray.schema import ExperimentConfig
+    from fedsap_ray.models.masks import ParamLayout
+    from fedsap_ray.config.schema import ExperimentConfig
 
 FOLDER = "models"
 WHICH = ("final", "best")
@@ -296,8 +296,8 @@ def pack_deployed(global_params: np.ndarray, models: Sequence[ClientModel]) -> t
     """(tensors, one entry per client) of the deployed parts, deduplicated: each distinct mask once as packed
     bits (``mask.<j>``, uint8), each distinct vector once at its mask's coordinates only (``values.<i>``,
     float32; none for a client whose values there are the global model's). Uncovered coordinates are never
-    stored: the deployed model zeroes them (:func:`fedsap_ray.evaluate.masked`)."""
-    from fedsap_ray.evaluate import digest
+    stored: the deployed model zeroes them (:func:`fedsap_ray.engine.evaluate.masked`)."""
+    from fedsap_ray.engine.evaluate import digest
 
     tensors: dict[str, np.ndarray] = {}
     masks: dict[bytes, int] = {}
@@ -505,7 +505,7 @@ class ModelKeeper:
         """Per client of the deployed sample, the digest of its training data when its deployed model's BN
         statistics are recomputed on it (``deployed_bn=client`` and a model with BatchNorm); {} otherwise."""
         if self._data_digests is None:
-            from fedsap_ray.evaluate import has_batchnorm
+            from fedsap_ray.engine.evaluate import has_batchnorm
 
             ctx = self.ctx
             self._data_digests = {}
@@ -528,7 +528,7 @@ def _finite(x: float | None) -> float | None:
 def stored_config(kept: Kept, shown: str, overrides: Sequence[str] = ()) -> ExperimentConfig:
     """The run's config rebuilt from the kept JSON (as ``--resume`` rebuilds it), ``overrides`` applied; refused
     when, without overrides, it no longer hashes as the run's (this version builds it differently)."""
-    from fedsap_ray.config import build_config
+    from fedsap_ray.config.build import build_config
 
     stored = kept.meta.get("config")
     if not isinstance(stored, dict):
@@ -559,7 +559,7 @@ def _global_model(kept: Kept, shown: str) -> tuple[nn.Module, ParamLayout, np.nd
     """(the model built as the JSON says, its layout, the kept flat vector), checked against the layout digest."""
     import torch
 
-    from fedsap_ray.masks import ParamLayout
+    from fedsap_ray.models.masks import ParamLayout
     from fedsap_ray.models import build_model
 
     m = kept.meta
@@ -590,13 +590,13 @@ class DeployedParts:
 
 def deployed_parts(kept: Kept, client: int, *, device: torch.device | None = None, sliced: bool = True,
                    federation: Any = None) -> DeployedParts:
-    """Client ``client``'s deployed network (:func:`fedsap_ray.evaluate.deployed_network`, the function the run's
+    """Client ``client``'s deployed network (:func:`fedsap_ray.engine.evaluate.deployed_network`, the function the run's
     deployed evaluation calls), BN statistics recomputed on its own training data when the run did: the
     federation is rebuilt from the stored config (``federation``: one the caller built so) and the client's
     data checked against its kept digest."""
     import torch
 
-    from fedsap_ray.evaluate import DeployedModel, deployed_network
+    from fedsap_ray.engine.evaluate import DeployedModel, deployed_network
 
     assert kept.deployed is not None
     run_id, which = kept.meta["run_id"], kept.meta["which"]
@@ -629,10 +629,10 @@ def load_model(out: str | Path, run_id: str, which: str = "final", client: int |
 
     ``client=None``: the global model (the server's parameters after round ``meta['round']``). ``client=K``:
     the model client K deploys, as the run's deployed evaluation ran it: the dense sliced sub-network
-    (:func:`fedsap_ray.sliced.sliced_model`, the network a device of its width runs, not the masked full
+    (:func:`fedsap_ray.models.sliced.sliced_model`, the network a device of its width runs, not the masked full
     one) when a channel set describes its mask, else the full-size network with the uncovered coordinates
     zeroed; under ``training.deployed_bn=client`` its BN statistics are recomputed on K's own training data
-    (:func:`fedsap_ray.evaluate.calibrate_bn_`) with the run's ``resources.torch_threads``, from the
+    (:func:`fedsap_ray.engine.evaluate.calibrate_bn_`) with the run's ``resources.torch_threads``, from the
     federation rebuilt out of the stored config (refused when K's data is not what the run used). On
     ``device`` (default: CPU; figures equal the run's on the device kind it ran on).
 
@@ -675,7 +675,7 @@ class DomainFigures:
 class KeptEvaluation:
     """What :func:`evaluate_kept` measured: per test domain, their unweighted mean (as ``rounds``' global row),
     and for a client on the run's own data its figure as the run records it (``own``: on its own domain;
-    reweighted to its training labels in a one-domain federation, fedsap_ray.evaluate's docstring)."""
+    reweighted to its training labels in a one-domain federation, fedsap_ray.engine.evaluate's docstring)."""
 
     meta: dict[str, Any]
     client: int | None
@@ -709,15 +709,15 @@ def evaluate_kept(out: str | Path, run_id: str, which: str = "final", client: in
                   overrides: Sequence[str] = (), *, device: torch.device | None = None) -> KeptEvaluation:
     """Evaluate a kept model (:func:`load_model`'s) on the test splits of the run's data, or of the data
     ``overrides`` (``data.*`` settings: another registered dataset, other domains, another cap) choose, with
-    the functions the run evaluated with: :func:`fedsap_ray.evaluate.evaluate` for the global model (the eval
-    mode of ``meta['evaluated_as']``), :func:`fedsap_ray.evaluate.deployed_network` and
-    :func:`~fedsap_ray.evaluate.evaluate_by_class` for client K's deployed model (as the run ran it: sliced
+    the functions the run evaluated with: :func:`fedsap_ray.engine.evaluate.evaluate` for the global model (the eval
+    mode of ``meta['evaluated_as']``), :func:`fedsap_ray.engine.evaluate.deployed_network` and
+    :func:`~fedsap_ray.engine.evaluate.evaluate_by_class` for client K's deployed model (as the run ran it: sliced
     under ``training.submodel=sliced``, BN per ``training.deployed_bn``), with the run's torch threads on the
     run's device choice. On the run's own data the figures are the recorded ones, bit for bit (on the device
     kind and CPU kernels it ran with: docs/architecture.md#determinism)."""
-    from fedsap_ray.client import pick_device
+    from fedsap_ray.engine.client import pick_device
     from fedsap_ray.data import build_federation
-    from fedsap_ray.evaluate import client_figures, evaluate, evaluate_by_class, summarise
+    from fedsap_ray.engine.evaluate import client_figures, evaluate, evaluate_by_class, summarise
 
     check_data_overrides(overrides)
     kept = read_kept(out, run_id, which, deployed=client is not None)
@@ -760,7 +760,7 @@ def model_size(cfg: ExperimentConfig) -> int:
     import torch
 
     from fedsap_ray.data.federation import NATIVE_INPUT, load_splits
-    from fedsap_ray.masks import ParamLayout
+    from fedsap_ray.models.masks import ParamLayout
     from fedsap_ray.models import build_model
 
     splits = load_splits(cfg)

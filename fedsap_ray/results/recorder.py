@@ -1,7 +1,7 @@
 """The recording side of a round: every results table's rows, where ground truth enters the results.
 
 :class:`Recorder` turns what a round produced (plans, results, the strategy's
-:class:`~fedsap_ray.messages.RoundRecords`, the evaluation) into rows of ``rounds``, ``clients``,
+:class:`~fedsap_ray.common.messages.RoundRecords`, the evaluation) into rows of ``rounds``, ``clients``,
 ``layers`` and ``allocations`` and writes them. It holds the whole federation, so what a strategy
 must not know enters here: ``true_domain`` and ``tv_distance`` of every client, and ``ari_domain``,
 the agreement of the client groups a strategy formed with the true domains. Rows may hold only
@@ -12,79 +12,24 @@ strategy's state (:meth:`Recorder.metrics_state`), so a resumed run writes the s
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from fedsap_ray.columns import Column
-from fedsap_ray.context import RunContext
-from fedsap_ray.devices import SimRound
-from fedsap_ray.evaluate import summarise
-from fedsap_ray.grouping import agreement
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundRecords
+from fedsap_ray.common.columns import Column
+from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.data.devices import SimRound
+from fedsap_ray.engine.evaluate import summarise
+from fedsap_ray.algorithms.grouping import agreement
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords
+from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.results.schema import CORE_TABLES, DATA_TABLES, GLOBAL_DOMAIN
 from fedsap_ray.results.writer import RunWriter
 
-DEPLOYED = "deployed"  # the eval mode of each client's own model (fedsap_ray.evaluate)
+if TYPE_CHECKING:
+    from fedsap_ray.algorithms import Strategy
 
-
-@dataclass(frozen=True)
-class PhaseTimes:
-    """Where a round's wall time went (``rounds.train_s``, ``eval_s``, ``server_s``; their sum is
-    ``round_wall_s``): the backend's training call (dispatch, local training, results back), the
-    evaluation of the server's models and the deployed ones, and the server's own work (plans and
-    aggregation). Writing the round's rows comes after and is in none of them."""
-
-    train_s: float = 0.0
-    eval_s: float = 0.0
-    server_s: float = 0.0
-    # and what the backend's training call moved between processes (``rounds.backend_bytes_down``/``_up``)
-    moved_down: int = 0
-    moved_up: int = 0
-
-    @property
-    def total(self) -> float:
-        return self.train_s + self.eval_s + self.server_s
-
-
-@dataclass
-class RoundSummary:
-    """One round for the progress line and drivers (what :meth:`fedsap_ray.server.Server.round` returns with the state)."""
-
-    round: int
-    evaluated: bool
-    global_accuracy: float
-    best_global_accuracy: float
-    worst_domain: str | None
-    worst_domain_accuracy: float
-    avg_capacity: float
-    bytes_up: int
-    bytes_down: int
-    train_loss: float
-    wall_s: float
-    per_domain: dict[str, float] = field(default_factory=dict)
-    times: PhaseTimes = field(default_factory=PhaseTimes)  # wall_s by phase
-    columns: dict[str, Any] = field(default_factory=dict)  # the round columns (strategy's and ground-truth ones)
-    progress: str = ""  # the strategy's part of the progress line (RoundRecords.progress, filled in)
-    deployed_accuracy: float | None = None  # the 'deployed' eval mode's global figure (None: not evaluated)
-    worst_client_accuracy: float | None = None  # ... and its worst client
-    sim_elapsed_s: float = 0.0  # simulated device seconds of rounds 1..this one (fedsap_ray.devices)
-    n_stragglers: int = 0  # clients left out of aggregation by devices.policy this round
-    lost: tuple[str, ...] = ()  # workers or nodes the Ray backend lost this round (their clients re-ran)
-    # the rows this round wrote to the rounds table, as written (run_id and schema_version aside): what the
-    # trackers log (fedsap_ray.trackers.round_metrics), so they show the table's numbers, never recomputed ones
-    rows: tuple[dict[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
-class RoundEvaluation:
-    """A round's evaluation: (accuracy, loss) per eval mode and test domain, and per evaluated client's
-    deployed model (empty when the round did not evaluate)."""
-
-    by_mode: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
-    deployed: Mapping[int, tuple[float, float]] = field(default_factory=dict)
-
+TABLES_DECLARED = ("rounds", "clients", "layers", "allocations")  # the tables a strategy may declare columns of
 
 class Recorder:
     """Rows of every table for one run; one method per table."""
@@ -96,13 +41,19 @@ class Recorder:
         self.best_by_mode: dict[str, float] = {}  # best-so-far global accuracy per eval mode
         self.primary_mode: str | None = None  # the first eval mode: drives global/best accuracy
         self.last_global = float("nan")
-        self.sim_elapsed_s = 0.0  # simulated device seconds of the rounds so far (fedsap_ray.devices)
+        self.sim_elapsed_s = 0.0  # simulated device seconds of the rounds so far (fedsap_ray.data.devices)
         self.trainable = ctx.trainable
         # per domain, the union of its clients' plan coverage since initialisation (papers/003 Proposition 3
         # per domain); every client has a domain, so the union over domains is the run's coverage
         self.domain_covered = {d: np.zeros_like(self.trainable) for d in ctx.federation.domains}
         self.allowed_columns = {t: {c.name for c in [*CORE_TABLES[t], *declared.get(t, [])]}
                                 for t in DATA_TABLES}  # what each table's rows may hold (_add)
+
+    @classmethod
+    def for_strategy(cls, ctx: RunContext, strategy: Strategy, writer: RunWriter, deployed_sampled: bool) -> Recorder:
+        """The recorder of a run of ``strategy``: rows may hold the core columns and the ones it declares."""
+        return cls(ctx, {t: strategy.declared_columns(t) for t in TABLES_DECLARED}, writer, type(strategy).__name__,
+                   deployed_sampled=deployed_sampled)
 
     @property
     def best(self) -> float:

@@ -4,7 +4,7 @@ A strategy declares its own columns (:attr:`fedsap_ray.algorithms.base.Strategy.
 per-round table's schema is the core columns below followed by the union of every registered
 strategy's declarations (:func:`extension_columns`), so every run of every algorithm writes the
 same stable Parquet schema and adding a metric never means editing this file. The core columns
-are those the recording side fills for every strategy (:class:`fedsap_ray.server.Server`),
+are those the recording side fills for every strategy (:class:`fedsap_ray.engine.server.Server`),
 including the ones computed from ground truth a strategy never sees (``true_domain``,
 ``tv_distance``, ``ari_domain``). docs/reference/results.md is generated from these declarations.
 """
@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from fedsap_ray.columns import RECORDED_TABLES, Column
+from fedsap_ray.common.columns import RECORDED_TABLES, Column
 
 SCHEMA_VERSION = 12  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
@@ -168,7 +168,7 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
     Column("node", pa.string(), "Ray node id of the process that trained the client, first 12 hex digits: the worker's, or "
            "the trial's for a sweep trial training in-process; 'local' outside Ray"),
-    Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.devices): "
+    Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.data.devices): "
            "(1 + devices.backward_factor) x train_macs / speed + bytes_down / down + bytes_up / up"),
     Column("straggler", pa.bool_(), "trained but left out of aggregation by devices.policy (its compute counted)"),
     Column("version_trained", pa.int64(), "devices.mode=async: the model version (server steps done) the client "

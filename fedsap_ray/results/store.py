@@ -28,8 +28,8 @@ import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from fedsap_ray.errors import ConfigError
-from fedsap_ray.outdir import LOCAL_TYPE, OutDir
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.persist.outdir import LOCAL_TYPE, OutDir
 from fedsap_ray.results.schema import CORE_TABLES, KEY_COLUMNS, TABLES, schema
 
 # ----------------------------------------------------------------------------- run ids
@@ -69,7 +69,7 @@ def is_uri(path: str | Path) -> bool:
 def filesystem(path: str | Path) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it) for a local folder or a URI ``FileSystem.from_uri`` accepts.
 
-    A local folder (a path or ``file://``) gets :meth:`fedsap_ray.outdir.OutDir.filesystem`: every call
+    A local folder (a path or ``file://``) gets :meth:`fedsap_ray.persist.outdir.OutDir.filesystem`: every call
     refuses a link inside the folder, a path outside it and an entry of the wrong kind."""
     if not is_uri(path):
         return OutDir(path).filesystem(), Path(path).absolute().as_posix()
@@ -79,7 +79,7 @@ def filesystem(path: str | Path) -> tuple[pafs.FileSystem, str]:
         raise ValueError(f"invalid results location {str(path)!r}: {e}; use a local path or a URI that "
                          "pyarrow.fs.FileSystem.from_uri accepts (file://, s3://, gs://, hdfs://, abfs://)") from e
     inner = inner.rstrip("/") or inner
-    if fs.type_name == "local":  # file://: the same checked door as a plain path (fedsap_ray.outdir)
+    if fs.type_name == "local":  # file://: the same checked door as a plain path (fedsap_ray.persist.outdir)
         return OutDir(inner, field=str(path)).filesystem(), inner
     return fs, inner
 
@@ -339,7 +339,7 @@ def _failing_column(fs: pafs.FileSystem, path: str, table: str) -> str | None:
 def check_tree(fs: pafs.FileSystem, base: str, shown: str, folders: tuple[str, ...]) -> None:
     """Before a command changes a results folder: each of ``folders`` (tables, ``checkpoints``) is a folder or
     absent, and every entry in it is one the filesystem will touch (for a local folder, the door refuses a
-    link or a special file: :mod:`fedsap_ray.outdir`). One line naming the entry otherwise."""
+    link or a special file: :mod:`fedsap_ray.persist.outdir`). One line naming the entry otherwise."""
     for sub in folders:
         info = fs.get_file_info(f"{base}/{sub}")
         if info.type == pafs.FileType.NotFound:

@@ -16,10 +16,10 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from fedsap_ray.atomic import atomic_write
-from fedsap_ray.outdir import OutDir
+from fedsap_ray.persist.atomic import atomic_write
+from fedsap_ray.persist.outdir import OutDir
 from fedsap_ray.results.schema import DATA_TABLES, SCHEMA_VERSION, TABLES, to_table
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.results.store import (FINAL_STATUSES, PART_SEP, UPTO_KEY, atomic_output, check_run_id, dataset,
                                       filesystem, list_table, raise_unreadable, part_name, run_files_in, run_ids,
                                       write_batches)
@@ -27,7 +27,7 @@ from fedsap_ray.results.store import (FINAL_STATUSES, PART_SEP, UPTO_KEY, atomic
 
 def run_files(out: Path, run_id: str) -> list[Path]:
     """The run's per-run files and parts that exist under the local folder ``out`` (every table), as real
-    paths, each checked by :class:`~fedsap_ray.outdir.OutDir` (a link or a wrong kind is refused)."""
+    paths, each checked by :class:`~fedsap_ray.persist.outdir.OutDir` (a link or a wrong kind is refused)."""
     d = OutDir(out)
     found = []
     for t in TABLES:
@@ -103,7 +103,7 @@ def remove_temp_files(out: Path, run_id: str) -> list[Path]:
 
 
 def write_atomic(table: pa.Table, path: Path, out: OutDir | None = None) -> None:
-    """Write ``table`` to ``path`` whole or not at all (:func:`fedsap_ray.atomic.atomic_write`), through
+    """Write ``table`` to ``path`` whole or not at all (:func:`fedsap_ray.persist.atomic.atomic_write`), through
     ``out``'s checks when the file is in a results folder."""
     with (out.atomic_write(path) if out is not None else atomic_write(path)) as f:
         pq.write_table(table, f)
@@ -239,7 +239,7 @@ class RunWriter:
         fs, base = filesystem(self.out)
         try:
             have = consolidate_run(fs, base, self.run_id)
-        except (OSError, ConfigError) as e:  # ConfigError: a damaged file or a refused entry (fedsap_ray.outdir)
+        except (OSError, ConfigError) as e:  # ConfigError: a damaged file or a refused entry (fedsap_ray.persist.outdir)
             warnings.warn(f"run {self.run_id}: its per-round parts were not merged ({e}); they stay loadable "
                           "and a resume or `fedsap-ray compact` merges them", stacklevel=2)
             return self.tables_written()

@@ -1,10 +1,13 @@
-"""Backends: ``local`` (in-process threads) and ``ray`` (actors, :mod:`fedsap_ray.runtime.ray`).
+"""Where clients train and a session is hosted: ``local`` (in-process threads) or ``ray`` (actors); resource limits.
 
-Only this package (and ``sweeps/``) may import Ray, and only when the Ray backend is used.
+May import: common, config, models, data, algorithms, engine, run.
+
+Only this package (and ``sweeps/``) may import Ray (:mod:`fedsap_ray.runtime.ray`), and only when the Ray backend
+is used; ``limits`` checks resources and traces against the machine and the federation before any work.
 """
 from __future__ import annotations
 
-from fedsap_ray.schema import ExperimentConfig
+from fedsap_ray.config.schema import ExperimentConfig
 
 
 def make_backend(cfg: ExperimentConfig):

@@ -3,7 +3,7 @@ where nothing answers) and before a sweep plans its trials.
 
 :func:`check_reachable` takes an address as ``--address``, ``resources.address`` or ``RAY_ADDRESS`` hold it
 and refuses, with one line naming whichever the user set, a malformed one (the rule of
-:func:`fedsap_ray.schema.check_ray_address`), ``auto`` when no Ray cluster runs on this machine, and a
+:func:`fedsap_ray.config.checks.check_ray_address`), ``auto`` when no Ray cluster runs on this machine, and a
 HOST:PORT (or ``ray://HOST:PORT``) where nothing accepts a TCP connection within :data:`CONNECT_TIMEOUT_S`.
 Ray itself is imported only to find the cluster ``auto`` means.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import socket
 
-from fedsap_ray.errors import ConfigError
-from fedsap_ray.schema import check_ray_address
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.config.checks import check_ray_address
 
 CONNECT_TIMEOUT_S = 3.0  # a cluster's GCS (or Ray client server) answers a TCP connect well within this
 ENV = "RAY_ADDRESS"

@@ -7,10 +7,10 @@ the thread count, never on which thread ran it or in what order, so results equa
 those of a sequential run and of the Ray backend. Errors carry round and client id.
 
 What a client would otherwise pay again every round is paid once per run here (issue 27,
-measured in :mod:`fedsap_ray.client`'s docstring): each client's data is prepared once
-(:class:`~fedsap_ray.client.PreparedData`: gathered, normalised, on the device; the GPU copy
+measured in :mod:`fedsap_ray.engine.client`'s docstring): each client's data is prepared once
+(:class:`~fedsap_ray.engine.client.PreparedData`: gathered, normalised, on the device; the GPU copy
 of issue 17 is part of it), the scratch models are put on the device at start, and
-:func:`~fedsap_ray.client.warm_torch` pays torch's optimizer start-up at start, not in round 1, and
+:func:`~fedsap_ray.engine.client.warm_torch` pays torch's optimizer start-up at start, not in round 1, and
 :func:`~fedsap_ray.runtime.allocator.tune_malloc` keeps the C allocator from returning a round's memory to
 the OS only to fault it in again.
 """
@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from fedsap_ray.context import RunContext
-from fedsap_ray.client import PreparedData, default_workers, pick_device, to_device, train_client, warm_torch
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.engine.client import PreparedData, default_workers, pick_device, to_device, train_client, warm_torch
+from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime import wire
 from fedsap_ray.runtime.allocator import tune_malloc
 

@@ -1,9 +1,9 @@
 """Ray backend (docs/architecture.md#backends): a ServerActor hosting the run, ClientWorker actors on GPU fractions.
 
-- ``ServerActor`` hosts a :class:`~fedsap_ray.session.RunSession` (server state,
+- ``ServerActor`` hosts a :class:`~fedsap_ray.run.session.RunSession` (server state,
   strategy ``configure_round``/``aggregate``, evaluation, Parquet writer); it is pinned
   to the driver's node so results land in the driver's ``--out`` folder. The driver
-  runs the one loop (:func:`fedsap_ray.driver.drive`) through :class:`RemoteSession`, each
+  runs the one loop (:func:`fedsap_ray.run.driver.drive`) through :class:`RemoteSession`, each
   ``start``/``step``/``metrics``/``finish`` a call on the actor, and prints progress.
 - ``ClientWorker`` actors are created with ``num_gpus=resources.gpus_per_worker`` and
   ``num_cpus=resources.cpus_per_worker``; each hosts many virtual clients. The training
@@ -12,9 +12,9 @@
   A worker trains on its CUDA device when there is one, else on CPU, always with
   ``resources.torch_threads`` intra-op threads (the numerics are then those of the
   local backend, whichever worker runs which client). A worker prepares each client's data
-  once per run (:class:`~fedsap_ray.client.PreparedData`, within its memory budget) and pays
-  torch's optimizer start-up when it starts (:func:`~fedsap_ray.client.warm_torch`), not in
-  round 1 (issue 27; measured in :mod:`fedsap_ray.client`'s docstring).
+  once per run (:class:`~fedsap_ray.engine.client.PreparedData`, within its memory budget) and pays
+  torch's optimizer start-up when it starts (:func:`~fedsap_ray.engine.client.warm_torch`), not in
+  round 1 (issue 27; measured in :mod:`fedsap_ray.engine.client`'s docstring).
 - Dispatch and fault tolerance (issue 42): a round's plans are shared among the workers longest
   first by expected work (:func:`~fedsap_ray.runtime.wire.longest_first`) and each worker gets its
   share in up to ``PIECES`` calls (``PIPELINE`` in flight, so results travel while the next piece trains),
@@ -23,7 +23,7 @@
   (``rounds.backend_bytes_down``/``backend_bytes_up`` record what moved). A worker that dies is
   replaced once and every piece it held re-runs from its plans (plans are pure data, so the numbers
   are those of an uninterrupted run). A client that raises stops the run with a
-  :class:`~fedsap_ray.client.ClientError` naming the round and client.
+  :class:`~fedsap_ray.engine.client.ClientError` naming the round and client.
 """
 from __future__ import annotations
 
@@ -41,19 +41,19 @@ import ray
 import ray.util.scheduling_strategies
 import torch
 
-from fedsap_ray import limits
-from fedsap_ray.context import RunContext
-from fedsap_ray.client import PreparedData, pick_device, to_device, train_client, warm_torch
+from fedsap_ray.runtime import limits
+from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.engine.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.runtime.allocator import tune_malloc
 from fedsap_ray.data.base import DomainData, Federation
-from fedsap_ray.errors import CheckpointUnreadable, ClientError, ConfigError
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.common.errors import CheckpointUnreadable, ClientError, ConfigError
+from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.runtime import reaper, wire
 from fedsap_ray.runtime.address import check_reachable, given
-from fedsap_ray.schema import ExperimentConfig
-from fedsap_ray.driver import DriverCallback, drive_one
-from fedsap_ray.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
+from fedsap_ray.config.schema import ExperimentConfig
+from fedsap_ray.run.driver import DriverCallback, drive_one
+from fedsap_ray.run.session import RunOutcome, RunSession, SessionMetrics, WorkerInfo
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 # a worker's share of a round goes in up to PIECES calls, one per PIECE_BYTES of results it will send back, PIPELINE

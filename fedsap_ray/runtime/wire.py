@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.messages import ClientPlan, ClientResult, Overlay
+from fedsap_ray.common.messages import ClientPlan, ClientResult, Overlay
 
 _NO_PARAMS = np.zeros(0, dtype=np.float32)
 

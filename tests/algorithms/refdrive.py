@@ -2,7 +2,7 @@
 
 A tiny ``mlp`` federation config on ``generated_blobs`` (only its size, classes and capacities matter: the
 clients train on the tensors a test hands them, not on the federation's data), the strategy built in-process,
-and each round's plans trained by :func:`fedsap_ray.client.train_client` on those tensors, in client-id order,
+and each round's plans trained by :func:`fedsap_ray.engine.client.train_client` on those tensors, in client-id order,
 then aggregated by the strategy. What a reference needs from a plan is plain data: its seed (the batch order)
 and its learning rate.
 """
@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from conftest import make_strategy
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 # 6 features would do; generated_blobs has 32 and 10 classes. Width 1/32: hidden layers of 16 and 8 units.
 BASE = ["data.name=generated_blobs", "model.name=mlp", "data.partition=iid", "data.client_fraction=1.0",

@@ -13,8 +13,8 @@ from fedsap_ray.algorithms.random_budget import match_budget
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context, run_experiment
-from fedsap_ray.masks import nested_channel_masks, param_mask, trainable_mask
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.models.masks import nested_channel_masks, param_mask, trainable_mask
+from fedsap_ray.common.messages import ClientResult
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
         "training.batch_size=16", "training.max_steps_per_epoch=3"]

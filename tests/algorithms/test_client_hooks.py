@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-import fedsap_ray.client as client_mod
+import fedsap_ray.engine.client as client_mod
 from conftest import tiny_mlp
 from fedsap_ray import algorithms
-from fedsap_ray.aggregation import scatter
+from fedsap_ray.algorithms.aggregation import scatter
 from fedsap_ray.algorithms.hooks import _HOOKS, ClientHook, NoPayload, register_hook, unregister_hook
-from fedsap_ray.client import ClientError, train_client
+from fedsap_ray.engine.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, HookCall
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.models.space import MaskableModel
 
 CLIP = 0.05

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import federation_fixture, run_rounds_with_plans, tiny_mlp, tiny_overrides
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.common.messages import ClientPlan
 
 BASE = ("data.num_clients=4", "training.local_epochs=2")  # smoke: clients 0-3 keep 1.0, 0.8, 0.6, 0.4
 fed = federation_fixture(tiny_overrides("fedavg", *BASE))

@@ -11,19 +11,19 @@ import torch
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
 from fedsap_ray.algorithms import parse_options
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.representation import HOOK as REP_NORM
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.dapperfl import (HOOK, MASK_KEY, DapperFL, ModelFusionPruning, dar_loss, first_epoch_samples, fusion_alpha,
                                             fusion_prune, pack_channel_masks, unpack_channel_masks)
 from fedsap_ray.algorithms.pruning import l1_channel_masks
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout, nested_channel_masks, nested_count, param_mask, trainable_mask
-from fedsap_ray.messages import ClientPlan, ClientResult, ServerState
+from fedsap_ray.models.masks import ParamLayout, nested_channel_masks, nested_count, param_mask, trainable_mask
+from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 from fedsap_ray.models import build_model
 
 TINY = tiny_overrides("dapperfl", "data.num_clients=4", "training.rounds=2", "training.local_epochs=2")

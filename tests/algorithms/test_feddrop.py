@@ -9,10 +9,10 @@ from conftest import (aggregate, assert_finite_global_accuracy, assert_options_r
 from fedsap_ray.algorithms import parse_options
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
-from fedsap_ray.masks import nested_count, trainable_mask
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.models.masks import nested_count, trainable_mask
+from fedsap_ray.common.messages import ClientResult
 from fedsap_ray.models import model_macs
-from fedsap_ray.seeding import rng_for
+from fedsap_ray.common.seeding import rng_for
 
 TINY = tiny_overrides("feddrop", "data.num_clients=6")
 # 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)

@@ -5,11 +5,11 @@ import numpy as np
 
 from conftest import (aggregate, assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds_with_plans, run_twice, tiny_overrides)
-from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.config import build_config
-from fedsap_ray.masks import nested_count, param_mask
-from fedsap_ray.messages import ClientResult, ServerState
+from fedsap_ray.models.masks import nested_count, param_mask
+from fedsap_ray.common.messages import ClientResult, ServerState
 
 TINY = tiny_overrides("fedmp", "data.num_clients=6")
 # 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)

@@ -10,9 +10,9 @@ import numpy as np
 from conftest import (aggregate, assert_same_tables, federation_fixture, global_rows, make_strategy, run_rounds_with_plans,
                       run_twice, tiny_overrides)
 from fedsap_ray.algorithms.fedspu import FrozenNeurons
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
-from fedsap_ray.masks import param_mask
+from fedsap_ray.models.masks import param_mask
 
 TINY = tiny_overrides("fedspu", "data.num_clients=4", "training.rounds=2", "capacity.scheme=explicit",
                       "capacity.keep_ratios=[0.5, 0.5, 0.25, 0.75]")

@@ -13,10 +13,10 @@ from conftest import (assert_finite_global_accuracy, assert_options_rejected, as
                       federation_fixture, run_rounds_with_plans, tiny_mlp, tiny_overrides, two_runs_fixture)
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.fedsr import EXTRA_KEYS, HOOK, FedSRObjective, gaussian_kl, l2r_term
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan
 
 TINY = tiny_overrides("fedsr", "data.num_clients=4", "training.rounds=1")
 

@@ -15,8 +15,8 @@ from conftest import assert_options_rejected, assert_same_tables, make_strategy,
 from faultkit import cli, sets
 from fedsap_ray import results
 from fedsap_ray.algorithms.fjord import HOOK, STATS_KEY, FjORD, step_sizes, step_widths
-from fedsap_ray.asyncmode import AsyncServer, RunNote, Update
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.asyncmode import AsyncServer, RunNote, Update
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment

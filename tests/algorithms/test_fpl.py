@@ -13,8 +13,8 @@ from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.fpl import (HOOK, FPLObjective, class_prototypes, cpcl_loss, finch, first_neighbour_partition,
                                        fpl_regulariser, last_epoch_start, server_prototypes, upcr_loss)
 from fedsap_ray.config import build_config
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan, ClientResult
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.models import build_model
 
 TINY = tiny_overrides("fpl", "data.num_clients=4", "training.rounds=2", "training.local_epochs=2")

@@ -11,13 +11,13 @@ from faultkit import cli
 from fedsap_ray import results
 from fedsap_ray.algorithms.heterofl import CLASSES, LabelMask
 from fedsap_ray.algorithms.hooks import call
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import ClientResult
-from fedsap_ray.registry import STRATEGIES
+from fedsap_ray.common.messages import ClientResult
+from fedsap_ray.config.registry import STRATEGIES
 from refdrive import config
 
 AUTHORS = ["algorithm.weighting=count", "algorithm.label_mask=true"]  # the documented --set line

@@ -15,13 +15,13 @@ from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.moon import HOOK, MoonObjective, model_contrastive_loss
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.models import build_model
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context
-from fedsap_ray.errors import ConfigError
-from fedsap_ray.masks import ParamLayout, trainable_mask
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.models.masks import ParamLayout, trainable_mask
+from fedsap_ray.common.messages import ClientPlan
 
 TINY = tiny_overrides("moon", "data.num_clients=4", "training.rounds=2")
 

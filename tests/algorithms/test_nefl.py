@@ -7,11 +7,11 @@ import torch
 
 from conftest import (assert_finite_global_accuracy, assert_options_rejected, assert_same_tables, e2e_overrides,
                       federation_fixture, make_strategy, run_rounds, run_twice, tiny_overrides)
-from fedsap_ray.aggregation import scatter
+from fedsap_ray.algorithms.aggregation import scatter
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context
-from fedsap_ray.masks import nested_channel_masks, param_mask, params_in_mask, trainable_mask
+from fedsap_ray.models.masks import nested_channel_masks, param_mask, params_in_mask, trainable_mask
 from fedsap_ray.models import build_model, model_macs
 
 TINY = tiny_overrides("nefl", "model.name=resnet18", "data.num_clients=6")

@@ -16,16 +16,17 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from fedsap_ray import algorithms, docgen, results
+from fedsap_ray import algorithms, results
+from fedsap_ray.dev import docgen
 from fedsap_ray.algorithms import registry
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.fedsap.strategy import progress_template
-from fedsap_ray.grouping import canonical_labels
-from fedsap_ray.columns import Column
+from fedsap_ray.algorithms.grouping import canonical_labels
+from fedsap_ray.common.columns import Column
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.messages import RoundRecords
-from fedsap_ray.progress import ProgressPrinter
+from fedsap_ray.common.messages import RoundRecords
+from fedsap_ray.run.progress import ProgressPrinter
 from conftest import federation_fixture, make_strategy, run_rounds_with_records, tiny_overrides
 
 FED_OVERRIDES = tiny_overrides("fedavg", "data.num_clients=8")

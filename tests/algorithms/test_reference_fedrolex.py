@@ -28,14 +28,14 @@ from faultkit import stepped_run
 from fedsap_ray import results
 from fedsap_ray.cli import main as cli_main
 from fedsap_ray.algorithms.fedrolex import FedRolex
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
-from fedsap_ray.context import RunContext
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout, covering_channel_masks
+from fedsap_ray.models.masks import ParamLayout, covering_channel_masks
 from fedsap_ray.models import build_model
-from fedsap_ray.session import build_context
+from fedsap_ray.run.session import build_context
 
 HIDDEN = {"fc1": 5, "fc2": 4}  # small C: the windows wrap within three rounds
 INPUTS, CLASSES, ROUNDS = 6, 3, 3

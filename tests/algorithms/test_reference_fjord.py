@@ -32,12 +32,12 @@ import torch
 import torch.nn.functional as F
 
 from fedsap_ray.algorithms.fjord import HOOK, step_widths, tier_key
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
-from fedsap_ray.session import build_context
+from fedsap_ray.run.session import build_context
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.evaluate import DeployedModel, deployed_network, masked
+from fedsap_ray.engine.evaluate import DeployedModel, deployed_network, masked
 from fedsap_ray import algorithms
 
 FEATURES, CLASSES = 32, 10  # generated_blobs

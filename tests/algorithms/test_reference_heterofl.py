@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from conftest import make_strategy
 from fedsap_ray.data import build_federation
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.common.messages import ClientResult
 from plainref import batches, extract, forward, local_sgd, sub_indices
 from refdrive import CLASSES, client_data, config, drive, max_difference
 

@@ -15,11 +15,11 @@ from fedsap_ray import results
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.scaffold import HOOK as SCAFFOLD_HOOK
 from fedsap_ray.algorithms.scaffold import ControlCorrection
-from fedsap_ray.client import train_client
+from fedsap_ray.engine.client import train_client
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan
 
 TINY = tiny_overrides("scaffold", "data.num_clients=4", "training.rounds=2")
 

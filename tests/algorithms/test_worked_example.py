@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 
 from conftest import REPO, federation_fixture, tiny_overrides
-from fedsap_ray import docgen, registry as registries, results
+from fedsap_ray import results
+from fedsap_ray.config import registry as registries
+from fedsap_ray.dev import docgen
 from fedsap_ray.algorithms import hooks, parse_options, registry
 from fedsap_ray.data import federation
 from fedsap_ray.config import ConfigError, build_config

@@ -19,7 +19,8 @@ import pandas as pd
 import pytest
 import torch
 
-from fedsap_ray import golden, results
+from fedsap_ray import results
+from fedsap_ray.dev import golden
 from fedsap_ray.config import build_config
 from fedsap_ray.data import federation, generated, registry
 from fedsap_ray.data.base import DomainData, Federation

@@ -22,7 +22,7 @@ from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation, cachefile, embedded, federation, node_cache
 from fedsap_ray.data.registry import get_source
-from fedsap_ray.errors import DatasetUnavailable
+from fedsap_ray.common.errors import DatasetUnavailable
 from tests.data.cachekit import (
     TINY, assert_same_federation, assert_same_splits, assert_same_tables, blob_cfg, edit_member, edit_meta,
     flip_bytes, link_to_altered_copy, npy_array, npy_bytes, npy_data_offset, one_rebuild_line, read_members,

@@ -11,7 +11,7 @@ import pytest
 
 from fedsap_ray.data import base
 from fedsap_ray.data.base import check_labels
-from fedsap_ray.errors import DatasetUnreadable
+from fedsap_ray.common.errors import DatasetUnreadable
 
 DATA = Path(base.__file__).parent
 

@@ -10,7 +10,7 @@ import pytest
 
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 
 
 def cli(capsys, *args: str) -> tuple[int, list[str], str]:

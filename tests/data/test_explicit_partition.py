@@ -15,7 +15,7 @@ from fedsap_ray import results
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation, load_splits
 from fedsap_ray.data.explicit import ExplicitClient, ExplicitPartition, partition_digest, read_partition
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
 from tests.conftest import steady
 from tests.faultkit import cli, sets

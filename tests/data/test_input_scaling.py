@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsap_ray import docgen
+from fedsap_ray.dev import docgen
 from fedsap_ray.config import build_config
 from fedsap_ray.data import as_input, load_splits
 from fedsap_ray.data.base import INPUT_SCALING

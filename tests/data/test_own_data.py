@@ -17,9 +17,9 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation, register_arrays
 from fedsap_ray.data.explicit import partition_digest
 from fedsap_ray.data.own import splits_digest
-from fedsap_ray.errors import ConfigError
+from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.registry import DATASETS
+from fedsap_ray.config.registry import DATASETS
 from tests.conftest import steady
 from tests.faultkit import cli, sets
 

@@ -372,7 +372,7 @@ def test_one_call_of_the_project_runs_in_process_and_the_rest_in_bash(tmp_path) 
     code, out = run_in_process(["python", "-c", "raise ValueError('no')"], tmp_path)
     assert code == 1 and out.rstrip().endswith("ValueError: no")
     assert run_in_process(["python", "-c", "raise SystemExit(3)"], tmp_path) == (3, "")
-    code, out = run_in_process(["python", "-m", "fedsap_ray.docgen", "--no-such-flag"], tmp_path)
+    code, out = run_in_process(["python", "-m", "fedsap_ray.dev.docgen", "--no-such-flag"], tmp_path)
     assert code == 2 and "--no-such-flag" in out
     assert run_in_process(["fedsap-ray", "run", "--set", "training.rounds=-1"], tmp_path)[0] == 2
     (tmp_path / "b.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedsap_ray import docgen
+from fedsap_ray.dev import docgen
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -72,7 +72,8 @@ def test_docgen_check_names_a_stale_page(tmp_path, capsys) -> None:
 
 def test_allowed_values_are_the_validators_answers() -> None:
     """The probe quotes a validator's one-line error; a field without a constraint gets nothing."""
-    from fedsap_ray.config import CapacityConfig, _construct
+    from fedsap_ray.config import CapacityConfig
+    from fedsap_ray.config.build import _construct
 
     msgs = docgen.probe_messages("capacity.scheme", str, lambda v: _construct(CapacityConfig, {"scheme": v}, "capacity."))
     assert msgs == ["allowed values are cyclic, tiers, full, explicit"]

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 import fedsap_ray
-from fedsap_ray import docgen, server
+from fedsap_ray.engine import server
+from fedsap_ray.dev import docgen
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -105,7 +106,7 @@ def round_calls_in_docstring(block: str, names: typing.Iterable[str]) -> list[st
 
 
 def test_the_documented_round_makes_the_calls_server_round_makes_in_order() -> None:
-    """The pseudo-code in fedsap_ray/server.py's docstring (which docgen puts on the architecture page) names
+    """The pseudo-code in fedsap_ray/engine/server.py's docstring (which docgen puts on the architecture page) names
     every call of ``Server.round`` in the order the code makes them, and no call the code does not make:
     the page once left out the device clock and the straggler branch."""
     code = round_calls_in_code()
@@ -113,7 +114,7 @@ def test_the_documented_round_makes_the_calls_server_round_makes_in_order() -> N
             "recorder.record"} <= set(code), f"the reader of Server.round lost its way: {code}"
     block = docgen.round_pseudocode(inspect.getdoc(server) or "")
     assert round_calls_in_docstring(block, code) == code, (
-        f"fedsap_ray/server.py's docstring round names {round_calls_in_docstring(block, code)}; Server.round makes "
+        f"fedsap_ray/engine/server.py's docstring round names {round_calls_in_docstring(block, code)}; Server.round makes "
         f"{code}: update the docstring, then run `{docgen.COMMAND}`")
     assert "if sim.stragglers:" in block, "the docstring round must show the straggler branch Server.round takes"
 
@@ -181,7 +182,7 @@ def resolve(obj: Any, path: list[str]) -> bool:
 def config_sections() -> dict[str, set[str]]:
     """Config section -> its fields (``algorithm`` also takes every registered strategy's options)."""
     from fedsap_ray import algorithms
-    from fedsap_ray.schema import ExperimentConfig
+    from fedsap_ray.config.schema import ExperimentConfig
 
     hints = typing.get_type_hints(ExperimentConfig)
     out = {f.name: {g.name for g in dataclasses.fields(hints[f.name])} for f in dataclasses.fields(ExperimentConfig)

@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from fedsap_ray import algorithms, docgen
+from fedsap_ray import algorithms
+from fedsap_ray.dev import docgen
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.results import extension_columns

@@ -6,8 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedsap_ray import config, registry
-from fedsap_ray.masks import ParamLayout, nested_channel_masks, param_mask, params_in_mask
+from fedsap_ray import config
+from fedsap_ray.config import registry
+from fedsap_ray.models.masks import ParamLayout, nested_channel_masks, param_mask, params_in_mask
 from fedsap_ray.models import MODEL_REGISTRY, build_model, example_input, model_macs, weight_uses
 from fedsap_ray.models.space import ChannelLayer, ChannelSpace, ParamAxis
 

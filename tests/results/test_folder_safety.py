@@ -20,9 +20,10 @@ import pytest
 
 from faultkit import TINY, cli, tiny_run
 from fuzzkit import snapshot
-from fedsap_ray import algorithms, checkpoint, results
-from fedsap_ray.errors import ConfigError
-from fedsap_ray.outdir import OutDir, UnsafeEntry
+from fedsap_ray import algorithms, results
+from fedsap_ray.persist import checkpoint
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.persist.outdir import OutDir, UnsafeEntry
 from fedsap_ray.results import aside
 
 RUN = ["--preset", "smoke", *[a for o in TINY for a in ("--set", o)], "--quiet"]
@@ -221,7 +222,7 @@ def _tamper(out: Path, run_id: str, **change) -> None:
     ck = checkpoint.load(out, run_id)
     st = ck["state"]
     state = {"round": st.round, "params": st.params, "strategy": st.strategy_state, **change.pop("state", {})}
-    from fedsap_ray.messages import ServerState
+    from fedsap_ray.common.messages import ServerState
 
     checkpoint.save(out, run_id, ServerState(round=state["round"], params=state["params"],
                                              strategy_state=state["strategy"]),

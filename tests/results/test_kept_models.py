@@ -30,7 +30,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import as_input, input_transform
 from fedsap_ray.results import kept
 from fedsap_ray.results.kept import KeptModelError
-from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.results.destination import ResultsDestination
 
 FA = ["training.keep_model=final+best", "seed=0", "training.rounds=4"]  # global accuracy .131, .100, .138, .094
 HE = ["algorithm.name=heterofl", "training.rounds=2"]  # keep ratios 1, .8, .6, .4 (cyclic pruning ratios): narrow deployed sub-models
@@ -362,7 +362,7 @@ def test_a_final_model_that_cannot_be_written_fails_the_run_and_a_resume_keeps_i
 
 
 def test_best_is_kept_only_on_a_strict_improvement_of_an_evaluated_round():
-    from fedsap_ray.session import _improved
+    from fedsap_ray.run.session import _improved
 
     nan = float("nan")
     assert _improved(nan, 0.1, True) and _improved(0.1, 0.2, True)  # the first evaluation; a better one

@@ -14,7 +14,7 @@ import pytest
 from fedsap_ray import results
 from fedsap_ray.results import compaction
 from fedsap_ray.cli import main as cli_main
-from fedsap_ray.storage import ResultsDestination
+from fedsap_ray.results.destination import ResultsDestination
 
 T0 = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -306,7 +306,7 @@ def test_a_file_of_another_table_is_skipped_with_a_warning(tmp_path):
 
 def test_remove_run_deletes_one_runs_rows_from_per_run_and_compacted_files(tmp_path):
     """What --overwrite does before a new run takes the id: no row of the old run is left to show through."""
-    from fedsap_ray import guard
+    from fedsap_ray.run import guard
 
     for r in ("a", "b"):
         write_run(tmp_path, r)

@@ -21,7 +21,7 @@ if sys.argv[1] == "tune":
 elif sys.argv[1] == "local":
     from fedsap_ray.config import build_config
     from fedsap_ray.runtime.local import LocalBackend
-    from fedsap_ray.session import build_context
+    from fedsap_ray.run.session import build_context
     LocalBackend("cpu", num_workers=1).start(build_context(build_config(preset="smoke")))
 
 def churn():

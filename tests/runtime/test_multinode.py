@@ -28,7 +28,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from fedsap_ray import results  # noqa: E402
 from fedsap_ray.config import build_config  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402
-from fedsap_ray.progress import ProgressPrinter  # noqa: E402
+from fedsap_ray.run.progress import ProgressPrinter  # noqa: E402
 from tests.conftest import backend_fixtures, stop_session_ray  # noqa: E402
 
 TINY = ["algorithm.name=fedavg", "data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.0625",

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedsap_ray import client as client_mod
-from fedsap_ray.client import PreparedData, to_device, train_client, warm_torch
+from fedsap_ray.engine import client as client_mod
+from fedsap_ray.engine.client import PreparedData, to_device, train_client, warm_torch
 from fedsap_ray.config import build_config
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.runtime import local as local_mod

@@ -9,7 +9,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from fedsap_ray import algorithms, results  # noqa: E402
-from fedsap_ray.client import ClientError  # noqa: E402
+from fedsap_ray.engine.client import ClientError  # noqa: E402
 from fedsap_ray.config import build_config  # noqa: E402
 from fedsap_ray.data import DomainData, build_federation  # noqa: E402
 from fedsap_ray.experiment import run_experiment  # noqa: E402

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from fedsap_ray.algorithms.hooks import HookCall
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.runtime import wire
 
 P = 200_003  # odd, so a packed mask has a partial last byte
@@ -85,7 +85,7 @@ def test_longest_first_balances_and_is_deterministic(workers):
 def test_a_result_travels_back_without_its_plans_mask_and_with_a_hooks_own_packed():
     """A result's coordinates (ClientResult.mask, messages.py) on the way back: the plan's own mask object becomes
     a marker and is restored as that very object; a mask a hook chose travels packed and comes back equal."""
-    from fedsap_ray.messages import ClientResult
+    from fedsap_ray.common.messages import ClientResult
 
     plans, _, masks = _plans(4)
     plan = plans[1]  # masked

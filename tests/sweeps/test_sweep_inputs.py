@@ -190,7 +190,7 @@ def test_a_tracked_sweeps_trials_say_so_and_keep_their_run_ids(tmp_path):
 
 
 def _summary(t: int, accuracy: float):
-    from fedsap_ray.server import RoundSummary
+    from fedsap_ray.engine.server import RoundSummary
 
     row = {"round": t, "domain": "__global__", "eval_mode": "global", "evaluated": True, "accuracy": accuracy,
            "bytes_up": 100 * t}
@@ -202,7 +202,7 @@ def _summary(t: int, accuracy: float):
 def test_a_trial_reports_each_runs_rounds_metrics_only_when_tracked(monkeypatch):
     """A trial of two seeds, the second resumed past round 1 (so it sits round 1 out, as drive steps it): each
     round's report names the runs that ran it, with their rounds metrics; untracked, the report is as before."""
-    from fedsap_ray.session import SessionMetrics
+    from fedsap_ray.run.session import SessionMetrics
     from sweeps import trainable
 
     reports: list[dict] = []

@@ -18,7 +18,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from fedsap_ray import checkpoint, results, treecodec
+from fedsap_ray import results
+from fedsap_ray.persist import checkpoint, treecodec
 from fedsap_ray.experiment import run_experiment
 from sweeps import study
 from sweeps.trials import to_configs
@@ -252,7 +253,7 @@ CHECKPOINTS = {
 
 
 def _resave(out: Path, round_: int) -> None:
-    from fedsap_ray.messages import ServerState
+    from fedsap_ray.common.messages import ServerState
 
     ck = checkpoint.load(out, IDS[2])
     st = ck["state"]

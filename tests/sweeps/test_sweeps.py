@@ -249,7 +249,7 @@ def test_a_failing_trial_is_retried_and_reported_with_its_error(tmp_path):
 def test_a_finished_runs_leftover_checkpoint_is_removed_on_resume(tmp_path, uri):
     """A driver killed between a run's ``finished`` row and the removal of its checkpoint leaves both:
     the next --resume skips the run and removes that checkpoint (locally, or at a URI destination)."""
-    from fedsap_ray.storage import ResultsDestination
+    from fedsap_ray.results.destination import ResultsDestination
     from sweeps.study import drop_stale_checkpoints
 
     folder = tmp_path / "out"

@@ -10,12 +10,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.fedsap import roles
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
 from fedsap_ray.algorithms.fedsap.state import FedSAPState, MaskPair
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.common.messages import ClientResult
 from fedsap_ray.models.space import ChannelSpace
 
 

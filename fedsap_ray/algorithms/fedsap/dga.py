@@ -13,7 +13,7 @@ draws random groups with exactly the group sizes of the gradient grouping (a mat
 control). :func:`agreement` (adjusted Rand index) records whether a grouping recovered
 the domains or merely the device-capacity tiers.
 
-Group labels are always *canonical* (:func:`~fedsap_ray.grouping.canonical_labels`): ``0..K-1``
+Group labels are always *canonical* (:func:`~fedsap_ray.algorithms.grouping.canonical_labels`): ``0..K-1``
 numbered in order of first appearance by client index, so client 0 is in group 0 and equal
 partitions give equal arrays.
 
@@ -29,8 +29,8 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import connected_components
 
-from fedsap_ray.grouping import agreement, canonical_labels
-from fedsap_ray.schema import check_choice, check_number
+from fedsap_ray.algorithms.grouping import agreement, canonical_labels
+from fedsap_ray.config.checks import check_choice, check_number
 
 DGA_MODES = ("gradient", "none", "oracle", "random")
 DGA_METHODS = ("components", "agglomerative")

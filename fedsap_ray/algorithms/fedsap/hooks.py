@@ -24,10 +24,10 @@ import torch
 
 from fedsap_ray.algorithms.hooks import ClientHook, register_hook
 from fedsap_ray.data.base import DomainData
-from fedsap_ray.masks import ParamLayout
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models.masks import ParamLayout
+from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.models.space import MaskableModel
-from fedsap_ray.sliced import SlicedModel, scatter_channel_values, scatter_tensor_values
+from fedsap_ray.models.sliced import SlicedModel, scatter_channel_values, scatter_tensor_values
 from fedsap_ray.algorithms.fedsap.stats import ChannelStats, dga_param_names, probe_gradient
 
 CHANNEL_STATS = "channel_stats"

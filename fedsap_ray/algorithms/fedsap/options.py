@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from fedsap_ray.algorithms.base import Strategy
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
-from fedsap_ray.schema import check_choice, check_int, check_number
+from fedsap_ray.config.checks import check_choice, check_int, check_number
 
 MASK_MODES = ("dynamic", "fixed")
 SMOOTHING = ("dispersion", "statistics")

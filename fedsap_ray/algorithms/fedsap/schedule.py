@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.aggregation import masked_weighted_average
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.fedsap import budget, dga, roles
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
 from fedsap_ray.algorithms.fedsap.state import FedSAPState
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
-from fedsap_ray.context import StrategyContext
+from fedsap_ray.algorithms.context import StrategyContext
 
 # client id -> (its Eq. 9 model, the round each coordinate was last aggregated)
 ClientView = Callable[[int], tuple[np.ndarray, np.ndarray]]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsap_ray.messages import Overlay, ServerState
+from fedsap_ray.common.messages import Overlay, ServerState
 
 # (Global, Private) parameter masks of a client's tri-state channel vector
 MaskPair = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]

@@ -39,9 +39,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.aggregation import scatter
+from fedsap_ray.algorithms.aggregation import scatter
 from fedsap_ray.data.base import DomainData, as_input
-from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_
+from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import ChannelSpace
 
 STAT_KEYS: tuple[str, ...] = ("channel_activation", "channel_gradient", "dga_gradient")

@@ -11,7 +11,7 @@ Round t, for the participating clients (Algorithm 1), one job per module of this
 - then the server prepares round t+1 (lines 8-17, :mod:`schedule`): DGA regrouping on DGA rounds
   (Eq. 4, :mod:`dga`), utilities (Eq. 5), layer budgets (Eq. 2, :mod:`budget`), top-k active channels,
   EMA dispersion (Eq. 6) and roles with the g_target floor (Eq. 3, :mod:`roles`).
-- records: ``aggregate`` returns the round's rows (:class:`~fedsap_ray.messages.RoundRecords`): the
+- records: ``aggregate`` returns the round's rows (:class:`~fedsap_ray.common.messages.RoundRecords`): the
   groups DGA formed, how the masks moved, each client's pseudo-group and channels by role.
 
 Masks in motion (readings of lines 11-16 that keep the partition able to change):
@@ -80,13 +80,13 @@ from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE, tris
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.pruning import filter_l1_scores
-from fedsap_ray.columns import Column
-from fedsap_ray.context import RunContext
+from fedsap_ray.common.columns import Column
+from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.errors import ConfigError
-from fedsap_ray.masks import param_mask
-from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
-from fedsap_ray.seeding import rng_for, seed_for
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.models.masks import param_mask
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState
+from fedsap_ray.common.seeding import rng_for, seed_for
 
 __all__ = ["FedSAP", "FedSAPOptions", "FedSAPState"]
 

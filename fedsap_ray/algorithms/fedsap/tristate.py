@@ -3,7 +3,7 @@
 A client's channels are Global (aggregated over every client holding them as Global), Private
 (aggregated within its pseudo-group) or Dropped (not trained); :func:`tristate_param_masks` turns
 per-layer role vectors into the two disjoint parameter masks Eq. 8 aggregates over, by the
-coverage rule of :mod:`fedsap_ray.masks`.
+coverage rule of :mod:`fedsap_ray.models.masks`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from fedsap_ray.masks import ParamLayout, along, coordinate_dependencies
+from fedsap_ray.models.masks import ParamLayout, along, coordinate_dependencies
 from fedsap_ray.models.space import ChannelSpace, check_layer_values
 
 GLOBAL: int = 0

@@ -13,7 +13,7 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.common.messages import ClientResult
 from conftest import aggregate, make_strategy, run_rounds, run_rounds_with_plans, steady
 
 TINY = ["data.num_clients=6", "data.max_test_per_domain=40", "model.width_mult=0.125", "training.local_epochs=1",
@@ -270,7 +270,7 @@ def test_resumed_fedsap_run_equals_uninterrupted(tmp_path, fed, smoke):
 
     with pytest.raises(KeyboardInterrupt):
         run_experiment(cfg, tmp_path / "cut", run_id="r", federation=fed, progress=stop_after_round_2)
-    from fedsap_ray import checkpoint
+    from fedsap_ray.persist import checkpoint
 
     saved = checkpoint.load(tmp_path / "cut", "r")["server"]["best_by_mode"]
     g = results.load(tmp_path / "cut").rounds

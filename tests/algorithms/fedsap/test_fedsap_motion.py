@@ -11,15 +11,15 @@ import torch
 from fedsap_ray import results
 from fedsap_ray.algorithms.fedsap import budget, roles
 from fedsap_ray.algorithms.fedsap.hooks import DGA_PROBE
-from fedsap_ray.grouping import agreement
+from fedsap_ray.algorithms.grouping import agreement
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.data.registry import DomainSplits
 from fedsap_ray.experiment import run_experiment
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE
-from fedsap_ray.masks import nested_channel_masks, param_mask
-from fedsap_ray.messages import ClientResult
+from fedsap_ray.models.masks import nested_channel_masks, param_mask
+from fedsap_ray.common.messages import ClientResult
 from fedsap_ray.models import build_model
 from conftest import aggregate, federation_fixture, make_strategy, run_rounds_with_records
 

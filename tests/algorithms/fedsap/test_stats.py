@@ -9,10 +9,10 @@ from torch import nn
 
 import fedsap_ray.algorithms.fedsap.hooks as fedsap_hooks
 from fedsap_ray.algorithms.hooks import call
-from fedsap_ray.client import ClientError, train_client
+from fedsap_ray.engine.client import ClientError, train_client
 from fedsap_ray.data.base import DomainData, as_input
-from fedsap_ray.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
-from fedsap_ray.messages import ClientPlan
+from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_, nested_channel_masks, param_mask
+from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.models import build_model
 from fedsap_ray.algorithms.fedsap.stats import ChannelStats
 
@@ -63,7 +63,7 @@ def make_plan(model: nn.Module, layout: ParamLayout, mask: np.ndarray | None = N
 def manual_run(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: DomainData):
     """The client's loop written out: per-step gradients (after masking, before clipping) of the last epoch,
     the batches it used and the trained flat vector."""
-    from fedsap_ray.aggregation import scatter
+    from fedsap_ray.algorithms.aggregation import scatter
     layout.load_into(model, scatter(plan.values, plan.mask, layout.size))
     params = list(model.parameters())
     named = dict(model.named_parameters())
