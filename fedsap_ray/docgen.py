@@ -369,7 +369,7 @@ def results_page() -> str:
            f"[fedsap_ray/results/schema.py]({rel('fedsap_ray/results/schema.py')}) and filled by the recording "
            f"side for every algorithm (including those computed from ground truth no strategy sees: "
            f"`true_domain`, `tv_distance`, `ari_domain`); the others are declared by the strategies "
-           f"(`Strategy.columns`, [fedsap_ray/algorithms/base.py]({rel('fedsap_ray/algorithms/base.py')})) "
+           f"(`Strategy.columns`, [fedsap_ray/algorithms/contract.py]({rel('fedsap_ray/algorithms/contract.py')})) "
            f"and listed under the algorithms whose runs write them (`Strategy.writes`: with their default options, "
            f"or with the option named); they are null in the rows of every other algorithm. Every table has one "
            f"schema whatever the "

@@ -2,7 +2,7 @@
 docs/reference/results.md#rounds), for the server's models and for the model each client deploys.
 
 The ``deployed`` eval mode judges what a device would actually run: client i's own model at
-its own mask (:meth:`fedsap_ray.algorithms.base.Strategy.deployed_model`), on its own domain's
+its own mask (:meth:`fedsap_ray.algorithms.contract.Strategy.deployed_model`), on its own domain's
 test split. It is run as the device would run it, at the device's cost (issue 27): when a channel
 set describes the mask, as the dense sliced sub-network (:func:`fedsap_ray.sliced.sliced_model`, the
 same one the client trains; ``training.submodel=sliced``, the default), else, and with

@@ -43,7 +43,7 @@ __all__ = ["DEPLOYED", "Backend", "RoundStrategy", "RoundSummary", "Server", "de
 
 
 class RoundStrategy(Protocol):
-    """What the round loop asks of a strategy (``fedsap_ray.algorithms.base.Strategy`` is one): the plans, the
+    """What the round loop asks of a strategy (``fedsap_ray.algorithms.contract.Strategy`` is one): the plans, the
     aggregation that returns everything it computed, and the models to evaluate. Named here so the server
     needs nothing from the strategies' package."""
 

@@ -87,7 +87,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register

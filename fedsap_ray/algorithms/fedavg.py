@@ -9,7 +9,7 @@ registered as ``heterofl``).
 composed rule :attr:`FedAvg.width` (:mod:`fedsap_ray.algorithms.widths`: full, capacity, capped,
 random tier, HAS-FL's allocation); a method with its own client objective (FedProx, MOON, FedSR,
 FPL) keeps the full rule, a nested-width method (HeteroFL, FjORD, Uniform, HAS-FL) holds its own,
-and methods of arbitrary channel subsets extend :class:`~fedsap_ray.algorithms.nested.SubModelStrategy`.
+and methods of arbitrary channel subsets extend :class:`~fedsap_ray.algorithms.channel_subsets.SubModelStrategy`.
 
 Aggregation is papers/003 Algorithm 1 line 18: each coordinate is averaged over exactly the
 clients that trained it, weighted by sample counts; coordinates nobody trained keep their value
@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from fedsap_ray.aggregation import masked_weighted_average
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
 from fedsap_ray.columns import Column

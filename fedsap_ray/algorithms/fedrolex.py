@@ -6,7 +6,7 @@ k_l = ceil(kappa_i C_l) channels (:func:`fedsap_ray.masks.nested_count`, HeteroF
 an index rolling one channel per round and wrapping modulo C_l, each layer by its own C_l; a client at
 kappa_i = 1 trains the full model. Round t (1-based) uses the roll r = (t - 1) mod C_l, so round 1 trains
 the leading channels, as HeteroFL would. Aggregation is coordinate-wise over the clients that trained each
-coordinate, sample-weighted (:class:`~fedsap_ray.algorithms.nested.SubModelStrategy`, papers/003
+coordinate, sample-weighted (:class:`~fedsap_ray.algorithms.channel_subsets.SubModelStrategy`, papers/003
 Algorithm 1 line 18), the rule every sub-model method here shares.
 
 Our reading of the authors' code (AIoT-MLSys-Lab/FedRolex, ``resnet_server.py``
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsap_ray.algorithms.fedavg import MASK_CACHE
-from fedsap_ray.algorithms.nested import SubModelStrategy
+from fedsap_ray.algorithms.channel_subsets import SubModelStrategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.masks import ChannelMasks, nested_count
 from fedsap_ray.messages import ServerState

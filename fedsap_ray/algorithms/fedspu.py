@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.context import RunContext
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register

@@ -184,7 +184,7 @@ class ClientInfo:
 
 @dataclass(frozen=True)
 class FederationView:
-    """The federation as a strategy sees it (:class:`fedsap_ray.algorithms.base.StrategyContext`)."""
+    """The federation as a strategy sees it (:class:`fedsap_ray.algorithms.contract.StrategyContext`)."""
 
     dataset: str
     clients: tuple[ClientInfo, ...]

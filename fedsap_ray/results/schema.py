@@ -1,6 +1,6 @@
 """The results tables' schemas: the core columns declared here plus the columns strategies declare.
 
-A strategy declares its own columns (:attr:`fedsap_ray.algorithms.base.Strategy.columns`); each
+A strategy declares its own columns (:attr:`fedsap_ray.algorithms.contract.Strategy.columns`); each
 per-round table's schema is the core columns below followed by the union of every registered
 strategy's declarations (:func:`extension_columns`), so every run of every algorithm writes the
 same stable Parquet schema and adding a metric never means editing this file. The core columns
@@ -286,7 +286,7 @@ def to_table(table: str, rows: list[dict[str, Any]]) -> pa.Table:
         extra = set(r) - names
         if extra:
             raise KeyError(f"{table}: columns {sorted(extra)} are not in the schema (declare them in the "
-                           "strategy's `columns`, fedsap_ray/algorithms/base.py)")
+                           "strategy's `columns`, fedsap_ray/algorithms/contract.py)")
     cols = {n: [r.get(n) for r in rows] for n in sch.names}
     return pa.Table.from_pydict(cols, schema=sch)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.contract import Strategy
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
 from fedsap_ray.schema import check_choice, check_int, check_number
 

@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import CHANNEL_COUNT_COLUMNS, Strategy
 from fedsap_ray.algorithms.fedsap import aggregation, budget, roles, schedule
 from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook, DGAProbe
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions

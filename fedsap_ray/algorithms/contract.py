@@ -182,7 +182,7 @@ class Strategy(ABC):
         :mod:`fedsap_ray.evaluate`).
 
         Default: the global model, whole (full-model methods). Sub-model methods return the model and
-        mask the client would receive next (:class:`~fedsap_ray.algorithms.nested.SubModelStrategy`),
+        mask the client would receive next (:class:`~fedsap_ray.algorithms.channel_subsets.SubModelStrategy`),
         FedSAP its Eq. 9 model at its active channels, FedSPU its personal model, DapperFL its pruned
         model. Must not change ``state``.
         """
