@@ -396,14 +396,15 @@ def results_page() -> str:
 
 
 def writers(table: str, declaring: Iterable[str]) -> list[str]:
-    """Of the algorithms ``declaring`` a column of ``table``, those whose runs write it (``Strategy.writes_under``),
+    """Of the algorithms ``declaring`` a column of ``table``, those whose runs write it (``declarations.writes_under``),
     each with the option setting it needs when its defaults do not write it; a method that never writes the
     table's declared columns (FedDrop's inherited allocations) is left out."""
     from fedsap_ray import algorithms
+    from fedsap_ray.algorithms.declarations import writes_under
 
     out = []
     for name in declaring:
-        setting = algorithms.get(name).writes_under(table)
+        setting = writes_under(algorithms.get(name), table)
         if setting is None:
             continue
         needs = ", ".join(code(f"algorithm.{k}={v}") for k, v in setting.items())

@@ -4,13 +4,13 @@
     results        = backend.train(plans)                      # ClientResult per client, any order, any worker
     check_results(plans, results)                              # each holds its values at ClientResult.mask
     sim            = clock.round(t, strategy.train_macs and the bytes of each result)  # simulated device time
-    recorder.cover(the plans of the clients not in sim.stragglers)  # coverage: updates that reach the model
+    recorder.count_coverage(the plans of the clients not in sim.stragglers)  # updates that reach the model
     if sim.stragglers:                                         # past the deadline (devices.policy)
         state, records = strategy.aggregate(state, plans, results, t) of the others  # none: state unchanged
-        records.clients += strategy.spent(plan, result) of each straggler           # what it spent, recorded
+        records.clients += client_cost(strategy, plan, result) of each straggler  # what it cost, recorded
     else:
         state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: ServerState + RoundRecords
-    if due(t, training.eval_every):                            # and always the last round
+    if on_schedule(t, training.eval_every):                    # and always the last round
         evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
     summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
@@ -22,48 +22,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
 from typing import Protocol
-
-import numpy as np
 
 from torch import nn
 
-from fedsap_ray.columns import Column
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.declarations import declared_columns
+from fedsap_ray.algorithms.records import client_cost
 from fedsap_ray.context import RunContext
-from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.devices import Device, DeviceClock
+from fedsap_ray.devices import DeviceClock
 from fedsap_ray.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
 from fedsap_ray.results.recorder import DEPLOYED, PhaseTimes, Recorder, RoundEvaluation, RoundSummary
 from fedsap_ray.results.writer import RunWriter
 from fedsap_ray.seeding import rng_for
 
-__all__ = ["DEPLOYED", "Backend", "RoundStrategy", "RoundSummary", "Server", "deployed_sample", "due"]
-
-
-class RoundStrategy(Protocol):
-    """What the round loop asks of a strategy (``fedsap_ray.algorithms.contract.Strategy`` is one): the plans, the
-    aggregation that returns everything it computed, and the models to evaluate. Named here so the server
-    needs nothing from the strategies' package."""
-
-    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]: ...
-
-    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
-                  t: int) -> RoundOutput: ...
-
-    def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]: ...
-
-    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]: ...
-
-    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]: ...
-
-    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int: ...
-
-    def devices(self) -> list[Device]: ...
-
-    @classmethod
-    def declared_columns(cls, table: str) -> list[Column]: ...
+__all__ = ["DEPLOYED", "Backend", "RoundSummary", "Server", "deployed_sample", "on_schedule"]
 
 
 class Backend(Protocol):
@@ -79,16 +53,16 @@ class Backend(Protocol):
 class Server:
     """One round at a time: strategy + backend + evaluation; the recorder writes the rows."""
 
-    def __init__(self, ctx: RunContext, strategy: RoundStrategy, backend: Backend, writer: RunWriter,
+    def __init__(self, ctx: RunContext, strategy: Strategy, backend: Backend, writer: RunWriter,
                  eval_models: list[nn.Module], device) -> None:
         self.ctx, self.strategy, self.backend = ctx, strategy, backend
         self.eval_scratch, self.device = eval_models, device
         self.deployed_clients, sampled = deployed_sample(ctx)
-        self.recorder = Recorder(ctx, {t: strategy.declared_columns(t) for t in ("rounds", "clients", "layers",
-                                                                             "allocations")},
+        self.recorder = Recorder(ctx, {t: declared_columns(type(strategy), t) for t in ("rounds", "clients", "layers",
+                                                                                        "allocations")},
                                  writer, type(strategy).__name__, deployed_sampled=sampled)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
-        self.clock = DeviceClock(ctx.cfg, strategy.devices())  # simulated device time, the strategy's devices
+        self.clock = DeviceClock(ctx.cfg, strategy.sampler.devices())  # simulated device time, the strategy's devices
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
         """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).
@@ -115,7 +89,7 @@ class Server:
                                                  r.bytes_up + plans[r.client_id].side_bytes_up) for r in results})
         # coverage counts the clients whose update reached the model: a straggler trained, but what it trained
         # was discarded (under wait_all every client is aggregated, so nothing changes there)
-        self.recorder.cover({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
+        self.recorder.count_coverage({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
         if sim.stragglers:  # left out of aggregation (fedsap_ray.devices); recorded with what they spent
             kept = [r for r in results if r.client_id not in sim.stragglers]
             if kept:
@@ -124,20 +98,20 @@ class Server:
                 out = RoundOutput(dataclasses.replace(state, round=t), RoundRecords())
             out = dataclasses.replace(out, records=dataclasses.replace(
                 out.records, clients={**out.records.clients,
-                                      **{r.client_id: self.strategy.spent(plans[r.client_id], r)
+                                      **{r.client_id: client_cost(self.strategy, plans[r.client_id], r)
                                          for r in results if r.client_id in sim.stragglers}}))
         else:
             out = self.strategy.aggregate(state, plans, results, t)
         new_state = out.state
         t_aggregated = clock()
         cfg = self.ctx.cfg
-        evaluated = due(t, cfg.training.eval_every, cfg.training.rounds)
+        evaluated = on_schedule(t, cfg.training.eval_every, cfg.training.rounds)
         by_mode: dict[str, dict[str, tuple[float, float]]] = {}
         if evaluated:
             by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout,
                                      self.strategy.eval_sets(new_state, self.eval_domains),
                                      self.ctx.federation.test, self.device)
-        deployed_now = due(t, cfg.training.deployed_every, cfg.training.rounds)
+        deployed_now = on_schedule(t, cfg.training.deployed_every, cfg.training.rounds)
         deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
                     else {})
         ev = RoundEvaluation(by_mode=by_mode, deployed=deployed)
@@ -162,7 +136,7 @@ class Server:
                                  fed.num_classes, weights, bn_data, sliced=self.ctx.cfg.training.submodel == "sliced")
 
 
-def due(t: int, every: int, rounds: int) -> bool:
+def on_schedule(t: int, every: int, rounds: int) -> bool:
     """Whether round ``t`` is one of every ``every``-th rounds or the last (eval_every, deployed_every)."""
     return t % every == 0 or t == rounds
 

@@ -23,6 +23,7 @@ import torch
 
 import fedsap_ray
 from fedsap_ray import algorithms, checkpoint, devices, statecheck
+from fedsap_ray.algorithms.statetree import state_from_tree, state_tree
 from fedsap_ray.context import RunContext
 from fedsap_ray.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
@@ -185,7 +186,7 @@ class RunSession:
             self.engine = cast("AsyncServer", self.server)
         fed = self.ctx.federation
         if cfg.devices.availability < 1 or cfg.devices.trace is not None:  # a round no client can train: refused now
-            empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))
+            empty = devices.empty_round(cfg, self.strategy.sampler.devices(), range(1, cfg.training.rounds + 1))
             if empty is not None:
                 raise devices.no_client_error(cfg, empty)
         # what was trained, from the federation itself (a given one too), not from what the config names
@@ -203,10 +204,11 @@ class RunSession:
             where = f"invalid --resume={run_id!r}: checkpoint {checkpoint.path_for(self.out, run_id)}"
             statecheck.check_state(ck, n_params=self.ctx.layout.size, n_clients=len(self.ctx.federation.clients),
                                    strategy=self.strategy, recorder_template=self.recorder.metrics_state(),
+                                   strategy_template=state_tree(self.strategy, self.strategy.init_state().strategy_state),
                                    rounds=cfg.training.rounds, known_tables=DATA_TABLES, where=where)
             st = ck["state"]
             try:
-                own = self.strategy.state_from_tree(st.strategy_state)
+                own = state_from_tree(self.strategy, st.strategy_state)
             except TypeError as e:  # a State whose fields changed since the checkpoint was written
                 raise CheckpointUnreadable(f"checkpoint of run {run_id} in {self.out} holds {cfg.algorithm.name} state "
                                            f"this version cannot read ({e}): start the run again with --run-id "
@@ -262,7 +264,7 @@ class RunSession:
         self.keeper.after_round(state, _improved(best_before, self.recorder.best, summary.evaluated), self.recorder,
                                 self.base_row["config_json"])
         tree = ServerState(round=state.round, params=state.params,
-                           strategy_state=self.strategy.state_tree(state.strategy_state))
+                           strategy_state=state_tree(self.strategy, state.strategy_state))
         checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),
                         tables=self.writer.tables_written(), rows=self.writer.counts,
                         engine=None if self.engine is None else self.engine.state_dict())

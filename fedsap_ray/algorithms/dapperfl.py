@@ -87,10 +87,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedsap_ray.algorithms.contract import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import CHANNEL_COUNT_COLUMNS, client_records
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.algorithms.schedule import plan_settings
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
 from fedsap_ray.schema import check_bool, check_choice, check_number, fail
@@ -326,7 +328,7 @@ class DapperFL(Strategy):
         return self.keep_ratio(plan.client_id)
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        return self.configure_clients(state, t, self.sample_clients(t))
+        return self.configure_clients(state, t, self.sampler.sample(t))
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]:
         """The round-t plans of ``clients`` from ``state`` (:meth:`configure_round`'s sample; the asynchronous
@@ -346,7 +348,7 @@ class DapperFL(Strategy):
                        call(ModelFusionPruning, alpha=float(alpha), keep_ratio=keep,
                             prune_after_steps=first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
                             full_first_epoch=bool(self.opts.full_first_epoch))),
-                **self.plan_kwargs(t, cid),
+                **plan_settings(self.cfg, t, cid),
             )
         return plans
 
@@ -372,7 +374,7 @@ class DapperFL(Strategy):
     def records(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                 t: int) -> RoundRecords:
         """The clients' rows (:meth:`client_records`; ``state``: the state after round t)."""
-        return RoundRecords(clients=self.client_records(state, plans, results))
+        return RoundRecords(clients=client_records(self, state, plans, results))
 
     def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
               t: int) -> np.ndarray:
@@ -444,7 +446,7 @@ class DapperFL(Strategy):
         if not plan.payload(HOOK).full_first_epoch:
             return seen * pruned
         first = min(first_epoch_samples(result.n_samples, plan.batch_size, plan.max_steps_per_epoch), seen)
-        return first * self.mask_macs(None) + (seen - first) * pruned
+        return first * self.compute.mask_macs(None) + (seen - first) * pruned
 
     def pruned_macs(self, keep: float) -> int:
         """MACs per sample of the kappa-pruned model (they depend on the per-layer counts only; memoised)."""

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsap_ray.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.channel_subsets import SubModelStrategy
+from fedsap_ray.algorithms.channel_subsets import ChannelSubsetStrategy
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_choice
@@ -49,7 +49,7 @@ AGGREGATIONS = ("r2sp", "coordinate")
 
 
 @register("fedmp")
-class FedMP(SubModelStrategy):
+class FedMP(ChannelSubsetStrategy):
     summary = "server keeps each client's largest-L1 filters at its keep ratio; R2SP residual-recovery aggregation"
     supports_async = True  # docs/readings.md#asynchronous-training
 

@@ -11,7 +11,7 @@ identity blocks of ResNet18 at kappa 0.2 and 0.4 (issue 13).
 model in depth AND width: a sub-model skips some residual blocks and keeps the leading channels of
 the others, and the server
 averages every coordinate over the sub-models that contain it (NeFL's NeFedAvg, which
-for a coordinate is papers/003 Algorithm 1 line 18; :class:`~fedsap_ray.algorithms.channel_subsets.SubModelStrategy`).
+for a coordinate is papers/003 Algorithm 1 line 18; :class:`~fedsap_ray.algorithms.channel_subsets.ChannelSubsetStrategy`).
 
 Budget. Client i with keep ratio kappa_i (= 1 - pruning ratio; kappa_i = 1: full model)
 gets the parameter budget of the width-only nested sub-model at kappa_i,
@@ -75,7 +75,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS
-from fedsap_ray.algorithms.channel_subsets import SubModelStrategy
+from fedsap_ray.algorithms.channel_subsets import ChannelSubsetStrategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.schema import check_bool, check_choice, check_number
 from fedsap_ray.masks import ChannelMasks, nested_channel_masks, nested_count
@@ -94,7 +94,7 @@ class SkippableBlock:
 
 
 @register("nefl")
-class NeFL(SubModelStrategy):
+class NeFL(ChannelSubsetStrategy):
     summary = "nested width-only sub-models at kappa_i (depth=true: also skip identity blocks, deepest first)"
     supports_async = True  # docs/readings.md#asynchronous-training
 

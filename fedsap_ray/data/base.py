@@ -184,7 +184,7 @@ class ClientInfo:
 
 @dataclass(frozen=True)
 class FederationView:
-    """The federation as a strategy sees it (:class:`fedsap_ray.algorithms.contract.StrategyContext`)."""
+    """The federation as a strategy sees it (:class:`fedsap_ray.context.StrategyContext`)."""
 
     dataset: str
     clients: tuple[ClientInfo, ...]

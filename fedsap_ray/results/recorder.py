@@ -123,7 +123,7 @@ class Recorder:
         self.sim_elapsed_s = float(m.get("sim_elapsed_s", 0.0))  # checkpoints from before simulated time: 0
         self.domain_covered = {d: np.asarray(v, dtype=bool).copy() for d, v in m["domain_covered"].items()}
 
-    def cover(self, plans: Mapping[int, ClientPlan]) -> None:
+    def count_coverage(self, plans: Mapping[int, ClientPlan]) -> None:
         """Add the round's plan coverage to each client's domain (``domain_coverage``, ``frozen_params``)."""
         done: set[tuple[str, int]] = set()  # (domain, mask object): clients of one width share their mask
         for plan in plans.values():

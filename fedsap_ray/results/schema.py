@@ -155,7 +155,7 @@ CLIENTS_COLUMNS: list[Column] = [
      "client updated in local training, any epoch (DapperFL's default: the full model, its first epoch trains all "
      "of it; FedSPU: its active neurons only); Strategy.params_trained"),
     Column("macs_per_sample", pa.int64(), "per-sample forward multiply-accumulates of the model the client runs at "
-     "inference (its sub-model), one pass: Strategy.mask_macs of the plan's coverage unless the strategy refines "
+     "inference (its sub-model), one pass: Compute.mask_macs of the plan's coverage unless the strategy refines "
      "it (DapperFL's pruned model); not what training spent: see train_macs"),
     Column("train_macs", pa.int64(), "forward multiply-accumulates the client executed in local training, all epochs: "
      "sum over its steps of batch samples x per-sample forward MACs of the network run in that step x forward "
@@ -234,13 +234,14 @@ def extension_columns(table: str) -> dict[str, tuple[Column, list[str]]]:
     type; a declaration may not reuse a core column's name (the core fills those).
     """
     from fedsap_ray.algorithms import registry
+    from fedsap_ray.algorithms.declarations import declared_columns
 
     if table not in CORE_TABLES:
         raise ValueError(f"invalid table={table!r}: allowed values are {sorted(CORE_TABLES)}")
     core = {c.name for c in CORE_TABLES[table]}
     out: dict[str, tuple[Column, list[str]]] = {}
     for name in registry.names():
-        for col in registry.get(name).declared_columns(table):
+        for col in declared_columns(registry.get(name), table):
             if col.name in core:
                 raise ValueError(f"algorithm {name!r} declares {table}.{col.name}, a core column")
             if col.name not in out:

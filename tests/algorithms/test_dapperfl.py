@@ -225,7 +225,7 @@ def test_train_macs_count_the_full_model_epoch_against_heterofl():
         runs[name] = (strat, plans[0][4], r)
     (dap, dplan, dres), (fix, fplan, fres), (het, hplan, hres) = runs["dap"], runs["fixed"], runs["het"]
     assert dres.samples_seen == hres.samples_seen == fres.samples_seen > 0
-    full, pruned = dap.mask_macs(None), het.macs(0.2)
+    full, pruned = dap.compute.mask_macs(None), het.macs(0.2)
     assert dap.pruned_macs(0.2) == pruned < full
     first = first_epoch_samples(dres.n_samples, dplan.batch_size, dplan.max_steps_per_epoch)
     assert 0 < first < dres.samples_seen

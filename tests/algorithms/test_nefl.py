@@ -77,7 +77,7 @@ def test_depth_scaled_masks_skip_the_deepest_blocks_within_the_budget(fed):
         else:  # width-only: exactly the nested sub-model
             np.testing.assert_array_equal(mask, param_mask(ctx.space, ctx.layout, nested_channel_masks(ctx.space, kappa)))
         # MACs of the sub-model: model_macs of its channel masks (an empty inner layer drops conv1 and conv2)
-        assert s.mask_macs(mask) == model_macs(ctx.model, fed.input_shape, cm)
+        assert s.compute.mask_macs(mask) == model_macs(ctx.model, fed.input_shape, cm)
     # depth_share = 0 is width-only nesting (NeFL-W)
     _, w = make_strategy(_cfg("algorithm.depth=true", "algorithm.depth_share=0"), fed)
     assert w.scaling(0.2) == ((), 0.2)

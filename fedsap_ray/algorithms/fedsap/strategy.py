@@ -70,7 +70,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.algorithms.contract import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import CHANNEL_COUNT_COLUMNS, client_records
 from fedsap_ray.algorithms.fedsap import aggregation, budget, roles, schedule
 from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook, DGAProbe
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
@@ -79,6 +80,7 @@ from fedsap_ray.algorithms.fedsap.stats import dga_param_names
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.representation import RepresentationNorm
+from fedsap_ray.algorithms.schedule import plan_settings
 from fedsap_ray.algorithms.pruning import filter_l1_scores
 from fedsap_ray.columns import Column
 from fedsap_ray.context import RunContext
@@ -185,7 +187,7 @@ class FedSAP(Strategy):
         dga_round = self.is_dga_round(t)
         probe = dga_round and self.opts.dga_source == "probe"
         stats = ("channel_activation", "channel_gradient") + (("dga_gradient",) if dga_round and not probe else ())
-        clients = self.sample_clients(t)
+        clients = self.sampler.sample(t)
         probe_mask = self._probe_mask(st, clients) if probe else None
         probe_values = None if probe_mask is None else state.params[probe_mask]
         for cid in clients:
@@ -207,7 +209,7 @@ class FedSAP(Strategy):
                 # Eq. 9's W_i: W_G overlaid with the group's Private vector (shared vectors, nothing copied)
                 params=state.params, overlay=overlay, mask=active, capacity_used=float((states != DROPPED).mean()),
                 hooks=tuple(hooks), side_bytes_down=side_down,
-                **self.plan_kwargs(t, cid),
+                **plan_settings(self.cfg, t, cid),
             )
         return plans
 
@@ -301,7 +303,7 @@ class FedSAP(Strategy):
                      results: list[ClientResult]) -> dict[int, dict[str, Any]]:
         """What each client spent, the pseudo-group it trained in and its channels by role (the masks it
         trained under: ``old``, the state the round started from)."""
-        rows = self.client_records(new, plans, results)
+        rows = client_records(self, new, plans, results)
         for cid, row in rows.items():
             states, last = old.states[cid], old.measured_on.get(cid)
             row.update(pseudo_group=int(old.groups[cid]), **roles.role_counts(states),
