@@ -373,7 +373,7 @@ class DapperFL(Strategy):
 
     def records(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                 t: int) -> RoundRecords:
-        """The clients' rows (:meth:`client_records`; ``state``: the state after round t)."""
+        """The clients' rows (:func:`~fedsap_ray.algorithms.records.client_records`; ``state``: the state after round t)."""
         return RoundRecords(clients=client_records(self, state, plans, results))
 
     def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
