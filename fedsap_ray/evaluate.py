@@ -9,7 +9,7 @@ same one the client trains; ``training.submodel=sliced``, the default), else, an
 ``training.submodel=masked``, as the masked full-size model with the uncovered coordinates zeroed,
 which computes the sliced sub-model's outputs to float rounding (a dropped channel's weights, BN
 scale and shift are zero, so its activation is zero; tests/test_deployed_eval.py checks both against
-a sub-model it builds by hand). At the laptop preset's mean keep ratio of 0.6 the sliced network
+a sub-model it builds by hand). At the laptop preset's mean capacity of 0.6 the sliced network
 costs about half the masked one's multiply-accumulates.
 
 Nothing is evaluated twice: clients that would run identical parameters on one domain are evaluated

@@ -42,7 +42,7 @@ class SubModelStrategy(FedAvg):
         return self.coverage(cmasks), active, active / total
 
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i, the client's keep ratio (its capacity, at most 1): what its channel subset is drawn or chosen
+        """The client's capacity kappa_i (at most 1): what its channel subset is drawn or chosen
         for; ``capacity_used`` is the share of channels that subset holds."""
         return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
 
