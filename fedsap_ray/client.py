@@ -155,7 +155,7 @@ class PreparedData:
 #: (:func:`fedsap_ray.session.diverged`: in ``devices.mode=async`` also ``asynchronous.server_lr``).
 DIVERGED_HINT = "diverged; lower training.lr?"
 
-PREPARED_BYTES = 512 << 20  # per backend / Ray worker: 200 x 16 CIFAR-sized clients take 39 MB
+PREPARED_BYTES = 512 << 20  # per backend / Ray worker: room for a large round's prepared clients (issue 27)
 
 
 def default_workers(torch_threads: int) -> int:
@@ -207,7 +207,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
         raise ValueError(f"no training step ran ({n} samples, batch size {plan.batch_size})")
     # read once after training: the same float32 values as a per-step float(), averaged in float64; the sum
     # divided by the count is what np.mean computes (same reduction, same division) without its call
-    # overhead (0.2-0.8% of a 200 x 16 round in two py-spy profiles)
+    # overhead, which showed in profiles of many small clients (issue 27)
     steps64 = torch.stack(losses).to("cpu", torch.float64).numpy()
     loss_mean = float(np.add.reduce(steps64) / steps64.size)
     if not np.isfinite(loss_mean):

@@ -154,7 +154,8 @@ class FedSAP(Strategy):
         channels = np.array([layer.channels for layer in space.layers])
         # a client's first mask depends only on its capacity: one array per distinct capacity, shared by the
         # clients that have it (read-only: masks are replaced, never edited) and stored once in a checkpoint
-        # (treecodec keeps aliasing); computed per client it took 15 s at 100,000 clients (issue 29)
+        # (treecodec keeps aliasing); computed per client it grew with the federation (issue 29;
+        # docs/guides/performance.md)
         first: dict[float, np.ndarray] = {}
         for kappa in sorted({c.capacity for c in fed.clients}):
             counts = budget.layer_channel_counts(kappa, channels, adaptive=False)
@@ -165,7 +166,7 @@ class FedSAP(Strategy):
         # (aggregation.type_matched starts it from W_G), not here: a copy of W_G per client made up front
         # reads the same everywhere (client_view and eval_sets read W_G for a group without one, and a
         # coordinate never aggregated as Private keeps W_G's initial value either way) but costs N x P
-        # floats of memory and checkpoint (10.6 GB at 100,000 clients of the scale benchmark's MLP).
+        # floats of memory and checkpoint, which a large federation cannot afford (issue 29; docs/guides/large-sweeps.md).
         alone = self.opts.dga == "none"
         state.strategy_state = FedSAPState(
             groups=np.arange(n) if alone else np.zeros(n, dtype=np.int64), private={},
