@@ -82,8 +82,8 @@ class Server:
         if missing:
             raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
         check_results(plans, results, type(self.strategy).__name__)  # what each result holds (messages.py)
-        # aggregate's client_records asks for train_macs again: an O(parameters) count for a masked plan, 0.3 ms
-        # at the paper's width (ResNet10, 4.9M parameters; measured), so no cache
+        # aggregate's client_records asks for train_macs again; no cache: an O(parameters) count, small beside a
+        # round (docs/guides/performance.md)
         sim = self.clock.round(t, {r.client_id: (self.strategy.train_macs(plans[r.client_id], r),
                                                  plans[r.client_id].bytes_down,
                                                  r.bytes_up + plans[r.client_id].side_bytes_up) for r in results})

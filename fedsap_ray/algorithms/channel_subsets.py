@@ -47,7 +47,7 @@ class ChannelSubsetStrategy(FedAvg):
         return param_mask(self.ctx.space, self.ctx.layout, cmasks)
 
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i, the client's keep ratio (its capacity, at most 1): what its channel subset is drawn or chosen
+        """The client's capacity kappa_i (at most 1): what its channel subset is drawn or chosen
         for; ``capacity_used`` is the share of channels that subset holds."""
         return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
 

@@ -182,8 +182,8 @@ class FedAvg(Strategy):
         Every client at round 1, at an adaptation step (``adapted``) and at the last round; the round's own
         clients in the rounds between. Why: a width changes only at an adaptation step, and an estimate
         (HAS-FL's h_hat, h_tilde) only when its client trains, so the rows left out repeat the latest
-        snapshot; written for every client every round, the table grew with the federation (100,000 rows a
-        round at 100,000 clients, 3x the round's time in benchmarks/federation_scale.py). With every client
+        snapshot; written for every client every round, the table grew with the federation and came to dominate
+        a large federation's round (docs/guides/large-sweeps.md has the figures). With every client
         in every round (participation 1) nothing changes."""
         if not self.width.tracked:
             return []

@@ -1,4 +1,4 @@
-"""FedDrop: federated dropout of whole channels at each client's keep ratio (papers/000 Table 1).
+"""FedDrop: federated dropout of whole channels at each client's capacity (papers/000 Table 1).
 
 What the row is (issue 13). By default this runs plain Federated Dropout (Caldas et al. 2018), NOT
 the Adaptive Federated Dropout that papers/000's "FedDrop" row names: AFD's paper was not available

@@ -141,11 +141,11 @@ class FedSPU(Strategy):
     # --- masks (pure in seed, round, client) ---------------------------------------------------
     def channel_masks(self, t: int, client_id: int) -> ChannelMasks:
         """The neurons client ``client_id`` trains in round t: ceil(kappa_i C_l) random channels per layer."""
-        kappa = float(self.ctx.federation.clients[client_id].capacity)
-        return random_channel_masks(self.ctx.space, kappa, rng_for(self.cfg.seed, t, client_id, "fedspu"))
+        capacity = float(self.ctx.federation.clients[client_id].capacity)
+        return random_channel_masks(self.ctx.space, capacity, rng_for(self.cfg.seed, t, client_id, "fedspu"))
 
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i, the share of neurons per layer the client trains (:meth:`Strategy.assigned_width`)."""
+        """The client's capacity kappa_i, the share of neurons per layer it trains (:meth:`Strategy.assigned_width`)."""
         return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
 
     def trained_mask(self, t: int, client_id: int) -> tuple[np.ndarray | None, int]:

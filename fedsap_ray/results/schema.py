@@ -142,11 +142,11 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("client_id", pa.int64(), "client id"),
     Column("true_domain", pa.string(), "ground-truth domain of the client's data"),
     Column("pruning_ratio", pa.float64(), "FedSAP rho_i (0 under capacity tiers)"),
-    Column("capacity_max", pa.float64(), "device capacity: keep ratio kappa_i or p_max"),
-    Column("capacity_used", pa.float64(), "fraction of channels the client trained this round (p_i / realised kappa)"),
+    Column("capacity_max", pa.float64(), "the device capacity: the most of the model it can train (kappa_i; p_max in HAS-FL's paper)"),
+    Column("capacity_used", pa.float64(), "the trained width: share of channels the client trained this round (realised p_i / kappa_i)"),
     Column("assigned_width", pa.float64(), "the width the strategy assigned the client this round, as planned: p_i of "
-           "the nested-width methods, the keep ratio kappa_i (its capacity) of FedDrop, FedMP, NeFL, FedSPU, DapperFL "
-           "and FedSAP, 1.0 for full-model methods; capacity_used is what the sub-model it trained realised "
+           "the nested-width methods, the capacity kappa_i of FedDrop, FedMP, NeFL, FedSPU, DapperFL "
+           "and FedSAP, 1.0 for full-model methods; capacity_used is the trained width, what the sub-model realised "
            "(Strategy.assigned_width)"),
     Column("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.); recorded, never shown to strategies"),
     Column("n_samples", pa.int64(), "local training samples"),
@@ -190,7 +190,7 @@ LAYERS_COLUMNS: list[Column] = [
     Column("client_id", pa.int64(), "client id"),
     Column("layer", pa.string(), "ChannelSpace layer (e.g. layer1, layer2.0.conv1)"),
     Column("channels", pa.int64(), "C_l, channels of the layer"),
-    Column("keep_ratio", pa.float64(), "kappa_{i,l}: fraction of the layer's channels active for this client"),
+    Column("keep_ratio", pa.float64(), "the layer's trained width kappa_{i,l}: fraction of the layer's channels active for this client"),
 ]
 
 ALLOCATIONS_COLUMNS: list[Column] = [
@@ -198,7 +198,7 @@ ALLOCATIONS_COLUMNS: list[Column] = [
     Column("run_id", pa.string(), "run id"),
     Column("round", pa.int64(), "communication round, 1-based"),
     Column("client_id", pa.int64(), "client id (every client of the federation, sampled or not)"),
-    Column("capacity_max", pa.float64(), "p_max: the client's resource constraint"),
+    Column("capacity_max", pa.float64(), "the client's capacity (p_max in HAS-FL's paper): its resource constraint"),
     Column("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.); recorded, never shown to strategies"),
 ]
 

@@ -209,7 +209,7 @@ def test_first_epoch_samples_follow_the_client_loop():
 
 
 def test_train_macs_count_the_full_model_epoch_against_heterofl():
-    """Issue 13: a keep-ratio-0.2 DapperFL client's train_macs exceed a HeteroFL client's at the same keep ratio
+    """Issue 13: a capacity-0.2 DapperFL client's train_macs exceed a HeteroFL client's at the same capacity
     (same data, same steps) by exactly first-epoch samples x (full MACs - pruned MACs); params_trained is the full
     model's; with full_first_epoch=false both equal HeteroFL's."""
     over = tiny_overrides("dapperfl", "data.num_clients=5", "training.local_epochs=2", "training.max_steps_per_epoch=2")

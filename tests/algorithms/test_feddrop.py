@@ -1,4 +1,4 @@
-"""FedDrop: random channel subsets at the keep ratio, coordinate-wise aggregation, AFD's score map, runs."""
+"""FedDrop: random channel subsets at the capacity, coordinate-wise aggregation, AFD's score map, runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +15,7 @@ from fedsap_ray.models import model_macs
 from fedsap_ray.seeding import rng_for
 
 TINY = tiny_overrides("feddrop", "data.num_clients=6")
-# 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
+# 6 clients with capacities 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
 
 fed = federation_fixture(TINY)
 
@@ -119,7 +119,7 @@ def test_selection_is_validated():
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    a, b = run_twice(e2e_overrides("feddrop", "data.num_clients=5"), tmp_path)  # five clients: one of each smoke keep ratio
+    a, b = run_twice(e2e_overrides("feddrop", "data.num_clients=5"), tmp_path)  # five clients: one of each smoke capacity
     assert_finite_global_accuracy(a, 2)
     cl = a.clients
     assert cl["macs_per_sample"].gt(0).all()

@@ -19,7 +19,7 @@ DGA_SOURCES = ("train", "probe")
 class FedSAPOptions(Strategy.Options):
     """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
 
-    adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's keep ratio in every layer
+    adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's capacity in every layer
     temperature: float = 1.0  # softmax temperature over the layer utilities (Eq. 2)
     lambda_a: float = 0.5  # weight of the activation magnitude in a channel's utility (Eq. 5)
     lambda_g: float = 0.5  # weight of the gradient magnitude in a channel's utility (Eq. 5)

@@ -113,7 +113,7 @@ class FedSAP(Strategy):
             Column("swap_share", pa.float64(),
                    "FedSAP: mean over clients of the share of next round's active channels not active this round"),
             Column("swap_share_narrow", pa.float64(),
-                   "FedSAP: swap_share over the clients of the smallest keep ratio"),
+                   "FedSAP: swap_share over the clients of the smallest capacity"),
         ),
         "clients": (Column("pseudo_group", pa.int64(), "FedSAP pseudo-domain group the client trained in"),
                     Column("n_new_channels", pa.int64(),
@@ -154,9 +154,10 @@ class FedSAP(Strategy):
         n = len(fed.clients)
         init_scores = filter_l1_scores(space, self.ctx.layout, state.params)
         channels = np.array([layer.channels for layer in space.layers])
-        # a client's first mask depends only on its keep ratio: one array per distinct ratio, shared by the
+        # a client's first mask depends only on its capacity: one array per distinct capacity, shared by the
         # clients that have it (read-only: masks are replaced, never edited) and stored once in a checkpoint
-        # (treecodec keeps aliasing); computed per client it took 15 s at 100,000 clients (issue 29)
+        # (treecodec keeps aliasing); computed per client it grew with the federation (issue 29;
+        # docs/guides/performance.md)
         first: dict[float, np.ndarray] = {}
         for kappa in sorted({c.capacity for c in fed.clients}):
             counts = budget.layer_channel_counts(kappa, channels, adaptive=False)
@@ -167,7 +168,7 @@ class FedSAP(Strategy):
         # (aggregation.type_matched starts it from W_G), not here: a copy of W_G per client made up front
         # reads the same everywhere (client_view and eval_sets read W_G for a group without one, and a
         # coordinate never aggregated as Private keeps W_G's initial value either way) but costs N x P
-        # floats of memory and checkpoint (10.6 GB at 100,000 clients of the scale benchmark's MLP).
+        # floats of memory and checkpoint, which a large federation cannot afford (issue 29; docs/guides/large-sweeps.md).
         alone = self.opts.dga == "none"
         state.strategy_state = FedSAPState(
             groups=np.arange(n) if alone else np.zeros(n, dtype=np.int64), private={},
@@ -177,7 +178,7 @@ class FedSAP(Strategy):
         return state
 
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i = 1 - rho_i, the client's keep ratio its channel budget is drawn from
+        """The client's capacity kappa_i = 1 - rho_i, which its channel budget is drawn from
         (:meth:`Strategy.assigned_width`; ``capacity_used`` is the share of channels its roles keep)."""
         return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
 
