@@ -119,14 +119,14 @@ def mask_motion_table(res: Any) -> pd.DataFrame:
     cov = stability.final_coverage(rounds)
     out = runs[["run_id", "variant", "seed"]].set_index("run_id").join(moves).join(cov.add_prefix("coverage "))
     shares = stability.swap_shares(res)
-    if len(shares):  # the share of each keep ratio's active channels that are new per round, after warm-up
+    if len(shares):  # the share of each capacity's active channels that are new per round, after warm-up
         keep = shares.pivot_table(index="run_id", columns="capacity_max", values="swap_share", aggfunc="first")
         out = out.join(keep.rename(columns=lambda k: f"swap keep {k:g}"))
     return out.dropna(subset=["n_reactivated"]).sort_values(["variant", "seed"]).reset_index()
 
 
 def baselines_table(res: Any) -> pd.DataFrame:
-    """The non-FedSAP runs of the folder (e.g. heterogeneous FedAvg at the same keep ratios, the floor
+    """The non-FedSAP runs of the folder (e.g. heterogeneous FedAvg at the same capacities, the floor
     under every ablation cell), one row per run label (:func:`analysis.labels.label`); runs of one label
     whose configurations differ beyond the seed get one row each, ``<label> [<differing keys>]``, with a
     :class:`UserWarning`."""

@@ -204,8 +204,8 @@ def plot_curves(res: Any, measure: str = "deployed", path: str | Path | None = N
 
 
 def missed(res: Any) -> pd.DataFrame:
-    """Per method (rows) and keep ratio (columns ``keep 0.2`` ..., ascending): the share of a device's
-    client-rounds that missed the deadline (``clients.straggler``), over every client of that keep ratio, round
+    """Per method (rows) and capacity (columns ``keep 0.2`` ..., ascending): the share of a device's
+    client-rounds that missed the deadline (``clients.straggler``), over every client of that capacity, round
     and seed; under ``over_select`` the share left out as slower than the round's k fastest; for an
     asynchronous run, the share of its arrived updates discarded as staler than ``asynchronous.max_staleness``
     (its stragglers)."""

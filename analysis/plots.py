@@ -172,7 +172,7 @@ def layer_budget_table(res: Any, variant: str | None = None, final_only: bool = 
     """Where FedSAP's channel budget went: per (client capacity, layer) the mean fraction of the
     layer's channels that were Global, Private and Dropped (``layers`` table, all clients of all
     rounds and seeds of ``variant``; ``final_only``: each run's last round). ``variant`` defaults to
-    the first one (runs order) with layer rows. Capacity is the client's ``capacity_max`` (keep ratio)."""
+    the first one (runs order) with layer rows. Capacity is the client's ``capacity_max`` (kappa_i)."""
     res = sweep.load_sweep(res)
     layers = sweep.join_runs(sweep.table(res, "layers"), res.runs, ("variant",))
     if layers.empty:

@@ -21,7 +21,7 @@ NOT_PERCENT = ("ARI domains", "ARI capacities")
 
 
 def swap_shares(res: Any) -> pd.DataFrame:
-    """Per run and keep ratio (``capacity_max``): the mean share of a client's active channels that were not
+    """Per run and capacity (``capacity_max``): the mean share of a client's active channels that were not
     active in the mask it last trained under, over the rounds after warm-up (``round > warmup``)."""
     res = sweep.load_sweep(res)
     clients = sweep.table(res, "clients")
@@ -65,8 +65,9 @@ def table(res: Any) -> pd.DataFrame:
     return sweep.mean_std(per_run(res), "variant", MEASURES)
 
 
-def by_keep_ratio(res: Any) -> pd.DataFrame:
-    """Mean swapped share after warm-up per variant (rows) and keep ratio (columns), over seeds."""
+def by_capacity(res: Any) -> pd.DataFrame:
+    """Mean swapped share after warm-up per variant (rows) and capacity (columns ``keep 0.2`` ..., the
+    report's historical label), over seeds."""
     res = sweep.load_sweep(res)
     shares = swap_shares(res).merge(res.runs[["run_id", "variant"]], on="run_id")
     if shares.empty:
@@ -77,14 +78,14 @@ def by_keep_ratio(res: Any) -> pd.DataFrame:
 
 
 def report(res: Any) -> str:
-    """The study's tables as markdown: per variant mean ± std over seeds, per seed, and swaps per keep ratio."""
+    """The study's tables as markdown: per variant mean ± std over seeds, per seed, and swaps per capacity."""
     res = sweep.load_sweep(res)
     pr = per_run(res)
     if pr.empty:
         return "No FedSAP run in the folder."
     main = sweep.markdown(sweep.pm_table(table(res), not_percent=NOT_PERCENT))
     seeds = display.per_seed(pr, ["deployed_final", "worst_client", "swap_narrow"])
-    keep = by_keep_ratio(res)
+    keep = by_capacity(res)
     return "\n".join(["# FedSAP mask stability", "", "Mean ± std over seeds (accuracies and shares in %).", "", main, "",
                       "## Per seed", "", sweep.markdown(seeds), "",
                       "## Swapped share after warm-up, per keep ratio (%)", "",

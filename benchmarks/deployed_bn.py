@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms import Strategy
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from fedsap_ray import algorithms
 from fedsap_ray.engine import evaluate as ev
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms import Strategy
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.experiment import build_context

@@ -11,7 +11,7 @@ Two parts, each against a reference measured in the same process:
    - ``laptop``: preset ``laptop``, algorithm ``fedsap`` (the README's laptop run);
    - ``confound``: preset ``confound_laptop``, algorithm ``hasfl`` (needs MNIST under ../shared/data);
    - ``resnet10``: a paper-width ResNet10 (``model.width_mult=1``) on the embedded digits,
-     5 clients all training every round at keep ratios 1/.8/.6/.4/.2 (``fedavg`` with
+     5 clients all training every round at capacities 1/.8/.6/.4/.2 (``fedavg`` with
      ``algorithm.width=capacity``, capacity scheme ``explicit``).
 
    Per (case, mode) one JSON line: ``per_round_s`` (mean ``round_wall_s`` of rounds 2..R:

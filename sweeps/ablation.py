@@ -22,7 +22,7 @@
 - Mask stability (main configuration, whose line 14 is the pooled ranking under a 10% swap budget):
   ``rule-today`` (re-ranked every round, only the dispersion smoothed), ``rule-ema``,
   ``rule-hysteresis``, ``rule-budget`` (own ranking under the budget), ``rule-pooled`` (no budget).
-- ``fedavg-het``: heterogeneous FedAvg at the same keep ratios, the floor under every cell.
+- ``fedavg-het``: heterogeneous FedAvg at the same capacities, the floor under every cell.
 
 Shared runs are not repeated: 19 variants per seed. Prints every table at the end
 (``analysis.ablation``); ``analysis/notebooks/ablation.ipynb`` plots them.
@@ -62,7 +62,7 @@ VARIANTS: dict[str, list[str]] = {
     "rule-hysteresis": [*MAIN, "algorithm.stability=hysteresis", "algorithm.ranking=client"],
     "rule-budget": [*MAIN, "algorithm.ranking=client"],
     "rule-pooled": [*MAIN, "algorithm.stability=none"],
-    # the reference below every cell: heterogeneous FedAvg (sub-models at the same keep ratios)
+    # the reference below every cell: heterogeneous FedAvg (sub-models at the same capacities)
     "fedavg-het": ["algorithm.name=fedavg", "algorithm.width=capacity"],
 }
 STUDY = "ablation"

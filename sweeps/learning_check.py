@@ -7,7 +7,7 @@ accuracy stays at chance, so the next collapsed baseline is found by us rather t
 
 The federation (:data:`LEARN`, the same with or without ``--smoke-test``, which also keeps the three seeds):
 the smoke preset's embedded four-domain digits (MNIST, UCI digits, rendered street numbers and synthetic
-digits: strong domain shift) at one client per domain (keep ratios 1/.8/.6/.4, so every sub-model rule is
+digits: strong domain shift) at one client per domain (capacities 1/.8/.6/.4, so every sub-model rule is
 exercised), 5% of each domain's training set per client (72-200 samples), ResNet10 at 1/8 width, 5 rounds of 2
 full local epochs (no step cap), 60 test images per domain, the models evaluated at round 5 only (the check reads
 the last round's accuracy and every round's training loss, which every round records; evaluation trains nothing,

@@ -10,7 +10,7 @@ Besides one variant per registered algorithm, ``dapperfl-capacity`` runs DapperF
 The variant list is read from the algorithm registry, so an algorithm registered later
 joins the comparison without touching this file. Methods the paper marks without system
 heterogeneity (FedAvg, MOON, FedSR, FPL, FedSPU, SCAFFOLD) train the full model on every
-client; the others train sub-models at each client's keep ratio / p_max (FedProx with
+client; the others train sub-models at each client's capacity (kappa_i / p_max) (FedProx with
 ``width=capacity``, as the paper's Table 1 row). Prints ``analysis.comparison``'s table
 (best-so-far per domain and global, mean ± std over seeds) at the end;
 ``analysis/notebooks/main_comparison.ipynb`` plots the convergence curves.

@@ -18,7 +18,7 @@ from fedsap_ray.algorithms import feddrop  # noqa: F401
 from fedsap_ray.algorithms import fedmp  # noqa: F401
 from fedsap_ray.algorithms import nefl  # noqa: F401
 from fedsap_ray.algorithms import fedrolex  # noqa: F401
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.contract import Strategy
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.registry import get, names, parse_options, register
 

@@ -15,8 +15,8 @@ Accumulation is in float64 in client-id order, so the result does not depend on 
 worker returned first.
 
 Speed (issue 42). At the papers' width (ResNet10, 4.9M parameters) the plain form, one
-``acc[mask] += w * values.astype(float64)`` over the whole vector per client, cost about 0.45 s
-of a 10-client round on one core while the other cores idled. The coordinates are independent,
+``acc[mask] += w * values.astype(float64)`` over the whole vector per client, ran on one core
+while the other cores idled (docs/guides/performance.md has the figure). The coordinates are independent,
 so the vector is cut into :data:`CHUNK`-coordinate pieces (float64 accumulators that stay in
 cache) and the pieces are shared among up to :data:`THREADS` threads (numpy releases the GIL in
 its loops). Every coordinate still sees the same float64 operations in the same client order, so

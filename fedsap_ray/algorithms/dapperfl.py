@@ -1,6 +1,6 @@
 """DapperFL (Jia, Zhang, Hu, Choo, Qi, Xu, Beheshti, Dou, NeurIPS 2024, "DapperFL: Domain Adaptive
 Federated Learning with Model Fusion Pruning for Edge Devices"), FedSAP's closest baseline
-(papers/000 Appendix A). Client i prunes to its keep ratio kappa_i = ``federation.clients[i].capacity``
+(papers/000 Appendix A). Client i prunes to its capacity kappa_i = ``federation.clients[i].capacity``
 (pruning ratio rho_i = 1 - kappa_i). Round t (1-based), local epochs E:
 
 1. Download: the full global model W^{t-1}; the client prunes it itself, so it needs all of it.
@@ -41,7 +41,7 @@ pruned weights refilled from the previous global model before the weighted avera
   reading before issue 13 (docs/readings.md#baselines-of-fedsaps-table-1). On 512-d features the squared
   form is roughly an order of magnitude stronger at the same gamma.
 - ``full_first_epoch`` (default true, the reference code): the first local epoch trains the FULL model even
-  on a keep-ratio-0.2 client, beyond the capacity every other sub-model method obeys. ``false`` is a
+  on a capacity-0.2 client, beyond the capacity every other sub-model method obeys. ``false`` is a
   capacity-respecting reading of ours (not in the paper or its code): the client l1-prunes the received
   W^{t-1} to kappa_i before training (:func:`fedsap_ray.algorithms.pruning.l1_channel_masks`), trains that
   pruned model in every epoch, and after the first epoch fuses it with W^{t-1} on the kept coordinates
@@ -87,10 +87,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import CHANNEL_COUNT_COLUMNS, client_records
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.algorithms.schedule import plan_settings
 from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.algorithms.representation import REP_FORMS, rep_norm_loss
 from fedsap_ray.config.checks import check_bool, check_choice, check_number, fail
@@ -122,13 +124,13 @@ def fuse(global_params: np.ndarray, local_params: np.ndarray, alpha: float) -> n
 
 
 def fusion_prune(space: ChannelSpace, layout: ParamLayout, global_params: np.ndarray, local_params: np.ndarray,
-                 alpha: float, keep_ratio: float) -> tuple[np.ndarray, ChannelMasks, np.ndarray]:
+                 alpha: float, capacity: float) -> tuple[np.ndarray, ChannelMasks, np.ndarray]:
     """MFP (steps 3-4): (fused model with pruned coordinates at 0, kept channels, parameter mask M).
 
     The kept channels are the largest-l1 filters of the FUSED model, not of either input.
     """
     fused = fuse(global_params, local_params, alpha)
-    cmasks = l1_channel_masks(space, layout, fused, keep_ratio)
+    cmasks = l1_channel_masks(space, layout, fused, capacity)
     pmask = param_mask(space, layout, cmasks)
     fused[~pmask] = 0.0
     return fused, cmasks, pmask
@@ -198,7 +200,7 @@ def dar_loss(model: MaskableModel, x: torch.Tensor, y: torch.Tensor, gamma: floa
 @dataclass(frozen=True)
 class FusionPruningPayload:
     alpha: float  # alpha_t, 0 = no fusion
-    keep_ratio: float  # kappa_i
+    keep_ratio: float  # the client's capacity (kappa_i); the field keeps its name: async checkpoints store it
     prune_after_steps: int  # the optimizer steps of the first local epoch (first_epoch_steps)
     full_first_epoch: bool = True  # False: the capacity-respecting reading (module docstring)
 
@@ -208,7 +210,7 @@ class ModelFusionPruning(ClientHook):
     """Steps 2-5 on the client: full-model epoch, fusion with the received W^{t-1}, l1 pruning, masked rest
     (the DAR loss of step 6 is the ``rep_norm`` hook the plan lists before this one).
 
-    The payload (:class:`FusionPruningPayload`): ``alpha`` (alpha_t, 0 = no fusion), ``keep_ratio`` (kappa_i),
+    The payload (:class:`FusionPruningPayload`): ``alpha`` (alpha_t, 0 = no fusion), ``keep_ratio`` (the capacity kappa_i),
     ``prune_after_steps`` (the optimizer steps of the first local epoch) and ``full_first_epoch`` (False: the
     capacity-respecting reading, module docstring); ``plan.values`` is W^{t-1}.
     """
@@ -220,7 +222,7 @@ class ModelFusionPruning(ClientHook):
         super().__init__(plan, model, layout, device)
         if plan.mask is not None:
             raise ValueError("a DapperFL plan carries the full global model (mask None): the client prunes it")
-        self.alpha, self.keep_ratio = self.payload.alpha, self.payload.keep_ratio
+        self.alpha, self.capacity = self.payload.alpha, self.payload.keep_ratio
         self.prune_at = int(self.payload.prune_after_steps)
         if self.prune_at < 1:  # the server's count of first-epoch steps, not an option
             raise ValueError(f"prune_after_steps must be >= 1, got {self.prune_at}")
@@ -228,26 +230,26 @@ class ModelFusionPruning(ClientHook):
         self.space = model.channel_space()
         self.steps = 0
         self.cmasks: ChannelMasks | None = None
-        self.tmask: TorchMask | None = None
+        self.torch_mask: TorchMask | None = None
         self.pmask: np.ndarray | None = None
         if not self.full_first:  # prune W^{t-1} by l1 before training: the client never runs more than kappa_i
-            self.cmasks = l1_channel_masks(self.space, layout, plan.values, self.keep_ratio)
+            self.cmasks = l1_channel_masks(self.space, layout, plan.values, self.capacity)
             self.pmask = param_mask(self.space, layout, self.cmasks)
-            self.tmask = TorchMask.build(model, layout, self.pmask)
+            self.torch_mask = TorchMask.build(model, layout, self.pmask)
 
     def start(self, model: MaskableModel) -> None:
         if not self.full_first:
-            assert self.tmask is not None  # built from the plan when not full_first
-            apply_mask_(model, self.layout, self.tmask)
+            assert self.torch_mask is not None  # built from the plan when not full_first
+            apply_mask_(model, self.layout, self.torch_mask)
 
     def after_backward(self, model: MaskableModel) -> None:
-        if self.tmask is not None:
-            mask_grads_(model, self.layout, self.tmask)
+        if self.torch_mask is not None:
+            mask_grads_(model, self.layout, self.torch_mask)
 
     def after_step(self, model: MaskableModel) -> None:
         self.steps += 1
-        if self.tmask is not None:
-            apply_mask_(model, self.layout, self.tmask)  # momentum / weight decay must not revive pruned filters
+        if self.torch_mask is not None:
+            apply_mask_(model, self.layout, self.torch_mask)  # momentum / weight decay must not revive pruned filters
         if self.steps != self.prune_at:
             return
         if not self.full_first:  # fusion on the fixed pruned model (its coordinates only)
@@ -258,9 +260,9 @@ class ModelFusionPruning(ClientHook):
         else:
             local = self.layout.flatten(model)
             fused, self.cmasks, pmask = fusion_prune(self.space, self.layout, self.plan.values, local,
-                                                     self.alpha, self.keep_ratio)
+                                                     self.alpha, self.capacity)
             self.layout.load_into(model, fused)
-            self.tmask = TorchMask.build(model, self.layout, pmask)
+            self.torch_mask = TorchMask.build(model, self.layout, pmask)
             self.pmask = pmask
 
     def result(self, model: MaskableModel) -> dict[str, np.ndarray]:
@@ -318,15 +320,15 @@ class DapperFL(Strategy):
         o = self.opts
         return fusion_alpha(t, o.alpha_0, o.epsilon, o.alpha_min)
 
-    def keep_ratio(self, client_id: int) -> float:
+    def capacity(self, client_id: int) -> float:
         return min(float(self.ctx.federation.clients[client_id].capacity), 1.0)
 
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i, the keep ratio the client prunes to (:meth:`Strategy.assigned_width`)."""
-        return self.keep_ratio(plan.client_id)
+        """The capacity kappa_i the client prunes to (:meth:`Strategy.assigned_width`)."""
+        return self.capacity(plan.client_id)
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        return self.configure_clients(state, t, self.sample_clients(t))
+        return self.configure_clients(state, t, self.sampler.sample(t))
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]:
         """The round-t plans of ``clients`` from ``state`` (:meth:`configure_round`'s sample; the asynchronous
@@ -337,7 +339,7 @@ class DapperFL(Strategy):
         alpha = self.alpha_at(t)
         plans: dict[int, ClientPlan] = {}
         for cid in clients:
-            keep = self.keep_ratio(cid)
+            keep = self.capacity(cid)
             active = sum(nested_count(keep, layer.channels) for layer in space.layers)
             n = self.ctx.federation.clients[cid].n_samples
             plans[cid] = ClientPlan(
@@ -346,7 +348,7 @@ class DapperFL(Strategy):
                        call(ModelFusionPruning, alpha=float(alpha), keep_ratio=keep,
                             prune_after_steps=first_epoch_steps(n, tr.batch_size, tr.max_steps_per_epoch),
                             full_first_epoch=bool(self.opts.full_first_epoch))),
-                **self.plan_kwargs(t, cid),
+                **plan_settings(self.cfg, t, cid),
             )
         return plans
 
@@ -371,8 +373,8 @@ class DapperFL(Strategy):
 
     def records(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                 t: int) -> RoundRecords:
-        """The clients' rows (:meth:`client_records`; ``state``: the state after round t)."""
-        return RoundRecords(clients=self.client_records(state, plans, results))
+        """The clients' rows (:func:`~fedsap_ray.algorithms.records.client_records`; ``state``: the state after round t)."""
+        return RoundRecords(clients=client_records(self, state, plans, results))
 
     def merge(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
               t: int) -> np.ndarray:
@@ -400,13 +402,13 @@ class DapperFL(Strategy):
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The pruned model the device runs: the global model at the channels the client kept in its last
         round (its MFP choice, step 4); before it ever trained, the largest-l1 filters of the global model
-        at its keep ratio (the same criterion, without a local model to fuse)."""
+        at its capacity (the same criterion, without a local model to fuse)."""
         space = self.ctx.space
         kept = state.strategy_state.get("kept", {}).get(client_id)
         if kept is not None:
             cmasks: ChannelMasks = unpack_channel_masks(space, kept)
         else:
-            keep = self.keep_ratio(client_id)
+            keep = self.capacity(client_id)
             if keep >= 1.0:
                 return state.params, None
             cmasks = l1_channel_masks(space, self.ctx.layout, state.params, keep)
@@ -444,7 +446,7 @@ class DapperFL(Strategy):
         if not plan.payload(HOOK).full_first_epoch:
             return seen * pruned
         first = min(first_epoch_samples(result.n_samples, plan.batch_size, plan.max_steps_per_epoch), seen)
-        return first * self.mask_macs(None) + (seen - first) * pruned
+        return first * self.compute.mask_macs(None) + (seen - first) * pruned
 
     def pruned_macs(self, keep: float) -> int:
         """MACs per sample of the kappa-pruned model (they depend on the per-layer counts only; memoised)."""

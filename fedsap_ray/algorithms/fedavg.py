@@ -9,7 +9,7 @@ registered as ``heterofl``).
 composed rule :attr:`FedAvg.width` (:mod:`fedsap_ray.algorithms.widths`: full, capacity, capped,
 random tier, HAS-FL's allocation); a method with its own client objective (FedProx, MOON, FedSR,
 FPL) keeps the full rule, a nested-width method (HeteroFL, FjORD, Uniform, HAS-FL) holds its own,
-and methods of arbitrary channel subsets extend :class:`~fedsap_ray.algorithms.nested.SubModelStrategy`.
+and methods of arbitrary channel subsets extend :class:`~fedsap_ray.algorithms.channel_subsets.ChannelSubsetStrategy`.
 
 Aggregation is papers/003 Algorithm 1 line 18: each coordinate is averaged over exactly the
 clients that trained it, weighted by sample counts; coordinates nobody trained keep their value
@@ -27,8 +27,10 @@ import numpy as np
 import pyarrow as pa
 
 from fedsap_ray.algorithms.aggregation import masked_weighted_average
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import CHANNEL_COUNT_COLUMNS, client_records
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.algorithms.schedule import plan_settings
 from fedsap_ray.algorithms.widths import CAPACITY, FULL, WidthRule
 from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.context import RunContext
@@ -114,7 +116,7 @@ class FedAvg(Strategy):
         return float(plan.capacity_used)
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
-        return self.configure_clients(state, t, self.sample_clients(t))
+        return self.configure_clients(state, t, self.sampler.sample(t))
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]:
         """The round-t plans of ``clients`` from ``state`` (what :meth:`configure_round` gives its sample; the
@@ -124,7 +126,7 @@ class FedAvg(Strategy):
             mask, _, used = self.sub_model(state, cid, t)
             plans[cid] = ClientPlan(
                 params=state.params, mask=mask, capacity_used=float(used),  # params: shared by every plan, never mutated
-                **self.plan_kwargs(t, cid), **self.extra_plan_fields(state, cid, t),
+                **plan_settings(self.cfg, t, cid), **self.extra_plan_fields(state, cid, t),
             )
         return plans
 
@@ -171,7 +173,7 @@ class FedAvg(Strategy):
         """What :meth:`aggregate` returns besides the state (``state``: the state after round t): the clients'
         rows and the allocations. A method with metrics of its own extends it (``dataclasses.replace`` of
         ``super().records(...)`` with its declared columns and progress template)."""
-        return RoundRecords(clients=self.client_records(state, plans, results),
+        return RoundRecords(clients=client_records(self, state, plans, results),
                             allocations=self.allocation_rows(state, t, plans))
 
     def allocation_rows(self, state: ServerState, t: int, plans: Mapping[int, Any]) -> list[dict[str, Any]]:
@@ -180,8 +182,8 @@ class FedAvg(Strategy):
         Every client at round 1, at an adaptation step (``adapted``) and at the last round; the round's own
         clients in the rounds between. Why: a width changes only at an adaptation step, and an estimate
         (HAS-FL's h_hat, h_tilde) only when its client trains, so the rows left out repeat the latest
-        snapshot; written for every client every round, the table grew with the federation (100,000 rows a
-        round at 100,000 clients, 3x the round's time in benchmarks/federation_scale.py). With every client
+        snapshot; written for every client every round, the table grew with the federation and came to dominate
+        a large federation's round (docs/guides/large-sweeps.md has the figures). With every client
         in every round (participation 1) nothing changes."""
         if not self.width.tracked:
             return []
@@ -215,10 +217,6 @@ class FedAvg(Strategy):
         return int(result.samples_seen) * self.macs(plan.capacity_used)
 
     # --- memoised sub-model geometry (pure in the per-layer channel counts) -------------
-    def coverage(self, cmasks: ChannelMasks) -> np.ndarray:
-        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.models.masks`)."""
-        return param_mask(self.ctx.space, self.ctx.layout, cmasks)
-
     def macs(self, p: float) -> int:
         """Multiply-accumulates per sample of the width-p sub-model (papers/003 Table 1)."""
         return self.memo("nested_macs", self._counts(p), lambda: int(model_macs(

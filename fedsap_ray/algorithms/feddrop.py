@@ -1,4 +1,4 @@
-"""FedDrop: federated dropout of whole channels at each client's keep ratio (papers/000 Table 1).
+"""FedDrop: federated dropout of whole channels at each client's capacity (papers/000 Table 1).
 
 What the row is (issue 13). By default this runs plain Federated Dropout (Caldas et al. 2018), NOT
 the Adaptive Federated Dropout that papers/000's "FedDrop" row names: AFD's paper was not available
@@ -16,7 +16,7 @@ hidden unit), the sub-model keeps ceil(kappa_i C_l) channels of every layer with
 input connections (kappa_i = 1 - pruning ratio of client i, the count of papers/003
 Algorithm 2, :func:`fedsap_ray.algorithms.pruning.random_channel_masks`), and the server
 averages every coordinate over the clients that trained it (papers/003 Algorithm 1
-line 18, :class:`~fedsap_ray.algorithms.nested.SubModelStrategy`). A client with
+line 18, :class:`~fedsap_ray.algorithms.channel_subsets.ChannelSubsetStrategy`). A client with
 kappa_i = 1 trains the full model.
 
 ``selection`` (which channels a client keeps):
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.algorithms.nested import SubModelStrategy
+from fedsap_ray.algorithms.channel_subsets import ChannelSubsetStrategy
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config.checks import check_choice
@@ -58,7 +58,7 @@ SELECTIONS = ("random", "afd")
 
 
 @register("feddrop")
-class FedDrop(SubModelStrategy):
+class FedDrop(ChannelSubsetStrategy):
     summary = "plain Federated Dropout (FD): random channel subsets at kappa_i every round (selection=afd: unvalidated AFD)"
     supports_async = True  # docs/readings.md#asynchronous-training
 

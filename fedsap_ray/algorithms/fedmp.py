@@ -1,5 +1,5 @@
 """FedMP (Jiang et al., ICDE 2022, "FedMP: Federated Learning through Adaptive Model Pruning
-in Heterogeneous Edge Computing") at each client's keep ratio (papers/000 Table 1).
+in Heterogeneous Edge Computing") at each client's capacity (papers/000 Table 1).
 
 Each round the server prunes the current global model separately for every sampled
 client with structured magnitude pruning: of every layer it keeps the ceil(kappa_i C_l)
@@ -15,7 +15,7 @@ they are recomputed from it every round.
 FedMP chooses every client's pruning ratio online with a multi-armed-bandit learner
 (its adaptive pruning-ratio selection) from measured computation and
 communication times; papers/000 instead gives every client a fixed pruning ratio, so
-that bandit is replaced by the client's keep ratio kappa_i and not modelled.
+that bandit is replaced by the client's capacity kappa_i and not modelled.
 
 ``aggregation`` (how the pruned models are merged):
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsap_ray.algorithms.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.nested import SubModelStrategy
+from fedsap_ray.algorithms.channel_subsets import ChannelSubsetStrategy
 from fedsap_ray.algorithms.pruning import l1_channel_masks
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config.checks import check_choice
@@ -49,8 +49,8 @@ AGGREGATIONS = ("r2sp", "coordinate")
 
 
 @register("fedmp")
-class FedMP(SubModelStrategy):
-    summary = "server keeps each client's largest-L1 filters at its keep ratio; R2SP residual-recovery aggregation"
+class FedMP(ChannelSubsetStrategy):
+    summary = "server keeps each client's largest-L1 filters at its capacity; R2SP residual-recovery aggregation"
     supports_async = True  # docs/readings.md#asynchronous-training
 
     @dataclass(frozen=True)

@@ -6,7 +6,7 @@ k_l = ceil(kappa_i C_l) channels (:func:`fedsap_ray.models.masks.nested_count`, 
 an index rolling one channel per round and wrapping modulo C_l, each layer by its own C_l; a client at
 kappa_i = 1 trains the full model. Round t (1-based) uses the roll r = (t - 1) mod C_l, so round 1 trains
 the leading channels, as HeteroFL would. Aggregation is coordinate-wise over the clients that trained each
-coordinate, sample-weighted (:class:`~fedsap_ray.algorithms.nested.SubModelStrategy`, papers/003
+coordinate, sample-weighted (:class:`~fedsap_ray.algorithms.channel_subsets.ChannelSubsetStrategy`, papers/003
 Algorithm 1 line 18), the rule every sub-model method here shares.
 
 Our reading of the authors' code (AIoT-MLSys-Lab/FedRolex, ``resnet_server.py``
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedsap_ray.algorithms.fedavg import MASK_CACHE
-from fedsap_ray.algorithms.nested import SubModelStrategy
+from fedsap_ray.algorithms.channel_subsets import ChannelSubsetStrategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.models.masks import ChannelMasks, nested_count
 from fedsap_ray.common.messages import ServerState
@@ -71,7 +71,7 @@ def rolling_channel_masks(space: ChannelSpace, kappa: float, t: int, direction: 
 
 
 @register("fedrolex")
-class FedRolex(SubModelStrategy):
+class FedRolex(ChannelSubsetStrategy):
     summary = "rolling sub-models: a contiguous window of ceil(p_max C_l) channels, moved one channel a round"
     supports_async = True  # docs/readings.md#asynchronous-training (t = downloaded version + 1)
     confound_variants = {"fedrolex": ()}  # a sub-model width method of the capacity-confound study
@@ -91,7 +91,7 @@ class FedRolex(SubModelStrategy):
         return rolling_channel_masks(self.ctx.space, kappa, t, self.opts.direction)
 
     def sub_model(self, state: ServerState, client_id: int, t: int) -> tuple[np.ndarray | None, int, float]:
-        """:meth:`SubModelStrategy.sub_model`, kept per (capacity, round) for the round's clients of one tier:
+        """:meth:`ChannelSubsetStrategy.sub_model`, kept per (capacity, round) for the round's clients of one tier:
         the window depends on nothing else (LRU-cached like the nested masks)."""
         kappa = float(self.ctx.federation.clients[client_id].capacity)
         return self.memo("rolling_mask", (min(kappa, 1.0), t), lambda: super(FedRolex, self).sub_model(state, client_id, t),

@@ -68,10 +68,12 @@ import numpy as np
 import torch
 
 from fedsap_ray.algorithms.aggregation import masked_weighted_average, scatter
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import CHANNEL_COUNT_COLUMNS, clients_only
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.pruning import random_channel_masks
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.algorithms.schedule import plan_settings
 from fedsap_ray.data.base import EvalDomains
 from fedsap_ray.models.masks import ChannelMasks, ParamLayout, param_mask
 from fedsap_ray.models.space import MaskableModel
@@ -139,11 +141,11 @@ class FedSPU(Strategy):
     # --- masks (pure in seed, round, client) ---------------------------------------------------
     def channel_masks(self, t: int, client_id: int) -> ChannelMasks:
         """The neurons client ``client_id`` trains in round t: ceil(kappa_i C_l) random channels per layer."""
-        kappa = float(self.ctx.federation.clients[client_id].capacity)
-        return random_channel_masks(self.ctx.space, kappa, rng_for(self.cfg.seed, t, client_id, "fedspu"))
+        capacity = float(self.ctx.federation.clients[client_id].capacity)
+        return random_channel_masks(self.ctx.space, capacity, rng_for(self.cfg.seed, t, client_id, "fedspu"))
 
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i, the share of neurons per layer the client trains (:meth:`Strategy.assigned_width`)."""
+        """The client's capacity kappa_i, the share of neurons per layer it trains (:meth:`Strategy.assigned_width`)."""
         return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
 
     def trained_mask(self, t: int, client_id: int) -> tuple[np.ndarray | None, int]:
@@ -167,13 +169,13 @@ class FedSPU(Strategy):
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         total = self.ctx.space.total_channels
         plans: dict[int, ClientPlan] = {}
-        for cid in self.sample_clients(t):
+        for cid in self.sampler.sample(t):
             mask, active = self.trained_mask(t, cid)
             frozen = (np.zeros(0, dtype=np.float32) if mask is None
                       else self.personal_model(state, cid)[~mask])
             plans[cid] = ClientPlan(
                 params=state.params, mask=mask, capacity_used=active / total,
-                hooks=(call(FrozenNeurons, frozen_values=frozen),), **self.plan_kwargs(t, cid),
+                hooks=(call(FrozenNeurons, frozen_values=frozen),), **plan_settings(self.cfg, t, cid),
             )
         return plans
 
@@ -190,7 +192,7 @@ class FedSPU(Strategy):
                                             fill=self.personal_model(state, r.client_id))
         extra = dict(state.strategy_state)
         extra["personal"] = personal
-        return self.output(ServerState(round=t, params=params, strategy_state=extra), plans, results)
+        return clients_only(self, ServerState(round=t, params=params, strategy_state=extra), plans, results)
 
     def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]:
         """The client's personal model w_i, whole: FedSPU devices run the full network (frozen neurons
@@ -222,12 +224,12 @@ class FedSPU(Strategy):
         (aggregated, Global), frozen ones stay personal on the device (Private)."""
         total = self.ctx.space.total_channels
         active = int(round(plan.capacity_used * total))  # capacity_used = active / total (configure_round)
-        return {"macs_per_sample": self.mask_macs(None), "n_global": active, "n_private": total - active,
+        return {"macs_per_sample": self.compute.mask_macs(None), "n_global": active, "n_private": total - active,
                 "n_dropped": 0}
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """samples_seen x full-model MACs: frozen neurons get no update but still run forward."""
-        return int(result.samples_seen) * self.mask_macs(None)
+        return int(result.samples_seen) * self.compute.mask_macs(None)
 
     # params_trained: the default (the coordinates of M_i^t). Frozen coordinates, including their BN running
     # statistics, are restored after every step, so M_i^t is exactly what the client updates.

@@ -267,7 +267,7 @@ class FedSR(FedAvg):
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """One forward pass of the model per sample, plus the d x d scale head with scale=input (module docstring)."""
         head = self.feature_dim ** 2 if self.opts.scale == "input" else 0
-        return int(result.samples_seen) * (self.mask_macs(None) + head)
+        return int(result.samples_seen) * (self.compute.mask_macs(None) + head)
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         keys = self.shared_keys

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.contract import Strategy
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.widths import WidthRule
 from fedsap_ray.common.columns import Column
@@ -114,7 +114,8 @@ class HasFL(FedAvg):
             check_number("algorithm.eps", self.eps, 0, low_open=True)
 
     # --- state -------------------------------------------------------------------
-    def p_max(self) -> np.ndarray:
+    def capacities(self) -> np.ndarray:
+        """Every client's capacity (p_max in HAS-FL's paper), by client id: the most each may be allocated."""
         return np.array([float(c.capacity) for c in self.ctx.federation.clients])
 
     State = HasFLState
@@ -125,8 +126,8 @@ class HasFL(FedAvg):
     def init_state(self) -> ServerState:
         state = super().init_state()
         n = len(self.ctx.federation.clients)
-        state.strategy_state = HasFLState(h_tilde=np.ones(n), h_hat=np.full(n, np.nan), alloc=self.p_max(),
-                                          alloc_used=self.p_max())
+        state.strategy_state = HasFLState(h_tilde=np.ones(n), h_hat=np.full(n, np.nan), alloc=self.capacities(),
+                                          alloc_used=self.capacities())
         return state
 
     def is_adaptation_round(self, t: int) -> bool:
@@ -157,7 +158,7 @@ class HasFL(FedAvg):
     def allocate(self, h_tilde: np.ndarray, t: int) -> np.ndarray:
         """New allocations at an adaptation step (Eq. 6 + coverage guarantee)."""
         o = self.opts
-        return allocation_rule(h_tilde, self.p_max(), o.p_min, o.gamma, o.eps, o.coverage)
+        return allocation_rule(h_tilde, self.capacities(), o.p_min, o.gamma, o.eps, o.coverage)
 
     def estimate_columns(self, state: ServerState, client_id: int) -> dict[str, Any]:
         raw = float(state.strategy_state.h_hat[client_id])

@@ -211,7 +211,7 @@ class Moon(FedAvg):
         """samples_seen x (full forward + k frozen encoder forwards), k = 2, or 1 with no previous model
         (module docstring, "Compute")."""
         k = 1 if plan.payload(HOOK).prev is None else 2
-        return int(result.samples_seen) * (self.mask_macs(None) + k * self.encoder_macs())
+        return int(result.samples_seen) * (self.compute.mask_macs(None) + k * self.compute.encoder_macs())
 
     def init_state(self) -> ServerState:
         """The seeded template as w^0 and no previous local models yet."""

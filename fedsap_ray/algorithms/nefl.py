@@ -1,5 +1,5 @@
 """NeFL (Kang et al., IEEE TMC 2025, "NeFL: Nested Model Scaling for Federated Learning with
-System Heterogeneous Clients") at each client's keep ratio (papers/000 Table 1).
+System Heterogeneous Clients") at each client's capacity (papers/000 Table 1).
 
 Default (``depth=false``): width-only nesting (NeFL-W), the leading ceil(kappa_i C_l) channels of
 every layer, i.e. the HeteroFL sub-model at kappa_i. That is the NeFL setting of the comparison
@@ -11,9 +11,9 @@ identity blocks of ResNet18 at kappa 0.2 and 0.4 (issue 13).
 model in depth AND width: a sub-model skips some residual blocks and keeps the leading channels of
 the others, and the server
 averages every coordinate over the sub-models that contain it (NeFL's NeFedAvg, which
-for a coordinate is papers/003 Algorithm 1 line 18; :class:`~fedsap_ray.algorithms.nested.SubModelStrategy`).
+for a coordinate is papers/003 Algorithm 1 line 18; :class:`~fedsap_ray.algorithms.channel_subsets.ChannelSubsetStrategy`).
 
-Budget. Client i with keep ratio kappa_i (= 1 - pruning ratio; kappa_i = 1: full model)
+Budget. Client i with capacity kappa_i (= 1 - pruning ratio; kappa_i = 1: full model)
 gets the parameter budget of the width-only nested sub-model at kappa_i,
 B = trainable parameters of the leading ceil(kappa_i C_l) channels of every layer
 (:func:`fedsap_ray.models.masks.params_in_mask` over nn.Parameters, BN running statistics not
@@ -75,7 +75,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from fedsap_ray.algorithms.fedavg import WEIGHTINGS
-from fedsap_ray.algorithms.nested import SubModelStrategy
+from fedsap_ray.algorithms.channel_subsets import ChannelSubsetStrategy
 from fedsap_ray.algorithms.registry import register
 from fedsap_ray.config.checks import check_bool, check_choice, check_number
 from fedsap_ray.models.masks import ChannelMasks, nested_channel_masks, nested_count
@@ -94,7 +94,7 @@ class SkippableBlock:
 
 
 @register("nefl")
-class NeFL(SubModelStrategy):
+class NeFL(ChannelSubsetStrategy):
     summary = "nested width-only sub-models at kappa_i (depth=true: also skip identity blocks, deepest first)"
     supports_async = True  # docs/readings.md#asynchronous-training
 
@@ -115,12 +115,12 @@ class NeFL(SubModelStrategy):
 
     # --- the sub-model ----------------------------------------------------------------
     def channel_masks(self, state: ServerState, client_id: int, t: int) -> ChannelMasks | None:
-        kappa = float(self.ctx.federation.clients[client_id].capacity)
-        return None if kappa >= 1.0 else self.nefl_masks(kappa)
+        capacity = float(self.ctx.federation.clients[client_id].capacity)
+        return None if capacity >= 1.0 else self.nefl_masks(capacity)
 
-    def nefl_masks(self, kappa: float) -> dict[str, np.ndarray]:
+    def nefl_masks(self, capacity: float) -> dict[str, np.ndarray]:
         """Leading ceil(p C_l) channels, and an empty inner layer for every skipped block."""
-        skip, p = self.scaling(kappa)
+        skip, p = self.scaling(capacity)
         out = dict(nested_channel_masks(self.ctx.space, p))
         for blk in self.skippable():
             if blk.name in skip:
@@ -138,7 +138,7 @@ class NeFL(SubModelStrategy):
 
     # --- the depth/width rule (pure in kappa, memoised) ---------------------------------
     def scaling(self, kappa: float) -> tuple[tuple[str, ...], float]:
-        """(skipped blocks, deepest first; width p) of the keep-ratio-kappa client (module docstring)."""
+        """(skipped blocks, deepest first; width p) of a client of capacity ``kappa`` (module docstring)."""
         return self.memo("scaling", kappa, lambda: self._scaling(kappa))
 
     def _scaling(self, kappa: float) -> tuple[tuple[str, ...], float]:
@@ -184,9 +184,9 @@ class NeFL(SubModelStrategy):
             n += c
         return n
 
-    def budget(self, kappa: float) -> int:
-        """B: trainable parameters of the width-only nested sub-model at kappa."""
-        return self.trainable_count(self._nested_counts(kappa), ())
+    def budget(self, capacity: float) -> int:
+        """B: trainable parameters of the width-only nested sub-model at ``capacity`` (kappa_i)."""
+        return self.trainable_count(self._nested_counts(capacity), ())
 
     # --- structure, read once from the template model -----------------------------------
     def skippable(self) -> tuple[SkippableBlock, ...]:

@@ -1,8 +1,8 @@
 """Channel selection rules shared by the pruning baselines (FedMP, DapperFL, FedDrop) and FedSAP.
 
 Every rule returns per-layer boolean channel masks over a model's ChannelSpace that keep
-ceil(kappa * C_l) channels of every layer (the count of papers/003 Algorithm 2, so a
-keep ratio means the same width under every rule); turn them into parameter masks with
+ceil(width * C_l) channels of every layer (the count of papers/003 Algorithm 2, so a
+width means the same channel count under every rule); turn them into parameter masks with
 :func:`fedsap_ray.models.masks.param_mask`.
 """
 from __future__ import annotations
@@ -31,28 +31,28 @@ def filter_l1_scores(space: ChannelSpace, layout: ParamLayout, params: np.ndarra
     return np.concatenate(scores)
 
 
-def top_channel_masks(space: ChannelSpace, scores: np.ndarray, keep_ratio: float) -> ChannelMasks:
-    """The ceil(kappa * C_l) highest-scoring channels of every layer (ties: lower index first)."""
+def top_channel_masks(space: ChannelSpace, scores: np.ndarray, width: float) -> ChannelMasks:
+    """The ceil(width * C_l) highest-scoring channels of every layer (ties: lower index first)."""
     out, start = {}, 0
     for layer in space.layers:
         seg = scores[start:start + layer.channels]
         m = np.zeros(layer.channels, dtype=bool)
-        m[np.argsort(-seg, kind="stable")[:nested_count(keep_ratio, layer.channels)]] = True
+        m[np.argsort(-seg, kind="stable")[:nested_count(width, layer.channels)]] = True
         out[layer.name] = m
         start += layer.channels
     return out
 
 
-def l1_channel_masks(space: ChannelSpace, layout: ParamLayout, params: np.ndarray, keep_ratio: float) -> ChannelMasks:
+def l1_channel_masks(space: ChannelSpace, layout: ParamLayout, params: np.ndarray, width: float) -> ChannelMasks:
     """Structured magnitude pruning: keep the filters with the largest L1 norm in every layer."""
-    return top_channel_masks(space, filter_l1_scores(space, layout, params), keep_ratio)
+    return top_channel_masks(space, filter_l1_scores(space, layout, params), width)
 
 
-def random_channel_masks(space: ChannelSpace, keep_ratio: float, rng: np.random.Generator) -> ChannelMasks:
-    """A uniformly random subset of ceil(kappa * C_l) channels of every layer."""
+def random_channel_masks(space: ChannelSpace, width: float, rng: np.random.Generator) -> ChannelMasks:
+    """A uniformly random subset of ceil(width * C_l) channels of every layer."""
     out = {}
     for layer in space.layers:
         m = np.zeros(layer.channels, dtype=bool)
-        m[rng.choice(layer.channels, size=nested_count(keep_ratio, layer.channels), replace=False)] = True
+        m[rng.choice(layer.channels, size=nested_count(width, layer.channels), replace=False)] = True
         out[layer.name] = m
     return out

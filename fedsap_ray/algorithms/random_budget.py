@@ -77,7 +77,7 @@ class RandomBudget(HasFL):
         return float(super().allocate(h_tilde, t).mean())
 
     def allocate(self, h_tilde: np.ndarray, t: int) -> np.ndarray:
-        p_max = self.p_max()
+        p_max = self.capacities()
         rng = rng_for(self.cfg.seed, t, -1, "random_budget")
         draws = rng.uniform(np.minimum(self.opts.p_low, p_max), p_max)
         fixed = p_max == p_max.max() if self.opts.coverage else np.zeros(len(p_max), dtype=bool)

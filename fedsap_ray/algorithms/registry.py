@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.contract import Strategy
 from fedsap_ray.config.registry import STRATEGIES
 from fedsap_ray.config.schema import parse_options as _parse_options
 

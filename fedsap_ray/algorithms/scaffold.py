@@ -2,7 +2,7 @@
 Federated Learning", Algorithm 1 with the option II control-variate update), full model.
 
 With server model x, server control c, client control c_i (zero until client i first
-participates), round learning rate eta (``training.lr`` decayed, :meth:`Strategy.lr_at`)
+participates), round learning rate eta (``training.lr`` decayed, :func:`~fedsap_ray.algorithms.schedule.lr_at`)
 and server step size eta_g (``algorithm.global_lr``), a round over the sampled set S is
 
     client i, each local step (line 10):   y <- y - eta (g_i(y) - c_i + c)
@@ -47,10 +47,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import CHANNEL_COUNT_COLUMNS, clients_only
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.hooks import ClientHook, call, register_hook
 from fedsap_ray.algorithms.registry import register
+from fedsap_ray.algorithms.schedule import lr_at, plan_settings
 from fedsap_ray.config.checks import check_number
 from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, ServerState
@@ -129,11 +131,10 @@ class Scaffold(Strategy):
         state.strategy_state = {"c": np.zeros(self.ctx.layout.size, dtype=np.float32), "c_i": {}}
         return state
 
-    def plan_kwargs(self, t: int, client_id: int) -> dict[str, Any]:
-        """The base plan with momentum 0: vanilla local SGD (papers/003 section 4.5)."""
-        kw = super().plan_kwargs(t, client_id)
-        kw["momentum"] = 0.0
-        return kw
+    def sgd_settings(self, t: int, client_id: int) -> dict[str, Any]:
+        """The plan's settings (:func:`~fedsap_ray.algorithms.schedule.plan_settings`) with momentum 0: vanilla local
+        SGD (papers/003 section 4.5)."""
+        return {**plan_settings(self.cfg, t, client_id), "momentum": 0.0}
 
     def control_for(self, state: ServerState, client_id: int) -> np.ndarray:
         """The correction c - c_i of Algorithm 1 line 10 (c_i = 0 for a client not seen yet)."""
@@ -147,12 +148,12 @@ class Scaffold(Strategy):
 
     def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]:
         plans: dict[int, ClientPlan] = {}
-        for cid in self.sample_clients(t):
+        for cid in self.sampler.sample(t):
             control = self.control_for(state, cid)  # sent down; the client would send Delta c_i back up
             plans[cid] = ClientPlan(
                 params=state.params, mask=None, capacity_used=1.0,  # shared, never mutated
                 hooks=(call(ControlCorrection, control=control),), side_bytes_down=control.nbytes, side_bytes_up=control.nbytes,
-                **self.plan_kwargs(t, cid),
+                **self.sgd_settings(t, cid),
             )
         return plans
 
@@ -162,7 +163,7 @@ class Scaffold(Strategy):
         if not results:
             raise ValueError(f"round {t}: SCAFFOLD needs at least one client result")
         results = sorted(results, key=lambda r: r.client_id)
-        lr = self.lr_at(t)
+        lr = lr_at(self.cfg, t)
         x = state.params.astype(np.float64)
         c = state.strategy_state["c"].astype(np.float64)
         pc = self.param_coords
@@ -188,4 +189,4 @@ class Scaffold(Strategy):
         c_new = c + dc_sum / self.n_clients  # |S|/N * mean over S = sum over S / N
         extra = dict(state.strategy_state)
         extra.update(c=c_new.astype(np.float32), c_i=c_i)
-        return self.output(ServerState(round=t, params=params.astype(np.float32), strategy_state=extra), plans, results)
+        return clients_only(self, ServerState(round=t, params=params.astype(np.float32), strategy_state=extra), plans, results)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.contract import Strategy
 from fedsap_ray.common.messages import ServerState
 from fedsap_ray.common.seeding import rng_for
 

@@ -39,10 +39,11 @@ class HookCall:
 
 
 @dataclass(frozen=True)
-class Overlay:
+class StartOverlay:
     """Coordinates a plan's start takes from a second shared vector: ``values[j]`` where ``where[j]``, the
     plan's ``params[j]`` elsewhere. Both vectors are shared between plans and never mutated; ``where`` is
-    the client's own (it travels packed to bits, 1/32 of a vector)."""
+    the client's own (it travels packed to bits, 1/32 of a vector). A checkpoint stores it by these fields
+    under the plan's ``overlay``, never by its class name (:mod:`fedsap_ray.persist.messagetree`)."""
 
     values: np.ndarray  # float32 [n_params]
     where: np.ndarray  # bool [n_params]
@@ -65,7 +66,7 @@ class ClientPlan:
     max_steps_per_epoch: int | None = None
     seed: int = 0  # seeds batch order etc.: derived from (run seed, round, client, purpose)
     submodel: str = "sliced"  # sliced | masked: how the client trains its sub-model (training.submodel)
-    capacity_used: float = 1.0  # fraction of channels active (p_i / kappa_i as realised)
+    capacity_used: float = 1.0  # the trained width: fraction of channels active (the realised p_i / kappa_i)
     # the client hooks that customise local training, in calling order, each with its typed payload
     # (fedsap_ray.algorithms.hooks); pure data, so any worker can run any client
     hooks: tuple[HookCall, ...] = ()
@@ -73,8 +74,8 @@ class ClientPlan:
     # variates c - c_i down and Delta c_i up), counted in bytes_down / the clients' bytes_up
     side_bytes_down: int = 0
     side_bytes_up: int = 0
-    # where the start takes coordinates from a second vector (Overlay; None: params alone)
-    overlay: Overlay | None = None
+    # where the start takes coordinates from a second vector (StartOverlay; None: params alone)
+    overlay: StartOverlay | None = None
 
     def __post_init__(self) -> None:
         if self.params.dtype != np.float32 or self.params.ndim != 1:

@@ -88,7 +88,7 @@ class ClientSpec:
     domain: str  # true domain (ground truth: strategies see ClientInfo, which has none)
     indices: np.ndarray  # int64 indices into Federation.train[domain]
     pruning_ratio: float  # FedSAP rho_i (0 under the tiers scheme)
-    capacity: float  # keep ratio kappa_i = 1 - rho_i, or HAS-FL p_max
+    capacity: float  # what the device can train: kappa_i = 1 - rho_i, or HAS-FL's p_max
     tv_distance: float  # TV(client label distribution, global label distribution)
     label_counts: np.ndarray  # int64 [num_classes]
 
@@ -179,12 +179,12 @@ class ClientInfo:
     client_id: int
     n_samples: int
     pruning_ratio: float  # FedSAP rho_i (0 under the tiers scheme)
-    capacity: float  # keep ratio kappa_i = 1 - rho_i, or HAS-FL p_max
+    capacity: float  # what the device can train: kappa_i = 1 - rho_i, or HAS-FL's p_max
 
 
 @dataclass(frozen=True)
 class FederationView:
-    """The federation as a strategy sees it (:class:`fedsap_ray.algorithms.base.StrategyContext`)."""
+    """The federation as a strategy sees it (:class:`fedsap_ray.algorithms.context.StrategyContext`)."""
 
     dataset: str
     clients: tuple[ClientInfo, ...]

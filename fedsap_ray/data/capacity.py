@@ -1,6 +1,6 @@
 """Client device capacities: FedSAP's cyclic pruning ratios and HAS-FL's p_max tiers.
 
-Returns, per client, ``pruning_ratio`` (FedSAP rho_i) and ``capacity`` (keep ratio
+Returns, per client, ``pruning_ratio`` (FedSAP rho_i) and ``capacity`` (what the device can train:
 kappa_i = 1 - rho_i for FedSAP-style methods, or p_max for HAS-FL-style methods).
 """
 from __future__ import annotations

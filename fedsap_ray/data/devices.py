@@ -223,7 +223,7 @@ class DeviceClock:
 
     def __init__(self, cfg: ExperimentConfig, devices: Sequence[Device]) -> None:
         self.cfg = cfg
-        self.devices = list(devices)  # devices_for's list (the strategy's, Strategy.devices)
+        self.devices = list(devices)  # devices_for's list (the strategy's, Sampler.devices)
         self.k = round_size(cfg, len(self.devices))  # the clients a round aggregates under over_select
 
     def round(self, t: int, costs: Mapping[int, tuple[int, int, int]]) -> SimRound:

@@ -15,7 +15,7 @@ The file (docs/guides/own-data.md#an-explicit-partition)::
   ``data.max_train_per_domain`` is refused with this partition); it may be left out when the dataset has one;
 - ``indices``: a non-empty list of distinct sample positions in that split, in the order the client holds them;
   two clients share no sample unless the file says ``"allow_overlap": true``;
-- ``capacity`` (optional): the client's keep ratio, in (0, 1]; it replaces what ``capacity.scheme`` gives that
+- ``capacity`` (optional): the client's capacity (kappa_i), in (0, 1]; it replaces what ``capacity.scheme`` gives that
   client (its ``pruning_ratio`` is then 1 - capacity, as under ``capacity.scheme=explicit``).
 
 Every refusal is one :class:`~fedsap_ray.common.errors.ConfigError` line naming the file, the client (its id and its
@@ -199,7 +199,7 @@ def _client(k: int, e: Any, where: str) -> ExplicitClient:
         raise ConfigError(f"{at}: indices holds a number too large for a sample position") from None
     capacity = e.get("capacity")
     if capacity is not None and (type(capacity) not in (int, float)):
-        raise ConfigError(f"{at}: capacity is {short(capacity)}; a keep ratio in (0, 1]")
+        raise ConfigError(f"{at}: capacity is {short(capacity)}; a capacity in (0, 1]")
     return ExplicitClient(cid, domain, indices, None if capacity is None else float(capacity))
 
 
@@ -232,7 +232,7 @@ def _check_clients(clients: Sequence[ExplicitClient], where: str) -> None:
         cap = c.capacity
         if cap is not None and not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
                                     and math.isfinite(cap) and 0 < cap <= 1):
-            raise ConfigError(f"{at}: capacity is {short(cap)}; a keep ratio in (0, 1]")
+            raise ConfigError(f"{at}: capacity is {short(cap)}; a capacity in (0, 1]")
     missing = sorted(set(range(len(clients))) - set(seen))
     if missing:
         raise ConfigError(f"{where}: client ids must be 0..{len(clients) - 1}, one per client; {short(missing)} "

@@ -372,7 +372,7 @@ def results_page() -> str:
            f"[fedsap_ray/results/schema.py]({rel('fedsap_ray/results/schema.py')}) and filled by the recording "
            f"side for every algorithm (including those computed from ground truth no strategy sees: "
            f"`true_domain`, `tv_distance`, `ari_domain`); the others are declared by the strategies "
-           f"(`Strategy.columns`, [fedsap_ray/algorithms/base.py]({rel('fedsap_ray/algorithms/base.py')})) "
+           f"(`Strategy.columns`, [fedsap_ray/algorithms/contract.py]({rel('fedsap_ray/algorithms/contract.py')})) "
            f"and listed under the algorithms whose runs write them (`Strategy.writes`: with their default options, "
            f"or with the option named); they are null in the rows of every other algorithm. Every table has one "
            f"schema whatever the "
@@ -399,14 +399,15 @@ def results_page() -> str:
 
 
 def writers(table: str, declaring: Iterable[str]) -> list[str]:
-    """Of the algorithms ``declaring`` a column of ``table``, those whose runs write it (``Strategy.writes_under``),
+    """Of the algorithms ``declaring`` a column of ``table``, those whose runs write it (``declarations.writes_under``),
     each with the option setting it needs when its defaults do not write it; a method that never writes the
     table's declared columns (FedDrop's inherited allocations) is left out."""
     from fedsap_ray import algorithms
+    from fedsap_ray.algorithms.declarations import writes_under
 
     out = []
     for name in declaring:
-        setting = algorithms.get(name).writes_under(table)
+        setting = writes_under(algorithms.get(name), table)
         if setting is None:
             continue
         needs = ", ".join(code(f"algorithm.{k}={v}") for k, v in setting.items())

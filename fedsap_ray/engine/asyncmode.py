@@ -26,7 +26,8 @@ The engine (:class:`AsyncServer`, one :meth:`~AsyncServer.round` call per server
 - Clients started at one instant do not depend on each other and go to ``backend.train`` together, so
   the tables are those of the local backend on any backend. Selection is seeded: the first start of
   version v draws from ``rng_for(seed, v + 1, -1, "sample")``, exactly a synchronous round's draw
-  (:meth:`Strategy.sample_clients`), later ones from ``rng_for(seed, v + 1, j, "async-sample")``.
+  (:meth:`fedsap_ray.algorithms.sampling.Sampler.sample`), later ones from
+  ``rng_for(seed, v + 1, j, "async-sample")``.
 
 The server step (FedBuff Algorithm 1 line 11: Delta_bar = sum of the buffered s(tau_i) Delta_i; line 12:
 x <- x + eta_g Delta_bar), our reading with sub-models and sample counts: with Delta_i = y_i - x_{v_i}
@@ -68,6 +69,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
+from fedsap_ray.algorithms.records import client_cost
 from fedsap_ray.data.devices import SimRound, available, client_time, round_size
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.engine.evaluate import evaluate_modes
@@ -75,7 +77,7 @@ from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords, S
 from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.engine.summary import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
-from fedsap_ray.engine.server import Server, due
+from fedsap_ray.engine.server import Server, on_schedule
 from fedsap_ray.algorithms.staleness import update_factor, weight_for
 from fedsap_ray.persist.statecheck import BadCheckpoint, check_params
 
@@ -90,8 +92,9 @@ PROGRESS = "  step: {updates_applied} updates, staleness mean {staleness_mean:.2
 
 
 class AsyncStrategy(Protocol):
-    """What the asynchronous engine asks of a strategy besides :class:`~fedsap_ray.engine.server.RoundStrategy`
-    (:class:`~fedsap_ray.algorithms.fedavg.FedAvg` and its supported subclasses have it, and
+    """What the asynchronous engine asks of a strategy besides the contract
+    (:class:`~fedsap_ray.algorithms.contract.Strategy`): FedAvg's extension points
+    (:class:`~fedsap_ray.algorithms.fedavg.FedAvg` and its supported subclasses have them, and
     :class:`~fedsap_ray.algorithms.dapperfl.DapperFL`)."""
 
     def configure_clients(self, state: ServerState, t: int, clients: list[int]) -> dict[int, ClientPlan]: ...
@@ -105,9 +108,6 @@ class AsyncStrategy(Protocol):
     def records(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
                 t: int) -> RoundRecords: ...
 
-    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]: ...
-
-    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -253,7 +253,7 @@ class AsyncServer(Server):
         for r in sorted(results, key=lambda r: r.client_id):
             plan = plans[r.client_id]
             sim_s = client_time(cfg, self.clock.devices[r.client_id], t, r.client_id,
-                                self.astrategy.train_macs(plan, r), plan.bytes_down, r.bytes_up + plan.side_bytes_up)
+                                self.strategy.train_macs(plan, r), plan.bytes_down, r.bytes_up + plan.side_bytes_up)
             u = Update(r.client_id, v, self.now, self.now + sim_s, state.params, plan, r, sim_s)
             heapq.heappush(self.flight, (u.finish_s, u.client_id, u))
 
@@ -292,7 +292,7 @@ class AsyncServer(Server):
                                         staleness=stal[u.client_id], sim_arrival_s=u.finish_s,
                                         staleness_weight=weight[u.client_id])
         for u in dropped:
-            clients[u.client_id] = {**s.spent(u.plan, u.result), "version_trained": u.version, "version_applied": None,
+            clients[u.client_id] = {**client_cost(self.strategy, u.plan, u.result), "version_trained": u.version, "version_applied": None,
                                     "staleness": stal[u.client_id], "sim_arrival_s": u.finish_s,
                                     "staleness_weight": None}
         applied_stal = [stal[u.client_id] for u in applied]
@@ -300,7 +300,7 @@ class AsyncServer(Server):
                        staleness_mean=float(np.mean(applied_stal)) if applied_stal else None,
                        staleness_max=max(applied_stal) if applied_stal else None)
         records = dataclasses.replace(records, rounds=columns, clients=clients, progress=records.progress + PROGRESS)
-        self.recorder.cover(plans)  # coverage counts the updates that reached the model
+        self.recorder.count_coverage(plans)  # coverage counts the updates that reached the model
         every = [*applied, *dropped]
         sim = SimRound({u.client_id: u.sim_s for u in every}, frozenset(u.client_id for u in dropped),
                        self.now - self.last_step_s)
@@ -331,8 +331,8 @@ class AsyncServer(Server):
         cfg = self.ctx.cfg
         every_s, last = self.acfg.eval_every_s, cfg.training.rounds
         if every_s is None:
-            evaluated = due(t, cfg.training.eval_every, last)
-            deployed_now = due(t, cfg.training.deployed_every, last)
+            evaluated = on_schedule(t, cfg.training.eval_every, last)
+            deployed_now = on_schedule(t, cfg.training.deployed_every, last)
         else:  # before: the previous step's recorded sim_elapsed_s; after: this one's, as the recorder adds it
             before = self.recorder.sim_elapsed_s
             evaluated = crossed(before, before + round_s, every_s) or t == last

@@ -155,7 +155,7 @@ class PreparedData:
 #: (:func:`fedsap_ray.run.session.diverged`: in ``devices.mode=async`` also ``asynchronous.server_lr``).
 DIVERGED_HINT = "diverged; lower training.lr?"
 
-PREPARED_BYTES = 512 << 20  # per backend / Ray worker: 200 x 16 CIFAR-sized clients take 39 MB
+PREPARED_BYTES = 512 << 20  # per backend / Ray worker: room for a large round's prepared clients (issue 27)
 
 
 def default_workers(torch_threads: int) -> int:
@@ -184,7 +184,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
     to_device(model, device)
     sliced = _sliced_for(plan, model, layout)
     # the model the loop trains: the dense sub-network when sliced (module docstring), else the scratch model
-    tmodel, tlayout = (model, layout) if sliced is None else (sliced.model, sliced.layout)
+    train_model, train_layout = (model, layout) if sliced is None else (sliced.model, sliced.layout)
     hooks: list[ClientHook] = []
     try:
         make_hooks(plan, model, layout, device, hooks, sliced)
@@ -194,11 +194,11 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
         if sliced is None:
             layout.load_into(model, start)
         else:
-            to_device(tmodel, device)
-            tlayout.load_into(tmodel, sliced.gather(start))
+            to_device(train_model, device)
+            train_layout.load_into(train_model, sliced.gather(start))
         for h in hooks:
-            h.start(tmodel)
-        losses, steps, seen = _loop(plan, tmodel, tlayout, data, device, hooks, None if sliced else plan.mask)
+            h.start(train_model)
+        losses, steps, seen = _loop(plan, train_model, train_layout, data, device, hooks, None if sliced else plan.mask)
     finally:
         for h in hooks:
             h.close()  # the scratch model is reused: never leave hooks behind
@@ -207,12 +207,12 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
         raise ValueError(f"no training step ran ({n} samples, batch size {plan.batch_size})")
     # read once after training: the same float32 values as a per-step float(), averaged in float64; the sum
     # divided by the count is what np.mean computes (same reduction, same division) without its call
-    # overhead (0.2-0.8% of a 200 x 16 round in two py-spy profiles)
+    # overhead, which showed in profiles of many small clients (issue 27)
     steps64 = torch.stack(losses).to("cpu", torch.float64).numpy()
     loss_mean = float(np.add.reduce(steps64) / steps64.size)
     if not np.isfinite(loss_mean):
         raise FloatingPointError(f"training loss is {loss_mean} ({DIVERGED_HINT})")
-    flat = tlayout.flatten(tmodel)
+    flat = train_layout.flatten(train_model)
     if sliced is not None:
         flat = sliced.scatter_into(start, flat)
     chosen = [m for m in (h.upload_mask() for h in hooks) if m is not None]
@@ -224,7 +224,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
     values = flat if upload is None else flat[upload]
     stats: dict[str, np.ndarray] = {}
     for h in hooks:
-        out = h.result(tmodel)
+        out = h.result(train_model)
         clash = sorted(set(out) & set(stats))
         if clash:
             raise ValueError(f"client hook {type(h).__name__} sends back {clash}, already sent by another hook")
@@ -248,7 +248,7 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
     """The local epochs on ``model`` (gradients masked to ``mask``, None for a full or sliced model):
     (per-step losses, kept on the device; optimizer steps over all epochs; samples in their batches)."""
     params = [p for p in model.parameters()]
-    tmask = None if mask is None else TorchMask.build(model, layout, mask)
+    grad_mask = None if mask is None else TorchMask.build(model, layout, mask)
     base = next((h for h in hooks if defines_loss(h)), None)  # at most one (make_hooks)
     opt = torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
     x_all = as_input(data.x).to(device)
@@ -277,8 +277,8 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
             for h in hooks:
                 loss = h.add_terms(model, loss)
             loss.backward()
-            if tmask is not None:
-                mask_grads_(model, layout, tmask)
+            if grad_mask is not None:
+                mask_grads_(model, layout, grad_mask)
             for h in hooks:
                 h.after_backward(model)
             if plan.grad_clip is not None:

@@ -2,14 +2,14 @@
 docs/reference/results.md#rounds), for the server's models and for the model each client deploys.
 
 The ``deployed`` eval mode judges what a device would actually run: client i's own model at
-its own mask (:meth:`fedsap_ray.algorithms.base.Strategy.deployed_model`), on its own domain's
+its own mask (:meth:`fedsap_ray.algorithms.contract.Strategy.deployed_model`), on its own domain's
 test split. It is run as the device would run it, at the device's cost (issue 27): when a channel
 set describes the mask, as the dense sliced sub-network (:func:`fedsap_ray.models.sliced.sliced_model`, the
 same one the client trains; ``training.submodel=sliced``, the default), else, and with
 ``training.submodel=masked``, as the masked full-size model with the uncovered coordinates zeroed,
 which computes the sliced sub-model's outputs to float rounding (a dropped channel's weights, BN
 scale and shift are zero, so its activation is zero; tests/engine/test_deployed_eval.py checks both against
-a sub-model it builds by hand). At the laptop preset's mean keep ratio of 0.6 the sliced network
+a sub-model it builds by hand). At the laptop preset's mean capacity of 0.6 the sliced network
 costs about half the masked one's multiply-accumulates.
 
 Nothing is evaluated twice: clients that would run identical parameters on one domain are evaluated
@@ -56,9 +56,8 @@ V = TypeVar("V")
 
 
 #: Test images per forward pass. Evaluation is a forward pass per image, so the batch only changes how
-#: the work is cut: on the CPU smaller batches stay in cache (ResNet10 at width 0.25, 500 images, one
-#: thread: batch 128 channels-last 0.19 s against batch 1024 contiguous 0.29 s; at width 1.0 1.8 s
-#: against 2.8 s; ``benchmarks/eval_speed.py``). Figures change by float rounding only (the summation
+#: the work is cut: on the CPU smaller batches stay in cache and run faster (``benchmarks/eval_speed.py``;
+#: docs/guides/performance.md has the figures). Figures change by float rounding only (the summation
 #: order of the loss and the kernels' blocking), never an accuracy (golden-number check).
 INFER_BATCH = 128
 
@@ -70,10 +69,9 @@ def inference_module(model: nn.Module, device: torch.device) -> tuple[nn.Module,
     - each (convolution, BatchNorm) pair the model lists (``MaskableModel.conv_bn_pairs``) is folded into one
       convolution (:func:`torch.nn.utils.fusion.fuse_conv_bn_eval`: W' = W g / sqrt(v + eps),
       b' = (b - m) g / sqrt(v + eps) + beta, the eval-mode BN's affine map with running mean m and variance v),
-      on a copy, so the scratch model is untouched: no BatchNorm pass at evaluation (ResNet10 at width 0.25 on
-      the CPU, 500 images, one thread, batches of 128 channels-last: 0.148 s -> 0.119 s on the laptop preset's
-      digits, 0.178 s -> 0.098 s on random inputs, the fold itself 4 ms; largest difference in the logits
-      1e-8; in the default job's whole evaluation it did not show: docs/guides/performance.md);
+      on a copy, so the scratch model is untouched: no BatchNorm pass at evaluation (faster per batch, the
+      largest difference in the logits 1e-8; in the default job's whole evaluation it did not show: the figures
+      are in docs/guides/performance.md);
     - a network with a 2-d convolution runs channels-last (the layout oneDNN and cuDNN convolve in without a
       reorder per layer), others contiguous.
     """
@@ -213,8 +211,8 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
     jobs: dict[tuple, DeployedModel] = {}
     key_of: dict[int, tuple] = {}
     # the same (params, mask) objects give the same vector: masked and hashed once, not once per client
-    # (every client of one width deploys the same cached mask of the same global model; 20 MB hashed per
-    # client at ResNet10's width 1.0 was 0.05 s each, issue 42)
+    # (every client of one width deploys the same cached mask of the same global model, and hashing a
+    # paper-width model per client showed in the round: issue 42)
     seen: dict[tuple[int, int], tuple[np.ndarray, bytes]] = {}
     for m in models:
         ident = (id(m.params), id(m.mask))

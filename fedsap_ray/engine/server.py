@@ -4,13 +4,13 @@
     results        = backend.train(plans)                      # ClientResult per client, any order, any worker
     check_results(plans, results)                              # each holds its values at ClientResult.mask
     sim            = clock.round(t, strategy.train_macs and the bytes of each result)  # simulated device time
-    recorder.cover(the plans of the clients not in sim.stragglers)  # coverage: updates that reach the model
+    recorder.count_coverage(the plans of the clients not in sim.stragglers)  # updates that reach the model
     if sim.stragglers:                                         # past the deadline (devices.policy)
         state, records = strategy.aggregate(state, plans, results, t) of the others  # none: state unchanged
-        records.clients += strategy.spent(plan, result) of each straggler           # what it spent, recorded
+        records.clients += client_cost(strategy, plan, result) of each straggler  # what it cost, recorded
     else:
         state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: ServerState + RoundRecords
-    if due(t, training.eval_every):                            # and always the last round
+    if on_schedule(t, training.eval_every):                    # and always the last round
         evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
     summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
@@ -25,44 +25,18 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
-import numpy as np
-
 from torch import nn
 
-from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.context import RunContext
-from fedsap_ray.data.base import EvalDomains
-from fedsap_ray.data.devices import Device, DeviceClock, SimRound
-from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import client_cost
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
-from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
+from fedsap_ray.data.devices import DeviceClock, SimRound
+from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
+from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary
 
-__all__ = ["DEPLOYED", "Backend", "RoundRecorder", "RoundStrategy", "RoundSummary", "Server", "deployed_sample", "due"]
-
-
-class RoundStrategy(Protocol):
-    """What the round loop asks of a strategy (``fedsap_ray.algorithms.base.Strategy`` is one): the plans, the
-    aggregation that returns everything it computed, and the models to evaluate. Named here so the server
-    needs nothing from the strategies' package."""
-
-    def configure_round(self, state: ServerState, t: int) -> dict[int, ClientPlan]: ...
-
-    def aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
-                  t: int) -> RoundOutput: ...
-
-    def eval_sets(self, state: ServerState, domains: EvalDomains) -> dict[str, dict[str, np.ndarray]]: ...
-
-    def deployed_model(self, state: ServerState, client_id: int) -> tuple[np.ndarray, np.ndarray | None]: ...
-
-    def spent(self, plan: ClientPlan, result: ClientResult) -> dict[str, int]: ...
-
-    def train_macs(self, plan: ClientPlan, result: ClientResult) -> int: ...
-
-    def devices(self) -> list[Device]: ...
-
-    @classmethod
-    def declared_columns(cls, table: str) -> list[Column]: ...
+__all__ = ["DEPLOYED", "Backend", "RoundRecorder", "RoundSummary", "Server", "deployed_sample", "on_schedule"]
 
 
 class RoundRecorder(Protocol):
@@ -71,7 +45,7 @@ class RoundRecorder(Protocol):
 
     sim_elapsed_s: float
 
-    def cover(self, plans: Mapping[int, ClientPlan]) -> None: ...
+    def count_coverage(self, plans: Mapping[int, ClientPlan]) -> None: ...
 
     def record(self, t: int, plans: Mapping[int, ClientPlan], results: list[ClientResult], records: RoundRecords,
                evaluation: RoundEvaluation, times: PhaseTimes, sim: SimRound) -> RoundSummary: ...
@@ -90,13 +64,13 @@ class Backend(Protocol):
 class Server:
     """One round at a time: strategy + backend + evaluation; the recorder writes the rows."""
 
-    def __init__(self, ctx: RunContext, strategy: RoundStrategy, backend: Backend, recorder: RoundRecorder,
+    def __init__(self, ctx: RunContext, strategy: Strategy, backend: Backend, recorder: RoundRecorder,
                  deployed_clients: list[int], eval_models: list[nn.Module], device) -> None:
         self.ctx, self.strategy, self.backend, self.recorder = ctx, strategy, backend, recorder
         self.eval_scratch, self.device = eval_models, device
         self.deployed_clients = deployed_clients  # whose deployed model is evaluated (deployed_sample)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
-        self.clock = DeviceClock(ctx.cfg, strategy.devices())  # simulated device time, the strategy's devices
+        self.clock = DeviceClock(ctx.cfg, strategy.sampler.devices())  # simulated device time, the strategy's devices
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
         """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).
@@ -116,32 +90,32 @@ class Server:
         if missing:
             raise RuntimeError(f"round {t}: no result from clients {sorted(missing)}")
         check_results(plans, results, type(self.strategy).__name__)  # what each result holds (messages.py)
-        # aggregate's client_records asks for train_macs again: an O(parameters) count for a masked plan, 0.3 ms
-        # at the paper's width (ResNet10, 4.9M parameters; measured), so no cache
+        # aggregate's client_records asks for train_macs again; no cache: an O(parameters) count, small beside a
+        # round (docs/guides/performance.md)
         sim = self.clock.round(t, {r.client_id: (self.strategy.train_macs(plans[r.client_id], r),
                                                  plans[r.client_id].bytes_down,
                                                  r.bytes_up + plans[r.client_id].side_bytes_up) for r in results})
         # coverage counts the clients whose update reached the model: a straggler trained, but what it trained
         # was discarded (under wait_all every client is aggregated, so nothing changes there)
-        self.recorder.cover({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
+        self.recorder.count_coverage({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
         if sim.stragglers:  # left out of aggregation (fedsap_ray.data.devices); recorded with what they spent
             on_time = [r for r in results if r.client_id not in sim.stragglers]
             out = (self.strategy.aggregate(state, {r.client_id: plans[r.client_id] for r in on_time}, on_time, t)
                    if on_time else RoundOutput.unchanged(state, t))  # none in time: the round changes no parameter
-            out = out.with_client_rows({r.client_id: self.strategy.spent(plans[r.client_id], r)
+            out = out.with_client_rows({r.client_id: client_cost(self.strategy, plans[r.client_id], r)
                                         for r in results if r.client_id in sim.stragglers})
         else:
             out = self.strategy.aggregate(state, plans, results, t)
         new_state = out.state
         t_aggregated = clock()
         cfg = self.ctx.cfg
-        evaluated = due(t, cfg.training.eval_every, cfg.training.rounds)
+        evaluated = on_schedule(t, cfg.training.eval_every, cfg.training.rounds)
         by_mode: dict[str, dict[str, tuple[float, float]]] = {}
         if evaluated:
             by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout,
                                      self.strategy.eval_sets(new_state, self.eval_domains),
                                      self.ctx.federation.test, self.device)
-        deployed_now = due(t, cfg.training.deployed_every, cfg.training.rounds)
+        deployed_now = on_schedule(t, cfg.training.deployed_every, cfg.training.rounds)
         deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
                     else {})
         ev = RoundEvaluation(by_mode=by_mode, deployed=deployed)
@@ -166,7 +140,7 @@ class Server:
                                  fed.num_classes, weights, bn_data, sliced=self.ctx.cfg.training.submodel == "sliced")
 
 
-def due(t: int, every: int, rounds: int) -> bool:
+def on_schedule(t: int, every: int, rounds: int) -> bool:
     """Whether round ``t`` is one of every ``every``-th rounds or the last (eval_every, deployed_every)."""
     return t % every == 0 or t == rounds
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.common.messages import ClientPlan, ClientResult, HookCall, Overlay
+from fedsap_ray.common.messages import ClientPlan, ClientResult, HookCall, StartOverlay
 from fedsap_ray.config.registry import HOOKS
 
 __all__ = ["plan_from_tree", "plan_tree", "result_from_tree", "result_tree"]
@@ -60,9 +60,9 @@ def plan_from_tree(tree: Mapping[str, Any], base: np.ndarray) -> ClientPlan:
     kw["hooks"] = tuple(_hook(i, h) for i, h in enumerate(_list(kw.get("hooks", []), "plan.hooks")))
     _arrays(kw, ("params", "mask"), "plan")
     if kw.get("overlay") is not None:
-        o = _known(kw["overlay"], Overlay, "plan.overlay")
+        o = _known(kw["overlay"], StartOverlay, "plan.overlay")
         _arrays(o, ("values", "where"), "plan.overlay")
-        kw["overlay"] = Overlay(**o)
+        kw["overlay"] = StartOverlay(**o)
     return ClientPlan(**kw)
 
 

@@ -171,18 +171,19 @@ def check_rows(tables: Any, rows: Any, known: Iterable[str], rounds_done: int, w
                                     f"1-{rounds_done}")
 
 
-def check_state(ck: Mapping[str, Any], *, n_params: int, n_clients: int, strategy: Any, recorder_template: Mapping,
-                rounds: int, known_tables: Iterable[str], where: str) -> None:
-    """Everything :mod:`this module <fedsap_ray.persist.statecheck>` checks, for a loaded checkpoint ``ck``."""
+def check_state(ck: Mapping[str, Any], *, n_params: int, n_clients: int, strategy: Any, strategy_template: Mapping,
+                recorder_template: Mapping, rounds: int, known_tables: Iterable[str], where: str) -> None:
+    """Everything :mod:`this module <fedsap_ray.persist.statecheck>` checks, for a loaded checkpoint ``ck``;
+    ``strategy_template``: the strategy's initial state as a checkpoint stores it (its ``state_keys`` and
+    ``state_vectors`` are read from ``strategy``)."""
     st = ck["state"]
     if not 1 <= st.round <= rounds:
         raise BadCheckpoint(f"{where}: round is {st.round}; a checkpoint is written after rounds 1-{rounds}")
     check_params(st.params, n_params, where)
     c = Checker(where, n_clients, ids=True)
-    template = strategy.state_tree(strategy.init_state().strategy_state)
     if not isinstance(st.strategy_state, Mapping):
         raise c.fail("strategy", f"is {_type_name(st.strategy_state)}; a state is a mapping of fields")
-    c.like(st.strategy_state, template, "strategy", optional=getattr(strategy, "state_keys", ()), top=True)
+    c.like(st.strategy_state, strategy_template, "strategy", optional=getattr(strategy, "state_keys", ()), top=True)
     for name in getattr(strategy, "state_vectors", ()):  # model-sized vectors, or one per id
         v = st.strategy_state.get(name)
         for key, x in (v.items() if isinstance(v, Mapping) else [(None, v)]):

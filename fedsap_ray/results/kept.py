@@ -16,7 +16,7 @@ its Global Acc., its Experiments section and Table 1; papers/003 reports the fin
   figures are this model's, the layout's digest) and the digests that bind it to its tensors;
 - ``<which>.deployed.safetensors`` + ``.json``: what each client of the run's deployed sample
   (:func:`fedsap_ray.engine.server.deployed_sample`, at most ``training.eval_clients``) runs, as
-  :meth:`Strategy.deployed_model <fedsap_ray.algorithms.base.Strategy.deployed_model>` gives it: its
+  :meth:`Strategy.deployed_model <fedsap_ray.algorithms.contract.Strategy.deployed_model>` gives it: its
   parameters at its parameter mask. Stored deduplicated: every distinct mask once (packed bits), every
   distinct vector once and only at its mask's coordinates (nested-width clients share the global vector:
   nothing but their masks is stored), an index per client. The BN rule goes with them: under

@@ -18,6 +18,7 @@ import numpy as np
 
 from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.algorithms.declarations import declared_columns
 from fedsap_ray.data.devices import SimRound
 from fedsap_ray.engine.evaluate import summarise
 from fedsap_ray.algorithms.grouping import agreement
@@ -52,7 +53,7 @@ class Recorder:
     @classmethod
     def for_strategy(cls, ctx: RunContext, strategy: Strategy, writer: RunWriter, deployed_sampled: bool) -> Recorder:
         """The recorder of a run of ``strategy``: rows may hold the core columns and the ones it declares."""
-        return cls(ctx, {t: strategy.declared_columns(t) for t in TABLES_DECLARED}, writer, type(strategy).__name__,
+        return cls(ctx, {t: declared_columns(type(strategy), t) for t in TABLES_DECLARED}, writer, type(strategy).__name__,
                    deployed_sampled=deployed_sampled)
 
     @property
@@ -74,7 +75,7 @@ class Recorder:
         self.sim_elapsed_s = float(m.get("sim_elapsed_s", 0.0))  # checkpoints from before simulated time: 0
         self.domain_covered = {d: np.asarray(v, dtype=bool).copy() for d, v in m["domain_covered"].items()}
 
-    def cover(self, plans: Mapping[int, ClientPlan]) -> None:
+    def count_coverage(self, plans: Mapping[int, ClientPlan]) -> None:
         """Add the round's plan coverage to each client's domain (``domain_coverage``, ``frozen_params``)."""
         done: set[tuple[str, int]] = set()  # (domain, mask object): clients of one width share their mask
         for plan in plans.values():

@@ -1,6 +1,6 @@
 """The results tables' schemas: the core columns declared here plus the columns strategies declare.
 
-A strategy declares its own columns (:attr:`fedsap_ray.algorithms.base.Strategy.columns`); each
+A strategy declares its own columns (:attr:`fedsap_ray.algorithms.contract.Strategy.columns`); each
 per-round table's schema is the core columns below followed by the union of every registered
 strategy's declarations (:func:`extension_columns`), so every run of every algorithm writes the
 same stable Parquet schema and adding a metric never means editing this file. The core columns
@@ -142,11 +142,11 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("client_id", pa.int64(), "client id"),
     Column("true_domain", pa.string(), "ground-truth domain of the client's data"),
     Column("pruning_ratio", pa.float64(), "FedSAP rho_i (0 under capacity tiers)"),
-    Column("capacity_max", pa.float64(), "device capacity: keep ratio kappa_i or p_max"),
-    Column("capacity_used", pa.float64(), "fraction of channels the client trained this round (p_i / realised kappa)"),
+    Column("capacity_max", pa.float64(), "the device capacity: the most of the model it can train (kappa_i; p_max in HAS-FL's paper)"),
+    Column("capacity_used", pa.float64(), "the trained width: share of channels the client trained this round (realised p_i / kappa_i)"),
     Column("assigned_width", pa.float64(), "the width the strategy assigned the client this round, as planned: p_i of "
-           "the nested-width methods, the keep ratio kappa_i (its capacity) of FedDrop, FedMP, NeFL, FedSPU, DapperFL "
-           "and FedSAP, 1.0 for full-model methods; capacity_used is what the sub-model it trained realised "
+           "the nested-width methods, the capacity kappa_i of FedDrop, FedMP, NeFL, FedSPU, DapperFL "
+           "and FedSAP, 1.0 for full-model methods; capacity_used is the trained width, what the sub-model realised "
            "(Strategy.assigned_width)"),
     Column("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.); recorded, never shown to strategies"),
     Column("n_samples", pa.int64(), "local training samples"),
@@ -155,7 +155,7 @@ CLIENTS_COLUMNS: list[Column] = [
      "client updated in local training, any epoch (DapperFL's default: the full model, its first epoch trains all "
      "of it; FedSPU: its active neurons only); Strategy.params_trained"),
     Column("macs_per_sample", pa.int64(), "per-sample forward multiply-accumulates of the model the client runs at "
-     "inference (its sub-model), one pass: Strategy.mask_macs of the plan's coverage unless the strategy refines "
+     "inference (its sub-model), one pass: Compute.mask_macs of the plan's coverage unless the strategy refines "
      "it (DapperFL's pruned model); not what training spent: see train_macs"),
     Column("train_macs", pa.int64(), "forward multiply-accumulates the client executed in local training, all epochs: "
      "sum over its steps of batch samples x per-sample forward MACs of the network run in that step x forward "
@@ -190,7 +190,7 @@ LAYERS_COLUMNS: list[Column] = [
     Column("client_id", pa.int64(), "client id"),
     Column("layer", pa.string(), "ChannelSpace layer (e.g. layer1, layer2.0.conv1)"),
     Column("channels", pa.int64(), "C_l, channels of the layer"),
-    Column("keep_ratio", pa.float64(), "kappa_{i,l}: fraction of the layer's channels active for this client"),
+    Column("keep_ratio", pa.float64(), "the layer's trained width kappa_{i,l}: fraction of the layer's channels active for this client"),
 ]
 
 ALLOCATIONS_COLUMNS: list[Column] = [
@@ -198,7 +198,7 @@ ALLOCATIONS_COLUMNS: list[Column] = [
     Column("run_id", pa.string(), "run id"),
     Column("round", pa.int64(), "communication round, 1-based"),
     Column("client_id", pa.int64(), "client id (every client of the federation, sampled or not)"),
-    Column("capacity_max", pa.float64(), "p_max: the client's resource constraint"),
+    Column("capacity_max", pa.float64(), "the client's capacity (p_max in HAS-FL's paper): its resource constraint"),
     Column("tv_distance", pa.float64(), "ground truth: TV(client label dist., global label dist.); recorded, never shown to strategies"),
 ]
 
@@ -234,13 +234,14 @@ def extension_columns(table: str) -> dict[str, tuple[Column, list[str]]]:
     type; a declaration may not reuse a core column's name (the core fills those).
     """
     from fedsap_ray.algorithms import registry
+    from fedsap_ray.algorithms.declarations import declared_columns
 
     if table not in CORE_TABLES:
         raise ValueError(f"invalid table={table!r}: allowed values are {sorted(CORE_TABLES)}")
     core = {c.name for c in CORE_TABLES[table]}
     out: dict[str, tuple[Column, list[str]]] = {}
     for name in registry.names():
-        for col in registry.get(name).declared_columns(table):
+        for col in declared_columns(registry.get(name), table):
             if col.name in core:
                 raise ValueError(f"algorithm {name!r} declares {table}.{col.name}, a core column")
             if col.name not in out:
@@ -286,7 +287,7 @@ def to_table(table: str, rows: list[dict[str, Any]]) -> pa.Table:
         extra = set(r) - names
         if extra:
             raise KeyError(f"{table}: columns {sorted(extra)} are not in the schema (declare them in the "
-                           "strategy's `columns`, fedsap_ray/algorithms/base.py)")
+                           "strategy's `columns`, fedsap_ray/algorithms/contract.py)")
     cols = {n: [r.get(n) for r in rows] for n in sch.names}
     return pa.Table.from_pydict(cols, schema=sch)
 

@@ -30,7 +30,7 @@ class ProgressPrinter:
                 acc += f"  deployed {s.deployed_accuracy:.4f} (worst client {s.worst_client_accuracy:.4f})"
         else:
             acc = "not evaluated"
-        print(f"{head}  {acc}  train loss {s.train_loss:.3f}  capacity {s.avg_capacity:.2f}  "
+        print(f"{head}  {acc}  train loss {s.train_loss:.3f}  trained width {s.avg_capacity:.2f}  "
               f"up {_mb(s.bytes_up)} down {_mb(s.bytes_down)}  {s.wall_s:.1f}s{_phases(s)}{_simulated(s)}{s.progress}{_lost(s)}",
               file=self.stream, flush=True)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.algorithms.statetree import state_from_tree, state_tree
 from fedsap_ray.common.errors import CheckpointUnreadable, ConfigError
 from fedsap_ray.config.schema import ExperimentConfig
 from fedsap_ray.persist import checkpoint, statecheck
@@ -26,6 +27,7 @@ def load_checked(out: Path, run_id: str, ctx: RunContext, strategy: Any, recorde
     where = f"invalid --resume={run_id!r}: checkpoint {checkpoint.path_for(out, run_id)}"
     statecheck.check_state(ck, n_params=ctx.layout.size, n_clients=len(ctx.federation.clients),
                            strategy=strategy, recorder_template=recorder_template,
+                           strategy_template=state_tree(strategy, strategy.init_state().strategy_state),
                            rounds=rounds, known_tables=DATA_TABLES, where=where)
     return ck, where
 
@@ -34,7 +36,7 @@ def strategy_state(strategy: Any, tree: Any, run_id: str, out: Path, name: str) 
     """The strategy's own state from its checkpoint tree; a State whose fields changed since the checkpoint was
     written is :class:`CheckpointUnreadable` (start the run again)."""
     try:
-        return strategy.state_from_tree(tree)
+        return state_from_tree(strategy, tree)
     except TypeError as e:
         raise CheckpointUnreadable(f"checkpoint of run {run_id} in {out} holds {name} state "
                                    f"this version cannot read ({e}): start the run again with --run-id "

@@ -27,6 +27,7 @@ from fedsap_ray.data import devices
 from fedsap_ray.persist import checkpoint, statecheck
 from fedsap_ray.run import resume
 from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.algorithms.statetree import state_tree
 from fedsap_ray.engine.client import DIVERGED_HINT, default_workers, pick_device
 from fedsap_ray.data import build_federation
 from fedsap_ray.data.base import Federation
@@ -198,7 +199,7 @@ class RunSession:
         """A round in which no client can train (``devices.availability``, a trace) is refused now, before any work."""
         cfg = self.cfg
         if cfg.devices.availability < 1 or cfg.devices.trace is not None:
-            empty = devices.empty_round(cfg, self.strategy.devices(), range(1, cfg.training.rounds + 1))
+            empty = devices.empty_round(cfg, self.strategy.sampler.devices(), range(1, cfg.training.rounds + 1))
             if empty is not None:
                 raise devices.no_client_error(cfg, empty)
 
@@ -266,7 +267,7 @@ class RunSession:
         self.keeper.after_round(state, _improved(best_before, self.recorder.best, summary.evaluated), self.recorder,
                                 self.base_row["config_json"])
         tree = ServerState(round=state.round, params=state.params,
-                           strategy_state=self.strategy.state_tree(state.strategy_state))
+                           strategy_state=state_tree(self.strategy, state.strategy_state))
         checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),
                         tables=self.writer.tables_written(), rows=self.writer.counts,
                         engine=None if self.engine is None else self.engine.state_dict())

@@ -4,11 +4,10 @@ Why. glibc's malloc adapts by default: after a large block is freed it raises it
 block's size and its trim threshold to twice that, so a round's parameter vectors, activations and
 gradients (megabytes each) come from the heap and, as soon as the free space at the heap's top exceeds
 the trim threshold, are handed back to the OS, to be faulted in again, page by page, on the next
-allocation. On ResNet10 at width 0.25 (10 clients x 300 samples, 2 workers) a Ray client worker took
-about 98,000 minor page faults a second and spent 24% of its CPU time in the kernel, the local backend's
-two threads 9%; with the thresholds fixed as below, interleaved repeats of ``benchmarks/peers.py`` read a
-round at 4.51 s local and 4.87 s Ray instead of 5.18 s and 6.48 s, the same training loss
-(docs/guides/performance.md#the-c-allocator).
+allocation: a Ray client worker spent a large share of its CPU time in the kernel faulting pages in, the
+local backend less; with the thresholds fixed as below, interleaved repeats of ``benchmarks/peers.py`` read
+faster rounds on both backends with the same training loss (the figures:
+docs/guides/performance.md#the-c-allocator).
 
 What. :func:`tune_malloc` sets, with ``mallopt`` (which also turns the adaptation off): blocks up to
 :data:`MMAP_THRESHOLD` come from the heap, free heap space is returned to the OS only past

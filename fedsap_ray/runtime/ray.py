@@ -57,22 +57,22 @@ from fedsap_ray.run.session import RunOutcome, RunSession, SessionMetrics, Worke
 
 _DEAD = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 # a worker's share of a round goes in up to PIECES calls, one per PIECE_BYTES of results it will send back, PIPELINE
-# in flight: one piece's results travel while the next trains (one call per share measured 1.32x the local backend
-# with 2 workers on ResNet10, 20 x 16: the share's 200 MB of results crossed at once at the end); a share with
-# little to send back stays one call (4 pieces of cnn_small's 50 x 16 cost 1.34x local in call latency; issue 42)
+# in flight: one piece's results travel while the next trains (one call per share sent all its results at once at
+# the end); a share with little to send back stays one call, since pieces cost call latency (issue 42; the figures
+# are in docs/guides/performance.md)
 PIECES = 4
 PIECE_BYTES = 32 << 20
 PIPELINE = 2
 NODE_CHARS = 12  # a node id's first hex digits, as clients.node and the progress line show it
 # Plans and results of small models travel inline with the task instead of through the
-# object store (measured in benchmarks/: raylet CPU per round 0.15 s -> 0.01 s at 50 clients).
+# object store: the raylet's CPU per round fell to a fraction (benchmarks/round_overhead.py; docs/guides/performance.md).
 _INLINE_BYTES = 1 << 20
 #: The raylet settings of a Ray this project starts (``connect``, the tests' session Ray, the benchmarks; a
 #: cluster's ``ray start`` gets the same through ``RAY_worker_niceness`` in ray_cluster.yaml). Ray starts its
 #: worker processes at niceness 15 so that its control plane stays responsive; here the workers *are* the
-#: job, and at 15 anything else on the node at the default 0 takes the cores from them: ResNet10 at width
-#: 0.25, 10 x 300, 2 workers, beside other work, 8.0-11.3 s a round at 15 against 6.2 s at 0 (local backend
-#: 5.9 s; benchmarks/round_overhead.py, issue 42). The raylet and GCS keep their fair share at 0.
+#: job, and at 15 anything else on the node at the default 0 takes the cores from them: a round beside other
+#: work ran far slower (benchmarks/round_overhead.py, issue 42; docs/guides/performance.md has the figures).
+#: The raylet and GCS keep their fair share at 0.
 SYSTEM_CONFIG = {"max_direct_call_object_size": _INLINE_BYTES, "worker_niceness": 0}
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from fedsap_ray.common.messages import ClientPlan, ClientResult, Overlay
+from fedsap_ray.common.messages import ClientPlan, ClientResult, StartOverlay
 
 _NO_PARAMS = np.zeros(0, dtype=np.float32)
 
@@ -39,7 +39,7 @@ class PlanStub:
     plan: ClientPlan
     vector: int
     mask: int | None
-    overlay: tuple[int, int] | None = None  # (its vector, its packed mask) when the plan has an Overlay
+    overlay: tuple[int, int] | None = None  # (its vector, its packed mask) when the plan has a StartOverlay
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Batch:
         got = dict(zip(self.keys, arrays))
         masks = {k: np.unpackbits(got[k], count=n).view(np.bool_) for k, n in self.mask_sizes.items()}
         return [dataclasses.replace(s.plan, params=got[s.vector], mask=None if s.mask is None else masks[s.mask],
-                                    overlay=None if s.overlay is None else Overlay(got[s.overlay[0]], masks[s.overlay[1]]))
+                                    overlay=None if s.overlay is None else StartOverlay(got[s.overlay[0]], masks[s.overlay[1]]))
                 for s in self.stubs]
 
 

@@ -131,7 +131,7 @@ def test_smoke_preset_hasfl_adapts_after_warmup_and_normalises(fed, hasfl_run):
     for t in (2, 4):  # normalised: H~ divided by its mean
         assert states[t].strategy_state.h_tilde.mean() == pytest.approx(1.0)
     assert states[3].strategy_state.h_tilde.mean() != pytest.approx(1.0)
-    p_max = strat.p_max()
+    p_max = strat.capacities()
     st2 = states[2].strategy_state
     np.testing.assert_allclose(st2.alloc, allocation_rule(st2.h_tilde, p_max, 0.4, 0.25, 1e-8, True))
     assert not np.allclose(states[2].strategy_state.alloc, p_max)  # the rule really changed some widths
@@ -163,7 +163,7 @@ def test_random_budget_matches_hasfl_budget_at_every_adaptation_step(fed):
     # smoke: adaptation at rounds 2, 3, 4; p_min 0.1 leaves HAS-FL's widths below most caps
     cfg = _cfg("algorithm.name=random_budget", "algorithm.p_min=0.1", "training.rounds=4")
     _, strat, states = run_rounds(cfg, fed, 4)
-    p_max = strat.p_max()
+    p_max = strat.capacities()
     steps = [s for t, s in enumerate(states[1:], 1) if strat.width.adapted(strat, t)]
     assert len(steps) == 3
     for s in steps:

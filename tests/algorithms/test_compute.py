@@ -41,7 +41,7 @@ def _round(name: str, fed, rounds: int = 1, *extra: str):
 def test_fedavg_and_heterofl_spend_one_forward_pass_of_what_they_train(fed):
     """FedAvg: samples_seen x full MACs; HeteroFL: samples_seen x its width's MACs (<= full)."""
     strat, plans, outs = _round("fedavg", fed)
-    full = strat.mask_macs(None)
+    full = strat.compute.mask_macs(None)
     for cid, r in outs[0].items():
         assert r.samples_seen > 0 and strat.train_macs(plans[0][cid], r) == r.samples_seen * full
         assert strat.params_trained(plans[0][cid], r) == int(strat.ctx.trainable.sum())
@@ -54,7 +54,7 @@ def test_moon_counts_its_frozen_forward_passes(fed):
     """MOON: the trained model's forward pass + the frozen global encoder's (first participation: z_prev = z_glob)
     and from round 2 the frozen previous encoder's too; the encoder is the model without its classifier."""
     strat, plans, outs = _round("moon", fed, 2)
-    full, enc = strat.mask_macs(None), strat.encoder_macs()
+    full, enc = strat.compute.mask_macs(None), strat.compute.encoder_macs()
     model = strat.ctx.model
     head = getattr(model, model.classifier)
     assert enc == full - head.in_features * head.out_features and 0 < enc < full
@@ -70,7 +70,7 @@ def test_moon_counts_its_frozen_forward_passes(fed):
 def test_fedspu_runs_the_full_model_but_updates_only_its_active_neurons(fed):
     """FedSPU: frozen neurons run forward (full MACs) but are not updated (params_trained = M_i^t)."""
     strat, plans, outs = _round("fedspu", fed)
-    full = strat.mask_macs(None)
+    full = strat.compute.mask_macs(None)
     plan, r = plans[0][3], outs[0][3]
     assert strat.train_macs(plan, r) == r.samples_seen * full
     assert strat.params_trained(plan, r) == int((plan.mask & strat.ctx.trainable).sum()) < int(strat.ctx.trainable.sum())

@@ -209,7 +209,7 @@ def test_first_epoch_samples_follow_the_client_loop():
 
 
 def test_train_macs_count_the_full_model_epoch_against_heterofl():
-    """Issue 13: a keep-ratio-0.2 DapperFL client's train_macs exceed a HeteroFL client's at the same keep ratio
+    """Issue 13: a capacity-0.2 DapperFL client's train_macs exceed a HeteroFL client's at the same capacity
     (same data, same steps) by exactly first-epoch samples x (full MACs - pruned MACs); params_trained is the full
     model's; with full_first_epoch=false both equal HeteroFL's."""
     over = tiny_overrides("dapperfl", "data.num_clients=5", "training.local_epochs=2", "training.max_steps_per_epoch=2")
@@ -225,7 +225,7 @@ def test_train_macs_count_the_full_model_epoch_against_heterofl():
         runs[name] = (strat, plans[0][4], r)
     (dap, dplan, dres), (fix, fplan, fres), (het, hplan, hres) = runs["dap"], runs["fixed"], runs["het"]
     assert dres.samples_seen == hres.samples_seen == fres.samples_seen > 0
-    full, pruned = dap.mask_macs(None), het.macs(0.2)
+    full, pruned = dap.compute.mask_macs(None), het.macs(0.2)
     assert dap.pruned_macs(0.2) == pruned < full
     first = first_epoch_samples(dres.n_samples, dplan.batch_size, dplan.max_steps_per_epoch)
     assert 0 < first < dres.samples_seen

@@ -1,4 +1,4 @@
-"""FedDrop: random channel subsets at the keep ratio, coordinate-wise aggregation, AFD's score map, runs."""
+"""FedDrop: random channel subsets at the capacity, coordinate-wise aggregation, AFD's score map, runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +15,7 @@ from fedsap_ray.models import model_macs
 from fedsap_ray.common.seeding import rng_for
 
 TINY = tiny_overrides("feddrop", "data.num_clients=6")
-# 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
+# 6 clients with capacities 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
 
 fed = federation_fixture(TINY)
 
@@ -78,8 +78,8 @@ def test_mask_macs_equal_model_macs_of_the_channel_masks(fed):
     for cid in (1, 4):
         cm = s.channel_masks(state, cid, 1)
         want = model_macs(ctx.model, fed.input_shape, cm)
-        assert s.mask_macs(s.coverage(cm)) == want
-        assert 0 < want < s.mask_macs(None)
+        assert s.compute.mask_macs(s.coverage(cm)) == want
+        assert 0 < want < s.compute.mask_macs(None)
 
 
 def test_afd_score_map_keeps_improving_submodels_and_weights_the_next_draw(fed):
@@ -119,7 +119,7 @@ def test_selection_is_validated():
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    a, b = run_twice(e2e_overrides("feddrop", "data.num_clients=5"), tmp_path)  # five clients: one of each smoke keep ratio
+    a, b = run_twice(e2e_overrides("feddrop", "data.num_clients=5"), tmp_path)  # five clients: one of each smoke capacity
     assert_finite_global_accuracy(a, 2)
     cl = a.clients
     assert cl["macs_per_sample"].gt(0).all()

@@ -1,4 +1,4 @@
-"""FedMP: server-side largest-L1 filter pruning at the keep ratio, R2SP aggregation, runs."""
+"""FedMP: server-side largest-L1 filter pruning at the capacity, R2SP aggregation, runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +12,7 @@ from fedsap_ray.models.masks import nested_count, param_mask
 from fedsap_ray.common.messages import ClientResult, ServerState
 
 TINY = tiny_overrides("fedmp", "data.num_clients=6")
-# 6 clients with keep ratios 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
+# 6 clients with capacities 1, .8, .6, .4, .2, 1 (smoke's cyclic capacities)
 
 fed = federation_fixture(TINY)
 
@@ -109,7 +109,7 @@ def test_aggregation_is_validated():
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    a, b = run_twice(e2e_overrides("fedmp", "data.num_clients=5"), tmp_path)  # five clients: one of each smoke keep ratio
+    a, b = run_twice(e2e_overrides("fedmp", "data.num_clients=5"), tmp_path)  # five clients: one of each smoke capacity
     assert_finite_global_accuracy(a, 2)
     assert a.clients["macs_per_sample"].gt(0).all()
     assert_same_tables(a, b)

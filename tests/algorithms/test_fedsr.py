@@ -223,7 +223,7 @@ def test_default_keeps_the_reference_per_client_and_averages_the_scale_head(tiny
     assert all(np.array_equal(refs[0], r) for r in refs) and not np.array_equal(refs[0], a)
     # train_macs: one forward pass plus the d x d scale head per sample
     r = outs1[0]
-    assert strat.train_macs(plans1[r.client_id], r) == r.samples_seen * (strat.mask_macs(None) + d * d)
+    assert strat.train_macs(plans1[r.client_id], r) == r.samples_seen * (strat.compute.mask_macs(None) + d * d)
 
 
 def test_options_are_validated():

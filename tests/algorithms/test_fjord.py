@@ -14,6 +14,7 @@ import pytest
 from conftest import assert_options_rejected, assert_same_tables, make_strategy, tiny_overrides
 from faultkit import cli, sets
 from fedsap_ray import results
+from fedsap_ray.run import session
 from fedsap_ray.algorithms.fjord import HOOK, STATS_KEY, FjORD, step_sizes, step_widths
 from fedsap_ray.engine.asyncmode import AsyncServer, RunNote, Update
 from fedsap_ray.engine.client import train_client
@@ -263,10 +264,10 @@ def test_a_resumed_per_width_run_gives_the_tables_of_the_run_never_stopped(tmp_p
     run_experiment(cfg, tmp_path / "cut", run_id="pw", federation=pw_fed, resume=True)
     assert_same_tables(results.load(tmp_path / "cut"), results.load(pw_runs / "pw"))
 
-    def forget(self, tree):
-        return {**tree, "bn": self.init_state().strategy_state["bn"]}
+    def forget(strategy, tree):
+        return {**tree, "bn": strategy.init_state().strategy_state["bn"]}
 
-    monkeypatch.setattr(FjORD, "state_from_tree", forget)
+    monkeypatch.setattr(session, "state_from_tree", forget)
     run_experiment(cfg, tmp_path / "reset", run_id="pw", federation=pw_fed, resume=True)
     with pytest.raises(AssertionError):
         assert_same_tables(results.load(tmp_path / "reset"), results.load(pw_runs / "pw"))

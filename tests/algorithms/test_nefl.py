@@ -15,7 +15,7 @@ from fedsap_ray.models.masks import nested_channel_masks, param_mask, params_in_
 from fedsap_ray.models import build_model, model_macs
 
 TINY = tiny_overrides("nefl", "model.name=resnet18", "data.num_clients=6")
-# ResNet18 at width 1/16: streams of 4/8/16/32 channels; 6 clients with keep ratios 1, .8, .6, .4, .2, 1
+# ResNet18 at width 1/16: streams of 4/8/16/32 channels; 6 clients with capacities 1, .8, .6, .4, .2, 1
 ALL_FIVE = ("layer4.1", "layer3.1", "layer2.1", "layer1.1", "layer1.0")
 
 fed = federation_fixture(TINY)
@@ -77,7 +77,7 @@ def test_depth_scaled_masks_skip_the_deepest_blocks_within_the_budget(fed):
         else:  # width-only: exactly the nested sub-model
             np.testing.assert_array_equal(mask, param_mask(ctx.space, ctx.layout, nested_channel_masks(ctx.space, kappa)))
         # MACs of the sub-model: model_macs of its channel masks (an empty inner layer drops conv1 and conv2)
-        assert s.mask_macs(mask) == model_macs(ctx.model, fed.input_shape, cm)
+        assert s.compute.mask_macs(mask) == model_macs(ctx.model, fed.input_shape, cm)
     # depth_share = 0 is width-only nesting (NeFL-W)
     _, w = make_strategy(_cfg("algorithm.depth=true", "algorithm.depth_share=0"), fed)
     assert w.scaling(0.2) == ((), 0.2)
@@ -155,7 +155,7 @@ def test_depth_share_is_validated():
 
 
 def test_runs_finish_and_are_deterministic(tmp_path, fed):
-    # five clients: one of each smoke keep ratio
+    # five clients: one of each smoke capacity
     e2e = e2e_overrides("nefl", "model.name=resnet18", "algorithm.depth=true", "data.num_clients=5")
     cfg = build_config(preset="smoke", overrides=e2e)
     f = build_federation(cfg)

@@ -19,6 +19,7 @@ import pytest
 from fedsap_ray import algorithms, results
 from fedsap_ray.dev import docgen
 from fedsap_ray.algorithms import registry
+from fedsap_ray.algorithms.declarations import declared_columns
 from fedsap_ray.algorithms.fedavg import FedAvg
 from fedsap_ray.algorithms.fedsap.strategy import progress_template
 from fedsap_ray.algorithms.grouping import canonical_labels
@@ -154,7 +155,7 @@ def test_a_column_the_strategy_does_not_declare_is_refused(tmp_path, fed, regist
 
 def test_two_declarations_of_one_column_must_agree_on_its_type(registered):
     with pytest.raises(ValueError, match="n_global"):
-        Retyped.declared_columns("clients")
+        declared_columns(Retyped, "clients")
     registered("toy_int", ToyInt)
     assert results.schema("rounds").field("toy_x").type == pa.int64()
     registered("toy_float", ToyFloat)

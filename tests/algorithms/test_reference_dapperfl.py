@@ -12,7 +12,7 @@ from conftest import federation_fixture, run_rounds_with_plans, tiny_overrides
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 
-# Generated blobs and the MLP: five clients of 200 or 400 samples, keep ratios 1, 0.8, 0.6, 0.4, 0.2
+# Generated blobs and the MLP: five clients of 200 or 400 samples, capacities 1, 0.8, 0.6, 0.4, 0.2
 BASE = tiny_overrides("dapperfl", "data.name=generated_blobs", "model.name=mlp", "data.partition=iid",
                       "data.num_clients=5", "data.max_train_per_domain=400", "training.rounds=2",
                       "training.local_epochs=2")

@@ -112,7 +112,7 @@ def test_a_client_past_the_deadline_is_left_out_and_comes_back_when_in_time(tmp_
     rounds = res.rounds.drop_duplicates("round").set_index("round")
     assert (rounds["n_stragglers"] == late.groupby("round").size().reindex(rounds.index, fill_value=0)).all()
     assert (rounds.loc[rounds["n_stragglers"] > 0, "sim_round_s"] == deadline).all()
-    # the study's reading: the share of client-rounds each keep ratio missed, and the two policies side by side
+    # the study's reading: the share of client-rounds each capacity missed, and the two policies side by side
     late_share = device_time.missed(tmp_path / "r").set_index("method").iloc[0]
     by_keep = c.groupby("capacity_max")["straggler"].mean()
     assert late_share.to_dict() == pytest.approx({f"keep {k:g}": v for k, v in by_keep.items()})

@@ -110,7 +110,7 @@ def test_the_documented_round_makes_the_calls_server_round_makes_in_order() -> N
     every call of ``Server.round`` in the order the code makes them, and no call the code does not make:
     the page once left out the device clock and the straggler branch."""
     code = round_calls_in_code()
-    assert {"strategy.configure_round", "backend.train", "clock.round", "strategy.aggregate", "strategy.spent",
+    assert {"strategy.configure_round", "backend.train", "clock.round", "strategy.aggregate", "client_cost",
             "recorder.record"} <= set(code), f"the reader of Server.round lost its way: {code}"
     block = docgen.round_pseudocode(inspect.getdoc(server) or "")
     assert round_calls_in_docstring(block, code) == code, (

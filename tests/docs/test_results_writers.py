@@ -1,5 +1,5 @@
 """What each method really writes (issue 53): docs/reference/results.md lists a strategy-declared column only under
-the methods whose runs write it (``Strategy.writes_under``: with their defaults, or with the option it names), and
+the methods whose runs write it (``declarations.writes_under``: with their defaults, or with the option it names), and
 every client row records the width the strategy assigned (``clients.assigned_width``). Both are checked against one
 round of every registered method, and of every option setting the page names, on one tiny federation."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 
 from fedsap_ray import algorithms
 from fedsap_ray.dev import docgen
+from fedsap_ray.algorithms.declarations import writes_under
 from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.results import extension_columns
@@ -28,7 +29,7 @@ def _cases() -> list[tuple[str, tuple[str, ...]]]:
     for name in algorithms.names():
         out.append((name, ()))
         for table in TABLES:
-            setting = algorithms.get(name).writes_under(table)
+            setting = writes_under(algorithms.get(name), table)
             if setting:
                 out.append((name, tuple(f"algorithm.{k}={v}" for k, v in setting.items())))
     return list(dict.fromkeys(out))

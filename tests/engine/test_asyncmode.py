@@ -114,7 +114,7 @@ def test_a_dapperfl_step_divides_by_every_buffered_clients_samples(tmp_path, fed
     """DapperFL's reconstruction refills what a client pruned from the current model, so a step is
     x_t = x_{t-1} + eta sum_i n_i s(tau_i) M_i (y_i - x_{v_i}) / sum_i n_i over the buffer (step 7 with the current
     model as W^{t-1}), not the coordinate-wise mean of the other methods; checked on every step of a run where
-    clients with different keep ratios (HETERO's cyclic capacities) and stalenesses share a buffer."""
+    clients with different capacities (HETERO's cyclic capacities) and stalenesses share a buffer."""
     states, calls, res = _session(tmp_path, fed_cyclic, "devices.mode=async", "asynchronous.concurrency=4",
                                   "asynchronous.buffer_size=2", "asynchronous.staleness=polynomial",
                                   "asynchronous.server_lr=0.8", "training.rounds=6", "training.eval_every=100",

@@ -42,7 +42,7 @@ CHAOS_FACTOR = 10.0
 # options that give the full-model baselines sub-models to slice
 EXTRA = {"fedavg": ["algorithm.width=capacity"], "fedprox": ["algorithm.width=capacity"]}
 
-# five clients, one of each keep ratio of the smoke preset's cyclic capacities (1, 0.8, 0.6, 0.4, 0.2): every
+# five clients, one of each capacity of the smoke preset's cyclic capacities (1, 0.8, 0.6, 0.4, 0.2): every
 # strategy still plans the same sub-model widths as with ten clients (each of which repeated a ratio); two local steps
 # (the second with the first's momentum) instead of three: a quarter of the time of ten clients and three steps
 FIVE = "data.num_clients=5", "training.max_steps_per_epoch=2"
@@ -130,7 +130,7 @@ def test_sliced_matches_masked_on_every_strategy(name, fed):
 
 
 def test_sliced_client_runs_the_smaller_network(fed):
-    """A keep-ratio < 1 HeteroFL client: the full-size scratch model never runs a forward pass; the cached
+    """A capacity < 1 HeteroFL client: the full-size scratch model never runs a forward pass; the cached
     sub-network runs one per step, holds exactly the covered parameters and costs fewer MACs."""
     cfg = build_config(preset="smoke", overrides=tiny_overrides("heterofl", *FIVE))
     ctx, strat = make_strategy(cfg, fed)

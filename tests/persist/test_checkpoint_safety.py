@@ -24,6 +24,7 @@ from hypothesis.extra import numpy as hnp
 from faultkit import TINY, cli, sets, tiny_run
 from fedsap_ray import algorithms
 from fedsap_ray.persist import checkpoint, treecodec
+from fedsap_ray.algorithms.statetree import state_from_tree, state_tree
 from fedsap_ray.config import build_config
 from fedsap_ray.common.errors import ConfigError
 
@@ -158,10 +159,10 @@ def test_every_strategys_state_round_trips_exactly_through_its_checkpoint(tmp_pa
     ck = checkpoint.load(tmp_path, "r")
     assert ck["state"].round == 2 and same(ck["state"].params, s.state.params)
     # a typed state (FedSAP's, HAS-FL's) is stored by its fields and comes back as its own dataclass
-    assert same(ck["state"].strategy_state, s.strategy.state_tree(s.state.strategy_state)), algo
-    back = s.strategy.state_from_tree(ck["state"].strategy_state)
+    assert same(ck["state"].strategy_state, state_tree(s.strategy, s.state.strategy_state)), algo
+    back = state_from_tree(s.strategy, ck["state"].strategy_state)
     assert type(back) is type(s.state.strategy_state), algo
-    assert same(s.strategy.state_tree(back), s.strategy.state_tree(s.state.strategy_state)), algo
+    assert same(state_tree(s.strategy, back), state_tree(s.strategy, s.state.strategy_state)), algo
     assert same(ck["server"], s.recorder.metrics_state())
 
 

@@ -33,7 +33,7 @@ from fedsap_ray.results.kept import KeptModelError
 from fedsap_ray.results.destination import ResultsDestination
 
 FA = ["training.keep_model=final+best", "seed=0", "training.rounds=4"]  # global accuracy .131, .100, .138, .094
-HE = ["algorithm.name=heterofl", "training.rounds=2"]  # keep ratios 1, .8, .6, .4 (cyclic pruning ratios): narrow deployed sub-models
+HE = ["algorithm.name=heterofl", "training.rounds=2"]  # capacities 1, .8, .6, .4 (cyclic pruning ratios): narrow deployed sub-models
 FS = ["algorithm.name=fedsap", "training.keep_model=final+best", "training.rounds=2"]
 NO = ["training.keep_model=none", "training.rounds=1"]
 
@@ -153,7 +153,7 @@ def test_every_clients_kept_deployed_model_scores_its_recorded_figures_exactly(o
 
 def test_a_narrow_clients_model_is_the_sliced_network_it_runs(out):
     full = results.load_model(out, "he")
-    narrow = results.load_model(out, "he", client=3)  # keep ratio 0.4
+    narrow = results.load_model(out, "he", client=3)  # capacity 0.4
     size = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     assert size(narrow) < 0.3 * size(full) and not narrow.training
     dep = json.loads((out / "models" / "he" / "final.deployed.json").read_text())

@@ -1,6 +1,6 @@
 """Adaptive layer budgets (papers/000 Eq. 2, section "Adaptive Layer Budget", Appendix C).
 
-A client's keep ratio kappa_i is spread over layers by global layer utility: a softmax
+A client's capacity kappa_i is spread over layers by global layer utility: a softmax
 with temperature T over the layer utilities U_l gives the shape, each layer's keep
 ratio is clipped to [max(0.05, 0.15 kappa), min(1, kappa + 0.5)], and the ratios are
 rescaled (water-filling: one scale factor found by bisection, re-clipped) until the
@@ -57,10 +57,10 @@ def _fill(shape: np.ndarray, channels: np.ndarray, kappa: float, lo: float, hi: 
 
 def layer_channel_counts(kappa: float, channels: np.ndarray, layer_utility: np.ndarray | None = None, *,
                          temperature: float = 1.0, adaptive: bool = True) -> np.ndarray:
-    """Active channels per layer for a client with keep ratio ``kappa`` (Eq. 2 within one channel)."""
+    """Active channels per layer for a client with capacity ``kappa`` (Eq. 2 within one channel)."""
     channels = np.asarray(channels, dtype=np.int64)
     if not 0 < kappa <= 1:
-        raise ValueError(f"keep ratio must be in (0, 1], got {kappa}")
+        raise ValueError(f"capacity must be in (0, 1], got {kappa}")
     if kappa >= 1.0 - _EPS:
         return channels.copy()
     lo, hi = clip_bounds(kappa)

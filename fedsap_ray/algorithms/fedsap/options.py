@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedsap_ray.algorithms.base import Strategy
+from fedsap_ray.algorithms.contract import Strategy
 from fedsap_ray.algorithms.fedsap.dga import DGA_METHODS, DGA_MODES
 from fedsap_ray.config.checks import check_choice, check_int, check_number
 
@@ -19,7 +19,7 @@ DGA_SOURCES = ("train", "probe")
 class FedSAPOptions(Strategy.Options):
     """Defaults: the paper's main adaptive configuration (papers/000 Appendix B Table 3, left)."""
 
-    adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's keep ratio in every layer
+    adaptive_layer_budget: int = 1  # 1: utility-driven layer budgets (Eq. 2); 0: the client's capacity in every layer
     temperature: float = 1.0  # softmax temperature over the layer utilities (Eq. 2)
     lambda_a: float = 0.5  # weight of the activation magnitude in a channel's utility (Eq. 5)
     lambda_g: float = 0.5  # weight of the gradient magnitude in a channel's utility (Eq. 5)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedsap_ray.common.messages import Overlay, ServerState
+from fedsap_ray.common.messages import ServerState, StartOverlay
 
 # (Global, Private) parameter masks of a client's tri-state channel vector
 MaskPair = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
@@ -76,7 +76,7 @@ def client_view(state: ServerState, cid: int, masks: MaskPair) -> tuple[np.ndarr
     return np.where(take, st.private[k], state.params), np.where(take, st.stamp_p[k], st.stamp_g), take
 
 
-def client_overlay(state: ServerState, cid: int, masks: MaskPair) -> tuple[Overlay | None, np.ndarray]:
+def client_overlay(state: ServerState, cid: int, masks: MaskPair) -> tuple[StartOverlay | None, np.ndarray]:
     """Eq. 9's W_i as a plan names it (issue 42): the shared W_G (``state.params``) overlaid with the group's
     shared Private vector where ``take`` (the client's own mask, :func:`private_take`), so no per-client copy
     of W_i is built or sent: (the overlay, None when ``take`` is empty; ``take``)."""
@@ -84,4 +84,4 @@ def client_overlay(state: ServerState, cid: int, masks: MaskPair) -> tuple[Overl
     k, take = private_take(state, cid, masks)
     if take is None:
         return None, np.zeros(state.params.size, dtype=bool)
-    return (Overlay(st.private[k], take) if take.any() else None), take
+    return (StartOverlay(st.private[k], take) if take.any() else None), take

@@ -70,7 +70,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from fedsap_ray.algorithms.base import CHANNEL_COUNT_COLUMNS, Strategy
+from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.records import CHANNEL_COUNT_COLUMNS, client_records
 from fedsap_ray.algorithms.fedsap import aggregation, budget, roles, schedule
 from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook, DGAProbe
 from fedsap_ray.algorithms.fedsap.options import FedSAPOptions
@@ -79,6 +80,7 @@ from fedsap_ray.algorithms.fedsap.stats import dga_param_names
 from fedsap_ray.algorithms.fedsap.tristate import DROPPED, GLOBAL, PRIVATE, tristate_param_masks
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.algorithms.representation import RepresentationNorm
+from fedsap_ray.algorithms.schedule import plan_settings
 from fedsap_ray.algorithms.pruning import filter_l1_scores
 from fedsap_ray.common.columns import Column
 from fedsap_ray.algorithms.context import RunContext
@@ -111,7 +113,7 @@ class FedSAP(Strategy):
             Column("swap_share", pa.float64(),
                    "FedSAP: mean over clients of the share of next round's active channels not active this round"),
             Column("swap_share_narrow", pa.float64(),
-                   "FedSAP: swap_share over the clients of the smallest keep ratio"),
+                   "FedSAP: swap_share over the clients of the smallest capacity"),
         ),
         "clients": (Column("pseudo_group", pa.int64(), "FedSAP pseudo-domain group the client trained in"),
                     Column("n_new_channels", pa.int64(),
@@ -152,9 +154,10 @@ class FedSAP(Strategy):
         n = len(fed.clients)
         init_scores = filter_l1_scores(space, self.ctx.layout, state.params)
         channels = np.array([layer.channels for layer in space.layers])
-        # a client's first mask depends only on its keep ratio: one array per distinct ratio, shared by the
+        # a client's first mask depends only on its capacity: one array per distinct capacity, shared by the
         # clients that have it (read-only: masks are replaced, never edited) and stored once in a checkpoint
-        # (treecodec keeps aliasing); computed per client it took 15 s at 100,000 clients (issue 29)
+        # (treecodec keeps aliasing); computed per client it grew with the federation (issue 29;
+        # docs/guides/performance.md)
         first: dict[float, np.ndarray] = {}
         for kappa in sorted({c.capacity for c in fed.clients}):
             counts = budget.layer_channel_counts(kappa, channels, adaptive=False)
@@ -165,7 +168,7 @@ class FedSAP(Strategy):
         # (aggregation.type_matched starts it from W_G), not here: a copy of W_G per client made up front
         # reads the same everywhere (client_view and eval_sets read W_G for a group without one, and a
         # coordinate never aggregated as Private keeps W_G's initial value either way) but costs N x P
-        # floats of memory and checkpoint (10.6 GB at 100,000 clients of the scale benchmark's MLP).
+        # floats of memory and checkpoint, which a large federation cannot afford (issue 29; docs/guides/large-sweeps.md).
         alone = self.opts.dga == "none"
         state.strategy_state = FedSAPState(
             groups=np.arange(n) if alone else np.zeros(n, dtype=np.int64), private={},
@@ -175,7 +178,7 @@ class FedSAP(Strategy):
         return state
 
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i = 1 - rho_i, the client's keep ratio its channel budget is drawn from
+        """The client's capacity kappa_i = 1 - rho_i, which its channel budget is drawn from
         (:meth:`Strategy.assigned_width`; ``capacity_used`` is the share of channels its roles keep)."""
         return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
 
@@ -185,7 +188,7 @@ class FedSAP(Strategy):
         dga_round = self.is_dga_round(t)
         probe = dga_round and self.opts.dga_source == "probe"
         stats = ("channel_activation", "channel_gradient") + (("dga_gradient",) if dga_round and not probe else ())
-        clients = self.sample_clients(t)
+        clients = self.sampler.sample(t)
         probe_mask = self._probe_mask(st, clients) if probe else None
         probe_values = None if probe_mask is None else state.params[probe_mask]
         for cid in clients:
@@ -207,7 +210,7 @@ class FedSAP(Strategy):
                 # Eq. 9's W_i: W_G overlaid with the group's Private vector (shared vectors, nothing copied)
                 params=state.params, overlay=overlay, mask=active, capacity_used=float((states != DROPPED).mean()),
                 hooks=tuple(hooks), side_bytes_down=side_down,
-                **self.plan_kwargs(t, cid),
+                **plan_settings(self.cfg, t, cid),
             )
         return plans
 
@@ -301,7 +304,7 @@ class FedSAP(Strategy):
                      results: list[ClientResult]) -> dict[int, dict[str, Any]]:
         """What each client spent, the pseudo-group it trained in and its channels by role (the masks it
         trained under: ``old``, the state the round started from)."""
-        rows = self.client_records(new, plans, results)
+        rows = client_records(self, new, plans, results)
         for cid, row in rows.items():
             states, last = old.states[cid], old.measured_on.get(cid)
             row.update(pseudo_group=int(old.groups[cid]), **roles.role_counts(states),

@@ -91,7 +91,7 @@ def _stats(n, util_like=None):
 
 
 def test_server_brings_back_a_channel_the_federation_finds_useful(fed):
-    """Through the strategy: client 5 (the smallest keep ratio) dropped channel c, the others measure it as
+    """Through the strategy: client 5 (the smallest capacity) dropped channel c, the others measure it as
     the most useful of its layer; in the next round's mask client 5 holds it again."""
     cfg = build_config(preset="smoke", overrides=TINY + ["algorithm.name=fedsap", "algorithm.warmup=3",
                                                          "algorithm.adaptive_layer_budget=0"])
@@ -317,7 +317,7 @@ def test_probe_dga_recovers_strongly_separated_domains_under_mixed_capacities(se
         "algorithm.name=fedsap", "algorithm.dga_source=probe", "algorithm.probe_samples=128",
         "algorithm.warmup=1", "algorithm.regroup_every=1", *SELECTIONS[selection]])
     federation = build_federation(cfg, splits=_color_domains(seed))
-    for d in federation.domains:  # keep ratios 1, 0.6, 0.2, ... within every domain
+    for d in federation.domains:  # capacities 1, 0.6, 0.2, ... within every domain
         for k, c in enumerate(c for c in federation.clients if c.domain == d):
             c.capacity = (1.0, 0.6, 0.2)[k % 3]
             c.pruning_ratio = 1.0 - c.capacity

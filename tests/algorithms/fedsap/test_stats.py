@@ -67,7 +67,7 @@ def manual_run(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Do
     layout.load_into(model, scatter(plan.values, plan.mask, layout.size))
     params = list(model.parameters())
     named = dict(model.named_parameters())
-    tmask = None if plan.mask is None else TorchMask.build(model, layout, plan.mask)
+    grad_mask = None if plan.mask is None else TorchMask.build(model, layout, plan.mask)
     opt = torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, weight_decay=plan.weight_decay)
     x_all, y_all, n = as_input(data.x), data.y, len(data)
     gen = torch.Generator().manual_seed(plan.seed)
@@ -82,8 +82,8 @@ def manual_run(plan: ClientPlan, model: nn.Module, layout: ParamLayout, data: Do
                 continue
             opt.zero_grad(set_to_none=False)
             F.cross_entropy(model(x_all[idx]), y_all[idx]).backward()
-            if tmask is not None:
-                mask_grads_(model, layout, tmask)
+            if grad_mask is not None:
+                mask_grads_(model, layout, grad_mask)
             grads.append({k: p.grad.detach().clone() for k, p in named.items()})
             batches.append(idx)
             if plan.grad_clip is not None:

@@ -1,11 +1,11 @@
 """Sub-models of arbitrary channel subsets, aggregated coordinate-wise (papers/003 Algorithms 1-2).
 
-:class:`SubModelStrategy` extends :class:`~fedsap_ray.algorithms.fedavg.FedAvg` (nested widths by a
+:class:`ChannelSubsetStrategy` extends :class:`~fedsap_ray.algorithms.fedavg.FedAvg` (nested widths by a
 width rule) to any per-client channel subset: a subclass says which channels a client trains
-(:meth:`SubModelStrategy.channel_masks`: FedDrop's random subsets, FedMP's largest-L1 filters,
-NeFL's depth-and-width nested sub-models), turned into parameter masks by
-:func:`fedsap_ray.models.masks.param_mask` (the classifier's output units, and the LSTM's embedding, are
-always shared in full). Aggregation, the deployed model and the records are FedAvg's: each
+(:meth:`ChannelSubsetStrategy.channel_masks`: FedDrop's random subsets, FedMP's largest-L1 filters,
+NeFL's depth-and-width nested sub-models, FedRolex's rolling windows), turned into parameter masks here
+(:meth:`ChannelSubsetStrategy.coverage`: :func:`fedsap_ray.models.masks.param_mask`; the classifier's output
+units, and the LSTM's embedding, are always shared in full). Aggregation, the deployed model and the records are FedAvg's: each
 coordinate is averaged over exactly the clients that trained it (Algorithm 1 line 18).
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import numpy as np
 
 from fedsap_ray.algorithms.fedavg import FedAvg
-from fedsap_ray.models.masks import ChannelMasks
+from fedsap_ray.models.masks import ChannelMasks, param_mask
 from fedsap_ray.common.messages import ClientPlan, ClientResult, ServerState
 
 
-class SubModelStrategy(FedAvg):
+class ChannelSubsetStrategy(FedAvg):
     """Base of the channel-subset strategies: a subclass chooses each client's channels per (state, client, round)."""
 
     @abstractmethod
@@ -41,8 +41,13 @@ class SubModelStrategy(FedAvg):
         active = int(sum(int(np.count_nonzero(m)) for m in cmasks.values()))
         return self.coverage(cmasks), active, active / total
 
+    def coverage(self, cmasks: ChannelMasks) -> np.ndarray:
+        """Parameter mask of a channel mask (the coverage rule of :mod:`fedsap_ray.models.masks`; NeFL also drops the
+        residual branches it skips)."""
+        return param_mask(self.ctx.space, self.ctx.layout, cmasks)
+
     def assigned_width(self, plan: ClientPlan) -> float:
-        """kappa_i, the client's keep ratio (its capacity, at most 1): what its channel subset is drawn or chosen
+        """The client's capacity kappa_i (at most 1): what its channel subset is drawn or chosen
         for; ``capacity_used`` is the share of channels that subset holds."""
         return min(float(self.ctx.federation.clients[plan.client_id].capacity), 1.0)
 
@@ -58,4 +63,4 @@ class SubModelStrategy(FedAvg):
 
     def train_macs(self, plan: ClientPlan, result: ClientResult) -> int:
         """One forward pass of the sub-model the plan covers per sample (:meth:`Strategy.train_macs`)."""
-        return int(result.samples_seen) * self.mask_macs(plan.mask)
+        return int(result.samples_seen) * self.compute.mask_macs(plan.mask)
