@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_options_rejected, assert_same_tables, make_strategy, tiny_overrides
 from faultkit import cli, sets
 from fedsap_ray import results
-from fedsap_ray.run import session
+from fedsap_ray.run import resume
 from fedsap_ray.algorithms.fjord import HOOK, STATS_KEY, FjORD, step_sizes, step_widths
 from fedsap_ray.engine.asyncmode import AsyncServer, RunNote, Update
 from fedsap_ray.engine.client import train_client
@@ -267,7 +267,7 @@ def test_a_resumed_per_width_run_gives_the_tables_of_the_run_never_stopped(tmp_p
     def forget(strategy, tree):
         return {**tree, "bn": strategy.init_state().strategy_state["bn"]}
 
-    monkeypatch.setattr(session, "state_from_tree", forget)
+    monkeypatch.setattr(resume, "state_from_tree", forget)  # what a resume reads the state with
     run_experiment(cfg, tmp_path / "reset", run_id="pw", federation=pw_fed, resume=True)
     with pytest.raises(AssertionError):
         assert_same_tables(results.load(tmp_path / "reset"), results.load(pw_runs / "pw"))
