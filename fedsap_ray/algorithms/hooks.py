@@ -91,6 +91,10 @@ class ClientHook:
     # whether the hook works on a sliced sub-network (module docstring, "Sliced sub-models"); a plan
     # with any hook that does not trains masked
     supports_sliced: ClassVar[bool] = False
+    # whether the loop may compute the model's forward through torch.compile (resources.compile,
+    # fedsap_ray.engine.compiled) with this hook: true only for a hook that neither computes the loss by
+    # calling the model itself nor watches activations; a plan with any hook that does not trains eager, by name
+    supports_compile: ClassVar[bool] = False
     payload: Any
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,

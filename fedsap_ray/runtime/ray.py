@@ -158,11 +158,12 @@ class ClientWorker:
     """Hosts many virtual clients; holds no state that could change a number (a replacement is identical)."""
 
     def __init__(self, name: str, model: MaskableModel, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
-                 client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int) -> None:
+                 client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int,
+                 compile: str = "off") -> None:
         self.malloc_tuned = tune_malloc() is not None  # allocator.py: a worker spent 24% of its CPU in page faults
         torch.set_num_threads(torch_threads)
         warm_torch()
-        self.name = name
+        self.name, self.compile = name, compile
         self.model, self.layout = model, layout
         self.pools = pools  # zero-copy views into the object store
         self.client_index = client_index
@@ -195,7 +196,7 @@ class ClientWorker:
         return DomainData(xd[at], yd[at])
 
     def train(self, plan: ClientPlan) -> ClientResult:
-        result = train_client(plan, self.model, self.layout, self.data.get(plan.client_id), self.device)
+        result = train_client(plan, self.model, self.layout, self.data.get(plan.client_id), self.device, self.compile)
         result.worker, result.gpu_id, result.node = self.name, self.gpu_id, self.node
         return result
 
@@ -243,7 +244,7 @@ class RayWorkerPool:
         name = f"{self.run_tag}-w{self._spawned}"
         self._spawned += 1
         return ClientWorker.options(name=name, num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker).remote(
-            name, *self._init_args, r.device, r.torch_threads)
+            name, *self._init_args, r.device, r.torch_threads, r.compile)
 
     def worker_info(self) -> list[WorkerInfo]:
         info = ray.get([w.info.remote() for w in self.workers])

@@ -1,0 +1,136 @@
+"""resources.compile (fedsap_ray.engine.compiled, issue 56): off is the eager loop itself; the per-process cache
+counts shapes as they repeat and bounds them; a hook that cannot be compiled falls back by name; a bad value
+exits 2 naming the field. The mechanics run under torch.compile's ``eager`` backend (Dynamo only, no code
+generation: milliseconds); Inductor's own numbers are tests/engine/test_compiled_runs.py's."""
+from __future__ import annotations
+
+import os
+import stat
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from faultkit import cli_process
+from fedsap_ray.algorithms.fedprox import ProximalTerm
+from fedsap_ray.algorithms.heterofl import LabelMask
+from fedsap_ray.algorithms.hooks import call
+from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.common.messages import ClientPlan
+from fedsap_ray.config import build_config
+from fedsap_ray.data.base import DomainData
+from fedsap_ray.engine import compiled
+from fedsap_ray.engine.client import train_client
+from fedsap_ray.engine.compiled import CompiledForwards, shape_key, training_forward
+from fedsap_ray.models import build_model
+from fedsap_ray.models.masks import ParamLayout
+
+
+def tiny(width: float = 0.0625) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model("cnn_small", num_classes=4, input_shape=(1, 8, 8), width_mult=width)
+
+
+def plan(layout: ParamLayout, params: np.ndarray, hooks: tuple = ()) -> ClientPlan:
+    return ClientPlan(client_id=3, round=1, params=params, mask=None, local_epochs=1, lr=0.05, momentum=0.9,
+                      weight_decay=5e-4, batch_size=8, seed=7, hooks=hooks)
+
+
+def data(n: int = 24) -> DomainData:
+    g = torch.Generator().manual_seed(2)
+    return DomainData(torch.randn((n, 1, 8, 8), generator=g), torch.randint(0, 4, (n,), generator=g))
+
+
+@pytest.fixture()
+def eager_backend(monkeypatch):
+    """The process's cache replaced by one compiling with Dynamo's ``eager`` backend (no Inductor)."""
+    forwards = CompiledForwards(backend="eager")
+    monkeypatch.setattr(compiled, "_FORWARDS", forwards)
+    return forwards
+
+
+def test_off_is_the_module_itself():
+    m = tiny()
+    p = plan(ParamLayout.from_model(m), np.zeros(1, np.float32))
+    assert training_forward(p, m, "off") is m
+
+
+def test_off_trains_bit_for_bit_as_before(single_thread):
+    m = tiny()
+    layout = ParamLayout.from_model(m)
+    p = plan(layout, layout.flatten(m))
+    a = train_client(p, m, layout, data())
+    b = train_client(p, m, layout, data(), compile="off")
+    assert np.array_equal(a.values, b.values) and a.train_loss == b.train_loss
+
+
+def test_cache_counts_hits_and_misses_as_shapes_repeat(eager_backend, single_thread):
+    small, wide, small_again = tiny(0.0625), tiny(0.125), tiny(0.0625)
+    for m in (small, wide, small_again, wide):
+        layout = ParamLayout.from_model(m)
+        train_client(plan(layout, layout.flatten(m)), m, layout, data(), compile="train")
+    # two shapes: each a miss once, then hits (a new module of a seen shape is a hit too)
+    assert eager_backend.counts() == {"compile_hits": 2, "compile_misses": 2, "compile_refused": 0}
+    assert shape_key(small) == shape_key(small_again) != shape_key(wide)
+
+
+def test_shapes_beyond_the_capacity_train_eager_with_one_warning():
+    forwards = CompiledForwards(capacity=1, backend="eager")
+    first, other, third = tiny(0.0625), tiny(0.125), tiny(0.25)
+    assert forwards.forward(first) is not first
+    with pytest.warns(UserWarning, match="more than 1 model shapes"):
+        assert forwards.forward(other) is other
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert forwards.forward(third) is third  # warned once per process
+    assert forwards.counts() == {"compile_hits": 0, "compile_misses": 1, "compile_refused": 2}
+
+
+def test_compiled_training_agrees_with_eager(eager_backend, single_thread):
+    m = tiny()
+    layout = ParamLayout.from_model(m)
+    p = plan(layout, layout.flatten(m))
+    eager = train_client(p, m, layout, data())
+    comp = train_client(p, m, layout, data(), compile="train")
+    assert eager_backend.misses == 1
+    np.testing.assert_allclose(comp.values, eager.values, rtol=0, atol=1e-5)
+
+
+def test_a_hook_without_supports_compile_falls_back_by_name(eager_backend, monkeypatch):
+    monkeypatch.setattr(compiled, "_WARNED", set())
+    m = tiny()
+    layout = ParamLayout.from_model(m)
+    label = plan(layout, layout.flatten(m), hooks=(call(LabelMask),))
+    with pytest.warns(UserWarning, match="heterofl_label_mask do not support resources.compile"):
+        assert training_forward(label, m, "train") is m  # its loss calls the model itself
+    prox = plan(layout, layout.flatten(m), hooks=(call(ProximalTerm, mu=0.01),))
+    assert training_forward(prox, m, "train") is not m  # FedProx's term reads parameters only: compiled
+    assert eager_backend.misses == 1
+
+
+def test_a_bad_value_is_refused_naming_the_field(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"resources\.compile='fast'.*allowed values are off, train"):
+        build_config(preset="smoke", overrides=["resources.compile=fast"])
+    r = cli_process(capsys, "run", "--preset", "smoke", "--out", str(tmp_path), "--set", "resources.compile=fast")
+    assert r.returncode == 2 and "resources.compile" in r.stderr
+
+
+def test_compile_stays_out_of_the_hash_and_in_the_config_json():
+    off = build_config(preset="smoke", overrides=[])
+    on = build_config(preset="smoke", overrides=["resources.compile=train"])
+    assert off.config_hash() == on.config_hash()  # the same experiment, computed another way (schema comment)
+    assert '"compile":"train"' in on.to_json()
+
+
+def test_inductor_cache_is_the_node_cache_folder_owner_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDSAP_RAY_CACHE", str(tmp_path))
+    monkeypatch.delenv(compiled.ENV, raising=False)
+    path = compiled.use_node_cache()
+    assert path == tmp_path / "inductor" and os.environ[compiled.ENV] == str(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) & 0o077 == 0
+    monkeypatch.delenv(compiled.ENV)
+    os.chmod(path, 0o777)
+    with pytest.warns(UserWarning, match="not used as Inductor's cache"):
+        assert compiled.use_node_cache() is None
+    assert compiled.ENV not in os.environ
