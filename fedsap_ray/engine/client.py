@@ -48,6 +48,11 @@ in that order at each point of the loop:
    then the trained values at ``plan.mask`` (or at the one hook's ``upload_mask``) and every
    hook's ``result`` in ``ClientResult.stats``.
 
+Compiled steps (``resources.compile=train``, :mod:`fedsap_ray.engine.compiled`): the loop computes
+``model(x)`` through a ``torch.compile``-d forward (and so a compiled backward), the rest of the loop as
+above; a plan whose hooks do not all declare ``supports_compile`` trains eager, named in a warning. ``off``
+(the default) passes the module itself: the eager loop, unchanged.
+
 A plan without hooks runs the plain loop's arithmetic exactly. ``ClientResult.steps`` counts the
 optimizer steps taken over all local epochs (SCAFFOLD's K) and ``ClientResult.samples_seen`` the
 samples in their batches (skipped size-1 batches and steps beyond ``max_steps_per_epoch`` not
