@@ -3,7 +3,7 @@ AOTAutograd derives, through ``torch.compile`` (Inductor), once per model shape 
 
 What is compiled: the forward of the module the client loop trains (the scratch model, or the sliced
 sub-network). The loss, the masking of gradients, the hooks' terms and the SGD step stay eager, so the loop's
-order of operations, its hooks and its arithmetic outside the network are those of ``resources.compile=off``;
+order of operations, its hooks and its arithmetic outside the network are those of ``resources.compile=eager``;
 inside the network Inductor fuses and reorders float operations, so a compiled run agrees with an eager one
 within float rounding, not bit for bit (measured: benchmarks/compile_probe.py, docs/guides/performance.md),
 and is deterministic in its own mode (the same generated code for the same shape, on every worker).
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from fedsap_ray.algorithms.hooks import hook_classes
 from fedsap_ray.common.messages import ClientPlan
@@ -118,7 +119,7 @@ def fallback_reason(plan: ClientPlan) -> str | None:
 
 def training_forward(plan: ClientPlan, model: torch.nn.Module, mode: str) -> Callable[..., torch.Tensor]:
     """The callable the client loop computes ``model(x)`` with: compiled when ``mode`` compiles training and the
-    plan's hooks allow it, else the module itself (``resources.compile=off``: exactly the eager loop)."""
+    plan's hooks allow it, else the module itself (``resources.compile=eager``: exactly the eager loop)."""
     if mode not in TRAIN_MODES or fallback_reason(plan) is not None:
         return model
     return forwards().forward(model)
@@ -132,9 +133,11 @@ def inductor_cache_dir() -> Path:
 def use_node_cache() -> Path | None:
     """Point Inductor at :func:`inductor_cache_dir` unless ``TORCHINDUCTOR_CACHE_DIR`` is set already. The folder
     holds code Inductor loads and runs, so it is made owner-only, and a folder that is a link, is not ours or is
-    writable by others is not used (Inductor then keeps its per-user default, with a warning)."""
-    if os.environ.get(ENV):
-        return Path(os.environ[ENV])
+    writable by others is not used (Inductor then keeps its per-user default, with a warning). Called before
+    the process's first compile, which reads the variable."""
+    preset = os.environ.get(ENV)
+    if preset and os.path.abspath(preset) != os.path.abspath(default_cache_dir()):
+        return Path(preset)  # the user's (Inductor writes its own default into the variable when it first looks)
     path = inductor_cache_dir()
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     st = os.lstat(path)

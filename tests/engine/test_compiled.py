@@ -1,4 +1,4 @@
-"""resources.compile (fedsap_ray.engine.compiled, issue 56): off is the eager loop itself; the per-process cache
+"""resources.compile (fedsap_ray.engine.compiled, issue 56): eager is the eager loop itself; the per-process cache
 counts shapes as they repeat and bounds them; a hook that cannot be compiled falls back by name; a bad value
 exits 2 naming the field. The mechanics run under torch.compile's ``eager`` backend (Dynamo only, no code
 generation: milliseconds); Inductor's own numbers are tests/engine/test_compiled_runs.py's."""
@@ -11,6 +11,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from faultkit import cli_process
 from fedsap_ray.algorithms.fedprox import ProximalTerm
@@ -50,18 +51,18 @@ def eager_backend(monkeypatch):
     return forwards
 
 
-def test_off_is_the_module_itself():
+def test_eager_is_the_module_itself():
     m = tiny()
     p = plan(ParamLayout.from_model(m), np.zeros(1, np.float32))
-    assert training_forward(p, m, "off") is m
+    assert training_forward(p, m, "eager") is m
 
 
-def test_off_trains_bit_for_bit_as_before(single_thread):
+def test_eager_trains_bit_for_bit_as_before(single_thread):
     m = tiny()
     layout = ParamLayout.from_model(m)
     p = plan(layout, layout.flatten(m))
     a = train_client(p, m, layout, data())
-    b = train_client(p, m, layout, data(), compile="off")
+    b = train_client(p, m, layout, data(), compile="eager")
     assert np.array_equal(a.values, b.values) and a.train_loss == b.train_loss
 
 
@@ -110,10 +111,12 @@ def test_a_hook_without_supports_compile_falls_back_by_name(eager_backend, monke
 
 
 def test_a_bad_value_is_refused_naming_the_field(tmp_path, capsys):
-    with pytest.raises(ConfigError, match=r"resources\.compile='fast'.*allowed values are off, train"):
+    with pytest.raises(ConfigError, match=r"resources\.compile='fast'.*allowed values are eager, train"):
         build_config(preset="smoke", overrides=["resources.compile=fast"])
-    r = cli_process(capsys, "run", "--preset", "smoke", "--out", str(tmp_path), "--set", "resources.compile=fast")
-    assert r.returncode == 2 and "resources.compile" in r.stderr
+    for bad in ("fast", "off"):  # off: YAML's false, not a string
+        r = cli_process(capsys, "run", "--preset", "smoke", "--out", str(tmp_path), "--set", f"resources.compile={bad}")
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and "resources.compile" in lines[0], r.stderr
 
 
 def test_compile_stays_out_of_the_hash_and_in_the_config_json():
@@ -134,3 +137,8 @@ def test_inductor_cache_is_the_node_cache_folder_owner_only(tmp_path, monkeypatc
     with pytest.warns(UserWarning, match="not used as Inductor's cache"):
         assert compiled.use_node_cache() is None
     assert compiled.ENV not in os.environ
+    monkeypatch.setenv(compiled.ENV, default_cache_dir())  # Inductor's own default, written by Inductor: not the user's
+    os.chmod(path, 0o700)
+    assert compiled.use_node_cache() == path
+    monkeypatch.setenv(compiled.ENV, str(tmp_path / "mine"))  # the user's choice wins
+    assert compiled.use_node_cache() == tmp_path / "mine"

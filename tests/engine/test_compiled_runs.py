@@ -1,7 +1,7 @@
 """resources.compile=train under Inductor (issue 56) on a tiny run: deterministic in its mode (two runs, the same
 tables) and within float reordering of the eager run (tolerances below). The first Inductor compile of a process
 costs tens of seconds on a loaded 2-core machine, so this module is in the integration tier (tests/conftest.py);
-the mechanics (off, the cache's counts, the fallback, the refusal) are tests/engine/test_compiled.py's."""
+the mechanics (eager, the cache's counts, the fallback, the refusal) are tests/engine/test_compiled.py's."""
 from __future__ import annotations
 
 import numpy as np
@@ -46,7 +46,7 @@ def test_compiled_runs_are_deterministic_and_agree_with_eager(tmp_path, fed, mon
     assert compiled.forwards().misses >= 1 and (tmp_path / "cache" / "inductor").is_dir()
     pd.testing.assert_frame_equal(frame(a.rounds, ["round", "domain"]), frame(b.rounds, ["round", "domain"]))
     pd.testing.assert_frame_equal(frame(a.clients, ["round", "client_id"]), frame(b.clients, ["round", "client_id"]))
-    eager = run(tmp_path, fed, "off", "eager")
+    eager = run(tmp_path, fed, "eager", "eager")
     ra, re_ = frame(a.rounds, ["round", "domain"]), frame(eager.rounds, ["round", "domain"])
     for col in [c for c in ra.columns if c.endswith("loss")]:
         np.testing.assert_allclose(ra[col].astype(float), re_[col].astype(float), rtol=0, atol=LOSS_ATOL, err_msg=col)
