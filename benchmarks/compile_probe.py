@@ -20,6 +20,10 @@ Subcommands (each prints one JSON line):
   ``dynamic=True`` compile serving every width (seconds per new width and steady step time), and the
   padded alternative (the full-width model masked to each width: one shape, eager and compiled).
 - ``all``: ``step`` for ``--model`` cold and warm (two fresh processes on one fresh cache folder).
+- ``agree``: whole runs (smoke preset, FedAvg, ``--set`` overrides after) on one federation: eager, eager
+  again (must differ by 0), ``resources.compile=train``, and as the control of float reordering eager with
+  ``resources.torch_threads=2``: each one's seconds and the largest difference of every loss and accuracy
+  column of ``rounds`` from the first eager run.
 
 Run: ``nice -n 19 python benchmarks/compile_probe.py all --model resnet10 --width 0.25``.
 """
@@ -189,6 +193,32 @@ def cmd_shapes(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def cmd_agree(a: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from fedsap_ray import results
+    from fedsap_ray.config import build_config
+    from fedsap_ray.data import build_federation
+    from fedsap_ray.engine import compiled
+    from fedsap_ray.experiment import run_experiment
+
+    base = ["algorithm.name=fedavg", "resources.num_workers=1", *a.set]
+    fed = build_federation(build_config(preset="smoke", overrides=base))
+    out = tempfile.mkdtemp(prefix="compile-agree-")
+    variants = {"eager": [], "eager_again": [], "train": ["resources.compile=train"], "eager_2_threads": ["resources.torch_threads=2"]}
+    tables, secs = {}, {}
+    for name, extra in variants.items():
+        t0 = time.perf_counter()
+        run_experiment(build_config(preset="smoke", overrides=[*base, *extra]), f"{out}/{name}", run_id="x", federation=fed)
+        secs[name] = round(time.perf_counter() - t0, 2)
+        tables[name] = results.load(f"{out}/{name}").rounds.sort_values(["round", "domain"]).reset_index(drop=True)
+    ref = tables["eager"]
+    cols = [c for c in ref.columns if ("loss" in c or "acc" in c) and ref[c].dtype.kind == "f"]
+    diffs = {name: {c: float(np.nanmax(np.abs(t[c].to_numpy(float) - ref[c].to_numpy(float)))) for c in cols}
+             for name, t in tables.items() if name != "eager"}
+    return {"probe": "agree", "set": a.set, "secs": secs, "counts": compiled.forwards().counts(), "max_abs_diff": diffs}
+
+
 def cmd_all(a: argparse.Namespace) -> None:
     cache = a.cache or tempfile.mkdtemp(prefix="inductor-probe-")
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
@@ -202,7 +232,7 @@ def cmd_all(a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("probe", choices=("step", "shapes", "all"))
+    p.add_argument("probe", choices=("step", "shapes", "all", "agree"))
     p.add_argument("--model", default="resnet10")
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--mask-p", type=float, default=0.5, help="nested width of the masked gradient (step)")
@@ -211,13 +241,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--block", type=int, default=10, help="steps per timed block")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: no code generation)")
+    p.add_argument("--set", action="append", default=[], help="config override of the agree runs (repeatable)")
     p.add_argument("--cache", default=None, help="Inductor cache folder for `all` (default: a fresh one)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.probe == "all":
         cmd_all(a)
         return
-    print(json.dumps(cmd_step(a) if a.probe == "step" else cmd_shapes(a)), flush=True)
+    probes = {"step": cmd_step, "shapes": cmd_shapes, "agree": cmd_agree}
+    print(json.dumps(probes[a.probe](a)), flush=True)
 
 
 if __name__ == "__main__":
