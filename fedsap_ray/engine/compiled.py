@@ -85,7 +85,10 @@ class CompiledForwards:
                 _raise_recompile_limit(self.capacity)
         # a thin wrapper per client (microseconds, nothing kept): the compiled graphs live on the model class's
         # forward code, so a new module of a seen shape passes the guards of the graph compiled for the first
-        return torch.compile(model, dynamic=False, backend=self.backend)
+        # dynamic=None, not False: False would specialise every batch size, so each client's last, shorter batch
+        # would be another compile; Dynamo's default makes the batch dimension dynamic at its second size, while
+        # parameter shapes stay static (a graph per model shape, as counted here)
+        return torch.compile(model, dynamic=None, backend=self.backend)
 
     def counts(self) -> dict[str, int]:
         return {"compile_hits": self.hits, "compile_misses": self.misses, "compile_refused": self.refused}
