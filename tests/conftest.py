@@ -2,6 +2,7 @@
 round loops, and the end-to-end "runs finish and are deterministic" checks."""
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -67,9 +68,7 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(mark)
     if not getattr(config.option, "numprocesses", None):  # one process (-n 0, the integration tier): order as written
         return
-    count: dict[str, int] = {}
-    for rel in rels.values():
-        count[rel] = count.get(rel, 0) + 1
+    count = collections.Counter(rels.values())
     rank = {rel: i for i, rel in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: (rank.get(rels[item], len(rank)), -count[rels[item]], rels[item]))
 
