@@ -2,6 +2,7 @@
 round loops, and the end-to-end "runs finish and are deterministic" checks."""
 from __future__ import annotations
 
+import collections
 import os
 import re
 import subprocess
@@ -49,13 +50,30 @@ INTEGRATION_MODULES = frozenset({
 INTEGRATION_FIXTURES = frozenset({"smoke_study"})
 
 
+# The fast tier's longest modules (summed test time, in order), handed out first: pytest-xdist gives each worker one
+# module at a time in collection order (``--dist loadfile --no-loadscope-reorder``, pyproject.toml), so a long module
+# collected last would leave the other worker idle at the end. A stale list costs only balance, never a test.
+LONGEST_FIRST = ("tests/algorithms/fedsap/test_fedsap_motion.py", "tests/data/test_devices.py",
+                 "tests/engine/test_deployed_eval.py", "tests/test_run.py", "tests/engine/test_asyncmode_resume.py",
+                 "tests/persist/test_checkpoint_safety.py", "tests/data/test_data_embedded.py",
+                 "tests/models/test_sliced.py", "tests/results/test_results_store.py", "tests/engine/test_asyncmode.py")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Mark the integration tier (above); the default ``-m "not integration"`` (pyproject.toml) leaves it out."""
+    """Mark the integration tier (above); the default ``-m "not integration"`` (pyproject.toml) leaves it out. Then
+    order the modules for the xdist workers: :data:`LONGEST_FIRST`, then the rest by their number of tests, most
+    first (each module's tests keep their order)."""
     mark = pytest.mark.integration
+    rels = {}
     for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+        rel = rels.setdefault(item, Path(str(item.fspath)).resolve().relative_to(REPO).as_posix())
         if rel in INTEGRATION_MODULES or INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(mark)
+    if not getattr(config.option, "numprocesses", None):  # one process (-n 0, the integration tier): order as written
+        return
+    count = collections.Counter(rels.values())
+    rank = {rel: i for i, rel in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(rels[item], len(rank)), -count[rels[item]], rels[item]))
 
 
 SHARED_DATA = Path(os.environ.get("FEDSAP_SHARED_DATA", REPO.parent / "shared" / "data"))
