@@ -262,12 +262,12 @@ class ResourcesConfig:
     # give the same bits on every backend and worker. Parallelism comes from running
     # clients concurrently (num_workers), not from threads inside one client.
     torch_threads: int = 1
-    # eager: the plain loop (not "off", which YAML reads as false); train: torch.compile the forward (and so
-    # the backward) of the client's training step, once per model shape per process (fedsap_ray.engine.compiled).
+    # off: the plain eager loop; train: torch.compile the forward (and so the backward) of the client's training
+    # step, once per model shape per process (fedsap_ray.engine.compiled); train+eval: the evaluation's forward too.
     # Like torch_threads it changes numbers only by float reordering (Inductor fuses and reorders reductions),
     # so, like it, it is left out of the hash: the same experiment, computed another way; each mode is
     # deterministic on its own (docs/guides/performance.md).
-    compile: str = "eager"
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         check_choice("resources.backend", self.backend, BACKENDS)

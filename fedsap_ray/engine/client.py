@@ -50,7 +50,7 @@ in that order at each point of the loop:
 
 Compiled steps (``resources.compile=train``, :mod:`fedsap_ray.engine.compiled`): the loop computes
 ``model(x)`` through a ``torch.compile``-d forward (and so a compiled backward), the rest of the loop as
-above; a plan whose hooks do not all declare ``supports_compile`` trains eager, named in a warning. ``eager``
+above; a plan whose hooks do not all declare ``supports_compile`` trains eager, named in a warning. ``off``
 (the default) passes the module itself: the eager loop, unchanged.
 
 A plan without hooks runs the plain loop's arithmetic exactly. ``ClientResult.steps`` counts the
@@ -175,10 +175,10 @@ def train_client(
     layout: ParamLayout,
     data: DomainData,
     device: torch.device | None = None,
-    compile: str = "eager",
+    compile: str = "off",
 ) -> ClientResult:
     """Run the plan on ``data`` with ``model`` (a scratch module, overwritten) and return the result.
-    ``compile`` is ``resources.compile`` (:mod:`fedsap_ray.engine.compiled`; ``eager``: the eager loop)."""
+    ``compile`` is ``resources.compile`` (:mod:`fedsap_ray.engine.compiled`; ``off``: the eager loop)."""
     try:
         return _train(plan, model, layout, data, device or torch.device("cpu"), compile)
     except ClientError:
@@ -188,7 +188,7 @@ def train_client(
 
 
 def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device,
-           compile: str = "eager") -> ClientResult:
+           compile: str = "off") -> ClientResult:
     t0 = time.perf_counter()
     to_device(model, device)
     sliced = _sliced_for(plan, model, layout)
@@ -207,7 +207,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
             train_layout.load_into(train_model, sliced.gather(start))
         for h in hooks:
             h.start(train_model)
-        forward = training_forward(plan, train_model, compile)
+        forward, compiled_as = training_forward(plan, train_model, compile)
         losses, steps, seen = _loop(plan, train_model, train_layout, data, device, hooks, None if sliced else plan.mask,
                                     forward)
     finally:
@@ -243,7 +243,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
     return ClientResult(
         client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
         n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0, steps=steps,
-        samples_seen=seen, mask=upload,
+        samples_seen=seen, mask=upload, compile=compiled_as,
     )
 
 

@@ -3,7 +3,7 @@ AOTAutograd derives, through ``torch.compile`` (Inductor), once per model shape 
 
 What is compiled: the forward of the module the client loop trains (the scratch model, or the sliced
 sub-network). The loss, the masking of gradients, the hooks' terms and the SGD step stay eager, so the loop's
-order of operations, its hooks and its arithmetic outside the network are those of ``resources.compile=eager``;
+order of operations, its hooks and its arithmetic outside the network are those of ``resources.compile=off``;
 inside the network Inductor fuses and reorders float operations, so a compiled run agrees with an eager one
 within float rounding, not bit for bit (measured: benchmarks/compile_probe.py, docs/guides/performance.md),
 and is deterministic in its own mode (the same generated code for the same shape, on every worker).
@@ -40,10 +40,15 @@ from fedsap_ray.algorithms.hooks import hook_classes
 from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.data.status import cache_home
 
-#: resources.compile values that compile the client's training forward (evaluation is not compiled yet)
-TRAIN_MODES = ("train",)
-CAPACITY = 32  # distinct model shapes compiled per process (each a few seconds cold, under one warm)
+#: resources.compile values that compile the client's training forward, and those that compile evaluation's too
+TRAIN_MODES = ("train", "train+eval")
+EVAL_MODES = ("train+eval",)
+CAPACITY = 32  # distinct model shapes compiled per process and role (each a few seconds cold, under one warm)
 ENV = "TORCHINDUCTOR_CACHE_DIR"
+#: what a client's training forward was (the ``clients.compile`` column): the eager loop (``off``), eager because
+#: a hook cannot be compiled (``fallback``), a compiled shape seen before in the process (``hit``), compiled now
+#: (``miss``), or eager because the process holds ``capacity`` shapes already (``refused``)
+OUTCOMES = ("off", "fallback", "hit", "miss", "refused")
 
 ShapeKey = tuple[str, str, bool, tuple[tuple[str, tuple[int, ...]], ...]]
 
@@ -55,43 +60,61 @@ def shape_key(model: torch.nn.Module) -> ShapeKey:
     return (type(model).__qualname__, device, model.training, shapes)
 
 
+def compile_mode(device: str) -> str | None:
+    """torch.compile's mode for a device: CUDA graphs (``reduce-overhead``) on CUDA, where many small clients
+    leave the GPU idle between kernel launches and a replayed graph launches a step at once; Inductor's default
+    on the CPU (no launch overhead to save). The CUDA path is prepared for benchmarks/gpu_check.sh and has not
+    run on a GPU in our tests (docs/guides/performance.md)."""
+    return "reduce-overhead" if device == "cuda" else None
+
+
 class CompiledForwards:
-    """The process's compiled forwards: ``forward(model)`` returns a callable computing ``model(x)``, compiled
-    when the model's shape is one of the first ``capacity`` seen, else the eager module. Thread-safe (the
-    local backend's threads share one); ``hits``/``misses``/``refused`` count the clients whose shape was seen,
-    new, or beyond the capacity."""
+    """The process's compiled forwards: :meth:`lookup` returns a callable computing ``model(x)``, compiled when
+    the model's shape is one of the first ``capacity`` of its role (training or evaluation) seen, else the eager
+    module, and the outcome (:data:`OUTCOMES`). Thread-safe (the local backend's threads share one); ``hits``,
+    ``misses`` and ``refused`` count per role."""
 
     def __init__(self, capacity: int = CAPACITY, backend: str = "inductor") -> None:
         self.capacity, self.backend = capacity, backend  # backend: torch.compile's (tests use "eager": no codegen)
-        self.hits = self.misses = self.refused = 0
-        self._seen: OrderedDict[ShapeKey, None] = OrderedDict()
+        self.hits = {"train": 0, "eval": 0}
+        self.misses = {"train": 0, "eval": 0}
+        self.refused = {"train": 0, "eval": 0}
+        self._seen: dict[str, OrderedDict[ShapeKey, None]] = {"train": OrderedDict(), "eval": OrderedDict()}
         self._lock = threading.Lock()
 
-    def forward(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+    def lookup(self, model: torch.nn.Module) -> tuple[Callable[..., torch.Tensor], str]:
         key = shape_key(model)
+        role = "train" if key[2] else "eval"
+        seen = self._seen[role]
         with self._lock:
-            if key in self._seen:
-                self.hits += 1
-            elif len(self._seen) >= self.capacity:
-                self.refused += 1
-                if self.refused == 1:
-                    warnings.warn(f"resources.compile: more than {self.capacity} model shapes in this process; "
-                                  f"new shapes train eager (first: {key[0]} in {'train' if key[2] else 'eval'} mode)",
-                                  stacklevel=2)
-                return model
+            if key in seen:
+                self.hits[role] += 1
+                outcome = "hit"
+            elif len(seen) >= self.capacity:
+                self.refused[role] += 1
+                if self.refused[role] == 1:
+                    warnings.warn(f"resources.compile: more than {self.capacity} model shapes in this process's "
+                                  f"{role} forwards; new shapes run eager (first: {key[0]})", stacklevel=2)
+                return model, "refused"
             else:
-                self.misses += 1
-                self._seen[key] = None
-                _raise_recompile_limit(self.capacity)
+                self.misses[role] += 1
+                seen[key] = None
+                outcome = "miss"
+                _raise_recompile_limit(4 * self.capacity)  # two roles; a shape may hold a static and a dynamic-batch graph
         # a thin wrapper per client (microseconds, nothing kept): the compiled graphs live on the model class's
         # forward code, so a new module of a seen shape passes the guards of the graph compiled for the first
         # dynamic=None, not False: False would specialise every batch size, so each client's last, shorter batch
         # would be another compile; Dynamo's default makes the batch dimension dynamic at its second size, while
         # parameter shapes stay static (a graph per model shape, as counted here)
-        return torch.compile(model, dynamic=None, backend=self.backend)
+        return torch.compile(model, dynamic=None, backend=self.backend, mode=compile_mode(key[1])), outcome
+
+    def forward(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+        """:meth:`lookup`'s callable alone."""
+        return self.lookup(model)[0]
 
     def counts(self) -> dict[str, int]:
-        return {"compile_hits": self.hits, "compile_misses": self.misses, "compile_refused": self.refused}
+        return {f"{role}_compile_{what}": n[role] for what, n in
+                (("hits", self.hits), ("misses", self.misses), ("refused", self.refused)) for role in ("train", "eval")}
 
 
 _FORWARDS: CompiledForwards | None = None
@@ -120,12 +143,32 @@ def fallback_reason(plan: ClientPlan) -> str | None:
     return reason
 
 
-def training_forward(plan: ClientPlan, model: torch.nn.Module, mode: str) -> Callable[..., torch.Tensor]:
-    """The callable the client loop computes ``model(x)`` with: compiled when ``mode`` compiles training and the
-    plan's hooks allow it, else the module itself (``resources.compile=eager``: exactly the eager loop)."""
-    if mode not in TRAIN_MODES or fallback_reason(plan) is not None:
-        return model
-    return forwards().forward(model)
+def training_forward(plan: ClientPlan, model: torch.nn.Module, mode: str) -> tuple[Callable[..., torch.Tensor], str]:
+    """The callable the client loop computes ``model(x)`` with, and its outcome (:data:`OUTCOMES`): compiled
+    when ``mode`` compiles training and the plan's hooks allow it, else the module itself
+    (``resources.compile=off``: exactly the eager loop)."""
+    if mode not in TRAIN_MODES:
+        return model, "off"
+    if fallback_reason(plan) is not None:
+        return model, "fallback"
+    return forwards().lookup(model)
+
+
+def eval_forward(net: torch.nn.Module, mode: str) -> Callable[..., torch.Tensor]:
+    """The callable evaluation computes ``net(x)`` with (``net`` in eval mode, as
+    :func:`fedsap_ray.engine.evaluate.inference_module` built it): compiled under ``train+eval``."""
+    return forwards().forward(net) if mode in EVAL_MODES else net
+
+
+def eval_compiles() -> int:
+    """Evaluation shapes this process has compiled so far (a round's ``rounds.eval_compiles`` is the difference)."""
+    return 0 if _FORWARDS is None else _FORWARDS.misses["eval"]
+
+
+def round_compiles(mode: str, before: int) -> int | None:
+    """``rounds.eval_compiles``: evaluation shapes compiled since ``before`` (:func:`eval_compiles`), None when
+    ``mode`` does not compile evaluation."""
+    return eval_compiles() - before if mode in EVAL_MODES else None
 
 
 def inductor_cache_dir() -> Path:

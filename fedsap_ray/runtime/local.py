@@ -46,7 +46,7 @@ class LocalBackend:
     name = "local"
 
     def __init__(self, device: str = "auto", num_workers: int | None = None, torch_threads: int = 1,
-                 compile: str = "eager") -> None:
+                 compile: str = "off") -> None:
         self.device = pick_device(device)
         self.compile = compile  # resources.compile (fedsap_ray.engine.compiled)
         self.torch_threads = torch_threads

@@ -159,7 +159,7 @@ class ClientWorker:
 
     def __init__(self, name: str, model: MaskableModel, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
                  client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int,
-                 compile: str = "eager") -> None:
+                 compile: str = "off") -> None:
         self.malloc_tuned = tune_malloc() is not None  # allocator.py: a worker spent 24% of its CPU in page faults
         torch.set_num_threads(torch_threads)
         warm_torch()

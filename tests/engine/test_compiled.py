@@ -1,4 +1,4 @@
-"""resources.compile (fedsap_ray.engine.compiled, issue 56): eager is the eager loop itself; the per-process cache
+"""resources.compile (fedsap_ray.engine.compiled, issue 56): off is the eager loop itself; the per-process cache
 counts shapes as they repeat and bounds them; a hook that cannot be compiled falls back by name; a bad value
 exits 2 naming the field. The mechanics run under torch.compile's ``eager`` backend (Dynamo only, no code
 generation: milliseconds); Inductor's own numbers are tests/engine/test_compiled_runs.py's."""
@@ -24,6 +24,7 @@ from fedsap_ray.data.base import DomainData
 from fedsap_ray.engine import compiled
 from fedsap_ray.engine.client import train_client
 from fedsap_ray.engine.compiled import CompiledForwards, shape_key, training_forward
+from fedsap_ray.engine.evaluate import evaluate
 from fedsap_ray.models import build_model
 from fedsap_ray.models.masks import ParamLayout
 
@@ -51,10 +52,10 @@ def eager_backend(monkeypatch):
     return forwards
 
 
-def test_eager_is_the_module_itself():
+def test_off_is_the_module_itself():
     m = tiny()
     p = plan(ParamLayout.from_model(m), np.zeros(1, np.float32))
-    assert training_forward(p, m, "eager") is m
+    assert training_forward(p, m, "off") == (m, "off")
 
 
 def test_eager_trains_bit_for_bit_as_before(single_thread):
@@ -62,30 +63,35 @@ def test_eager_trains_bit_for_bit_as_before(single_thread):
     layout = ParamLayout.from_model(m)
     p = plan(layout, layout.flatten(m))
     a = train_client(p, m, layout, data())
-    b = train_client(p, m, layout, data(), compile="eager")
+    b = train_client(p, m, layout, data(), compile="off")
     assert np.array_equal(a.values, b.values) and a.train_loss == b.train_loss
 
 
 def test_cache_counts_hits_and_misses_as_shapes_repeat(eager_backend, single_thread):
     small, wide, small_again = tiny(0.0625), tiny(0.125), tiny(0.0625)
+    outcomes = []
     for m in (small, wide, small_again, wide):
         layout = ParamLayout.from_model(m)
-        train_client(plan(layout, layout.flatten(m)), m, layout, data(), compile="train")
-    # two shapes: each a miss once, then hits (a new module of a seen shape is a hit too)
-    assert eager_backend.counts() == {"compile_hits": 2, "compile_misses": 2, "compile_refused": 0}
+        outcomes.append(train_client(plan(layout, layout.flatten(m)), m, layout, data(), compile="train").compile)
+    # two shapes: each a miss once, then hits (a new module of a seen shape is a hit too), told per client
+    assert outcomes == ["miss", "miss", "hit", "hit"]
+    assert (eager_backend.hits, eager_backend.misses, eager_backend.refused) == (
+        {"train": 2, "eval": 0}, {"train": 2, "eval": 0}, {"train": 0, "eval": 0})
     assert shape_key(small) == shape_key(small_again) != shape_key(wide)
 
 
 def test_shapes_beyond_the_capacity_train_eager_with_one_warning():
     forwards = CompiledForwards(capacity=1, backend="eager")
     first, other, third = tiny(0.0625), tiny(0.125), tiny(0.25)
-    assert forwards.forward(first) is not first
+    assert forwards.lookup(first)[0] is not first
     with pytest.warns(UserWarning, match="more than 1 model shapes"):
-        assert forwards.forward(other) is other
+        assert forwards.lookup(other) == (other, "refused")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert forwards.forward(third) is third  # warned once per process
-    assert forwards.counts() == {"compile_hits": 0, "compile_misses": 1, "compile_refused": 2}
+        assert forwards.lookup(third) == (third, "refused")  # warned once per process
+    first.eval()  # evaluation's forwards are a role of their own, with their own capacity
+    assert forwards.lookup(first)[1] == "miss"
+    assert forwards.counts()["train_compile_refused"] == 2 and forwards.counts()["eval_compile_misses"] == 1
 
 
 def test_compiled_training_agrees_with_eager(eager_backend, single_thread):
@@ -94,7 +100,7 @@ def test_compiled_training_agrees_with_eager(eager_backend, single_thread):
     p = plan(layout, layout.flatten(m))
     eager = train_client(p, m, layout, data())
     comp = train_client(p, m, layout, data(), compile="train")
-    assert eager_backend.misses == 1
+    assert eager_backend.misses["train"] == 1 and comp.compile == "miss"
     np.testing.assert_allclose(comp.values, eager.values, rtol=0, atol=1e-5)
 
 
@@ -104,19 +110,21 @@ def test_a_hook_without_supports_compile_falls_back_by_name(eager_backend, monke
     layout = ParamLayout.from_model(m)
     label = plan(layout, layout.flatten(m), hooks=(call(LabelMask),))
     with pytest.warns(UserWarning, match="heterofl_label_mask do not support resources.compile"):
-        assert training_forward(label, m, "train") is m  # its loss calls the model itself
+        assert training_forward(label, m, "train") == (m, "fallback")  # its loss calls the model itself
     prox = plan(layout, layout.flatten(m), hooks=(call(ProximalTerm, mu=0.01),))
-    assert training_forward(prox, m, "train") is not m  # FedProx's term reads parameters only: compiled
-    assert eager_backend.misses == 1
+    assert training_forward(prox, m, "train")[1] == "miss"  # FedProx's term reads parameters only: compiled
+    assert eager_backend.misses["train"] == 1
 
 
 def test_a_bad_value_is_refused_naming_the_field(tmp_path, capsys):
-    with pytest.raises(ConfigError, match=r"resources\.compile='fast'.*allowed values are eager, train"):
+    with pytest.raises(ConfigError, match=r"resources\.compile='fast'.*allowed values are off, train, train\+eval"):
         build_config(preset="smoke", overrides=["resources.compile=fast"])
-    for bad in ("fast", "off"):  # off: YAML's false, not a string
+    for bad in ("fast", "true", "eager"):  # true: YAML's boolean, not a mode
         r = cli_process(capsys, "run", "--preset", "smoke", "--out", str(tmp_path), "--set", f"resources.compile={bad}")
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1 and "resources.compile" in lines[0], r.stderr
+    # a bare off (YAML's false, from --set or a config file) is the off mode
+    assert build_config(preset="smoke", overrides=["resources.compile=off"]).resources.compile == "off"
 
 
 def test_compile_stays_out_of_the_hash_and_in_the_config_json():
@@ -142,3 +150,19 @@ def test_inductor_cache_is_the_node_cache_folder_owner_only(tmp_path, monkeypatc
     assert compiled.use_node_cache() == path
     monkeypatch.setenv(compiled.ENV, str(tmp_path / "mine"))  # the user's choice wins
     assert compiled.use_node_cache() == tmp_path / "mine"
+
+
+def test_evaluation_compiles_once_per_shape_and_agrees_with_eager(eager_backend, single_thread):
+    """train+eval: the evaluation forward compiled (a miss, then hits for the same shape), figures as eager's."""
+    m = tiny()
+    layout = ParamLayout.from_model(m)
+    vec, test = layout.flatten(m), data()
+    before = compiled.eval_compiles()
+    eager = evaluate(m, layout, vec, test, torch.device("cpu"))
+    assert evaluate(m, layout, vec, test, torch.device("cpu"), compile="train") == eager  # train: eval stays eager
+    assert compiled.eval_compiles() == before
+    first = evaluate(m, layout, vec, test, torch.device("cpu"), compile="train+eval")
+    again = evaluate(m, layout, vec, test, torch.device("cpu"), compile="train+eval")
+    assert compiled.round_compiles("train+eval", before) == 1 and compiled.round_compiles("train", before) is None
+    assert eager_backend.hits["eval"] == 1 and first == again
+    assert first[0] == eager[0] and abs(first[1] - eager[1]) < 1e-6
