@@ -118,16 +118,19 @@ class CompiledForwards:
 
 
 _FORWARDS: CompiledForwards | None = None
+_FORWARDS_LOCK = threading.Lock()
 _WARNED: set[tuple[str, ...]] = set()
 
 
 def forwards() -> CompiledForwards:
-    """The process's :class:`CompiledForwards` (built on first use, with Inductor's cache folder set)."""
+    """The process's :class:`CompiledForwards` (built on first use, with Inductor's cache folder set). Locked: the
+    local backend's first clients ask at once, and two caches would each count the first shape a miss."""
     global _FORWARDS
-    if _FORWARDS is None:
-        use_node_cache()
-        _FORWARDS = CompiledForwards()
-    return _FORWARDS
+    with _FORWARDS_LOCK:
+        if _FORWARDS is None:
+            use_node_cache()
+            _FORWARDS = CompiledForwards()
+        return _FORWARDS
 
 
 def fallback_reason(plan: ClientPlan) -> str | None:

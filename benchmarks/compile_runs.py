@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""Whole runs with ``resources.compile`` (issue 56): what compiling the clients' steps saves a real run, from a
+cold and a warm Inductor cache, and how far its figures move from the eager run's.
+
+    python benchmarks/compile_runs.py runs --preset laptop --set algorithm.name=fedavg      # 25 rounds, ~10 min
+    python benchmarks/compile_runs.py trials --trials 13 --preset smoke --set algorithm.name=fedavg
+
+``runs``: the same config as separate processes (``fedsap-ray run``), one after the other: ``eager``
+(``resources.compile=off``), ``cold`` (``train``, a fresh Inductor cache folder), ``warm`` (``train`` again
+on that folder: what every later process of the node pays) and ``warm_eval`` (``train+eval`` on it; its
+evaluation shapes are cold). Each line: the run's summed ``train_s`` / ``eval_s`` / ``round_wall_s``, the
+process's wall seconds, the first round's ``train_s`` (where the compiles land) and the rest's, the
+``clients.compile`` outcomes and ``rounds.eval_compiles``; then every variant's ratio to ``eager`` and its
+largest per-round difference from ``eager`` in each figure (accuracy, loss, training loss), with the round it
+occurred in. Every process starts fresh (Dynamo keeps nothing in memory between them), as a sweep's trials do.
+
+``trials``: ``--trials`` processes of one config with ``train`` on one fresh cache folder (the first cold,
+the rest warm), as the trials of a sweep on one node, and one ``eager`` process: each trial's first-round
+``train_s`` against the eager one's says what a trial pays for its compiles.
+
+Run on a quiet machine (2 cores here: anything else running moves the ratios); one JSON line per process
+on stdout, a summary line at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+FIGURES = ("accuracy", "loss", "global_accuracy", "train_loss")
+
+
+def run_once(out: Path, run_id: str, preset: str, sets: list[str], mode: str, cache: Path) -> dict[str, Any]:
+    """One ``fedsap-ray run`` in its own process on Inductor cache ``cache``; its timings and compile counts."""
+    from fedsap_ray import results
+
+    cmd = [sys.executable, "-m", "fedsap_ray", "run", "--preset", preset, "--out", str(out), "--run-id", run_id,
+           "--quiet", "--set", f"resources.compile={mode}", *(x for s in sets for x in ("--set", s))]
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    t0 = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True)
+    wall = time.perf_counter() - t0
+    res = results.load(str(out))
+    rounds = res.rounds[res.rounds["run_id"] == run_id]
+    clients = res.clients[res.clients["run_id"] == run_id]
+    per_round = rounds.drop_duplicates("round").sort_values("round")
+    return {"run_id": run_id, "mode": mode, "wall_s": round(wall, 2),
+            "train_s": round(float(per_round["train_s"].sum()), 2), "eval_s": round(float(per_round["eval_s"].sum()), 2),
+            "round_wall_s": round(float(per_round["round_wall_s"].sum()), 2),
+            "first_round_train_s": round(float(per_round["train_s"].iloc[0]), 2),
+            "later_rounds_train_s": round(float(per_round["train_s"].iloc[1:].sum()), 2),
+            "compile_outcomes": {k: int(v) for k, v in clients["compile"].value_counts().items()},
+            "eval_compiles": (None if per_round["eval_compiles"].isna().all()
+                              else int(per_round["eval_compiles"].fillna(0).sum()))}
+
+
+def agreement(out: Path, ref_id: str, run_id: str) -> dict[str, Any]:
+    """The largest per-round |difference| from the reference run in each figure of ``rounds`` (every eval
+    mode and domain row), and the round it occurred in."""
+    from fedsap_ray import results
+
+    r = results.load(str(out)).rounds
+    key = ["round", "eval_mode", "domain"]
+    a = r[r["run_id"] == ref_id].set_index(key).sort_index()
+    b = r[r["run_id"] == run_id].set_index(key).sort_index()
+    out_: dict[str, Any] = {}
+    for col in FIGURES:
+        d = (a[col].astype(float) - b[col].astype(float)).abs()
+        d = d[d.notna()]
+        if d.empty:
+            continue
+        worst = d.idxmax()
+        last = d.xs(a.index.get_level_values("round").max(), level="round")
+        out_[col] = {"max": float(d.max()), "round": int(worst[0]), "last_round_max": float(last.max())}
+    return out_
+
+
+def cmd_runs(a: argparse.Namespace, root: Path) -> None:
+    cache = root / "inductor"
+    lines: dict[str, dict[str, Any]] = {}
+    for name, mode in (("eager", "off"), ("cold", "train"), ("warm", "train"), ("warm_eval", "train+eval")):
+        lines[name] = run_once(root / "out", name, a.preset, a.set, mode, cache)
+        print(json.dumps({"variant": name, **lines[name]}), flush=True)
+    ref = lines["eager"]
+    summary = {name: {"train_ratio": round(v["train_s"] / ref["train_s"], 3),
+                      "wall_ratio": round(v["wall_s"] / ref["wall_s"], 3),
+                      "later_rounds_train_ratio": round(v["later_rounds_train_s"] / ref["later_rounds_train_s"], 3),
+                      "agreement": agreement(root / "out", "eager", name)}
+               for name, v in lines.items() if name != "eager"}
+    print(json.dumps({"summary": summary, "preset": a.preset, "set": a.set}), flush=True)
+
+
+def cmd_trials(a: argparse.Namespace, root: Path) -> None:
+    cache = root / "inductor"
+    eager = run_once(root / "out", "eager", a.preset, a.set, "off", cache)
+    print(json.dumps({"variant": "eager", **eager}), flush=True)
+    firsts = []
+    for i in range(a.trials):
+        line = run_once(root / "out", f"trial{i}", a.preset, a.set, "train", cache)
+        firsts.append(line["first_round_train_s"] - eager["first_round_train_s"])
+        print(json.dumps({"variant": f"trial {i}", **line}), flush=True)
+    print(json.dumps({"summary": {"trials": a.trials, "first_round_extra_s": [round(x, 2) for x in firsts],
+                                  "cold_extra_s": round(firsts[0], 2),
+                                  "warm_extra_s_median": round(float(np.median(firsts[1:])), 2) if a.trials > 1 else None,
+                                  "preset": a.preset, "set": a.set}}), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("runs", "trials"))
+    p.add_argument("--preset", default="laptop")
+    p.add_argument("--set", action="append", default=[], help="config override of every run (repeatable)")
+    p.add_argument("--trials", type=int, default=13, help="trial processes (trials)")
+    p.add_argument("--dir", default=None, help="work folder (default: a fresh temporary one)")
+    a = p.parse_args(argv)
+    root = Path(a.dir or tempfile.mkdtemp(prefix="compile-runs-"))
+    root.mkdir(parents=True, exist_ok=True)
+    pd.set_option("display.width", 200)
+    (cmd_runs if a.what == "runs" else cmd_trials)(a, root)
+
+
+if __name__ == "__main__":
+    main()
