@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from faultkit import cli_process
 from fedsap_ray.algorithms.fedprox import ProximalTerm
+from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook
 from fedsap_ray.algorithms.heterofl import LabelMask
 from fedsap_ray.algorithms.hooks import call
 from fedsap_ray.common.errors import ConfigError
@@ -166,3 +169,23 @@ def test_evaluation_compiles_once_per_shape_and_agrees_with_eager(eager_backend,
     assert compiled.round_compiles("train+eval", before) == 1 and compiled.round_compiles("train", before) is None
     assert eager_backend.hits["eval"] == 1 and first == again
     assert first[0] == eager[0] and abs(first[1] - eager[1]) < 1e-6
+
+
+def test_the_first_lookups_of_concurrent_clients_share_one_cache(monkeypatch):
+    """The local backend's threads ask for the process's cache at once: one cache, not one per thread."""
+    monkeypatch.setattr(compiled, "_FORWARDS", None)
+    monkeypatch.setattr(compiled, "use_node_cache", lambda: time.sleep(0.05))  # widens the race window
+    with ThreadPoolExecutor(4) as ex:
+        built = list(ex.map(lambda _: compiled.forwards(), range(4)))
+    assert all(f is built[0] for f in built)
+
+
+def test_fedsap_falls_back_naming_its_activation_watching_hook(monkeypatch):
+    """FedSAP's channel statistics watch activations through module hooks, which Dynamo does not guard: a hook
+    added after a compile (the last epoch's) would be skipped without a word, so its clients train eager."""
+    monkeypatch.setattr(compiled, "_WARNED", set())
+    m = tiny()
+    layout = ParamLayout.from_model(m)
+    p = plan(layout, layout.flatten(m), hooks=(call(ChannelStatsHook, keys=("channel_activation",)),))
+    with pytest.warns(UserWarning, match="channel_stats do not support resources.compile"):
+        assert training_forward(p, m, "train+eval") == (m, "fallback")
