@@ -11,7 +11,9 @@
     else:
         state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: ServerState + RoundRecords
     if on_schedule(t, training.eval_every):                    # and always the last round
+        before     = eval_compiles()                           # resources.compile=train+eval: shapes so far
         evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
+        times.eval_compiles = round_compiles(resources.compile, before)  # rounds.eval_compiles
     summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
 Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.common.messages.RoundOutput`
