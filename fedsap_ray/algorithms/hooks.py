@@ -92,8 +92,11 @@ class ClientHook:
     # with any hook that does not trains masked
     supports_sliced: ClassVar[bool] = False
     # whether the loop may compute the model's forward through torch.compile (resources.compile,
-    # fedsap_ray.engine.compiled) with this hook: true only for a hook that neither computes the loss by
-    # calling the model itself nor watches activations; a plan with any hook that does not trains eager, by name
+    # fedsap_ray.engine.compiled) with this hook: true for a hook whose loss runs the network only through the
+    # model it is given (the loop gives the compiled view: its call and forward_features) and whose other work
+    # reads parameters, gradients or activations through module hooks (Dynamo traces those, guarded); false for
+    # one that runs other networks or the model in another mode; a plan with any hook that does not trains
+    # eager, by name
     supports_compile: ClassVar[bool] = False
     payload: Any
 

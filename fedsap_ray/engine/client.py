@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks, supports_sliced
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.common.errors import ClientError
-from fedsap_ray.engine.compiled import training_forward
+from fedsap_ray.engine.compiled import loss_model, training_forward
 from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.common.messages import ClientPlan, ClientResult
@@ -259,8 +259,10 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
           forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[torch.Tensor], int, int]:
     """The local epochs on ``model`` (gradients masked to ``mask``, None for a full or sliced model):
     (per-step losses, kept on the device; optimizer steps over all epochs; samples in their batches).
-    ``forward`` computes ``model(x)`` for the loss (the compiled forward, :mod:`fedsap_ray.engine.compiled`)."""
+    ``forward`` computes ``model(x)`` for the loss (the compiled forward, :mod:`fedsap_ray.engine.compiled`); a
+    hook giving the base loss computes it through the same compiled network (``through``)."""
     forward = model if forward is None else forward
+    through = loss_model(model, forward)
     params = [p for p in model.parameters()]
     grad_mask = None if mask is None else TorchMask.build(model, layout, mask)
     base = next((h for h in hooks if defines_loss(h)), None)  # at most one (make_hooks)
@@ -285,7 +287,7 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
             for h in hooks:
                 h.batch_start(model, len(losses))
             x, y = x_all[idx], y_all[idx]
-            loss = base.loss(model, x, y) if base is not None else None
+            loss = base.loss(through, x, y) if base is not None else None
             if loss is None:
                 loss = F.cross_entropy(forward(x), y)
             for h in hooks:

@@ -31,6 +31,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -100,7 +101,7 @@ class CompiledForwards:
                 self.misses[role] += 1
                 seen[key] = None
                 outcome = "miss"
-                _raise_recompile_limit(4 * self.capacity)  # two roles; a shape may hold a static and a dynamic-batch graph
+                _configure_dynamo(4 * self.capacity)  # two roles; a shape may hold a static and a dynamic-batch graph
         # a thin wrapper per client (microseconds, nothing kept): the compiled graphs live on the model class's
         # forward code, so a new module of a seen shape passes the guards of the graph compiled for the first
         # dynamic=None, not False: False would specialise every batch size, so each client's last, shorter batch
@@ -111,6 +112,12 @@ class CompiledForwards:
     def forward(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
         """:meth:`lookup`'s callable alone."""
         return self.lookup(model)[0]
+
+    def features(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
+        """``model.forward_features`` compiled as :meth:`lookup` compiles ``model``: for a model :meth:`lookup`
+        compiled (its graphs, like the forward's, live on the class's code and count in the same shape)."""
+        return torch.compile(model.forward_features, dynamic=None, backend=self.backend,
+                             mode=compile_mode(shape_key(model)[1]))
 
     def counts(self) -> dict[str, int]:
         return {f"{role}_compile_{what}": n[role] for what, n in
@@ -157,6 +164,34 @@ def training_forward(plan: ClientPlan, model: torch.nn.Module, mode: str) -> tup
     return forwards().lookup(model)
 
 
+class CompiledView:
+    """What a hook's ``loss`` gets under ``resources.compile``: the trained module with its call and its
+    ``forward_features`` compiled (the process's graphs for its shape), every other attribute the module's own
+    (the classifier a loss applies to the features stays eager: one linear layer). A hook that computes its loss
+    from the model it is given thus computes it through the compiled network, as the plain loss does."""
+
+    def __init__(self, model: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> None:
+        self._model, self._forward = model, forward
+        self._features: Callable[..., torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        if self._features is None:
+            self._features = forwards().features(self._model)
+        return self._features(x)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def loss_model(model: torch.nn.Module, forward: Callable[..., torch.Tensor]) -> Any:
+    """The model a hook's ``loss`` is given: ``model`` itself when ``forward`` is (eager), else its
+    :class:`CompiledView`."""
+    return model if forward is model else CompiledView(model, forward)
+
+
 def eval_forward(net: torch.nn.Module, mode: str) -> Callable[..., torch.Tensor]:
     """The callable evaluation computes ``net(x)`` with (``net`` in eval mode, as
     :func:`fedsap_ray.engine.evaluate.inference_module` built it): compiled under ``train+eval``."""
@@ -198,10 +233,18 @@ def use_node_cache() -> Path | None:
     return path
 
 
-def _raise_recompile_limit(n: int) -> None:
-    """Dynamo gives up compiling a code object after its recompile limit (8) and runs it eager without a word;
-    our own capacity bounds the shapes instead."""
+def _configure_dynamo(n: int) -> None:
+    """Two of Dynamo's defaults would make a compiled client wrong or slow without a word:
+
+    - it gives up compiling a code object after its recompile limit (8) and runs it eager: our own capacity
+      bounds the shapes instead (raised to ``n``);
+    - it does not guard on module hooks (``skip_nnmodule_hook_guards``): a forward hook registered after a
+      graph was compiled (FedSAP's channel statistics watch only the last local epoch) is skipped by that graph,
+      so the statistics would miss every activation (measured on torch 2.14: "no forward pass reached layer").
+      Guarded, a hooked and an unhooked graph are kept per shape; a later client's new hooks of the same kind
+      pass the guards (no recompile: tests/engine/test_compiled.py)."""
     cfg = torch._dynamo.config
     name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
     if getattr(cfg, name) < n:
         setattr(cfg, name, n)
+    cfg.skip_nnmodule_hook_guards = False

@@ -4,6 +4,7 @@ exits 2 naming the field. The mechanics run under torch.compile's ``eager`` back
 generation: milliseconds); Inductor's own numbers are tests/engine/test_compiled_runs.py's."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import time
@@ -18,10 +19,11 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from faultkit import cli_process
 from fedsap_ray.algorithms.fedprox import ProximalTerm
 from fedsap_ray.algorithms.fedsap.hooks import ChannelStatsHook
-from fedsap_ray.algorithms.heterofl import LabelMask
+from fedsap_ray.algorithms.fjord import BatchWidths
 from fedsap_ray.algorithms.hooks import call
+from fedsap_ray.algorithms.representation import RepresentationNorm
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.common.messages import ClientPlan
+from fedsap_ray.common.messages import ClientPlan, HookCall
 from fedsap_ray.config import build_config
 from fedsap_ray.data.base import DomainData
 from fedsap_ray.engine import compiled
@@ -111,12 +113,36 @@ def test_a_hook_without_supports_compile_falls_back_by_name(eager_backend, monke
     monkeypatch.setattr(compiled, "_WARNED", set())
     m = tiny()
     layout = ParamLayout.from_model(m)
-    label = plan(layout, layout.flatten(m), hooks=(call(LabelMask),))
-    with pytest.warns(UserWarning, match="heterofl_label_mask do not support resources.compile"):
-        assert training_forward(label, m, "train") == (m, "fallback")  # its loss calls the model itself
+    widths = plan(layout, layout.flatten(m), hooks=(HookCall(BatchWidths.name, None),))  # the payload is not read
+    with pytest.warns(UserWarning, match="fjord_batch_widths do not support resources.compile"):
+        assert training_forward(widths, m, "train") == (m, "fallback")  # it changes the width batch by batch
     prox = plan(layout, layout.flatten(m), hooks=(call(ProximalTerm, mu=0.01),))
     assert training_forward(prox, m, "train")[1] == "miss"  # FedProx's term reads parameters only: compiled
     assert eager_backend.misses["train"] == 1
+
+
+def test_fedsap_hooks_train_compiled_as_eager(eager_backend, single_thread):
+    """FedSAP's client: the Eq. 7 loss through the compiled view, channel statistics over the LAST of two epochs
+    through forward hooks registered after the first epoch's graph was compiled; the statistics, values and
+    loss equal eager's, for a first client (miss) and a second of another data size (hit: new hooks, no recompile).
+    Under Dynamo's default (hooks unguarded) the last epoch's hooks would never run."""
+    features = []
+    spy = eager_backend.features
+    eager_backend.features = lambda model: features.append(model) or spy(model)  # type: ignore[method-assign]
+    results = []
+    for n in (21, 27):
+        m = tiny()
+        layout = ParamLayout.from_model(m)
+        hooks = (call(RepresentationNorm, gamma=0.05),
+                 call(ChannelStatsHook, keys=("channel_activation", "channel_gradient")))
+        p = dataclasses.replace(plan(layout, layout.flatten(m), hooks=hooks), local_epochs=2)
+        eager = train_client(p, m, layout, data(n))
+        comp = train_client(p, m, layout, data(n), compile="train")
+        results.append(comp.compile)
+        assert np.array_equal(comp.values, eager.values) and comp.train_loss == eager.train_loss
+        for k in ("channel_activation", "channel_gradient"):
+            assert np.array_equal(comp.stats[k], eager.stats[k]), k
+    assert results == ["miss", "hit"] and len(features) == 2  # each client's Eq. 7 loss ran the compiled features
 
 
 def test_a_bad_value_is_refused_naming_the_field(tmp_path, capsys):
@@ -178,14 +204,3 @@ def test_the_first_lookups_of_concurrent_clients_share_one_cache(monkeypatch):
     with ThreadPoolExecutor(4) as ex:
         built = list(ex.map(lambda _: compiled.forwards(), range(4)))
     assert all(f is built[0] for f in built)
-
-
-def test_fedsap_falls_back_naming_its_activation_watching_hook(monkeypatch):
-    """FedSAP's channel statistics watch activations through module hooks, which Dynamo does not guard: a hook
-    added after a compile (the last epoch's) would be skipped without a word, so its clients train eager."""
-    monkeypatch.setattr(compiled, "_WARNED", set())
-    m = tiny()
-    layout = ParamLayout.from_model(m)
-    p = plan(layout, layout.flatten(m), hooks=(call(ChannelStatsHook, keys=("channel_activation",)),))
-    with pytest.warns(UserWarning, match="channel_stats do not support resources.compile"):
-        assert training_forward(p, m, "train+eval") == (m, "fallback")
