@@ -233,6 +233,30 @@ def use_node_cache() -> Path | None:
     return path
 
 
+#: what decides a process's Inductor folder (:func:`use_node_cache`), handed from a driver to its actors
+CACHE_VARS = ("FEDSAP_RAY_CACHE", ENV)
+
+
+def cache_env() -> dict[str, str]:
+    """This process's say in where Inductor's cache is (:data:`CACHE_VARS` that are set; Inductor's own default
+    left out), for a driver to hand to the actors it starts on its node: an actor's process inherits the raylet's
+    environment, which is the driver's only as it was at ``ray.init``, so a later change (a session Ray, a
+    script that sets ``FEDSAP_RAY_CACHE`` after connecting) would put the actors' compiles in another folder."""
+    env = {name: os.environ[name] for name in CACHE_VARS if os.environ.get(name)}
+    if ENV in env and os.path.abspath(env[ENV]) == os.path.abspath(default_cache_dir()):
+        del env[ENV]
+    return env
+
+
+def adopt_cache_env(env: dict[str, str]) -> None:
+    """Take a driver's :func:`cache_env` (before the process's first compile): the same folder as the driver's."""
+    for name in CACHE_VARS:
+        if name in env:
+            os.environ[name] = env[name]
+        else:  # unset on the driver: the raylet's value (the node's at ray.init) is not the driver's folder
+            os.environ.pop(name, None)
+
+
 def _configure_dynamo(n: int) -> None:
     """Two of Dynamo's defaults would make a compiled client wrong or slow without a word:
 

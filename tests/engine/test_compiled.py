@@ -204,3 +204,19 @@ def test_the_first_lookups_of_concurrent_clients_share_one_cache(monkeypatch):
     with ThreadPoolExecutor(4) as ex:
         built = list(ex.map(lambda _: compiled.forwards(), range(4)))
     assert all(f is built[0] for f in built)
+
+
+def test_an_actor_adopts_the_drivers_cache_settings(tmp_path, monkeypatch):
+    """What a Ray driver hands its actors (fedsap_ray.runtime.ray.adopt_driver_cache): its FEDSAP_RAY_CACHE and a
+    TORCHINDUCTOR_CACHE_DIR of its own, never Inductor's default; the actor then resolves the driver's folder, and
+    drops what the raylet's environment set that the driver does not."""
+    monkeypatch.setenv("FEDSAP_RAY_CACHE", str(tmp_path / "driver"))
+    monkeypatch.setenv(compiled.ENV, default_cache_dir())
+    env = compiled.cache_env()
+    assert env == {"FEDSAP_RAY_CACHE": str(tmp_path / "driver")}
+    monkeypatch.setenv("FEDSAP_RAY_CACHE", str(tmp_path / "raylet"))  # the actor's inherited environment
+    monkeypatch.setenv(compiled.ENV, str(tmp_path / "raylet-inductor"))
+    compiled.adopt_cache_env(env)
+    assert compiled.ENV not in os.environ and compiled.use_node_cache() == tmp_path / "driver" / "inductor"
+    compiled.adopt_cache_env({compiled.ENV: str(tmp_path / "mine")})
+    assert "FEDSAP_RAY_CACHE" not in os.environ and compiled.use_node_cache() == tmp_path / "mine"
