@@ -45,7 +45,7 @@ INTEGRATION_MODULES = frozenset({
     "tests/results/test_folder_fuzz.py", "tests/data/test_data_real.py", "tests/dev/test_golden.py", "tests/data/test_node_cache.py",
     # Inductor's first compile of a process (tens of seconds cold on 2 loaded cores): resources.compile's own
     # numbers; its mechanics stay in the fast tier under Dynamo's eager backend (issue 56)
-    "tests/engine/test_compiled_runs.py", "tests/runtime/test_compiled_ray.py",
+    "tests/runtime/test_compiled_ray.py",
 })
 INTEGRATION_FIXTURES = frozenset({"smoke_study"})
 

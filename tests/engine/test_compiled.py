@@ -1,7 +1,7 @@
 """resources.compile (fedsap_ray.engine.compiled, issue 56): off is the eager loop itself; the per-process cache
 counts shapes as they repeat and bounds them; a hook that cannot be compiled falls back by name; a bad value
 exits 2 naming the field. The mechanics run under torch.compile's ``eager`` backend (Dynamo only, no code
-generation: milliseconds); Inductor's own numbers are tests/engine/test_compiled_runs.py's."""
+generation: milliseconds); Inductor's own numbers are tests/runtime/test_compiled_ray.py's."""
 from __future__ import annotations
 
 import dataclasses
