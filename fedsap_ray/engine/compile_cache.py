@@ -42,9 +42,9 @@ GRACE_S = 600.0
 MAX_THREADS = cachefile.MAX_THREADS
 
 
-def _entries(root: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
+def _entries(root: Path, skip: frozenset[str] = UNCHECKED) -> Iterator[tuple[str, os.DirEntry[str]]]:
     """Every entry below ``root`` that is not a real folder (files, links, FIFOs...), as (relative path, entry),
-    never descending through a link; :data:`UNCHECKED` top-level folders skipped."""
+    never descending through a link; the top-level folders in ``skip`` skipped."""
     stack = [""]
     while stack:
         rel = stack.pop()
@@ -55,7 +55,7 @@ def _entries(root: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
         with it:
             for e in it:
                 sub = f"{rel}/{e.name}" if rel else e.name
-                if not rel and e.name in UNCHECKED:
+                if not rel and e.name in skip:
                     continue
                 if e.is_dir(follow_symlinks=False):
                     stack.append(sub)
@@ -78,9 +78,13 @@ def _content(path: Path) -> str | None:
 
 
 def _recorded(root: Path, rel: str) -> str | None:
-    """The digest recorded for ``root/rel``, None when there is none (or it is a link, or not a digest)."""
+    """The digest recorded for ``root/rel``, None when there is none (or it, or a folder above it below ``root``,
+    is a link: ``O_NOFOLLOW`` guards the last component only; or it is not a digest)."""
+    path = digest_path(root, rel)
     try:
-        with cachefile.open_file(digest_path(root, rel)) as f:
+        if not cachefile.check_below(root, path):
+            return None
+        with cachefile.open_file(path) as f:
             text = f.read(100).decode("ascii", "replace").strip()
     except (FileNotFoundError, NotADirectoryError, Unusable):
         return None
@@ -127,6 +131,7 @@ def check(root: Path) -> int:
     and the digests of files that are gone; one warning names the folder when any entry was removed. Returns
     the count of entries removed."""
     now = time.time()
+    _real_digests(root)
     entries = list(_entries(root))
     with ThreadPoolExecutor(min(MAX_THREADS, max(1, len(entries)))) as pool:
         bad = [rel for (rel, e), b in zip(entries, pool.map(lambda re: _bad(root, *re, now), entries)) if b]
@@ -140,16 +145,26 @@ def check(root: Path) -> int:
     return len(bad)
 
 
-def _drop_orphans(root: Path, kept: set[str]) -> None:
-    """Remove the digests whose file is gone (removed by hand, or by a process whose check ran meanwhile), and
-    anything in the digest folder that is not a digest file: a stale digest would be taken for a new file's."""
+def _real_digests(root: Path) -> None:
+    """Remove every link or other non-file in the digest folder (the folder itself, if it is one), before a digest
+    is read or removed: a linked folder would vouch for files with digests written elsewhere, and removing a
+    digest through it would remove a file elsewhere."""
     base = root / DIGESTS
     try:
         cachefile.check_below(root, base, folder=True)
     except Unusable:
         cachefile.discard(base)  # a link or file in its place: removed as such
         return
-    for rel, e in _entries(base):
+    for rel, e in _entries(base, frozenset()):
+        if not e.is_file(follow_symlinks=False):
+            cachefile.discard(base / rel)
+
+
+def _drop_orphans(root: Path, kept: set[str]) -> None:
+    """Remove the digests whose file is gone (removed by hand, or by a process whose check ran meanwhile), and
+    anything in the digest folder that is not a digest file: a stale digest would be taken for a new file's."""
+    base = root / DIGESTS
+    for rel, e in _entries(base, frozenset()):
         name = rel[:-len(SUFFIX)] if rel.endswith(SUFFIX) else None
         if not e.is_file(follow_symlinks=False) or name is None or \
                 name not in kept and not os.path.lexists(root / name):  # a file that appeared since: its digest is new

@@ -4,7 +4,9 @@ and counted in one warning naming the folder, while an intact file, a fresh unre
 kept. On a fake folder (milliseconds); Inductor itself is tests/engine/test_compile_cache_runs.py's."""
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import time
 import warnings
 
@@ -88,9 +90,16 @@ def test_a_digest_that_is_no_digest_or_a_link_does_not_vouch_for_its_file(cache,
     forged.write_text(digest_path(cache, "ef/cef.so").read_text())
     digest_path(cache, "ef/cef.so").unlink()
     digest_path(cache, "ef/cef.so").symlink_to(forged)
-    with pytest.warns(CacheRebuilt, match="2 damaged"):
-        assert check(cache) == 2
-    assert not (cache / "ab/cab.py").exists() and not (cache / "ef/cef.so").exists() and forged.exists()
+    forged_dir = tmp_path / "forged_digests"  # a linked folder of digests vouching for an edited file
+    shutil.copytree(cache / compile_cache.DIGESTS / "cd", forged_dir)
+    write(cache, "cd/ccd.cpp", b"edited")
+    (forged_dir / "ccd.cpp.sha256").write_text(compile_cache.file_digest(io.BytesIO(b"edited")))
+    shutil.rmtree(cache / compile_cache.DIGESTS / "cd")
+    (cache / compile_cache.DIGESTS / "cd").symlink_to(forged_dir, target_is_directory=True)
+    with pytest.warns(CacheRebuilt, match="3 damaged"):
+        assert check(cache) == 3
+    assert not any((cache / rel).exists() for rel in ("ab/cab.py", "ef/cef.so", "cd/ccd.cpp"))
+    assert forged.exists() and (forged_dir / "ccd.cpp.sha256").exists()  # links' targets left alone
 
 
 def test_the_process_checks_its_folder_once_before_compiling_and_records_after(tmp_path, monkeypatch):
