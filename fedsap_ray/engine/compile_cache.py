@@ -134,7 +134,7 @@ def check(root: Path) -> int:
     _real_digests(root)
     entries = list(_entries(root))
     with ThreadPoolExecutor(min(MAX_THREADS, max(1, len(entries)))) as pool:
-        bad = [rel for (rel, e), b in zip(entries, pool.map(lambda re: _bad(root, *re, now), entries)) if b]
+        bad = [rel for (rel, e), b in zip(entries, pool.map(lambda item: _bad(root, item[0], item[1], now), entries)) if b]
     for rel in bad:
         cachefile.discard(root / rel)
         cachefile.discard(digest_path(root, rel))

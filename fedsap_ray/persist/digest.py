@@ -60,7 +60,10 @@ def array_digest(a: np.ndarray) -> str:
 def file_digest(f: BinaryIO) -> str:
     """The digest of the bytes of an open binary file, read from its current position to the end (a cache's
     generated code, compared byte for byte: no structure to name)."""
-    return PREFIX + hashlib.file_digest(f, ALGORITHM).hexdigest()
+    h = hashlib.new(ALGORITHM)
+    for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest is Python 3.11's; we support 3.10
+        h.update(block)
+    return PREFIX + h.hexdigest()
 
 
 def canonical_json(doc: Any) -> bytes:
