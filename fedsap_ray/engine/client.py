@@ -87,7 +87,7 @@ import torch.nn.functional as F
 from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks, supports_sliced
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.common.errors import ClientError
-from fedsap_ray.engine.compiled import loss_model, training_forward
+from fedsap_ray.engine.compiled import loss_model, record_new_files, training_forward
 from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.common.messages import ClientPlan, ClientResult
@@ -210,6 +210,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
         forward, compiled_as = training_forward(plan, train_model, compile)
         losses, steps, seen = _loop(plan, train_model, train_layout, data, device, hooks, None if sliced else plan.mask,
                                     forward)
+        record_new_files(compiled_as)  # the digests of what this client's compile wrote (engine/compile_cache.py)
     finally:
         for h in hooks:
             h.close()  # the scratch model is reused: never leave hooks behind

@@ -22,6 +22,13 @@ trains eager, with one warning per process naming the hooks (:func:`fallback_rea
 Inductor's on-disk cache is put under the node's cache folder (:func:`inductor_cache_dir`:
 ``cache_home()/"inductor"``, beside the node's dataset copies), so the processes and trials of a node
 compile a shape once: a later process loads the generated code instead of generating it again.
+
+A damaged cache entry is rebuilt, never trusted (:mod:`fedsap_ray.engine.compile_cache`): Inductor loads its
+generated ``.py`` and ``.so`` files by name without checking them, so every file it writes into our folder gets
+a content digest once the compile that wrote it is done (:func:`record_new_files`, after a client's training or
+a round's evaluation that compiled), and before the process's first compile :func:`use_node_cache` removes each
+file that does not match its digest, has none, or is a link, with one warning naming the folder; Inductor then
+generates it again. A folder the user set in ``TORCHINDUCTOR_CACHE_DIR`` is theirs and is not checked.
 """
 from __future__ import annotations
 
@@ -35,11 +42,13 @@ from typing import Any
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from fedsap_ray.algorithms.hooks import hook_classes
 from fedsap_ray.common.messages import ClientPlan
 from fedsap_ray.data.status import cache_home
+from fedsap_ray.engine import compile_cache
 
 #: resources.compile values that compile the client's training forward, and those that compile evaluation's too
 TRAIN_MODES = ("train", "train+eval")
@@ -206,7 +215,10 @@ def eval_compiles() -> int:
 def round_compiles(mode: str, before: int) -> int | None:
     """``rounds.eval_compiles``: evaluation shapes compiled since ``before`` (:func:`eval_compiles`), None when
     ``mode`` does not compile evaluation."""
-    return eval_compiles() - before if mode in EVAL_MODES else None
+    if mode not in EVAL_MODES:
+        return None
+    record_new_files()
+    return eval_compiles() - before
 
 
 def inductor_cache_dir() -> Path:
@@ -230,6 +242,10 @@ def use_node_cache() -> Path | None:
                       "Inductor's cache", stacklevel=2)
         return None
     os.environ[ENV] = str(path)
+    global _CHECKED_ROOT
+    if _CHECKED_ROOT != path:  # once per process and folder, before the compile that would load a damaged file
+        compile_cache.check(path)
+        _CHECKED_ROOT = path
     return path
 
 
@@ -255,6 +271,27 @@ def adopt_cache_env(env: dict[str, str]) -> None:
             os.environ[name] = env[name]
         else:  # unset on the driver: the raylet's value (the node's at ray.init) is not the driver's folder
             os.environ.pop(name, None)
+
+
+_CHECKED_ROOT: Path | None = None  # our Inductor folder, once checked: the one whose new files get digests
+_RECORDED_AT: int | None = None  # Dynamo's compiled-frame count at the last record
+_RECORD_LOCK = threading.Lock()
+
+
+def record_new_files(outcome: str = "miss") -> None:
+    """Record the digests of the files the process's compiles wrote into our Inductor folder
+    (:func:`compile_cache.record`), after a client's training (``outcome``, :data:`OUTCOMES`) or a round's
+    evaluation. Cheap when nothing compiled: it walks the folder only after a miss or when Dynamo compiled a
+    frame since the last record (a recompile for a new batch size, or another thread's miss)."""
+    global _RECORDED_AT
+    if _CHECKED_ROOT is None or outcome in ("off", "fallback", "refused"):
+        return
+    frames = dynamo_counters["frames"]["ok"]
+    with _RECORD_LOCK:
+        if outcome != "miss" and frames == _RECORDED_AT:
+            return
+        _RECORDED_AT = frames
+        compile_cache.record(_CHECKED_ROOT)
 
 
 def _configure_dynamo(n: int) -> None:

@@ -1,6 +1,7 @@
 """Compiled runs are deterministic in their mode (issue 56, item 2): with ``resources.compile`` on, the Ray backend's
-tables equal the local backend's (and the eager run's within float reordering), a run killed with SIGKILL and resumed equals the run never killed, and a method
-whose client hook cannot be compiled records ``fallback`` and equals its eager run; all under real Inductor.
+tables equal the local backend's (and the eager run's within float reordering), a run killed with SIGKILL and
+resumed equals the run never killed, and a method whose client hook cannot be compiled records ``fallback`` and
+equals its eager run; all under real Inductor.
 
 One node cache folder for the module (``FEDSAP_RAY_CACHE``, set after the session's Ray started, as a script may
 set it after connecting): the first run compiles cold, every later process loads the generated code from there.
