@@ -5,7 +5,7 @@
 #   (resources.gpus_per_worker=0.25); (d) the default job on cuda, its rounds cut to GPU_CHECK_DEFAULT_ROUNDS (10 of
 #   25) so the whole fits the 8 minutes.
 # Writes ONE JSON file of figures: $1, else $OUT/gpu_check.json, else ./gpu_check.json. Each step has its own time
-# cap, cut further to what is left of GPU_CHECK_BUDGET_S (460 s), so one hung step cannot eat the others' time.
+# cap, cut further to what is left of GPU_CHECK_BUDGET_S (440 s), so one hung step cannot eat the others' time.
 # Without CUDA it says so and exits 0. GPU_CHECK_DEVICE=cpu is for checking this script on a machine without a GPU
 # only: every command runs on the CPU at toy sizes (no GPU fractions), so each is known to parse and start.
 set -u
@@ -13,7 +13,7 @@ out=${1:-${OUT:+$OUT/gpu_check.json}}
 out=${out:-./gpu_check.json}
 py=${PYTHON:-python}
 device=${GPU_CHECK_DEVICE:-cuda}
-budget=${GPU_CHECK_BUDGET_S:-460}
+budget=${GPU_CHECK_BUDGET_S:-440}  # + a step's 15 s to die + the JSON: under 8 minutes
 default_rounds=${GPU_CHECK_DEFAULT_ROUNDS:-10}
 
 if [ "$device" = cuda ] && [ "$("$py" -c 'import torch; print(torch.cuda.is_available())' 2>/dev/null)" != True ]; then
@@ -21,9 +21,9 @@ if [ "$device" = cuda ] && [ "$("$py" -c 'import torch; print(torch.cuda.is_avai
     exit 0
 fi
 if [ "$device" = cuda ]; then  # the measurement's sizes
-    clients=20 samples=64 rounds=5 frac=0.25 short_rounds=3
+    clients=20 samples=64 rounds=5 frac=0.25 cpus=1 short_rounds=3
 else  # the dry run's: the same commands, toy sizes, no GPU to share
-    clients=2 samples=16 rounds=2 frac=0 short_rounds=2 default_rounds=2
+    clients=2 samples=16 rounds=2 frac=0 cpus=0.5 short_rounds=2 default_rounds=2  # cpus: 4 actors on 2 cores
 fi
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
@@ -60,7 +60,7 @@ for width in 1.0 0.25; do
 done
 step ray_fractions 60 "$py" -m fedsap_ray.cli run --preset smoke --backend ray --out "$work/ray_fractions" \
     --run-id gpu_fractions --quiet --set resources.device="$device" --set resources.gpus_per_worker="$frac" \
-    --set resources.num_workers=4 --set training.rounds="$short_rounds"
+    --set resources.num_workers=4 --set resources.cpus_per_worker="$cpus" --set training.rounds="$short_rounds"
 step default_job 100 "$py" -m fedsap_ray.cli run --out "$work/default_job" --run-id default_job --quiet \
     --set resources.device="$device" --set training.rounds="$default_rounds"
 
@@ -87,13 +87,13 @@ def run_figures(folder):
     from fedsap_ray import results
 
     res = results.load(folder)
-    rounds = res.rounds.sort_values("round")
-    wall = rounds["round_wall_s"].tolist() if "round_wall_s" in rounds else []
-    return {"rounds": int(rounds["round"].max()), "round_wall_s": [round(float(s), 3) for s in wall],
+    per_round = res.rounds.groupby("round")  # a row per round and domain: the round's wall time is on each
+    wall = per_round["round_wall_s"].first().sort_index().tolist() if "round_wall_s" in res.rounds else []
+    return {"rounds": int(res.rounds["round"].max()), "round_wall_s": [round(float(s), 3) for s in wall],
             "mean_round_wall_s_after_1": round(sum(wall[1:]) / len(wall[1:]), 3) if len(wall) > 1 else None,
             "workers_seen": int(res.clients["worker"].nunique()),
             "final_global_accuracy": float(res.runs["final_global_accuracy"].iloc[-1])
-            if "final_global_accuracy" in res.runs else None}
+            if len(res.runs) and "final_global_accuracy" in res.runs else None}  # a run cut short has no row
 
 
 steps = {}
@@ -107,7 +107,7 @@ for line in (work / "steps.tsv").read_text().splitlines():
             entry.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")})
         elif name.startswith("round_overhead") and (work / f"{name}.jsonl").exists():
             entry["lines"] = [json.loads(x) for x in (work / f"{name}.jsonl").read_text().splitlines() if x.strip()]
-        elif name in ("ray_fractions", "default_job") and entry["exit"] == 0:
+        elif name in ("ray_fractions", "default_job") and (work / name / "rounds").exists():  # rounds done, maybe cut
             entry.update(run_figures(work / name))
     except Exception as e:  # a figure that cannot be read is reported, the other steps' figures still written
         entry["read_error"] = repr(e)
