@@ -15,9 +15,12 @@ guard check. Sub-model methods train many shapes (one per width or channel budge
 a shape beyond that trains eager with one warning, never by Dynamo's silent fallback at its own recompile
 limit (raised here to the capacity).
 
-Falls back by name, never silently: a plan whose client hooks do not all declare ``supports_compile``
-(a hook that computes the loss by calling the model itself, or watches activations through module hooks)
-trains eager, with one warning per process naming the hooks (:func:`fallback_reason`).
+Hooks: a hook that gives the base loss computes it through :class:`CompiledView` (the model's call and
+``forward_features`` compiled), and forward hooks on the trained module (FedSAP's channel statistics) are traced
+into the graph with Dynamo's hook guards on (:func:`_configure_dynamo`). Falls back by name, never silently: a
+plan whose client hooks do not all declare ``supports_compile`` (one that runs other networks beside the trained
+one, as MOON's, or changes the width batch by batch, as FjORD's) trains eager, with one warning per process
+naming the hooks (:func:`fallback_reason`) and ``fallback`` in ``clients.compile``.
 
 Inductor's on-disk cache is put under the node's cache folder (:func:`inductor_cache_dir`:
 ``cache_home()/"inductor"``, beside the node's dataset copies), so the processes and trials of a node

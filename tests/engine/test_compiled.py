@@ -220,3 +220,17 @@ def test_an_actor_adopts_the_drivers_cache_settings(tmp_path, monkeypatch):
     assert compiled.ENV not in os.environ and compiled.use_node_cache() == tmp_path / "driver" / "inductor"
     compiled.adopt_cache_env({compiled.ENV: str(tmp_path / "mine")})
     assert "FEDSAP_RAY_CACHE" not in os.environ and compiled.use_node_cache() == tmp_path / "mine"
+
+
+def test_the_guide_names_every_hook_that_falls_back():
+    """docs/guides/performance.md lists the hooks without ``supports_compile`` ("Hooks that fall back"): the
+    registry's list, so a hook that learns to compile (or a new one that cannot) updates the guide."""
+    import re
+    from pathlib import Path
+
+    from fedsap_ray.algorithms.hooks import HOOKS
+
+    text = (Path(__file__).resolve().parents[2] / "docs/guides/performance.md").read_text()
+    sentence = " ".join(text.split("Hooks that fall back", 1)[1].split("\n\n", 1)[0].split())
+    named = set(re.findall(r"`([a-z_]+)`", sentence.split("(", 1)[0]))
+    assert named == {n for n in HOOKS.names() if not getattr(HOOKS.get(n), "supports_compile", False)}
