@@ -4,6 +4,7 @@ cold and a warm Inductor cache, and how far its figures move from the eager run'
 
     python benchmarks/compile_runs.py runs --preset laptop --set algorithm.name=fedavg      # 25 rounds, ~10 min
     python benchmarks/compile_runs.py trials --trials 13 --preset smoke --set algorithm.name=fedavg
+    fedsap-ray run --out runs/default --run-id default && python benchmarks/compile_runs.py buckets --results runs/default
 
 ``runs``: the same config as separate processes (``fedsap-ray run``), one after the other: ``eager``
 (``resources.compile=off``), ``cold`` (``train``, a fresh Inductor cache folder), ``warm`` (``train`` again
@@ -13,6 +14,12 @@ process's wall seconds, the first round's ``train_s`` (where the compiles land) 
 ``clients.compile`` outcomes and ``rounds.eval_compiles``; then every variant's ratio to ``eager`` and its
 largest per-round difference from ``eager`` in each figure (accuracy, loss, training loss), with the round it
 occurred in. Every process starts fresh (Dynamo keeps nothing in memory between them), as a sweep's trials do.
+
+``buckets``: reads a finished FedSAP run's ``layers`` table (``--results DIR``, ``--run-id``) and counts the
+distinct trained shapes (each client's active channels per layer, Global + Private) as they are and with every
+layer's count rounded up to a bucket of 1/8, 1/4 and 1/2 of its width (padding channels that would stay zero),
+with the padded compute against the exact one (a proxy: the sum over consecutive layers of the products of
+their channel counts, the convolution weights' sizes; spatial sizes are the same across clients). No training.
 
 ``trials``: ``--trials`` processes of one config with ``train`` on one fresh cache folder (the first cold,
 the rest warm), as the trials of a sweep on one node, and one ``eager`` process: each trial's first-round
@@ -114,14 +121,47 @@ def cmd_trials(a: argparse.Namespace, root: Path) -> None:
                                   "preset": a.preset, "set": a.set}}), flush=True)
 
 
+def cmd_buckets(a: argparse.Namespace) -> None:
+    from fedsap_ray import results
+
+    layers = results.load(a.results).layers
+    layers = layers[layers["run_id"] == a.run_id] if a.run_id else layers
+    layers = layers.assign(active=layers["n_global"] + layers["n_private"])
+    active = layers.pivot_table(index=["round", "client_id"], columns="layer", values="active", aggfunc="first")
+    full = layers.groupby("layer")["channels"].first()
+    order = list(full.index)
+
+    def cost(table: pd.DataFrame) -> float:
+        v = table[order].to_numpy(float)
+        return float((v[:, :-1] * v[:, 1:]).sum() + v[:, 0].sum())
+
+    base = cost(active)
+    for frac in (None, 1 / 8, 1 / 4, 1 / 2):
+        shaped = active.copy()
+        if frac is not None:
+            for layer in order:
+                step = max(1, round(full[layer] * frac))
+                shaped[layer] = np.minimum(np.ceil(active[layer] / step) * step, full[layer])
+        print(json.dumps({"bucket": "exact" if frac is None else frac, "clients": len(shaped),
+                          "shapes": len(shaped.drop_duplicates()), "most_common": int(shaped.value_counts().iloc[0]),
+                          "compute_ratio": round(cost(shaped) / base, 3)}), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("runs", "trials"))
+    p.add_argument("what", choices=("runs", "trials", "buckets"))
     p.add_argument("--preset", default="laptop")
     p.add_argument("--set", action="append", default=[], help="config override of every run (repeatable)")
     p.add_argument("--trials", type=int, default=13, help="trial processes (trials)")
     p.add_argument("--dir", default=None, help="work folder (default: a fresh temporary one)")
+    p.add_argument("--results", default=None, help="results folder of a finished FedSAP run (buckets)")
+    p.add_argument("--run-id", default=None, help="its run id (buckets; default: every run in the folder)")
     a = p.parse_args(argv)
+    if a.what == "buckets":
+        if not a.results:
+            p.error("buckets needs --results DIR")
+        cmd_buckets(a)
+        return
     root = Path(a.dir or tempfile.mkdtemp(prefix="compile-runs-"))
     root.mkdir(parents=True, exist_ok=True)
     pd.set_option("display.width", 200)
