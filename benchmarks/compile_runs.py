@@ -9,7 +9,9 @@ cold and a warm Inductor cache, and how far its figures move from the eager run'
 ``runs``: the same config as separate processes (``fedsap-ray run``), one after the other: ``eager``
 (``resources.compile=off``), ``cold`` (``train``, a fresh Inductor cache folder), ``warm`` (``train`` again
 on that folder: what every later process of the node pays) and ``warm_eval`` (``train+eval`` on it; its
-evaluation shapes are cold). Each line: the run's summed ``train_s`` / ``eval_s`` / ``round_wall_s``, the
+evaluation shapes are cold); ``--control`` adds ``eager_2_threads`` (eager with ``resources.torch_threads=2``:
+the float reordering the project already accepts, against which the compiled runs' differences are read;
+``--skip`` leaves out variants already in ``--dir``). Each line: the run's summed ``train_s`` / ``eval_s`` / ``round_wall_s``, the
 process's wall seconds, the first round's ``train_s`` (where the compiles land) and the rest's, the
 ``clients.compile`` outcomes and ``rounds.eval_compiles``; then every variant's ratio to ``eager`` and its
 largest per-round difference from ``eager`` in each figure (accuracy, loss, training loss), with the round it
@@ -48,19 +50,24 @@ FIGURES = ("accuracy", "loss", "global_accuracy", "train_loss")
 
 def run_once(out: Path, run_id: str, preset: str, sets: list[str], mode: str, cache: Path) -> dict[str, Any]:
     """One ``fedsap-ray run`` in its own process on Inductor cache ``cache``; its timings and compile counts."""
-    from fedsap_ray import results
-
     cmd = [sys.executable, "-m", "fedsap_ray", "run", "--preset", preset, "--out", str(out), "--run-id", run_id,
            "--quiet", "--set", f"resources.compile={mode}", *(x for s in sets for x in ("--set", s))]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True)
-    wall = time.perf_counter() - t0
+    return read_run(out, run_id, time.perf_counter() - t0)
+
+
+def read_run(out: Path, run_id: str, wall: float | None = None) -> dict[str, Any]:
+    """A finished run's timings and compile counts from its tables (``wall``: the process's seconds, if timed)."""
+    from fedsap_ray import results
+
     res = results.load(str(out))
     rounds = res.rounds[res.rounds["run_id"] == run_id]
     clients = res.clients[res.clients["run_id"] == run_id]
     per_round = rounds.drop_duplicates("round").sort_values("round")
-    return {"run_id": run_id, "mode": mode, "wall_s": round(wall, 2),
+    mode = json.loads(res.runs.set_index("run_id").loc[run_id, "config_json"])["resources"]["compile"]
+    return {"run_id": run_id, "mode": mode, "wall_s": None if wall is None else round(wall, 2),
             "train_s": round(float(per_round["train_s"].sum()), 2), "eval_s": round(float(per_round["eval_s"].sum()), 2),
             "round_wall_s": round(float(per_round["round_wall_s"].sum()), 2),
             "first_round_train_s": round(float(per_round["train_s"].iloc[0]), 2),
@@ -94,14 +101,22 @@ def agreement(out: Path, ref_id: str, run_id: str) -> dict[str, Any]:
 def cmd_runs(a: argparse.Namespace, root: Path) -> None:
     cache = root / "inductor"
     lines: dict[str, dict[str, Any]] = {}
-    for name, mode in (("eager", "off"), ("cold", "train"), ("warm", "train"), ("warm_eval", "train+eval")):
-        lines[name] = run_once(root / "out", name, a.preset, a.set, mode, cache)
+    variants = [("eager", "off", []), ("cold", "train", []), ("warm", "train", []), ("warm_eval", "train+eval", [])]
+    if a.control:
+        variants.append(("eager_2_threads", "off", ["resources.torch_threads=2"]))
+    for name, mode, extra in variants:
+        if name in a.skip:  # already in --dir's results (a control added to an earlier invocation)
+            continue
+        lines[name] = run_once(root / "out", name, a.preset, [*a.set, *extra], mode, cache)
         print(json.dumps({"variant": name, **lines[name]}), flush=True)
-    ref = lines["eager"]
+    ref = lines.get("eager") or read_run(root / "out", "eager")
     summary = {name: {"train_ratio": round(v["train_s"] / ref["train_s"], 3),
-                      "wall_ratio": round(v["wall_s"] / ref["wall_s"], 3),
+                      "wall_ratio": round(v["wall_s"] / ref["wall_s"], 3) if ref["wall_s"] else None,
                       "later_rounds_train_ratio": round(v["later_rounds_train_s"] / ref["later_rounds_train_s"], 3),
-                      "agreement": agreement(root / "out", "eager", name)}
+                      "agreement": agreement(root / "out", "eager", name),
+                      # compiled runs against the cold one: deterministic across processes and a cold or warm cache
+                      "max_diff_to_cold": (max(d["max"] for d in agreement(root / "out", "cold", name).values())
+                                           if name in ("warm", "warm_eval") and "cold" in lines else None)}
                for name, v in lines.items() if name != "eager"}
     print(json.dumps({"summary": summary, "preset": a.preset, "set": a.set}), flush=True)
 
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("what", choices=("runs", "trials", "buckets"))
     p.add_argument("--preset", default="laptop")
     p.add_argument("--set", action="append", default=[], help="config override of every run (repeatable)")
+    p.add_argument("--control", action="store_true", help="runs: also eager on 2 threads (the float-reordering control)")
+    p.add_argument("--skip", nargs="*", default=[], help="runs: variants already in --dir (not run again)")
     p.add_argument("--trials", type=int, default=13, help="trial processes (trials)")
     p.add_argument("--dir", default=None, help="work folder (default: a fresh temporary one)")
     p.add_argument("--results", default=None, help="results folder of a finished FedSAP run (buckets)")
