@@ -41,7 +41,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 from pathlib import Path
 
 import torch
@@ -128,8 +128,8 @@ class CompiledForwards:
     def features(self, model: torch.nn.Module) -> Callable[..., torch.Tensor]:
         """``model.forward_features`` compiled as :meth:`lookup` compiles ``model``: for a model :meth:`lookup`
         compiled (its graphs, like the forward's, live on the class's code and count in the same shape)."""
-        return torch.compile(model.forward_features, dynamic=None, backend=self.backend,
-                             mode=compile_mode(shape_key(model)[1]))
+        features = cast(Callable[..., torch.Tensor], model.forward_features)  # a MaskableModel method
+        return torch.compile(features, dynamic=None, backend=self.backend, mode=compile_mode(shape_key(model)[1]))
 
     def counts(self) -> dict[str, int]:
         return {f"{role}_compile_{what}": n[role] for what, n in
