@@ -14,7 +14,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pandas as pd
@@ -25,9 +24,8 @@ from fedsap_ray.config import build_config
 from fedsap_ray.data import build_federation
 from fedsap_ray.engine import compiled
 from fedsap_ray.experiment import run_experiment
-from fedsap_ray.persist import checkpoint
 from tests.conftest import start_session_ray
-from tests.faultkit import sets
+from faultkit import kill_once_checkpointed
 
 pytest.importorskip("ray")
 
@@ -115,22 +113,8 @@ def test_a_compiled_run_killed_with_sigkill_and_resumed_equals_the_run_never_kil
     an uninterrupted compiled run's, which this process computes (so across processes too)."""
     overrides = [*TINY, "resources.compile=train"]
     cut = tmp_path / "cut"
-    with open(tmp_path / "log", "wb") as log:  # the environment names the module's node cache: a warm start
-        proc = subprocess.Popen([sys.executable, "-m", "fedsap_ray", "run", "--preset", "smoke", "--quiet", "--out",
-                                 str(cut), "--run-id", "r", *sets(overrides)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline, done = time.time() + 300, 0
-            while done < 1 and time.time() < deadline and proc.poll() is None:
-                time.sleep(0.02)
-                try:
-                    done = checkpoint.load(cut, "r")["state"].round
-                except (FileNotFoundError, OSError, ValueError):  # not written yet
-                    pass
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait(timeout=60)
-    assert done >= 1 and proc.returncode == -signal.SIGKILL, (tmp_path / "log").read_text()[-3000:]
+    done, code = kill_once_checkpointed(cut, "r", overrides, 1, tmp_path / "log")
+    assert done >= 1 and code == -signal.SIGKILL, (tmp_path / "log").read_text()[-3000:]
     assert results.load(cut).runs.loc[0, "rounds_done"] < 3  # killed mid-run
     resumed = subprocess.run([sys.executable, "-m", "fedsap_ray", "run", "--quiet", "--out", str(cut), "--resume", "r"],
                              capture_output=True, text=True, timeout=300)
