@@ -45,8 +45,6 @@ from typing import Any, cast
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters as dynamo_counters
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from fedsap_ray.algorithms.hooks import hook_classes
 from fedsap_ray.common.messages import ClientPlan
@@ -229,13 +227,21 @@ def inductor_cache_dir() -> Path:
     return cache_home() / "inductor"
 
 
+def _inductor_default() -> str:
+    """Inductor's own default cache folder (deferred import: Inductor costs a second to every process that imports
+    the engine, most of which never compile)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return default_cache_dir()
+
+
 def use_node_cache() -> Path | None:
     """Point Inductor at :func:`inductor_cache_dir` unless ``TORCHINDUCTOR_CACHE_DIR`` is set already. The folder
     holds code Inductor loads and runs, so it is made owner-only, and a folder that is a link, is not ours or is
     writable by others is not used (Inductor then keeps its per-user default, with a warning). Called before
     the process's first compile, which reads the variable."""
     preset = os.environ.get(ENV)
-    if preset and os.path.abspath(preset) != os.path.abspath(default_cache_dir()):
+    if preset and os.path.abspath(preset) != os.path.abspath(_inductor_default()):
         return Path(preset)  # the user's (Inductor writes its own default into the variable when it first looks)
     path = inductor_cache_dir()
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -262,7 +268,7 @@ def cache_env() -> dict[str, str]:
     environment, which is the driver's only as it was at ``ray.init``, so a later change (a session Ray, a
     script that sets ``FEDSAP_RAY_CACHE`` after connecting) would put the actors' compiles in another folder."""
     env = {name: os.environ[name] for name in CACHE_VARS if os.environ.get(name)}
-    if ENV in env and os.path.abspath(env[ENV]) == os.path.abspath(default_cache_dir()):
+    if ENV in env and os.path.abspath(env[ENV]) == os.path.abspath(_inductor_default()):
         del env[ENV]
     return env
 
@@ -289,7 +295,9 @@ def record_new_files(outcome: str = "miss") -> None:
     global _RECORDED_AT
     if _CHECKED_ROOT is None or outcome in ("off", "fallback", "refused"):
         return
-    frames = dynamo_counters["frames"]["ok"]
+    from torch._dynamo.utils import counters  # deferred: Dynamo's import costs a second to every process
+
+    frames = counters["frames"]["ok"]
     with _RECORD_LOCK:
         if outcome != "miss" and frames == _RECORDED_AT:
             return
