@@ -25,6 +25,18 @@ evaluation is measured on its own by benchmarks/deployed_bn.py). ``--width`` sca
 (``model.width_mult``: 0.25 is the laptop preset's ResNet10). ``backend_bytes_down``/``_up`` are
 what the backend moved per timed round (``rounds.backend_bytes_*``: 0 in-process).
 
+Compiled lines (issue 56): ``--compile off train`` runs every framework line once per mode
+(``resources.compile``, the ``compile`` field), and with ``train`` the reference once more per thread count with
+its model's forward through ``torch.compile`` (``compiled: true``): the plain compiled loop, the same hand-written
+loop. Both compile with :func:`fedsap_ray.engine.compiled.compile_mode` of ``--device``, so on CUDA with CUDA
+graphs (``reduce-overhead``). The compile happens in round 1, which is not timed, so it does not enter
+``per_round_s``; ``round1_s`` (the start of the run's rounds to the end of round 1: the reference's whole first
+round, the framework's start-up and first round) holds it instead. Dynamo keeps compiled graphs on the
+model class's ``forward``, so in one process the first compiled line of a shape pays the compile and the later
+ones find it. ``ratio_to_limit`` keeps dividing by the eager loop; ``ratio_to_compiled_limit`` divides by the
+compiled loop on as many threads. ``--device cuda`` runs every line on the GPU (the Ray actors reserve
+``1 / workers`` of it each).
+
 Same model, same seeded initial weights, same synthetic data, same per-round seeds for
 the batch order, FedAvg over the full model (lr 0.01, momentum 0.9, no weight decay).
 
@@ -72,9 +84,11 @@ from fedsap_ray.config import from_dict
 from fedsap_ray.data.base import ClientSpec, DomainData, Federation, as_input
 from fedsap_ray.models import build_model
 from fedsap_ray.common.seeding import seed_for
+from fedsap_ray.engine.compiled import compile_mode
 from fedsap_ray.runtime.allocator import tune_malloc
 
 BACKENDS = ("reference", "local", "ray")
+COMPILE = ("off", "train")  # resources.compile values a framework line runs with (--compile)
 IMAGE_MODELS = ("cnn_small", "cnn_cifar", "resnet10", "resnet18")
 NUM_CLASSES = 10
 INPUT_SHAPE = (3, 32, 32)
@@ -125,7 +139,7 @@ def make_federation(n_clients: int, samples_per_client: int, test_samples: int, 
                       notes="benchmarks/round_overhead.py: seeded synthetic uint8 images")
 
 
-def make_config(args, n_clients: int, backend: str, workers: int):
+def make_config(args, n_clients: int, backend: str, workers: int, compile: str = "off"):
     return from_dict({
         "study": "round_overhead", "seed": args.seed, "preset": "custom",
         "data": {"num_clients": n_clients, "partition": "iid"},
@@ -136,8 +150,10 @@ def make_config(args, n_clients: int, backend: str, workers: int):
                      "eval_every": 10 ** 9,  # only the last round evaluates (the framework always does)
                      "eval_deployed": False},  # the global model only (module docstring)
         "algorithm": {"name": "fedavg", "options": {"width": "full"}},
-        "resources": {"backend": backend, "device": "cpu", "num_workers": workers, "cpus_per_worker": 1.0,
-                      "torch_threads": 1},
+        "resources": {"backend": backend, "device": args.device, "num_workers": workers, "cpus_per_worker": 1.0,
+                      "torch_threads": 1, "compile": compile,
+                      # on CUDA each Ray actor reserves its share of the one GPU (without it Ray hides the GPU)
+                      "gpus_per_worker": 1.0 / workers if backend == "ray" and args.device == "cuda" else 0.0},
     })
 
 
@@ -153,40 +169,52 @@ def initial_model(args):
 # ----------------------------------------------------------------------------------------
 
 def train_client(model, params, global_state: dict, x: torch.Tensor, y: torch.Tensor, gen: torch.Generator,
-                 local_epochs: int, batch_size: int) -> tuple[float, int]:
+                 local_epochs: int, batch_size: int, forward=None) -> tuple[float, int]:
     """One client's local training as the reference does it: load the global weights, a fresh SGD
     (lr 0.01, momentum 0.9), ``local_epochs`` passes over a ``gen``-seeded permutation in batches of
     ``batch_size``. The trained weights stay in ``model``; returns (mean step loss, optimizer steps).
-    benchmarks/peers.py trains its Flower clients with it."""
+    ``forward`` computes ``model(x)`` (the model itself by default; the plain compiled loop passes its
+    ``torch.compile``-d model). benchmarks/peers.py trains its Flower clients with it."""
+    forward = model if forward is None else forward
     n = len(y)
     model.load_state_dict(global_state)
     opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     model.train()
     step_losses = []
     for _ in range(local_epochs):
-        order = torch.randperm(n, generator=gen)
+        order = torch.randperm(n, generator=gen).to(x.device)
         for i in range(0, n, batch_size):
             idx = order[i:i + batch_size]
             if len(idx) < 2:  # same rule as the framework (BatchNorm needs two samples)
                 continue
             opt.zero_grad()
-            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss = F.cross_entropy(forward(x[idx]), y[idx])
             loss.backward()
             opt.step()
             step_losses.append(loss.item())
     return float(np.mean(step_losses)), len(step_losses)
 
 
-def run_reference(args, fed: Federation, threads: int) -> dict:
-    """FedAvg written by hand; returns round-end times and the per-round train loss."""
+def synchronize(device: str) -> None:
+    """Wait for the GPU's queued kernels, so a round's end is its work's end (nothing to wait for on the CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_reference(args, fed: Federation, threads: int, compiled: bool = False) -> dict:
+    """FedAvg written by hand; returns round-end times and the per-round train loss. ``compiled``: the model's
+    forward through ``torch.compile`` (the plain compiled loop; module docstring)."""
     torch.set_num_threads(threads)
-    model = initial_model(args)
+    model = initial_model(args).to(args.device)
     params = list(model.parameters())
+    forward = torch.compile(model, mode=compile_mode(args.device)) if compiled else model
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     pool = fed.train["synthetic"]
-    x_all = as_input(pool.x)  # normalised once, like a hand-written loop would
-    y_all = pool.y
+    x_all = as_input(pool.x).to(args.device)  # normalised once, like a hand-written loop would
+    y_all = pool.y.to(args.device)
+    synchronize(args.device)
     ends, losses, compute, steps = [], [], [], []
+    start = time.perf_counter()
     for t in range(1, args.rounds + 1):
         acc = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in global_state.items() if v.is_floating_point()}
         total, loss_sum, t_clients, n_steps = 0, 0.0, 0.0, 0
@@ -196,7 +224,8 @@ def run_reference(args, fed: Federation, threads: int) -> dict:
             x, y = x_all[lo:hi], y_all[lo:hi]
             n = len(y)
             gen = torch.Generator().manual_seed(seed_for(args.seed, t, c.client_id, "train"))
-            mean_loss, client_steps = train_client(model, params, global_state, x, y, gen, args.local_epochs, args.batch_size)
+            mean_loss, client_steps = train_client(model, params, global_state, x, y, gen, args.local_epochs, args.batch_size,
+                                                   forward)
             for k, v in model.state_dict().items():
                 if k in acc:
                     acc[k].add_(v.detach(), alpha=float(n))
@@ -206,11 +235,12 @@ def run_reference(args, fed: Federation, threads: int) -> dict:
             t_clients += time.perf_counter() - tc
         for k, v in acc.items():
             global_state[k] = (v / total).to(global_state[k].dtype)
+        synchronize(args.device)
         ends.append(time.perf_counter())
         losses.append(loss_sum / total)
         compute.append(t_clients)
         steps.append(n_steps)
-    return {"ends": ends, "train_loss": losses, "client_compute": compute, "steps": steps}
+    return {"start": start, "ends": ends, "train_loss": losses, "client_compute": compute, "steps": steps}
 
 
 # ----------------------------------------------------------------------------------------
@@ -227,12 +257,13 @@ def start_local_ray() -> None:
              log_to_driver=False, _system_config=SYSTEM_CONFIG)
 
 
-def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
+def run_framework(args, fed: Federation, backend: str, workers: int, compile: str = "off") -> dict:
     from fedsap_ray import results
     from fedsap_ray.experiment import run_experiment
 
-    cfg = make_config(args, len(fed.clients), backend, workers)
+    cfg = make_config(args, len(fed.clients), backend, workers, compile)
     ends, losses = [], []
+    start = time.perf_counter()
 
     def progress(summary) -> None:
         ends.append(time.perf_counter())
@@ -249,8 +280,10 @@ def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
     # per round, the training seconds of the busiest worker (its clients' wall_s summed): beside the round's time,
     # it tells a slow worker (busiest ~ round) from an uneven share or idle gaps (busiest well under the round)
     busiest = clients.groupby(["round", "worker"])["wall_s"].sum().groupby("round").max().sort_index().tolist()
-    out = {"ends": ends, "train_loss": losses, "client_compute": compute, "busiest_worker": busiest,
+    out = {"start": start, "ends": ends, "train_loss": losses, "client_compute": compute, "busiest_worker": busiest,
            "workers_seen": int(clients["worker"].nunique())}
+    if "compile" in clients:  # what the compiled-forward cache did, over the whole run (issue 56)
+        out["compile_outcomes"] = {str(k): int(v) for k, v in clients["compile"].value_counts().sort_index().items()}
     if "backend_bytes_down" in rounds:  # not in a checkout before issue 42 (this file can measure one: PYTHONPATH)
         moved = rounds[rounds["round"] > 1].groupby("round")[["backend_bytes_down", "backend_bytes_up"]].first()
         out.update(bytes_down=int(moved["backend_bytes_down"].mean()), bytes_up=int(moved["backend_bytes_up"].mean()))
@@ -259,7 +292,8 @@ def run_framework(args, fed: Federation, backend: str, workers: int) -> dict:
 
 # ----------------------------------------------------------------------------------------
 
-def summarise(args, backend: str, n_clients: int, run: dict, threads: int, workers: int, load_before) -> dict:
+def summarise(args, backend: str, n_clients: int, run: dict, threads: int, workers: int, load_before,
+              compile: str = "off") -> dict:
     ends = run["ends"]
     if len(ends) != args.rounds:
         raise RuntimeError(f"{backend}: {len(ends)} round ends recorded, expected {args.rounds}")
@@ -276,6 +310,7 @@ def summarise(args, backend: str, n_clients: int, run: dict, threads: int, worke
         "rounds": args.rounds,
         "timed_rounds": timed,
         "per_round_s": round(float((ends[-1] - ends[0]) / timed), 4),
+        "round1_s": round(float(ends[0] - run["start"]), 4) if "start" in run else None,  # the compile is in it
         "round_s": [round(float(s), 4) for s in round_s],  # rounds 2..R, one entry each
         "ratio_vs_reference": None,  # filled in once the reference of this client count is known
         "client_compute_s": round(float(np.mean(run["client_compute"][1:])), 4),  # per round, summed over clients
@@ -285,6 +320,11 @@ def summarise(args, backend: str, n_clients: int, run: dict, threads: int, worke
         "workers": workers,  # clients trained concurrently
         "backend_bytes_down": run.get("bytes_down"),  # per timed round (framework lines)
         "backend_bytes_up": run.get("bytes_up"),
+        "device": args.device,
+        # the framework's resources.compile, and for the reference whether its forward was compiled
+        **({"compiled": compile != "off"} if backend == "reference" else {"compile": compile}),
+        "compile_mode": compile_mode(args.device) if compile != "off" else None,  # torch.compile's mode
+        "compile_outcomes": run.get("compile_outcomes"),  # clients.compile's counts (framework lines)
         "torch": torch.__version__,
         "fedsap_ray": fedsap_ray.__version__,
         "cpu_count": os.cpu_count(),
@@ -318,6 +358,11 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of every line, interleaved with the order rotated each repeat; a median summary at the end")
+    p.add_argument("--compile", nargs="+", default=["off"], choices=COMPILE,
+                   help="resources.compile of the framework lines, one line each; with train the reference also runs "
+                        "compiled (its forward through torch.compile), one more line per thread count")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where every line trains (cuda: the compiled lines use CUDA graphs)")
     args = p.parse_args(argv)
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
@@ -341,6 +386,9 @@ def parse_args(argv=None):
         p.error("--clients: every count must be >= 1")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    args.compile = [c for c in COMPILE if c in args.compile]  # eager first: the compiled lines divide by it
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here; use --device cpu")
     return args
 
 
@@ -352,19 +400,21 @@ def emit(row: dict, sink) -> None:
         sink.flush()
 
 
-def run_line(args, fed: Federation, n: int, backend: str, count: int, rep: int) -> dict:
-    """One measurement: the reference on ``count`` threads, or a framework backend with ``count`` workers."""
+def run_line(args, fed: Federation, n: int, backend: str, count: int, rep: int, compile: str = "off") -> dict:
+    """One measurement: the reference on ``count`` threads, or a framework backend with ``count`` workers;
+    ``compile``: the framework's resources.compile, or for the reference ``train`` = its forward compiled."""
     before = load1()
     t0 = time.perf_counter()
     if backend == "reference":
         threads, workers = count, 1
-        run = run_reference(args, fed, threads)
+        run = run_reference(args, fed, threads, compiled=compile != "off")
     else:
         threads, workers = 1, min(count, n)
-        run = run_framework(args, fed, backend, workers)
-    row = summarise(args, backend, n, run, threads, workers, before)
+        run = run_framework(args, fed, backend, workers, compile)
+    row = summarise(args, backend, n, run, threads, workers, before, compile)
     row["repeat"] = rep
-    log(f"  clients {n:4d}  {backend:9s} threads {threads} workers {workers}  "
+    log(f"  clients {n:4d}  {backend:9s} {'compiled' if compile != 'off' else 'eager':8s} threads {threads} "
+        f"workers {workers}  "
         f"{row['per_round_s']:8.3f} s/round  loss {row['train_loss_last']:.4f}  "
         f"(total {time.perf_counter() - t0:.1f}s, load {before} -> {row['load1_after']})"
         + (f"  [repeat {rep + 1}/{args.repeats}]" if args.repeats > 1 else ""))
@@ -372,8 +422,14 @@ def run_line(args, fed: Federation, n: int, backend: str, count: int, rep: int) 
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """Each line's ratios against the references of the same repeat (module docstring)."""
-    refs = {r["threads"]: r["per_round_s"] for r in rows if r["backend"] == "reference"}
+    """Each line's ratios against the references of the same repeat (module docstring): the eager loop's, and
+    the compiled loop's where it ran."""
+    refs = {r["threads"]: r["per_round_s"] for r in rows if r["backend"] == "reference" and not r.get("compiled")}
+    compiled = {r["threads"]: r["per_round_s"] for r in rows if r["backend"] == "reference" and r.get("compiled")}
+    for row in rows if compiled else ():
+        at = row["workers"] if row["backend"] != "reference" else row["threads"]
+        row["compiled_limit_threads"] = at if at in compiled else min(compiled, key=compiled.__getitem__)
+        row["ratio_to_compiled_limit"] = round(row["per_round_s"] / compiled[row["compiled_limit_threads"]], 3)
     if not refs:
         return
     best = min(refs.values())
@@ -386,19 +442,24 @@ def add_ratios(rows: list[dict]) -> None:
         row["ratio_to_limit"] = round(row["per_round_s"] / refs[row["limit_threads"]], 3)
 
 
-def log_summary(lines: list[tuple[tuple[str, int], dict]], jobs: list[tuple[str, int]], n: int) -> None:
+Job = tuple[str, int, str]  # (backend, reference threads or workers, compile)
+
+
+def log_summary(lines: list[tuple[Job, dict]], jobs: list[Job], n: int) -> None:
     """Medians over the repeats, with each ratio's range (min-max): what a reader compares systems by.
-    ``lines``: (job, row) per measurement, a job being (backend, reference threads or workers)."""
+    ``lines``: (job, row) per measurement."""
     log(f"  clients {n}: medians of {len(lines) // len(jobs)} repeats (range)")
     for job in jobs:
         mine = [r for j, r in lines if j == job]
-        line = (f"    {job[0]:9s} {'threads' if job[0] == 'reference' else 'workers'} {job[1]}  "
+        line = (f"    {job[0]:9s} {'compiled' if job[2] != 'off' else 'eager':8s} "
+                f"{'threads' if job[0] == 'reference' else 'workers'} {job[1]}  "
                 f"{statistics.median(r['per_round_s'] for r in mine):8.3f} s/round")
-        limits = [r["ratio_to_limit"] for r in mine if "ratio_to_limit" in r]
-        if limits:
-            line += f"  limit x{statistics.median(limits):.3f} ({min(limits):.3f}-{max(limits):.3f})"
-        if job[0] not in ("reference", "local") and ("local", job[1]) in jobs:
-            local = {r["repeat"]: r["per_round_s"] for j, r in lines if j == ("local", job[1])}
+        for key, label in (("ratio_to_limit", "limit"), ("ratio_to_compiled_limit", "compiled limit")):
+            ratios = [r[key] for r in mine if key in r]
+            if ratios:
+                line += f"  {label} x{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+        if job[0] not in ("reference", "local") and ("local", job[1], job[2]) in jobs:
+            local = {r["repeat"]: r["per_round_s"] for j, r in lines if j == ("local", job[1], job[2])}
             vs = [r["per_round_s"] / local[r["repeat"]] for r in mine]
             line += f"  local x{statistics.median(vs):.3f} ({min(vs):.3f}-{max(vs):.3f})"
         log(line)
@@ -416,23 +477,26 @@ def main(argv=None) -> int:
     log(f"round_overhead: malloc {'tuned' if malloc else 'glibc defaults'}, torch {torch.__version__}, "
         f"{os.cpu_count()} CPUs, load {load1()}, "
         f"backends {','.join(args.backends)}, clients {args.clients}, rounds {args.rounds}, "
-        f"reference threads {args.reference_threads}")
+        f"reference threads {args.reference_threads}, compile {args.compile}, device {args.device}")
     try:
         for n in args.clients:
             fed = make_federation(n, args.samples_per_client, args.test_samples, args.seed)
-            jobs = [("reference", t) for t in args.reference_threads] if "reference" in args.backends else []
-            jobs += [(b, w) for w in args.workers for b in args.backends if b != "reference"]
-            every: list[tuple[tuple[str, int], dict]] = []
+            jobs: list[Job] = []
+            if "reference" in args.backends:
+                jobs += [("reference", t, c) for c in args.compile for t in args.reference_threads]
+            jobs += [(b, w, c) for w in args.workers for c in args.compile for b in args.backends if b != "reference"]
+            every: list[tuple[Job, dict]] = []
             for rep in range(args.repeats):
                 order = jobs[rep % len(jobs):] + jobs[:rep % len(jobs)]  # rotated: no system always first or last
-                done = {job: run_line(args, fed, n, *job, rep) for job in order}
+                done = {(b, k, c): run_line(args, fed, n, b, k, rep, c) for b, k, c in order}
                 rows = [done[job] for job in jobs]  # the lines in their usual order, whatever ran first
                 add_ratios(rows)
                 for row in rows:
                     emit(row, sink)
                 if any(r["backend"] == "reference" for r in rows):
-                    log("  ratios to the limit (the plain loop on as many threads as workers): " + ", ".join(
-                        f"{r['backend']}({r['threads']}t x {r['workers']}w) {r['ratio_to_limit']}" for r in rows))
+                    log("  ratios to the limit (the plain eager loop on as many threads as workers): " + ", ".join(
+                        f"{r['backend']}{'+compiled' if r.get('compiled') or r.get('compile', 'off') != 'off' else ''}"
+                        f"({r['threads']}t x {r['workers']}w) {r.get('ratio_to_limit')}" for r in rows))
                 every += [(job, done[job]) for job in jobs]
             if args.repeats > 1:
                 log_summary(every, jobs, n)

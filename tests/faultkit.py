@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -12,6 +16,7 @@ import pytest
 from fedsap_ray.cli import main
 from fedsap_ray.config import build_config
 from fedsap_ray.experiment import run_experiment
+from fedsap_ray.persist import checkpoint
 from fedsap_ray.common.messages import ClientPlan, ClientResult
 from fedsap_ray.runtime.local import LocalBackend
 from fedsap_ray.run.session import RunSession
@@ -83,6 +88,27 @@ def tmpfs(where: Path, options: str):
 def sets(overrides: list[str]) -> list[str]:
     """``--set`` arguments for ``overrides``."""
     return [a for o in overrides for a in ("--set", o)]
+
+
+def kill_once_checkpointed(out: Path, run_id: str, overrides: list[str], rounds: int, log: Path) -> tuple[int, int]:
+    """``fedsap-ray run`` (smoke preset, ``overrides``) in a subprocess, killed with SIGKILL once its checkpoint holds
+    round ``rounds`` (or after 300 s, or when it ended): (the checkpoint's round when killed, the return code)."""
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "fedsap_ray", "run", "--preset", "smoke", "--quiet", "--out",
+                                 str(out), "--run-id", run_id, *sets(overrides)], stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            deadline, done = time.time() + 300, 0
+            while done < rounds and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.02)
+                try:
+                    done = checkpoint.load(out, run_id)["state"].round
+                except (FileNotFoundError, OSError, ValueError):  # not written yet
+                    pass
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(timeout=60)
+    return done, proc.returncode
 
 
 class Recording:

@@ -5,19 +5,17 @@ Everything else about the command line runs in-process, in the
 fast tier: tests/test_cli.py and the tests that use ``faultkit.cli``."""
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from conftest import steady, tiny_overrides
-from faultkit import runs_row, sets
+from faultkit import kill_once_checkpointed, runs_row
 from fedsap_ray import results
 from fedsap_ray.persist import checkpoint
 from fedsap_ray.config import build_config
@@ -70,22 +68,8 @@ def test_an_async_run_killed_mid_run_and_resumed_equals_the_run_never_killed(tmp
                                "asynchronous.max_staleness=2", "training.rounds=12", "training.eval_every=3",
                                "training.keep_model=final+best")
     cut = tmp_path / "cut"
-    with open(tmp_path / "log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "fedsap_ray", "run", "--preset", "smoke", "--quiet", "--out",
-                                 str(cut), "--run-id", "r", *sets(overrides)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            deadline, done = time.time() + 300, 0
-            while done < 3 and time.time() < deadline and proc.poll() is None:
-                time.sleep(0.02)
-                try:
-                    done = checkpoint.load(cut, "r")["state"].round
-                except (FileNotFoundError, OSError, ValueError):  # not written yet
-                    pass
-            os.kill(proc.pid, signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait(timeout=60)
-    assert done >= 3 and proc.returncode == -signal.SIGKILL, (tmp_path / "log").read_text()[-3000:]
+    done, code = kill_once_checkpointed(cut, "r", overrides, 3, tmp_path / "log")
+    assert done >= 3 and code == -signal.SIGKILL, (tmp_path / "log").read_text()[-3000:]
     row = runs_row(cut, "r")
     assert row["status"] == "running" and row["rounds_done"] < 12  # killed mid-run, its row says so
     resumed = subprocess.run([sys.executable, "-m", "fedsap_ray", "run", "--quiet", "--out", str(cut), "--resume", "r"],

@@ -38,6 +38,7 @@ class ProximalTerm(ClientHook):
     (the masked model's other coordinates are 0 in both w and w^t and add nothing)."""
 
     supports_sliced = True
+    supports_compile = True  # reads parameters only, after the forward
     Payload: ClassVar[type] = ProximalPayload
     payload: ProximalPayload
 

@@ -51,6 +51,7 @@ class LabelMask(ClientHook):
     Works on a sliced sub-network as is: the classifier's output units are never sliced."""
 
     supports_sliced = True
+    supports_compile = True  # its loss calls the model it is given (the compiled view)
 
     def before_training(self, model: MaskableModel, data: DomainData) -> None:
         self.held_ids = torch.unique(data.y).to(self.device)

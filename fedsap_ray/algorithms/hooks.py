@@ -91,6 +91,13 @@ class ClientHook:
     # whether the hook works on a sliced sub-network (module docstring, "Sliced sub-models"); a plan
     # with any hook that does not trains masked
     supports_sliced: ClassVar[bool] = False
+    # whether the loop may compute the model's forward through torch.compile (resources.compile,
+    # fedsap_ray.engine.compiled) with this hook: true for a hook whose loss runs the network only through the
+    # model it is given (the loop gives the compiled view: its call and forward_features) and whose other work
+    # reads parameters, gradients or activations through module hooks (Dynamo traces those, guarded); false for
+    # one that runs other networks or the model in another mode; a plan with any hook that does not trains
+    # eager, by name
+    supports_compile: ClassVar[bool] = False
     payload: Any
 
     def __init__(self, plan: ClientPlan, model: MaskableModel, layout: ParamLayout, device: torch.device,

@@ -51,6 +51,7 @@ class RepresentationNorm(ClientHook):
     ||z|| over the sub-network's features is the same norm."""
 
     supports_sliced = True
+    supports_compile = True  # its loss runs the network through the model it is given (the compiled view)
     Payload: ClassVar[type] = RepNormPayload
     payload: RepNormPayload
 

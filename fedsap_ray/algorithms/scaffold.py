@@ -79,6 +79,7 @@ class ControlCorrection(ClientHook):
     """
 
     supports_sliced = True
+    supports_compile = True  # adds to the gradients after clipping: never touches the forward
     Payload: ClassVar[type] = ControlPayload
     payload: ControlPayload
 

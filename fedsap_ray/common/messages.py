@@ -154,6 +154,7 @@ class ClientResult:
     # the coordinates ``values`` holds, in order (None: every coordinate): the plan's mask object, or the one a
     # client hook chose for the upload (module docstring)
     mask: np.ndarray | None = None
+    compile: str = "off"  # what the training forward was (fedsap_ray.engine.compiled.OUTCOMES; clients.compile)
 
     def __post_init__(self) -> None:
         if self.values.dtype != np.float32 or self.values.ndim != 1:

@@ -13,7 +13,7 @@ from typing import Any
 from collections.abc import Callable, Mapping
 
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.checks import SEED_ALLOWED, fail, key_text
+from fedsap_ray.config.checks import OFF_IS_FALSE, SEED_ALLOWED, fail, key_text
 
 
 Checks = Mapping[type, Callable[[Any], None]]  # extra checks run on each built node of a type
@@ -111,6 +111,8 @@ def coerce(tp: Any, v: Any, name: str, checks: Checks | None = None) -> Any:
             fail(name, v, "must be true or false")
         return v
     if tp is str:
+        if v is False and name in OFF_IS_FALSE:  # YAML 1.1 reads a bare off as false (a file, or --set)
+            return "off"
         if not isinstance(v, str):
             fail(name, v, "must be a string")
         return v

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 from fedsap_ray.config import registry
 from fedsap_ray.common.errors import ConfigError
-from fedsap_ray.config.checks import (BACKENDS, CAPACITY_SCHEMES, DEVICES, KEEP_MODELS, PARTITIONS, SEED_ALLOWED, SEED_MAX,
+from fedsap_ray.config.checks import (BACKENDS, CAPACITY_SCHEMES, COMPILE_MODES, DEVICES, KEEP_MODELS, PARTITIONS, SEED_ALLOWED, SEED_MAX,
                                       SUBMODELS, check_choice, check_positive, check_ratio, check_ray_address, fail, key_text,
                                       short)
 from fedsap_ray.config.coerce import coerce
@@ -248,7 +248,7 @@ def parse_options(name: str, options: Mapping[str, Any]) -> Any:
 @dataclass(frozen=True)
 class ResourcesConfig:
     """Where and how clients train. Left out of the config hash; of these fields only ``torch_threads``
-    can change a number (see its comment)."""
+    and ``compile`` can change a number (see their comments), and the runs row's ``config_json`` records both."""
 
     backend: str = "local"  # local: clients train in this process; ray: ClientWorker actors
     device: str = "auto"  # auto: CUDA when available, else CPU
@@ -262,9 +262,16 @@ class ResourcesConfig:
     # give the same bits on every backend and worker. Parallelism comes from running
     # clients concurrently (num_workers), not from threads inside one client.
     torch_threads: int = 1
+    # off: the plain eager loop; train: torch.compile the forward (and so the backward) of the client's training
+    # step, once per model shape per process (fedsap_ray.engine.compiled); train+eval: the evaluation's forward too.
+    # Like torch_threads it changes numbers only by float reordering (Inductor fuses and reorders reductions),
+    # so, like it, it is left out of the hash: the same experiment, computed another way; each mode is
+    # deterministic on its own (docs/guides/performance.md).
+    compile: str = "off"
 
     def __post_init__(self) -> None:
         check_choice("resources.backend", self.backend, BACKENDS)
+        check_choice("resources.compile", self.compile, COMPILE_MODES)
         check_choice("resources.device", self.device, DEVICES)
         if self.num_workers is not None and (not isinstance(self.num_workers, int) or self.num_workers < 1):
             fail("resources.num_workers", self.num_workers, "must be null or an integer >= 1")

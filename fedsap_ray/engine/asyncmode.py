@@ -73,6 +73,7 @@ from fedsap_ray.algorithms.records import client_cost
 from fedsap_ray.data.devices import SimRound, available, client_time, round_size
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.engine.evaluate import evaluate_modes
+from fedsap_ray.engine.compiled import eval_compiles, round_compiles
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
 from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.engine.summary import PhaseTimes, RoundEvaluation, RoundSummary
@@ -305,9 +306,11 @@ class AsyncServer(Server):
         sim = SimRound({u.client_id: u.sim_s for u in every}, frozenset(u.client_id for u in dropped),
                        self.now - self.last_step_s)
         self.last_step_s = self.now
+        compiles_before = eval_compiles()
         ev, eval_s = self._evaluate(new_state, t, sim.round_s)
         total = time.perf_counter() - t0
-        times = PhaseTimes(train_s=self.train_s, eval_s=eval_s, server_s=max(total - self.train_s - eval_s, 0.0))
+        times = PhaseTimes(train_s=self.train_s, eval_s=eval_s, server_s=max(total - self.train_s - eval_s, 0.0),
+                           eval_compiles=round_compiles(self.ctx.cfg.resources.compile, compiles_before))
         self.train_s = 0.0
         summary = self.recorder.record(t, {u.client_id: u.plan for u in every},
                                        sorted((u.result for u in every), key=lambda r: r.client_id),
@@ -341,7 +344,7 @@ class AsyncServer(Server):
             return RoundEvaluation(), 0.0
         t0 = time.perf_counter()
         by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout, self.strategy.eval_sets(state, self.eval_domains),
-                                 self.ctx.federation.test, self.device)
+                                 self.ctx.federation.test, self.device, compile=cfg.resources.compile)
         deployed = self._evaluate_deployed(state) if deployed_now and cfg.training.eval_deployed else {}
         return RoundEvaluation(by_mode=by_mode, deployed=deployed), time.perf_counter() - t0
 

@@ -48,6 +48,11 @@ in that order at each point of the loop:
    then the trained values at ``plan.mask`` (or at the one hook's ``upload_mask``) and every
    hook's ``result`` in ``ClientResult.stats``.
 
+Compiled steps (``resources.compile=train``, :mod:`fedsap_ray.engine.compiled`): the loop computes
+``model(x)`` through a ``torch.compile``-d forward (and so a compiled backward), the rest of the loop as
+above; a plan whose hooks do not all declare ``supports_compile`` trains eager, named in a warning. ``off``
+(the default) passes the module itself: the eager loop, unchanged.
+
 A plan without hooks runs the plain loop's arithmetic exactly. ``ClientResult.steps`` counts the
 optimizer steps taken over all local epochs (SCAFFOLD's K) and ``ClientResult.samples_seen`` the
 samples in their batches (skipped size-1 batches and steps beyond ``max_steps_per_epoch`` not
@@ -82,6 +87,7 @@ import torch.nn.functional as F
 from fedsap_ray.algorithms.hooks import ClientHook, defines_loss, make_hooks, supports_sliced
 from fedsap_ray.data.base import DomainData, as_input
 from fedsap_ray.common.errors import ClientError
+from fedsap_ray.engine.compiled import loss_model, record_new_files, training_forward
 from fedsap_ray.models.masks import ParamLayout, TorchMask, mask_grads_
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.common.messages import ClientPlan, ClientResult
@@ -169,17 +175,20 @@ def train_client(
     layout: ParamLayout,
     data: DomainData,
     device: torch.device | None = None,
+    compile: str = "off",
 ) -> ClientResult:
-    """Run the plan on ``data`` with ``model`` (a scratch module, overwritten) and return the result."""
+    """Run the plan on ``data`` with ``model`` (a scratch module, overwritten) and return the result.
+    ``compile`` is ``resources.compile`` (:mod:`fedsap_ray.engine.compiled`; ``off``: the eager loop)."""
     try:
-        return _train(plan, model, layout, data, device or torch.device("cpu"))
+        return _train(plan, model, layout, data, device or torch.device("cpu"), compile)
     except ClientError:
         raise
     except Exception as e:  # errors carry round and client id (docs/architecture.md#design-rules)
         raise ClientError(f"client {plan.client_id} failed in round {plan.round}: {e.__class__.__name__}: {e}") from e
 
 
-def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device) -> ClientResult:
+def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device,
+           compile: str = "off") -> ClientResult:
     t0 = time.perf_counter()
     to_device(model, device)
     sliced = _sliced_for(plan, model, layout)
@@ -198,7 +207,10 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
             train_layout.load_into(train_model, sliced.gather(start))
         for h in hooks:
             h.start(train_model)
-        losses, steps, seen = _loop(plan, train_model, train_layout, data, device, hooks, None if sliced else plan.mask)
+        forward, compiled_as = training_forward(plan, train_model, compile)
+        losses, steps, seen = _loop(plan, train_model, train_layout, data, device, hooks, None if sliced else plan.mask,
+                                    forward)
+        record_new_files(compiled_as)  # the digests of what this client's compile wrote (engine/compile_cache.py)
     finally:
         for h in hooks:
             h.close()  # the scratch model is reused: never leave hooks behind
@@ -232,7 +244,7 @@ def _train(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Do
     return ClientResult(
         client_id=plan.client_id, round=plan.round, values=np.ascontiguousarray(values, dtype=np.float32),
         n_samples=n, train_loss=loss_mean, stats=stats, wall_s=time.perf_counter() - t0, steps=steps,
-        samples_seen=seen, mask=upload,
+        samples_seen=seen, mask=upload, compile=compiled_as,
     )
 
 
@@ -244,9 +256,14 @@ def _sliced_for(plan: ClientPlan, model: MaskableModel, layout: ParamLayout) -> 
 
 
 def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: DomainData, device: torch.device,
-          hooks: list[ClientHook], mask: np.ndarray | None) -> tuple[list[torch.Tensor], int, int]:
+          hooks: list[ClientHook], mask: np.ndarray | None,
+          forward: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[list[torch.Tensor], int, int]:
     """The local epochs on ``model`` (gradients masked to ``mask``, None for a full or sliced model):
-    (per-step losses, kept on the device; optimizer steps over all epochs; samples in their batches)."""
+    (per-step losses, kept on the device; optimizer steps over all epochs; samples in their batches).
+    ``forward`` computes ``model(x)`` for the loss (the compiled forward, :mod:`fedsap_ray.engine.compiled`); a
+    hook giving the base loss computes it through the same compiled network (``through``)."""
+    forward = model if forward is None else forward
+    through = loss_model(model, forward)
     params = [p for p in model.parameters()]
     grad_mask = None if mask is None else TorchMask.build(model, layout, mask)
     base = next((h for h in hooks if defines_loss(h)), None)  # at most one (make_hooks)
@@ -271,9 +288,9 @@ def _loop(plan: ClientPlan, model: MaskableModel, layout: ParamLayout, data: Dom
             for h in hooks:
                 h.batch_start(model, len(losses))
             x, y = x_all[idx], y_all[idx]
-            loss = base.loss(model, x, y) if base is not None else None
+            loss = base.loss(through, x, y) if base is not None else None
             if loss is None:
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(forward(x), y)
             for h in hooks:
                 loss = h.add_terms(model, loss)
             loss.backward()

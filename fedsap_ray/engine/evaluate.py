@@ -47,6 +47,7 @@ from torch import nn
 from torch.nn.utils.fusion import fuse_conv_bn_eval
 
 from fedsap_ray.data.base import DomainData, as_input
+from fedsap_ray.engine.compiled import eval_forward
 from fedsap_ray.models.masks import ParamLayout
 from fedsap_ray.models.space import MaskableModel
 from fedsap_ray.models.sliced import sliced_model
@@ -97,19 +98,21 @@ def _batch(x: torch.Tensor, device: torch.device, fmt: torch.memory_format) -> t
 
 @torch.no_grad()
 def evaluate(model: nn.Module, layout: ParamLayout, params: np.ndarray, data: DomainData,
-             device: torch.device, batch_size: int | None = None) -> tuple[float, float]:
+             device: torch.device, batch_size: int | None = None, compile: str = "off") -> tuple[float, float]:
     """(accuracy, loss) of ``params`` on ``data``; BatchNorm uses the aggregated running statistics
-    (``batch_size``: images per forward pass, default :data:`INFER_BATCH`)."""
+    (``batch_size``: images per forward pass, default :data:`INFER_BATCH`; ``compile``: ``resources.compile``,
+    :func:`fedsap_ray.engine.compiled.eval_forward`)."""
     batch_size = batch_size or INFER_BATCH
     model.to(device)
     layout.load_into(model, params)
     model.eval()
     net, fmt = inference_module(model, device)
+    forward = eval_forward(net, compile)
     correct, loss_sum, n = 0, 0.0, len(data)
     for i in range(0, n, batch_size):
         x = _batch(data.x[i:i + batch_size], device, fmt)
         y = data.y[i:i + batch_size].to(device)
-        out = net(x)
+        out = forward(x)
         loss_sum += float(F.cross_entropy(out, y, reduction="sum"))
         correct += int((out.argmax(1) == y).sum())
     return correct / max(n, 1), loss_sum / max(n, 1)
@@ -117,18 +120,21 @@ def evaluate(model: nn.Module, layout: ParamLayout, params: np.ndarray, data: Do
 
 @torch.no_grad()
 def evaluate_by_class(model: nn.Module, layout: ParamLayout, params: np.ndarray, data: DomainData,
-                      device: torch.device, num_classes: int, batch_size: int | None = None) -> np.ndarray:
-    """Per test class: [n, correct, loss sum] (shape [num_classes, 3], float64) of ``params`` on ``data``."""
+                      device: torch.device, num_classes: int, batch_size: int | None = None,
+                      compile: str = "off") -> np.ndarray:
+    """Per test class: [n, correct, loss sum] (shape [num_classes, 3], float64) of ``params`` on ``data``
+    (``compile`` as in :func:`evaluate`)."""
     batch_size = batch_size or INFER_BATCH
     model.to(device)
     layout.load_into(model, params)
     model.eval()
     net, fmt = inference_module(model, device)
+    forward = eval_forward(net, compile)
     out = torch.zeros(num_classes, 3, dtype=torch.float64)
     for i in range(0, len(data), batch_size):
         x = _batch(data.x[i:i + batch_size], device, fmt)
         y = data.y[i:i + batch_size].to(device)
-        logits = net(x)
+        logits = forward(x)
         loss = F.cross_entropy(logits, y, reduction="none").double().cpu()
         hit = (logits.argmax(1) == y).double().cpu()
         yc = y.cpu()
@@ -194,7 +200,7 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
                       test: dict[str, DomainData], device: torch.device, num_classes: int,
                       label_weights: dict[int, np.ndarray] | None = None,
                       bn_data: dict[int, DomainData] | None = None,
-                      sliced: bool = True) -> dict[int, tuple[float, float]]:
+                      sliced: bool = True, compile: str = "off") -> dict[int, tuple[float, float]]:
     """(accuracy, loss) per client of its deployed model on its domain's test split.
 
     ``label_weights`` (one domain only, module docstring): client id -> its training label counts;
@@ -203,7 +209,8 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
     recomputed first (``training.deployed_bn=client``); in the masked full-size model the uncovered
     coordinates are zeroed again afterwards, so the result is the sliced sub-model's with its own
     statistics. ``sliced``: run a mask that a channel set describes as the dense sub-network (module
-    docstring; False: always the masked full-size model, the reference).
+    docstring; False: always the masked full-size model, the reference); ``compile`` as in :func:`evaluate`
+    (BN recalibration stays eager: it runs a train-mode forward once per job).
     Identical (domain, parameters[, client when BN statistics are recomputed]) jobs are evaluated once;
     jobs run concurrently on the scratch modules, so the numbers do not depend on how many there are.
     """
@@ -231,7 +238,7 @@ def evaluate_deployed(scratch: list[nn.Module], layout: ParamLayout, models: lis
         net, net_layout, vec = deployed_network(mod, layout, job, device,
                                                 bn_data[job.client_id] if own_bn and bn_data is not None else None,
                                                 sliced=sliced)
-        return evaluate_by_class(net, net_layout, vec, test[job.domain], device, num_classes)
+        return evaluate_by_class(net, net_layout, vec, test[job.domain], device, num_classes, compile=compile)
 
     tables = on_scratch(scratch, list(jobs), one)
     return {m.client_id: client_figures(tables[key_of[m.client_id]],
@@ -273,7 +280,8 @@ def client_figures(table: np.ndarray, label_weights: np.ndarray | None = None) -
 
 
 def evaluate_modes(scratch: list[nn.Module], layout: ParamLayout, sets: Mapping[str, Mapping[str, np.ndarray]],
-                   test: dict[str, DomainData], device: torch.device) -> dict[str, dict[str, tuple[float, float]]]:
+                   test: dict[str, DomainData], device: torch.device,
+                   compile: str = "off") -> dict[str, dict[str, tuple[float, float]]]:
     """(accuracy, loss) per eval mode and test domain of the server's models (``Strategy.eval_sets``).
 
     Every distinct (domain, parameters) pair is evaluated once, whichever modes share it, one pair per
@@ -282,7 +290,8 @@ def evaluate_modes(scratch: list[nn.Module], layout: ParamLayout, sets: Mapping[
     """
     key_of = {(mode, d): (d, digest(models[d])) for mode, models in sets.items() for d in test}
     params = {key: sets[mode][d] for (mode, d), key in key_of.items()}
-    figures = on_scratch(scratch, list(params), lambda m, key: evaluate(m, layout, params[key], test[key[0]], device))
+    figures = on_scratch(scratch, list(params), lambda m, key: evaluate(m, layout, params[key], test[key[0]], device,
+                                                                           compile=compile))
     return {mode: {d: figures[key_of[(mode, d)]] for d in test} for mode in sets}
 
 

@@ -11,7 +11,9 @@
     else:
         state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: ServerState + RoundRecords
     if on_schedule(t, training.eval_every):                    # and always the last round
+        before     = eval_compiles()                           # resources.compile=train+eval: shapes so far
         evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
+        times.eval_compiles = round_compiles(resources.compile, before)  # rounds.eval_compiles
     summary        = recorder.record(t, plans, results, records, evaluation, times, sim)  # every table's rows
 
 Data flows one way: the strategy returns everything it computed in :class:`~fedsap_ray.common.messages.RoundOutput`
@@ -34,6 +36,7 @@ from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, Ro
 from fedsap_ray.common.seeding import rng_for
 from fedsap_ray.data.devices import DeviceClock, SimRound
 from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
+from fedsap_ray.engine.compiled import eval_compiles, round_compiles
 from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary
 
 __all__ = ["DEPLOYED", "Backend", "RoundRecorder", "RoundSummary", "Server", "deployed_sample", "on_schedule"]
@@ -110,11 +113,12 @@ class Server:
         t_aggregated = clock()
         cfg = self.ctx.cfg
         evaluated = on_schedule(t, cfg.training.eval_every, cfg.training.rounds)
+        compiles_before = eval_compiles()
         by_mode: dict[str, dict[str, tuple[float, float]]] = {}
         if evaluated:
             by_mode = evaluate_modes(self.eval_scratch, self.ctx.layout,
                                      self.strategy.eval_sets(new_state, self.eval_domains),
-                                     self.ctx.federation.test, self.device)
+                                     self.ctx.federation.test, self.device, compile=cfg.resources.compile)
         deployed_now = on_schedule(t, cfg.training.deployed_every, cfg.training.rounds)
         deployed = (self._evaluate_deployed(new_state) if evaluated and deployed_now and cfg.training.eval_deployed
                     else {})
@@ -123,7 +127,8 @@ class Server:
         eval_s = t_end - t_aggregated if evaluated else 0.0  # a round not evaluated spends nothing there
         moved = getattr(self.backend, "moved", (0, 0))  # the Ray pool's count; nothing moves in-process
         times = PhaseTimes(train_s=t_trained - t_plans, eval_s=eval_s,
-                           server_s=(t_end - t0) - (t_trained - t_plans) - eval_s, moved_down=moved[0], moved_up=moved[1])
+                           server_s=(t_end - t0) - (t_trained - t_plans) - eval_s, moved_down=moved[0], moved_up=moved[1],
+                           eval_compiles=round_compiles(cfg.resources.compile, compiles_before))
         return new_state, self.recorder.record(t, plans, results, out.records, ev, times, sim)
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
@@ -137,7 +142,8 @@ class Server:
         bn_data = ({cid: fed.client_data(cid) for cid in self.deployed_clients}
                    if self.ctx.cfg.training.deployed_bn == "client" else None)
         return evaluate_deployed(self.eval_scratch, self.ctx.layout, models, fed.test, self.device,
-                                 fed.num_classes, weights, bn_data, sliced=self.ctx.cfg.training.submodel == "sliced")
+                                 fed.num_classes, weights, bn_data, sliced=self.ctx.cfg.training.submodel == "sliced",
+                                 compile=self.ctx.cfg.resources.compile)
 
 
 def on_schedule(t: int, every: int, rounds: int) -> bool:

@@ -25,6 +25,8 @@ class PhaseTimes:
     # and what the backend's training call moved between processes (``rounds.backend_bytes_down``/``_up``)
     moved_down: int = 0
     moved_up: int = 0
+    # evaluation forwards compiled in the round (``rounds.eval_compiles``; None: evaluation not compiled)
+    eval_compiles: int | None = None
 
     @property
     def total(self) -> float:

@@ -12,15 +12,15 @@ points a run at; docs/guides/running.md says so.
 
 The digest of a set of named arrays covers, for each name in sorted order, the name, the dtype (with
 its byte order), the shape and the bytes in C order; the digest of a JSON document covers its
-canonical text (sorted keys, no spaces). Both are ``sha256:<64 hex>`` strings, so the algorithm is
-named wherever a digest is stored.
+canonical text (sorted keys, no spaces); the digest of a file, its bytes. All are ``sha256:<64 hex>``
+strings, so the algorithm is named wherever a digest is stored.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -55,6 +55,15 @@ def arrays_digest(arrays: Mapping[str, np.ndarray], *, meta: Any = None) -> str:
 def array_digest(a: np.ndarray) -> str:
     """The digest of one array (its dtype, shape and bytes; no name)."""
     return arrays_digest({"": a})
+
+
+def file_digest(f: BinaryIO) -> str:
+    """The digest of the bytes of an open binary file, read from its current position to the end (a cache's
+    generated code, compared byte for byte: no structure to name)."""
+    h = hashlib.new(ALGORITHM)
+    for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest is Python 3.11's; we support 3.10
+        h.update(block)
+    return PREFIX + h.hexdigest()
 
 
 def canonical_json(doc: Any) -> bytes:

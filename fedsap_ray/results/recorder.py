@@ -200,7 +200,8 @@ class Recorder:
                                       bytes_down=cost["bytes_down"], train_loss=cost["train_loss"],
                                       round_wall_s=times.total, train_s=times.train_s, eval_s=times.eval_s,
                                       server_s=times.server_s, backend_bytes_down=times.moved_down,
-                                      backend_bytes_up=times.moved_up, sim_round_s=cost["sim_round_s"],
+                                      backend_bytes_up=times.moved_up, eval_compiles=times.eval_compiles,
+                                      sim_round_s=cost["sim_round_s"],
                                       sim_elapsed_s=cost["sim_elapsed_s"], n_stragglers=cost["n_stragglers"], **columns)
         rows = []
         primary = next(iter(by_mode), None)
@@ -240,6 +241,7 @@ class Recorder:
                        capacity_max=spec.capacity, capacity_used=plan.capacity_used, tv_distance=spec.tv_distance,
                        n_samples=r.n_samples, train_loss=r.train_loss, bytes_up=r.bytes_up + plan.side_bytes_up,
                        bytes_down=plan.bytes_down, wall_s=r.wall_s, worker=r.worker, gpu_id=r.gpu_id, node=r.node,
+                       compile=r.compile,
                        sim_time_s=sim.client_s[r.client_id], straggler=r.client_id in sim.stragglers)
             row.update(records.clients[r.client_id])
             rows.append(row)

@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from fedsap_ray.common.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 12  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 13  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
 # sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
@@ -26,13 +26,14 @@ SCHEMA_VERSION = 12  # 2: rounds.frozen_params and the allocations table; 3: rou
 # sim_arrival_s, staleness_weight); 10: rounds.backend_bytes_down, backend_bytes_up (what the backend moved
 # between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against);
 # 12: runs.partition_source, partition_hash (what a run trained), clients.assigned_width, runs.models_kept (the
-# models a run keeps under OUT/models/<run_id>/)
+# models a run keeps under OUT/models/<run_id>/); 13: clients.compile, rounds.eval_compiles (resources.compile)
 GLOBAL_DOMAIN = "__global__"
-# Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible) and
-# the bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count), so
-# never compared between runs (the golden check, the tests of determinism, resume and Ray == local).
+# Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible), the
+# bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count) and what the
+# compiled-forward caches did (which process compiled a shape first depends on the backend), so never compared
+# between runs (the golden check, the tests of determinism, resume and Ray == local).
 WALL_CLOCK = ("started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s",
-              "backend_bytes_down", "backend_bytes_up")
+              "backend_bytes_down", "backend_bytes_up", "compile", "eval_compiles")
 
 # (column, arrow type, description): the core columns, filled by the recording side for every strategy.
 # (column, arrow type, description): the single place the columns are documented.
@@ -109,6 +110,8 @@ ROUNDS_COLUMNS: list[Column] = [
            "seconds of the round in the backend's training call: sending plans, local training, results back"),
     Column("eval_s", pa.float64(),
            "seconds of the round evaluating the server's models and the deployed ones (0 on rounds not evaluated)"),
+    Column("eval_compiles", pa.int64(), "resources.compile=train+eval: evaluation forwards the server process "
+           "compiled this round (a new model shape each; 0 once every shape is seen); null in other modes"),
     Column("server_s", pa.float64(), "seconds of the round in the server's own work: client plans and aggregation"),
     Column("backend_bytes_down", pa.int64(), "bytes the backend moved to its workers this round (Ray: each distinct "
            "parameter vector and packed mask once per worker, plus the plans' own parts; 0 in-process), not the "
@@ -166,6 +169,9 @@ CLIENTS_COLUMNS: list[Column] = [
     Column("wall_s", pa.float64(), "local training wall time, seconds"),
     Column("worker", pa.string(), "which worker ran the client ('local' in-process)"),
     Column("gpu_id", pa.int64(), "GPU id the worker saw (null on CPU)"),
+    Column("compile", pa.string(), "resources.compile: the client's training forward was eager ('off'), eager because a "
+           "client hook cannot be compiled ('fallback', named in a warning), compiled for a shape its process had seen "
+           "('hit') or compiled now ('miss'), or eager because its process held the cache's capacity ('refused')"),
     Column("node", pa.string(), "Ray node id of the process that trained the client, first 12 hex digits: the worker's, or "
            "the trial's for a sweep trial training in-process; 'local' outside Ray"),
     Column("sim_time_s", pa.float64(), "simulated seconds of the client-round on its device (fedsap_ray.data.devices): "
@@ -333,6 +339,7 @@ COLUMNS_SINCE: dict[int, dict[str, str]] = {
          "clients": "version_trained version_applied staleness sim_arrival_s staleness_weight"},
     11: {"runs": "rows_written"},
     12: {"runs": "partition_source partition_hash models_kept", "clients": "assigned_width"},
+    13: {"rounds": "eval_compiles", "clients": "compile"},
 }
 
 

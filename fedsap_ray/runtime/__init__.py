@@ -19,4 +19,4 @@ def make_backend(cfg: ExperimentConfig):
         return RayWorkerPool(cfg)
     from fedsap_ray.runtime.local import LocalBackend
 
-    return LocalBackend(device=r.device, num_workers=r.num_workers, torch_threads=r.torch_threads)
+    return LocalBackend(device=r.device, num_workers=r.num_workers, torch_threads=r.torch_threads, compile=r.compile)

@@ -45,8 +45,10 @@ def ray_node() -> str:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, device: str = "auto", num_workers: int | None = None, torch_threads: int = 1) -> None:
+    def __init__(self, device: str = "auto", num_workers: int | None = None, torch_threads: int = 1,
+                 compile: str = "off") -> None:
         self.device = pick_device(device)
+        self.compile = compile  # resources.compile (fedsap_ray.engine.compiled)
         self.torch_threads = torch_threads
         self.num_workers = num_workers or default_workers(torch_threads)
         self.ctx: RunContext | None = None
@@ -77,7 +79,8 @@ class LocalBackend:
         assert self.ctx is not None and self._data is not None
         model = self._models.get()
         try:
-            result = train_client(plan, model, self.ctx.layout, self._data.get(plan.client_id), self.device)
+            result = train_client(plan, model, self.ctx.layout, self._data.get(plan.client_id), self.device,
+                                  self.compile)
             result.node = self.node
             return result
         finally:

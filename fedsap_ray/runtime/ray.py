@@ -43,6 +43,7 @@ import torch
 
 from fedsap_ray.runtime import limits
 from fedsap_ray.algorithms.context import RunContext
+from fedsap_ray.engine import compiled
 from fedsap_ray.engine.client import PreparedData, pick_device, to_device, train_client, warm_torch
 from fedsap_ray.runtime.allocator import tune_malloc
 from fedsap_ray.data.base import DomainData, Federation
@@ -74,6 +75,16 @@ _INLINE_BYTES = 1 << 20
 #: work ran far slower (benchmarks/round_overhead.py, issue 42; docs/guides/performance.md has the figures).
 #: The raylet and GCS keep their fair share at 0.
 SYSTEM_CONFIG = {"max_direct_call_object_size": _INLINE_BYTES, "worker_niceness": 0}
+#: the driver's node id and its say in Inductor's cache folder (:func:`fedsap_ray.engine.compiled.cache_env`)
+DriverCache = tuple[str, dict[str, str]]
+
+
+def adopt_driver_cache(driver: DriverCache | None) -> None:
+    """In an actor on the driver's node: compile into the driver's Inductor folder (the node's cache, as the
+    local backend would), not the one the raylet's environment at ``ray.init`` names. Actors on other nodes
+    keep their node's own (``FEDSAP_RAY_CACHE`` in that raylet's environment, docs/guides/cluster.md)."""
+    if driver is not None and ray.get_runtime_context().get_node_id() == driver[0]:
+        compiled.adopt_cache_env(driver[1])
 
 
 def connect(address: str | None = None, *, dashboard: bool = False, log_to_driver: bool = True,
@@ -158,11 +169,14 @@ class ClientWorker:
     """Hosts many virtual clients; holds no state that could change a number (a replacement is identical)."""
 
     def __init__(self, name: str, model: MaskableModel, layout, pools: dict[str, tuple[np.ndarray, np.ndarray]],
-                 client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int) -> None:
+                 client_index: dict[int, tuple[str, np.ndarray]], device: str, torch_threads: int,
+                 compile: str = "off", driver: DriverCache | None = None) -> None:
+        if compile in compiled.TRAIN_MODES:
+            adopt_driver_cache(driver)
         self.malloc_tuned = tune_malloc() is not None  # allocator.py: a worker spent 24% of its CPU in page faults
         torch.set_num_threads(torch_threads)
         warm_torch()
-        self.name = name
+        self.name, self.compile = name, compile
         self.model, self.layout = model, layout
         self.pools = pools  # zero-copy views into the object store
         self.client_index = client_index
@@ -195,7 +209,7 @@ class ClientWorker:
         return DomainData(xd[at], yd[at])
 
     def train(self, plan: ClientPlan) -> ClientResult:
-        result = train_client(plan, self.model, self.layout, self.data.get(plan.client_id), self.device)
+        result = train_client(plan, self.model, self.layout, self.data.get(plan.client_id), self.device, self.compile)
         result.worker, result.gpu_id, result.node = self.name, self.gpu_id, self.node
         return result
 
@@ -217,8 +231,8 @@ class RayWorkerPool:
 
     name = "ray"
 
-    def __init__(self, cfg: ExperimentConfig) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: ExperimentConfig, driver: DriverCache | None = None) -> None:
+        self.cfg, self.driver = cfg, driver
         self.workers: list[Any] = []
         self.restarts = 0
         self._spawned = 0
@@ -243,7 +257,7 @@ class RayWorkerPool:
         name = f"{self.run_tag}-w{self._spawned}"
         self._spawned += 1
         return ClientWorker.options(name=name, num_cpus=r.cpus_per_worker, num_gpus=r.gpus_per_worker).remote(
-            name, *self._init_args, r.device, r.torch_threads)
+            name, *self._init_args, r.device, r.torch_threads, r.compile, self.driver)
 
     def worker_info(self) -> list[WorkerInfo]:
         info = ray.get([w.info.remote() for w in self.workers])
@@ -332,9 +346,11 @@ class ServerActor:
     """Hosts the run's :class:`RunSession` next to the driver; see the module docstring."""
 
     def __init__(self, cfg: ExperimentConfig, out: str, run_id: str, federation: Federation | None,
-                 resume: bool = False) -> None:
+                 resume: bool = False, driver: DriverCache | None = None) -> None:
         tune_malloc()  # the server's aggregation and evaluation allocate round-sized blocks too (allocator.py)
-        self.pool = RayWorkerPool(cfg)
+        if cfg.resources.compile in compiled.EVAL_MODES:  # the server evaluates: its compiles, the driver's folder
+            adopt_driver_cache(driver)
+        self.pool = RayWorkerPool(cfg, driver)
         self.refused: Exception | None = None
         try:
             self.session = RunSession(cfg, out, run_id, federation=federation, backend=self.pool, resume=resume)
@@ -392,7 +408,8 @@ def run_on_ray(cfg: ExperimentConfig, out: Path, run_id: str, *, callbacks: Sequ
     check_cluster(cfg, len(fed.clients))
     here = ray.get_runtime_context().get_node_id()
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=here, soft=False)
-    actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed, resume)
+    driver = (here, compiled.cache_env())
+    actor = ServerActor.options(scheduling_strategy=pin).remote(cfg, str(out), run_id, fed, resume, driver)
     refused = ray.get(actor.refusal.remote())
     if refused is not None:  # the session's own refusal, one line (exit 2), not the actor's death and a traceback
         ray.kill(actor)

@@ -28,7 +28,7 @@ def test_repeats_rotate_and_divide_by_their_own_repeat(bench, monkeypatch, capsy
     base = {("reference", 1): 4.0, ("reference", 2): 2.5, ("local", 1): 4.2, ("local", 2): 2.6, ("ray", 1): 4.4,
             ("ray", 2): 2.8}
 
-    def fake(args, fed, n, backend, count, rep):
+    def fake(args, fed, n, backend, count, rep, compile="off"):
         calls.append((backend, count, rep))
         threads, workers = (count, 1) if backend == "reference" else (1, count)
         return {"backend": backend, "threads": threads, "workers": workers, "repeat": rep,
@@ -62,3 +62,35 @@ def test_repeats_must_be_positive(bench, capsys):
         bench.parse_args(["--repeats", "0"])
     assert e.value.code == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
+
+
+def test_compiled_lines_divide_by_their_own_loop(bench, monkeypatch, capsys):
+    """--compile off train: the framework once per mode, the plain loop eager and compiled; ratio_to_limit stays
+    against the eager loop, ratio_to_compiled_limit against the compiled one."""
+    base = {("reference", "off"): 4.0, ("reference", "train"): 2.0, ("local", "off"): 4.4, ("local", "train"): 3.0}
+    calls: list[tuple[str, int, str]] = []
+
+    def fake(args, fed, n, backend, count, rep, compile="off"):
+        calls.append((backend, count, compile))
+        row = {"backend": backend, "threads": 1, "workers": 1, "repeat": rep, "per_round_s": base[(backend, compile)]}
+        row.update({"compiled": compile != "off"} if backend == "reference" else {"compile": compile})
+        return row
+
+    monkeypatch.setattr(bench, "run_line", fake)
+    monkeypatch.setattr(bench, "make_federation", lambda *a, **k: None)
+    assert bench.main(["--clients", "3", "--workers", "1", "--reference-threads", "1", "--backends", "reference,local",
+                       "--compile", "train", "off"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert calls == [("reference", 1, "off"), ("reference", 1, "train"), ("local", 1, "off"), ("local", 1, "train")]
+    got = {(r["backend"], r.get("compile", "train" if r.get("compiled") else "off")): r for r in rows}
+    assert got[("local", "train")]["ratio_to_limit"] == pytest.approx(3.0 / 4.0)
+    assert got[("local", "train")]["ratio_to_compiled_limit"] == pytest.approx(3.0 / 2.0)
+    assert got[("reference", "train")]["ratio_to_limit"] == pytest.approx(0.5)  # the compiled loop against eager
+
+
+def test_cuda_is_refused_without_a_device(bench, capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--device", "cuda"])
+    assert e.value.code == 2
+    assert "--device cuda: torch sees no CUDA device here" in capsys.readouterr().err

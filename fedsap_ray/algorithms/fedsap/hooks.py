@@ -60,6 +60,9 @@ class ChannelStatsHook(ClientHook):
     """:class:`ChannelStats` over the last local epoch; built (and checked) before training."""
 
     supports_sliced = True
+    # forward hooks on the trained module: Dynamo traces them into the compiled graph, guarded on their presence
+    # (fedsap_ray.engine.compiled._configure_dynamo), so the last epoch's hooks see every activation
+    supports_compile = True
     Payload: ClassVar[type] = ChannelStatsPayload
     payload: ChannelStatsPayload
 
@@ -104,6 +107,7 @@ class DGAProbe(ClientHook):
     """The probe model's DGA-layer gradient (``dga_gradient``), computed on the scratch model before training."""
 
     supports_sliced = True  # before_training gets the full-size scratch model and self.layout is its layout
+    supports_compile = True  # its probe runs before training, eager, on the scratch model: the loop is untouched
     Payload: ClassVar[type] = ProbePayload
     payload: ProbePayload
 
