@@ -24,6 +24,11 @@ Subcommands (each prints one JSON line):
   again (must differ by 0), ``resources.compile=train``, and as the control of float reordering eager with
   ``resources.torch_threads=2``: each one's seconds and the largest difference of every loss and accuracy
   column of ``rounds`` from the first eager run.
+- ``methods``: every registered method on a tiny federation (``cnn_small``, 4 clients, 3 rounds of two epochs),
+  eager and with ``resources.compile=train`` under Dynamo's ``eager`` backend (Dynamo's tracing, guards and
+  graph breaks, no code generation, so the arithmetic is eager's): whether every column of ``rounds`` and
+  ``clients`` but the wall-clock ones is equal, and the ``clients.compile`` outcomes (a method whose hooks fall
+  back shows ``fallback``). One JSON line per method.
 
 Run: ``nice -n 19 python benchmarks/compile_probe.py all --model resnet10 --width 0.25``.
 """
@@ -230,9 +235,40 @@ def cmd_all(a: argparse.Namespace) -> None:
         print(json.dumps({"cache": label, **json.loads(line)}), flush=True)
 
 
+def cmd_methods(a: argparse.Namespace) -> None:
+    import collections
+
+    from fedsap_ray import algorithms, results
+    from fedsap_ray.config import build_config
+    from fedsap_ray.data import build_federation
+    from fedsap_ray.engine import compiled
+    from fedsap_ray.experiment import run_experiment
+
+    compiled._FORWARDS = compiled.CompiledForwards(backend="eager")
+    base = ["data.num_clients=4", "data.client_fraction=0.01", "data.max_test_per_domain=40", "model.name=cnn_small",
+            "model.width_mult=0.25", "training.local_epochs=2", "training.batch_size=16",
+            "training.max_steps_per_epoch=3", "training.rounds=3", "resources.num_workers=1", *a.set]
+    fed = build_federation(build_config(preset="smoke", overrides=["algorithm.name=fedavg", *base]))
+    volatile = [*results.WALL_CLOCK, "worker", "gpu_id", "node"]
+    keys = {"rounds": ["round", "eval_mode", "domain"], "clients": ["round", "client_id"]}
+    for name in algorithms.names():
+        out = tempfile.mkdtemp(prefix=f"compile-methods-{name}-")
+        tables = {}
+        for mode in ("off", "train"):
+            cfg = build_config(preset="smoke", overrides=[f"algorithm.name={name}", *base, f"resources.compile={mode}"])
+            run_experiment(cfg, f"{out}/{mode}", run_id="r", federation=fed)
+            res = results.load(f"{out}/{mode}")
+            tables[mode] = {t: getattr(res, t).drop(columns=volatile, errors="ignore").sort_values(k)
+                            .reset_index(drop=True) for t, k in keys.items()}
+        equal = all(tables["off"][t].equals(tables["train"][t]) for t in keys)
+        outcomes = collections.Counter(results.load(f"{out}/train").clients["compile"])
+        print(json.dumps({"probe": "methods", "method": name, "equal_to_eager": equal, "outcomes": dict(outcomes)}),
+              flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("probe", choices=("step", "shapes", "all", "agree"))
+    p.add_argument("probe", choices=("step", "shapes", "all", "agree", "methods"))
     p.add_argument("--model", default="resnet10")
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--mask-p", type=float, default=0.5, help="nested width of the masked gradient (step)")
@@ -245,8 +281,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache", default=None, help="Inductor cache folder for `all` (default: a fresh one)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    if a.probe == "all":
-        cmd_all(a)
+    if a.probe in ("all", "methods"):
+        (cmd_all if a.probe == "all" else cmd_methods)(a)
         return
     probes = {"step": cmd_step, "shapes": cmd_shapes, "agree": cmd_agree}
     print(json.dumps(probes[a.probe](a)), flush=True)

@@ -75,6 +75,8 @@ DROP_GROUPS: dict[str, tuple[str, ...]] = {
     "wall-clock times": ("started_at", "finished_at", "wall_s", "round_wall_s", "train_s", "eval_s", "server_s"),
     "where a client ran and what the backend moved": ("worker", "gpu_id", "node", "backend_bytes_down",
                                                       "backend_bytes_up"),
+    # which process compiled a shape first depends on the backend (resources.compile; eager runs: off / null)
+    "what the compiled-forward caches did": ("compile", "eval_compiles"),
     # the config as JSON text (its every leaf is also a config.* column), versions, the CPU kernels
     "provenance that differs between checkouts or machines":
         ("config_json", "package_version", "schema_version", "torch_version", "cpu_kernels"),
