@@ -39,7 +39,6 @@ import os
 import stat
 import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, cast
 from pathlib import Path
@@ -90,7 +89,7 @@ class CompiledForwards:
         self.hits = {"train": 0, "eval": 0}
         self.misses = {"train": 0, "eval": 0}
         self.refused = {"train": 0, "eval": 0}
-        self._seen: dict[str, OrderedDict[ShapeKey, None]] = {"train": OrderedDict(), "eval": OrderedDict()}
+        self._seen: dict[str, set[ShapeKey]] = {"train": set(), "eval": set()}
         self._lock = threading.Lock()
 
     def lookup(self, model: torch.nn.Module) -> tuple[Callable[..., torch.Tensor], str]:
@@ -109,11 +108,11 @@ class CompiledForwards:
                 return model, "refused"
             else:
                 self.misses[role] += 1
-                seen[key] = None
+                seen.add(key)
                 outcome = "miss"
                 _configure_dynamo(4 * self.capacity)  # two roles; a shape may hold a static and a dynamic-batch graph
         # a thin wrapper per client (microseconds, nothing kept): the compiled graphs live on the model class's
-        # forward code, so a new module of a seen shape passes the guards of the graph compiled for the first
+        # forward code, so a new module of a seen shape passes the guards of the graph compiled for the first.
         # dynamic=None, not False: False would specialise every batch size, so each client's last, shorter batch
         # would be another compile; Dynamo's default makes the batch dimension dynamic at its second size, while
         # parameter shapes stay static (a graph per model shape, as counted here)
