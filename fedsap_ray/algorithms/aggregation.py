@@ -22,6 +22,9 @@ cache) and the pieces are shared among up to :data:`THREADS` threads (numpy rele
 its loops). Every coordinate still sees the same float64 operations in the same client order, so
 the result is bit-identical to the plain form (:func:`reference_average`) whatever the chunk size
 or thread count (tests/algorithms/test_aggregation.py compares them on random masks and weights).
+
+Under ``privacy.mode=central`` the round engine holds a private release open and every call is that release's
+noisy sum instead (:mod:`fedsap_ray.algorithms.dpnoise`).
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from fedsap_ray.algorithms import dpnoise
 
 CHUNK = 1 << 16  # coordinates per piece: two float64 accumulators of 512 KiB, in a core's L2
 THREADS = max(1, min(8, os.cpu_count() or 1))  # pieces aggregated at once (more cores gain little: memory-bound)
@@ -52,6 +57,9 @@ def masked_weighted_average(
     speed, never a bit of the result (module docstring).
     """
     contribs = _checked(old, contributions)
+    release = dpnoise.current()
+    if release is not None:  # privacy.mode=central: the round engine holds a private release open (dpnoise.py)
+        return release.average(old, contribs, restrict)
     out = old.copy()
     if not contribs:
         return out

@@ -101,6 +101,9 @@ class Strategy(ABC):
     # budget (fedsap_ray.config.apply_algorithm_defaults)
     preset_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     supports_async: ClassVar[bool] = False  # it has an asynchronous reading (own body only: module docstring)
+    # its clients upload only their update and its masks depend on no client's data: the privacy section applies
+    # (own body only, as supports_async; docs/readings.md#privacy)
+    supports_privacy: ClassVar[bool] = False
     confound_variants: ClassVar[Mapping[str, tuple[str, ...]]] = {}  # its capacity-confound rows (own body only)
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
@@ -169,6 +172,15 @@ class Strategy(ABC):
             return None
         return ("its server state is round-synchronous or its asynchronous reading is not written "
                 "(docs/readings.md#asynchronous-training)")
+
+    @classmethod
+    def privacy_support(cls, options: Any) -> str | None:
+        """None when a run with ``options`` can train under ``privacy`` (its clients upload their update and
+        nothing else, and its masks depend on no client's data), else why not (default: :attr:`supports_privacy`)."""
+        if vars(cls).get("supports_privacy", False):
+            return None
+        return ("its clients upload more than their update, or its masks are chosen from what they upload, and no "
+                "mechanism covers that (docs/readings.md#privacy)")
 
     @classmethod
     def writes(cls, table: str, options: Any) -> bool:

@@ -59,6 +59,7 @@ class FedAvg(Strategy):
     }
     width: WidthRule = FULL  # the composed width rule (module docstring); a subclass holds its own
     supports_async = True  # stateless: docs/readings.md#asynchronous-training
+    supports_privacy = True  # uploads its update only; masks from (capacity, round, seed)  # docs/readings.md#privacy
     writes_with = {"allocations": {"width": "capacity"}}  # the full rule allocates nothing (WidthRule.tracked)
 
     @dataclass(frozen=True)

@@ -64,6 +64,7 @@ class FedProx(FedAvg):
     summary = "FedAvg plus the proximal term (mu/2)||w - w^t||^2 in the local objective"
     confound_variants = {"fedprox": ("algorithm.mu=1.0",)}  # papers/003 section 4.5: "the standard mu = 1.0"
     supports_async = True  # docs/readings.md#asynchronous-training
+    supports_privacy = True  # docs/readings.md#privacy
     @dataclass(frozen=True)
     class Options(FedAvg.Options):
         mu: float = 0.01  # weight of the proximal term (mu/2)||w - w^t||^2

@@ -74,6 +74,7 @@ def rolling_channel_masks(space: ChannelSpace, kappa: float, t: int, direction: 
 class FedRolex(ChannelSubsetStrategy):
     summary = "rolling sub-models: a contiguous window of ceil(p_max C_l) channels, moved one channel a round"
     supports_async = True  # docs/readings.md#asynchronous-training (t = downloaded version + 1)
+    supports_privacy = True  # windows from (capacity, round)  # docs/readings.md#privacy
     confound_variants = {"fedrolex": ()}  # a sub-model width method of the capacity-confound study
 
     @dataclass(frozen=True)

@@ -247,6 +247,7 @@ class FjORD(FedAvg):
     summary = "ordered dropout: each round a random tier at or below p_max (papers/003; od_sampling=batch: per step)"
     confound_variants = {"fjord": ()}  # papers/003 Table 3
     supports_async = True  # docs/readings.md#asynchronous-training
+    supports_privacy = True  # widths drawn by the server; od_bn=per_width refused (privacy_support)  # docs/readings.md#privacy
     @dataclass(frozen=True)
     class Options:
         """Not FedAvg's ``width``: the rule is FjORD's (docs/readings.md#fjord-flowers-baseline)."""
@@ -266,6 +267,13 @@ class FjORD(FedAvg):
             check_choice("algorithm.od_bn", self.od_bn, OD_BN)
 
     width = RANDOM_TIER
+
+    @classmethod
+    def privacy_support(cls, options: Any) -> str | None:
+        """od_bn=per_width uploads each narrower width's running statistics besides the update, outside its clip."""
+        if getattr(options, "od_bn", "shared") == "per_width":
+            return "algorithm.od_bn=per_width uploads each width's BatchNorm statistics outside the clipped update"
+        return super().privacy_support(options)
 
     def __init__(self, ctx: RunContext, options: Any) -> None:
         super().__init__(ctx, options)

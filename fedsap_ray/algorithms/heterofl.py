@@ -73,6 +73,7 @@ class HeteroFL(FedAvg):
     summary = "static nested sub-models at p_max, coordinate-wise aggregation"
     confound_variants = {"heterofl": ()}  # papers/003 Table 3
     supports_async = True  # docs/readings.md#asynchronous-training
+    supports_privacy = True  # widths from capacity; label_mask refused (privacy_support)  # docs/readings.md#privacy
 
     @dataclass(frozen=True)
     class Options:
@@ -90,6 +91,13 @@ class HeteroFL(FedAvg):
             check_bool("algorithm.label_mask", self.label_mask)
 
     width = CAPACITY
+
+    @classmethod
+    def privacy_support(cls, options: Any) -> str | None:
+        """label_mask uploads which classes a client holds (its data's label set), which no mechanism covers."""
+        if getattr(options, "label_mask", False):
+            return "algorithm.label_mask uploads the classes each client holds, which no mechanism covers"
+        return super().privacy_support(options)
 
     def extra_plan_fields(self, state: ServerState, client_id: int, t: int) -> dict[str, Any]:
         return {"hooks": (call(LabelMask),)} if self.opts.label_mask else {}

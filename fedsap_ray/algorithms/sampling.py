@@ -2,6 +2,8 @@
 asked, so every strategy that samples draws the same clients for the same seed and round."""
 from __future__ import annotations
 
+import numpy as np
+
 from fedsap_ray.data import devices
 from fedsap_ray.algorithms.memo import Memo
 from fedsap_ray.algorithms.context import StrategyContext
@@ -16,7 +18,8 @@ class Sampler:
         self.cfg, self.ctx, self.memo = cfg, ctx, memo
 
     def sample(self, t: int) -> list[int]:
-        """Seeded uniform sample of ceil-free round(participation * N) clients (at least one).
+        """Seeded uniform sample of ceil-free round(participation * N) clients (at least one), or under
+        ``privacy.sampling=poisson`` each client with probability round(participation * N) / N.
 
         Simulated devices (:mod:`fedsap_ray.data.devices`) change it only when asked: with an availability
         below 1 the sample is drawn from the clients available in round ``t``, and under
@@ -25,6 +28,11 @@ class Sampler:
         n = len(self.ctx.federation.clients)
         k = devices.round_size(self.cfg, n)
         dev = self.cfg.devices
+        if self.cfg.privacy.mode != "off" and self.cfg.privacy.sampling == "poisson":
+            # privacy.sampling=poisson: each client joins with probability q = k / n on its own coin, so the
+            # standard subsampled-Gaussian analysis applies (config/accountant.py); the sample may be empty
+            coins = rng_for(self.cfg.seed, t, -1, "poisson-sample").random(n)
+            return [int(i) for i in np.flatnonzero(coins < k / n)]
         if dev.policy != "over_select" and dev.availability >= 1 and dev.trace is None:
             if k >= n:
                 return list(range(n))

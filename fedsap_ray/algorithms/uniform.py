@@ -20,6 +20,7 @@ class Uniform(FedAvg):
     summary = "p_i = min(0.5, p_max): every client capped at half width (no coverage)"
     confound_variants = {"uniform": ()}  # papers/003 Table 3
     supports_async = True  # docs/readings.md#asynchronous-training
+    supports_privacy = True  # docs/readings.md#privacy
     @dataclass(frozen=True)
     class Options:
         p: float = 0.5  # papers/003 section 4.1

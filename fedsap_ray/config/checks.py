@@ -134,7 +134,7 @@ CAPACITY_SCHEMES = ("cyclic", "tiers", "full", "explicit")
 BACKENDS = ("local", "ray")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("off", "train", "train+eval")  # resources.compile (fedsap_ray.engine.compiled)
-OFF_IS_FALSE = frozenset({"resources.compile"})  # string fields whose "off" YAML reads as false: coerce maps it back
+OFF_IS_FALSE = frozenset({"resources.compile", "privacy.mode"})  # string fields whose "off" YAML reads as false: coerce maps it back
 SUBMODELS = ("sliced", "masked")
 # training.keep_model: which global models a run keeps under OUT/models/<run_id>/ (fedsap_ray.results.kept)
 KEEP_MODELS = ("none", "final", "best", "final+best")

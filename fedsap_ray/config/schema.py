@@ -29,6 +29,7 @@ from fedsap_ray.config.checks import (BACKENDS, CAPACITY_SCHEMES, COMPILE_MODES,
                                       short)
 from fedsap_ray.config.coerce import coerce
 from fedsap_ray.config.device_config import AsyncConfig, DevicesConfig
+from fedsap_ray.config.privacy_config import PrivacyConfig, check_privacy
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -338,6 +339,7 @@ class ExperimentConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     devices: DevicesConfig = field(default_factory=DevicesConfig)
     asynchronous: AsyncConfig = field(default_factory=AsyncConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= SEED_MAX:
@@ -361,6 +363,7 @@ class ExperimentConfig:
             fail("data.partition", self.data.partition,
                   "natural partitions exist only for " + ", ".join(f"data.name={n}" for n in natural))
         check_async(self)
+        check_privacy(self)
 
     # --- serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -388,6 +391,8 @@ class ExperimentConfig:
             d.pop("devices")  # the default device model adds columns only: runs keep the hash they had before it
         if isinstance(d.get("data"), dict) and d["data"].get("partition_file") is None:
             d["data"].pop("partition_file", None)  # runs without a partition file keep the hash they had before it
+        if d.get("privacy") == _to_plain(dataclasses.asdict(PrivacyConfig())):
+            d.pop("privacy")  # non-private runs keep the hash they had before the privacy section existed
         algo = d.get("algorithm")
         if isinstance(algo, dict) and isinstance(algo.get("options"), dict):
             algo["options"] = _hashed_options(algo.get("name"), algo["options"])

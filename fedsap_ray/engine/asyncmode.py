@@ -57,6 +57,7 @@ once, when it starts: one :class:`RunNote` line on stderr, so nobody reads the r
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -74,7 +75,7 @@ from fedsap_ray.data.devices import SimRound, available, client_time, round_size
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.engine.evaluate import evaluate_modes
 from fedsap_ray.engine.compiled import eval_compiles, round_compiles
-from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundRecords, ServerState, check_results
+from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
 from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.engine.summary import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
@@ -278,15 +279,23 @@ class AsyncServer(Server):
         s = self.astrategy
         stal = {u.client_id: state.round - u.version for u in [*applied, *dropped]}
         weight = {u.client_id: weight_for(self.acfg, stal[u.client_id]) for u in applied}
+        dp: dict[int, dict[str, Any]] = {}
+        if self.privacy is not None:  # each delta clipped against the version its client downloaded, before s(tau)
+            by_id = {u.client_id: u for u in applied}
+            clipped, dp = self.privacy.clip(t, [u.result for u in applied], lambda r: by_id[r.client_id].downloaded())
+            applied = [dataclasses.replace(u, result=r) for u, r in zip(applied, clipped)]
         recovered = [dataclasses.replace(u.result, values=self._recovered(state, u, update_factor(self.acfg,
                                                                                                   stal[u.client_id])))
                      for u in applied]
         masks = {u.client_id: u.result.mask for u in applied}
-        params = s.merge(state, {u.client_id: u.plan for u in applied}, recovered, t)
+        with self.privacy.release(t) if self.privacy is not None else contextlib.nullcontext():
+            params = s.merge(state, {u.client_id: u.plan for u in applied}, recovered, t)
         new_state = ServerState(round=t, params=params,
                                 strategy_state=s.after_aggregate(state, params, recovered, masks, t))
         plans = {u.client_id: u.plan for u in applied}
         records = s.records(new_state, plans, [u.result for u in applied], t)
+        if self.privacy is not None:  # rounds.dp_*, clients.dp_*; C adapts; the step's release composed
+            records = self.privacy.record(t, RoundOutput(new_state, records), dp).records
         clients = {cid: dict(row) for cid, row in records.clients.items()}
         for u in applied:
             clients[u.client_id].update(version_trained=u.version, version_applied=state.round,

@@ -5,11 +5,12 @@
     check_results(plans, results)                              # each holds its values at ClientResult.mask
     sim            = clock.round(t, strategy.train_macs and the bytes of each result)  # simulated device time
     recorder.count_coverage(the plans of the clients not in sim.stragglers)  # updates that reach the model
-    if sim.stragglers:                                         # past the deadline (devices.policy)
-        state, records = strategy.aggregate(state, plans, results, t) of the others  # none: state unchanged
-        records.clients += client_cost(strategy, plan, result) of each straggler  # what it cost, recorded
-    else:
-        state, records = strategy.aggregate(state, plans, results, t)  # RoundOutput: ServerState + RoundRecords
+    in_time        = results of the clients not in sim.stragglers  # past the deadline (devices.policy)
+    in_time, dp    = privacy.clip(t, in_time)                  # privacy.*: each delta clipped to C (local: noised)
+    with privacy.release(t):                                   # central: every merge a noisy sum (algorithms/dpnoise.py)
+        state, records = strategy.aggregate(state, plans, in_time, t)  # RoundOutput (none in time: state unchanged)
+    records        = privacy.record(t, records, dp)            # rounds.dp_* and clients.dp_*; C adapts; epsilon
+    records.clients += client_cost(strategy, plan, result) of each straggler  # what it cost, recorded
     if on_schedule(t, training.eval_every):                    # and always the last round
         before     = eval_compiles()                           # resources.compile=train+eval: shapes so far
         evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
@@ -23,6 +24,7 @@ run's session builds a :class:`fedsap_ray.results.recorder.Recorder`), so the en
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Protocol
@@ -31,12 +33,14 @@ from torch import nn
 
 from fedsap_ray.algorithms.context import RunContext
 from fedsap_ray.algorithms.contract import Strategy
+from fedsap_ray.algorithms.aggregation import masked_weighted_average
 from fedsap_ray.algorithms.records import client_cost
 from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, RoundRecords, ServerState, check_results
 from fedsap_ray.common.seeding import rng_for
 from fedsap_ray.data.devices import DeviceClock, SimRound
 from fedsap_ray.engine.evaluate import DeployedModel, evaluate_deployed, evaluate_modes
 from fedsap_ray.engine.compiled import eval_compiles, round_compiles
+from fedsap_ray.engine.privacy import PrivateRounds
 from fedsap_ray.engine.summary import DEPLOYED, PhaseTimes, RoundEvaluation, RoundSummary
 
 __all__ = ["DEPLOYED", "Backend", "RoundRecorder", "RoundSummary", "Server", "deployed_sample", "on_schedule"]
@@ -74,6 +78,7 @@ class Server:
         self.deployed_clients = deployed_clients  # whose deployed model is evaluated (deployed_sample)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
         self.clock = DeviceClock(ctx.cfg, strategy.sampler.devices())  # simulated device time, the strategy's devices
+        self.privacy = PrivateRounds.for_config(ctx.cfg)  # privacy.* (engine/privacy.py); None when off
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
         """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).
@@ -84,10 +89,10 @@ class Server:
         clock = time.perf_counter
         t0 = clock()
         plans = self.strategy.configure_round(state, t)
-        if not plans:
+        if not plans and not (self.privacy is not None and self.ctx.cfg.privacy.sampling == "poisson"):
             raise RuntimeError(f"round {t}: the strategy selected no clients")
         t_plans = clock()
-        results = sorted(self.backend.train(plans), key=lambda r: r.client_id)
+        results = sorted(self.backend.train(plans), key=lambda r: r.client_id) if plans else []
         t_trained = clock()
         missing = set(plans) - {r.client_id for r in results}
         if missing:
@@ -101,14 +106,11 @@ class Server:
         # coverage counts the clients whose update reached the model: a straggler trained, but what it trained
         # was discarded (under wait_all every client is aggregated, so nothing changes there)
         self.recorder.count_coverage({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
+        on_time = [r for r in results if r.client_id not in sim.stragglers]
+        out = self._aggregate(state, plans, on_time, t)
         if sim.stragglers:  # left out of aggregation (fedsap_ray.data.devices); recorded with what they spent
-            on_time = [r for r in results if r.client_id not in sim.stragglers]
-            out = (self.strategy.aggregate(state, {r.client_id: plans[r.client_id] for r in on_time}, on_time, t)
-                   if on_time else RoundOutput.unchanged(state, t))  # none in time: the round changes no parameter
             out = out.with_client_rows({r.client_id: client_cost(self.strategy, plans[r.client_id], r)
                                         for r in results if r.client_id in sim.stragglers})
-        else:
-            out = self.strategy.aggregate(state, plans, results, t)
         new_state = out.state
         t_aggregated = clock()
         cfg = self.ctx.cfg
@@ -130,6 +132,24 @@ class Server:
                            server_s=(t_end - t0) - (t_trained - t_plans) - eval_s, moved_down=moved[0], moved_up=moved[1],
                            eval_compiles=round_compiles(cfg.resources.compile, compiles_before))
         return new_state, self.recorder.record(t, plans, results, out.records, ev, times, sim)
+
+    def _aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
+                   t: int) -> RoundOutput:
+        """The strategy's aggregation of ``results`` (none: the round changes no parameter), under ``privacy``
+        clipped and released by the run's mechanism (:mod:`fedsap_ray.engine.privacy`; a Poisson sample of no
+        client still releases the noise)."""
+        own = plans if len(results) == len(plans) else {r.client_id: plans[r.client_id] for r in results}
+        if self.privacy is None:
+            return self.strategy.aggregate(state, own, results, t) if results else RoundOutput.unchanged(state, t)
+        if not results and self.ctx.cfg.privacy.sampling != "poisson":
+            return RoundOutput.unchanged(state, t)  # every client a straggler: public device times, nothing released
+        clipped, columns = self.privacy.clip(t, results, lambda r: plans[r.client_id].source if r.mask is None
+                                             else plans[r.client_id].source[r.mask])
+        with self.privacy.release(t):
+            out = (self.strategy.aggregate(state, own, clipped, t) if clipped else
+                   RoundOutput(dataclasses.replace(state, round=t, params=masked_weighted_average(state.params, [])),
+                               RoundRecords()))
+        return self.privacy.record(t, out, columns)
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
         """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.engine.evaluate)."""

@@ -52,13 +52,15 @@ def legacy_refusal(path: Path | str) -> str:
 
 def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, Any],
          tables: list[str] | None = None, rows: dict[str, dict[int, int]] | None = None,
-         engine: dict[str, Any] | None = None) -> None:
+         engine: dict[str, Any] | None = None, privacy: dict[str, Any] | None = None) -> None:
     """Write the checkpoint atomically; ``tables``: the per-round tables the run has written
     so far, so a resume can tell a missing table file from one the run never had; ``rows``: per table,
     the rows of each round written so far (``RunWriter.counts``), so a resume can tell a lost or
     truncated part of any table (:func:`fedsap_ray.run.guard.check_resumable`); ``engine``: the asynchronous
     engine's state (:meth:`fedsap_ray.engine.asyncmode.AsyncServer.state_dict`, versioned in itself; a
-    synchronous run's checkpoint has none). One tree: an array the state and the engine share (the
+    synchronous run's checkpoint has none); ``privacy``: the privacy mechanism's state
+    (:meth:`fedsap_ray.engine.privacy.PrivateRounds.state_dict`; none without privacy). One tree: an array the state
+    and the engine share (the
     model the clients started on this version downloaded, a mask) is stored once and read back as one.
 
     A value the format does not store raises :class:`~fedsap_ray.persist.treecodec.TreeTypeError` naming
@@ -72,6 +74,8 @@ def save(out: Path, run_id: str, state: ServerState, server_metrics: dict[str, A
         tree["rows"] = {t: {int(r): int(n) for r, n in sorted(c.items())} for t, c in rows.items()}
     if engine is not None:
         tree["engine"] = engine
+    if privacy is not None:
+        tree["privacy"] = privacy
     with OutDir(out).atomic_write(path_for(out, run_id)) as f:
         treecodec.write(f, tree, header={"kind": KIND, "run_id": run_id, "round": int(state.round)})
 
@@ -83,8 +87,8 @@ LEGACY_ROUND_KEYS = ("round_info", "adapted")
 
 
 def load(out: Path, run_id: str) -> dict[str, Any]:
-    """The checkpoint's dict (``state``: a :class:`ServerState`, ``server``, ``tables``; ``rows`` and
-    ``engine`` when it holds them; the engine's state is checked by the engine, against the run).
+    """The checkpoint's dict (``state``: a :class:`ServerState`, ``server``, ``tables``; ``rows``, ``engine`` and
+    ``privacy`` when it holds them; the engine's state is checked by the engine, against the run).
 
     Anything but a checkpoint this format wrote for this run raises :class:`CheckpointUnreadable`
     naming the file; nothing in the file is ever executed.
@@ -127,7 +131,7 @@ def load(out: Path, run_id: str) -> dict[str, Any]:
                                    "damaged or not a fedsap_ray checkpoint, so the run cannot continue from it") from e
     out_ = {"state": ServerState(round=st["round"], params=params, strategy_state=st["strategy"]),
             "server": tree["server"], "tables": tree["tables"]}
-    for key in ("rows", "engine"):
+    for key in ("rows", "engine", "privacy"):
         if key in tree:
             out_[key] = tree[key]
     return out_

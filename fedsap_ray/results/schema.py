@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from fedsap_ray.common.columns import RECORDED_TABLES, Column
 
-SCHEMA_VERSION = 13  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
+SCHEMA_VERSION = 14  # 2: rounds.frozen_params and the allocations table; 3: rounds.domain_coverage, n_reactivated,
 # n_role_switches; 4: the 'deployed' eval mode (rounds.n_eval_clients, eval_clients_sampled, worst_client_*);
 # 5: the round's time by phase (rounds.train_s, eval_s, server_s); 6: simulated device time (rounds.sim_round_s,
 # sim_elapsed_s, n_stragglers; clients.sim_time_s, straggler); 7: clients.node (the Ray node a client ran on);
@@ -26,7 +26,9 @@ SCHEMA_VERSION = 13  # 2: rounds.frozen_params and the allocations table; 3: rou
 # sim_arrival_s, staleness_weight); 10: rounds.backend_bytes_down, backend_bytes_up (what the backend moved
 # between processes); 11: runs.rows_written (what a sweep's --resume checks a finished run's tables against);
 # 12: runs.partition_source, partition_hash (what a run trained), clients.assigned_width, runs.models_kept (the
-# models a run keeps under OUT/models/<run_id>/); 13: clients.compile, rounds.eval_compiles (resources.compile)
+# models a run keeps under OUT/models/<run_id>/); 13: clients.compile, rounds.eval_compiles (resources.compile);
+# 14: rounds.dp_epsilon, dp_clip_norm, dp_noise_std, dp_snr_shared, dp_snr_partial, dp_unclipped_noised,
+# clients.dp_update_norm, dp_clipped (privacy.*)
 GLOBAL_DOMAIN = "__global__"
 # Columns that describe how a run executed, not what it computed: wall-clock readings (never reproducible), the
 # bytes the backend moved between processes (0 in-process, and on Ray a function of the worker count) and what the
@@ -127,6 +129,18 @@ ROUNDS_COLUMNS: list[Column] = [
            "client trained on and the one its update was applied to) of the step's applied updates (null in sync runs)"),
     Column("staleness_max", pa.int64(), "devices.mode=async: largest staleness among the step's applied updates "
            "(null in sync runs)"),
+    Column("dp_epsilon", pa.float64(), "privacy: epsilon spent at privacy.delta after this round's release, from "
+           "dp-accounting (inf without noise; local DP: of the client released most often); null without privacy"),
+    Column("dp_clip_norm", pa.float64(), "privacy: the clip norm C the round's updates were clipped to (adapting "
+           "under privacy.clipping=adaptive); null without privacy"),
+    Column("dp_noise_std", pa.float64(), "privacy.mode=central: std of the Gaussian added to each coordinate's sum "
+           "of clipped updates (sigma x C x noise scale), before the denominator; null otherwise"),
+    Column("dp_snr_shared", pa.float64(), "privacy.mode=central: ||mean clipped update|| / ||noise|| over the "
+           "coordinates every aggregated client trained (null: none, or no noise)"),
+    Column("dp_snr_partial", pa.float64(), "privacy.mode=central: the same over the coordinates only some aggregated "
+           "clients trained (a wider sub-model's outer channels; null: none, or no noise)"),
+    Column("dp_unclipped_noised", pa.float64(), "privacy.clipping=adaptive: the noised fraction of updates within C "
+           "that moved C for the next round (Andrew et al. 2021); null otherwise"),
     Column("ari_domain", pa.float64(),
            "adjusted Rand index of the strategy's client groups (RoundRecords.groups) vs. the true domains, on "
            "the rounds it forms them (FedSAP: DGA rounds); recorded from ground truth, never by the strategy"),
@@ -185,6 +199,10 @@ CLIENTS_COLUMNS: list[Column] = [
            "at arrival (null in sync runs)"),
     Column("sim_arrival_s", pa.float64(), "devices.mode=async: simulated time the update arrived at the server (its "
            "start + sim_time_s; null in sync runs)"),
+    Column("dp_update_norm", pa.float64(), "privacy: L2 norm of the client's update (trained minus downloaded, over "
+           "the coordinates it uploaded) before clipping; null without privacy and for a straggler"),
+    Column("dp_clipped", pa.bool_(), "privacy: whether that norm exceeded the round's clip norm (the update was "
+           "scaled to it); null without privacy and for a straggler"),
     Column("staleness_weight", pa.float64(), "devices.mode=async: s(staleness) of asynchronous.staleness, the factor on "
            "the update's delta before asynchronous.server_lr (null for a discarded update and in sync runs)"),
 ]
@@ -340,6 +358,8 @@ COLUMNS_SINCE: dict[int, dict[str, str]] = {
     11: {"runs": "rows_written"},
     12: {"runs": "partition_source partition_hash models_kept", "clients": "assigned_width"},
     13: {"rounds": "eval_compiles", "clients": "compile"},
+    14: {"rounds": "dp_epsilon dp_clip_norm dp_noise_std dp_snr_shared dp_snr_partial dp_unclipped_noised",
+         "clients": "dp_update_norm dp_clipped"},
 }
 
 

@@ -222,6 +222,11 @@ class RunSession:
         elif "engine" in ck:
             raise statecheck.BadCheckpoint(f"{where} holds an asynchronous engine's state; this run has "
                                            f"devices.mode={cfg.devices.mode}")
+        if self.server.privacy is not None:  # C, the releases composed, the local participations
+            try:
+                self.server.privacy.load_state_dict(ck.get("privacy"), where)
+            except ValueError as e:
+                raise statecheck.BadCheckpoint(str(e)) from e
         self.recorder.restore_metrics(ck["server"])
         self.keeper.check_resume(st.round, ck["server"], where)  # the kept best model the checkpoint counted
         self._rewind_files(state.round, old)
@@ -270,7 +275,8 @@ class RunSession:
                            strategy_state=state_tree(self.strategy, state.strategy_state))
         checkpoint.save(self.out, self.run_id, tree, self.recorder.metrics_state(),
                         tables=self.writer.tables_written(), rows=self.writer.counts,
-                        engine=None if self.engine is None else self.engine.state_dict())
+                        engine=None if self.engine is None else self.engine.state_dict(),
+                        privacy=None if self.server.privacy is None else self.server.privacy.state_dict())
         self.state, self.last_summary = state, summary  # only now is round t done: a resume can continue after it
         self.writer.set_run(self._row("running"))
         return summary

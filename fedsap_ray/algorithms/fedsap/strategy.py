@@ -136,6 +136,14 @@ class FedSAP(Strategy):
                                   f"has no such layer ({e}); use algorithm.dga=none on it") from None
 
     @classmethod
+    def privacy_support(cls, options: Any) -> str | None:
+        """Refused by name: each client's mask and role come from the channel statistics it uploads (line 6) and its
+        pseudo-group from its DGA gradient, data-dependent releases no mechanism of ours covers yet
+        (docs/readings.md#privacy)."""
+        return ("its masks, roles and pseudo-groups are chosen from the channel statistics and DGA gradients each "
+                "client uploads (Algorithm 1 line 6), which no mechanism here covers (docs/readings.md#privacy)")
+
+    @classmethod
     def needs_oracle(cls, options: Any) -> bool:
         """``dga=oracle`` is a control that groups clients by their TRUE domains (ground truth a real
         server lacks): only such a run gets ``ctx.oracle``."""

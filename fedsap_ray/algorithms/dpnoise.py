@@ -1,0 +1,107 @@
+"""The server's noisy sum (central DP, ``privacy.mode=central``): what :func:`masked_weighted_average` computes
+while the round engine holds a :class:`NoisySum` open (:func:`noisy_sums`).
+
+Every strategy that supports privacy merges its clients' values with
+:func:`~fedsap_ray.algorithms.aggregation.masked_weighted_average`, so the mechanism lives there, not in each
+strategy: the engine clips each client's update first (:mod:`fedsap_ray.engine.privacy`), so that a client's values
+are what it downloaded plus its clipped delta, and opens a ``NoisySum`` around the strategy's ``aggregate`` (or
+``merge``); each merge then releases, per coordinate j it may change (DP-FedAvg, McMahan et al. 2018, Algorithm 1,
+with sub-models: docs/readings.md#privacy),
+
+    w_j <- w_j + (sum_i [m_i]_j Delta_ij + z_j) / D_j,     z_j ~ N(0, (sigma C s)^2) iid,
+
+where Delta_ij = v_ij - w_j is client i's clipped delta (the values minus the vector merged into: what the client
+downloaded, in a synchronous round and in the asynchronous engine's recovered values alike), every client weighs 1
+(a sample count is the client's data and unbounded: it would break the sensitivity), s is ``noise_scale`` and D_j
+is the denominator: ``cohort``, the expected clients per release for every coordinate (the noise is added to every
+coordinate, covered or not: whether a client covered it is not released), or ``coverage``, c_j = the number of
+this release's clients whose mask holds j, only where c_j > 0 (the counts are public when masks depend on no data:
+the configs that may use it are checked). With sigma = 0 and ``coverage``, w_j is exactly the unweighted mean
+the non-private merge gives (the same float64 sum divided by the same count), so a zero-noise run equals the
+non-private run with weighting=count bit for bit.
+
+A coordinate's signal and noise are accumulated per group for ``rounds.dp_snr_*``: ``shared`` coordinates every
+client of the release trained, ``partial`` ones only some of them (the outer channels of wider sub-models).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_OPEN: contextvars.ContextVar[NoisySum | None] = contextvars.ContextVar("fedsap_noisy_sum", default=None)
+
+
+@dataclass
+class NoisySum:
+    """One release's mechanism: noise std on the sum, denominator rule and its cohort, the round's noise generator
+    (seeded per run, round and purpose by the engine, so a resumed round draws the same noise) and what the
+    release's merges measured."""
+
+    std: float  # sigma x C x noise_scale: the std of z_j
+    denominator: str  # cohort | coverage
+    cohort: float  # D under ``cohort``
+    rng: np.random.Generator
+    signal_sq: dict[str, float] = field(default_factory=lambda: {"shared": 0.0, "partial": 0.0})
+    noise_sq: dict[str, float] = field(default_factory=lambda: {"shared": 0.0, "partial": 0.0})
+    merges: int = 0
+
+    def snr(self, group: str) -> float | None:
+        """||signal|| / ||noise|| over the group's coordinates of this release (None: no such coordinate or no
+        noise); the signal is the mean clipped delta the merge applied, the noise what it added, both divided by D_j."""
+        n = self.noise_sq[group]
+        return math.sqrt(self.signal_sq[group] / n) if n > 0 else None
+
+    def average(self, old: np.ndarray, contribs: list[tuple[np.ndarray | None, np.ndarray, float]],
+                restrict: np.ndarray | None) -> np.ndarray:
+        """The module docstring's release over ``contribs`` (their weights are ignored: every client weighs 1)."""
+        self.merges += 1
+        acc = np.zeros(old.shape, dtype=np.float64)
+        count = np.zeros(old.shape, dtype=np.float64)
+        for mask, values, _ in contribs:
+            if mask is None:
+                acc += values.astype(np.float64)
+                count += 1.0
+            else:
+                acc[mask] += values.astype(np.float64)
+                count[mask] += 1.0
+        z = self.rng.standard_normal(old.size) * self.std if self.std > 0 else np.zeros(old.size)
+        base = old.astype(np.float64)
+        covered = count > 0
+        out = old.copy()
+        if self.denominator == "coverage":
+            where = covered if restrict is None else covered & restrict
+            denom = count
+            out[where] = (acc[where] / count[where] + z[where] / count[where]).astype(np.float32)
+        else:
+            where = np.ones(old.shape, dtype=bool) if restrict is None else restrict.copy()
+            denom = np.full(old.shape, float(self.cohort))
+            delta_sum = acc - count * base
+            out[where] = (base[where] + (delta_sum[where] + z[where]) / self.cohort).astype(np.float32)
+        if contribs:
+            full = count == len(contribs)
+            for group, sel in (("shared", where & full), ("partial", where & covered & ~full)):
+                signal = (acc[sel] - count[sel] * base[sel]) / denom[sel]
+                self.signal_sq[group] += float(signal @ signal)
+                noise = z[sel] / denom[sel]
+                self.noise_sq[group] += float(noise @ noise)
+        return out
+
+
+def current() -> NoisySum | None:
+    """The release the round engine holds open in this thread (None: an ordinary merge)."""
+    return _OPEN.get()
+
+
+@contextlib.contextmanager
+def noisy_sums(release: NoisySum) -> Iterator[NoisySum]:
+    """Every merge inside is a private release of ``release`` (module docstring)."""
+    token = _OPEN.set(release)
+    try:
+        yield release
+    finally:
+        _OPEN.reset(token)
