@@ -39,7 +39,7 @@ class PrivacyConfig:
     mode: str = "off"  # off | central (the server noises the sum) | local (each client noises its own update)
     noise_multiplier: float | None = None  # sigma: the noise std on the update sum is sigma x clip_norm; 0: no noise
     target_epsilon: float | None = None  # the budget over training.rounds; calibrates sigma when noise_multiplier is null
-    delta: float | None = None  # null: 1 / population (the 1/N)
+    delta: float | None = None  # null: 1 / population (1/N, N the federation)
     clip_norm: float = 1.0  # C: every update's L2 norm is clipped to it (the initial C under clipping=adaptive)
     # fixed: C throughout; adaptive: C follows the target_quantile of the update norms (Andrew et al. 2021, Alg. 1)
     clipping: str = "fixed"

@@ -122,10 +122,11 @@ class PrivateRounds:
             self.ledger.advance(int(self.participations.max()) - self.ledger.steps)
         else:
             self.ledger.advance(1)
+        central = release if release is not None and not self.local else None  # local: the server adds none
         rounds = dict(dp_epsilon=self.ledger.epsilon(), dp_clip_norm=used,
-                      dp_noise_std=None if release is None else release.std,
-                      dp_snr_shared=None if release is None else release.snr("shared"),
-                      dp_snr_partial=None if release is None else release.snr("partial"),
+                      dp_noise_std=None if central is None else central.std,
+                      dp_snr_shared=None if central is None else central.snr("shared"),
+                      dp_snr_partial=None if central is None else central.snr("partial"),
                       dp_unclipped_noised=noised_fraction)
         recs = out.records
         clients = {cid: {**row, **columns.get(cid, {})} for cid, row in recs.clients.items()}

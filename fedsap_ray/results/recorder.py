@@ -142,7 +142,8 @@ class Recorder:
                     bytes_up=sum(r.bytes_up + plans[r.client_id].side_bytes_up for r in results),
                     bytes_down=sum(p.bytes_down for p in plans.values()),
                     train_loss=float(sum(r.train_loss * r.n_samples for r in results) / max(n_total, 1)),
-                    avg_capacity=float(np.mean([p.capacity_used for p in plans.values()])))
+                    # a round of no client (privacy.sampling=poisson) trained no width
+                    avg_capacity=float(np.mean([p.capacity_used for p in plans.values()])) if plans else None)
 
     def _round_columns(self, records: RoundRecords) -> dict[str, Any]:
         """The strategy's round columns plus those computed here from ground truth: ``ari_domain`` of the
