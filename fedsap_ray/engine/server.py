@@ -6,11 +6,13 @@
     sim            = clock.round(t, strategy.train_macs and the bytes of each result)  # simulated device time
     recorder.count_coverage(the plans of the clients not in sim.stragglers)  # updates that reach the model
     in_time        = results of the clients not in sim.stragglers  # past the deadline (devices.policy)
-    in_time, dp    = privacy.clip(t, in_time)                  # privacy.*: each delta clipped to C (local: noised)
+    in_time, dp    = privacy.clip(t, in_time, downloaded)      # privacy.*: each delta clipped to C (local: noised)
     with privacy.release(t):                                   # central: every merge a noisy sum (algorithms/dpnoise.py)
-        state, records = strategy.aggregate(state, plans, in_time, t)  # RoundOutput (none in time: state unchanged)
+        state, records = strategy.aggregate(state, plans, in_time, t)  # RoundOutput: ServerState + RoundRecords
+                         or no_update(state, t)                # none in time: state unchanged
     records        = privacy.record(t, records, dp)            # rounds.dp_* and clients.dp_*; C adapts; epsilon
-    records.clients += client_cost(strategy, plan, result) of each straggler  # what it cost, recorded
+    if sim.stragglers:
+        records.clients += client_cost(strategy, plan, result) of each straggler  # what it cost, recorded
     if on_schedule(t, training.eval_every):                    # and always the last round
         before     = eval_compiles()                           # resources.compile=train+eval: shapes so far
         evaluation = evaluate_modes(strategy.eval_sets(state, eval_domains)), evaluate_deployed(deployed models)
@@ -24,11 +26,13 @@ run's session builds a :class:`fedsap_ray.results.recorder.Recorder`), so the en
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
 from torch import nn
 
 from fedsap_ray.algorithms.context import RunContext
@@ -106,8 +110,16 @@ class Server:
         # coverage counts the clients whose update reached the model: a straggler trained, but what it trained
         # was discarded (under wait_all every client is aggregated, so nothing changes there)
         self.recorder.count_coverage({cid: p for cid, p in plans.items() if cid not in sim.stragglers})
-        on_time = [r for r in results if r.client_id not in sim.stragglers]
-        out = self._aggregate(state, plans, on_time, t)
+        in_time = [r for r in results if r.client_id not in sim.stragglers]
+        own = plans if len(in_time) == len(plans) else {r.client_id: plans[r.client_id] for r in in_time}
+        dp: dict[int, dict] = {}
+        if self.privacy is not None:  # privacy.*: each update's delta clipped to C (engine/privacy.py)
+            in_time, dp = self.privacy.clip(t, in_time, lambda r: downloaded(plans[r.client_id], r))
+        with self.privacy.release(t) if self.privacy is not None else contextlib.nullcontext():
+            out = (self.strategy.aggregate(state, own, in_time, t) if in_time
+                   else self._no_update(state, t))  # none in time, or an empty Poisson sample
+        if self.privacy is not None:  # rounds.dp_*, clients.dp_*; C adapts; the release composed
+            out = self.privacy.record(t, out, dp)
         if sim.stragglers:  # left out of aggregation (fedsap_ray.data.devices); recorded with what they spent
             out = out.with_client_rows({r.client_id: client_cost(self.strategy, plans[r.client_id], r)
                                         for r in results if r.client_id in sim.stragglers})
@@ -133,23 +145,13 @@ class Server:
                            eval_compiles=round_compiles(cfg.resources.compile, compiles_before))
         return new_state, self.recorder.record(t, plans, results, out.records, ev, times, sim)
 
-    def _aggregate(self, state: ServerState, plans: Mapping[int, ClientPlan], results: list[ClientResult],
-                   t: int) -> RoundOutput:
-        """The strategy's aggregation of ``results`` (none: the round changes no parameter), under ``privacy``
-        clipped and released by the run's mechanism (:mod:`fedsap_ray.engine.privacy`; a Poisson sample of no
-        client still releases the noise)."""
-        own = plans if len(results) == len(plans) else {r.client_id: plans[r.client_id] for r in results}
-        if self.privacy is None:
-            return self.strategy.aggregate(state, own, results, t) if results else RoundOutput.unchanged(state, t)
-        if not results and self.ctx.cfg.privacy.sampling != "poisson":
-            return RoundOutput.unchanged(state, t)  # every client a straggler: public device times, nothing released
-        clipped, columns = self.privacy.clip(t, results, lambda r: plans[r.client_id].source if r.mask is None
-                                             else plans[r.client_id].source[r.mask])
-        with self.privacy.release(t):
-            out = (self.strategy.aggregate(state, own, clipped, t) if clipped else
-                   RoundOutput(dataclasses.replace(state, round=t, params=masked_weighted_average(state.params, [])),
-                               RoundRecords()))
-        return self.privacy.record(t, out, columns)
+    def _no_update(self, state: ServerState, t: int) -> RoundOutput:
+        """A round no update reached: the state renumbered, unchanged, except for a private round whose Poisson
+        sample was empty, which still releases its noise (the analysis counts a release every round)."""
+        if self.privacy is not None and self.ctx.cfg.privacy.sampling == "poisson":
+            return RoundOutput(dataclasses.replace(state, round=t, params=masked_weighted_average(state.params, [])),
+                               RoundRecords())
+        return RoundOutput.unchanged(state, t)  # every client a straggler: public device times, nothing released
 
     def _evaluate_deployed(self, state: ServerState) -> dict[int, tuple[float, float]]:
         """(accuracy, loss) of every evaluated client's deployed model on its own domain (fedsap_ray.engine.evaluate)."""
@@ -164,6 +166,11 @@ class Server:
         return evaluate_deployed(self.eval_scratch, self.ctx.layout, models, fed.test, self.device,
                                  fed.num_classes, weights, bn_data, sliced=self.ctx.cfg.training.submodel == "sliced",
                                  compile=self.ctx.cfg.resources.compile)
+
+
+def downloaded(plan: ClientPlan, result: ClientResult) -> np.ndarray:
+    """What the plan's client downloaded at the coordinates its result holds (its update is taken from it)."""
+    return plan.source if result.mask is None else plan.source[result.mask]
 
 
 def on_schedule(t: int, every: int, rounds: int) -> bool:
