@@ -290,6 +290,8 @@ class AsyncServer(Server):
         masks = {u.client_id: u.result.mask for u in applied}
         with self.privacy.release(t) if self.privacy is not None else contextlib.nullcontext():
             params = s.merge(state, {u.client_id: u.plan for u in applied}, recovered, t)
+        if self.privacy is not None:  # running variances the noise pushed below 0 set to 0 (post-processing)
+            params = self.privacy.post_process(params)
         new_state = ServerState(round=t, params=params,
                                 strategy_state=s.after_aggregate(state, params, recovered, masks, t))
         plans = {u.client_id: u.plan for u in applied}

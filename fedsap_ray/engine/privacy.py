@@ -42,6 +42,7 @@ from fedsap_ray.common.seeding import rng_for
 from fedsap_ray.config.accountant import Ledger
 from fedsap_ray.config.privacy_config import Noise, resolve
 from fedsap_ray.config.schema import ExperimentConfig
+from fedsap_ray.models.masks import ParamLayout
 
 Downloaded = Callable[[ClientResult], np.ndarray]  # what a result's client downloaded at the result's coordinates
 
@@ -49,18 +50,41 @@ Downloaded = Callable[[ClientResult], np.ndarray]  # what a result's client down
 class PrivateRounds:
     """One run's mechanism and its accountant's ledger (module docstring)."""
 
-    def __init__(self, cfg: ExperimentConfig, noise: Noise) -> None:
+    def __init__(self, cfg: ExperimentConfig, noise: Noise, variances: np.ndarray | None = None) -> None:
         self.cfg, self.noise, self.p = cfg, noise, cfg.privacy
+        self.variances = variances  # bool [n_params]: BatchNorm running variances (post_process keeps them >= 0)
         self.clip_norm = float(self.p.clip_norm)
         self.ledger = Ledger(noise.releases, noise.sigma_eff)
         self.participations = np.zeros(cfg.data.num_clients, dtype=np.int64)  # local DP: releases per client
         self._open: NoisySum | None = None
 
     @classmethod
-    def for_config(cls, cfg: ExperimentConfig) -> PrivateRounds | None:
-        """The run's mechanism, or None with privacy off."""
+    def for_config(cls, cfg: ExperimentConfig, layout: ParamLayout | None = None) -> PrivateRounds | None:
+        """The run's mechanism, or None with privacy off; ``layout`` names the running variances of the model."""
         noise = resolve(cfg)
-        return None if noise is None else cls(cfg, noise)
+        if noise is None:
+            return None
+        variances = None
+        if layout is not None:
+            variances = np.zeros(layout.size, dtype=bool)
+            for name in layout.names:
+                if name.endswith("running_var"):
+                    lo, hi = layout.span(name)
+                    variances[lo:hi] = True
+        return cls(cfg, noise, variances if variances is not None and variances.any() else None)
+
+    def post_process(self, params: np.ndarray) -> np.ndarray:
+        """The released model with every BatchNorm running variance the noise pushed below 0 set to 0 (BatchNorm
+        divides by sqrt(var + eps)): post-processing of the release, which costs no privacy (Dwork and Roth 2014,
+        Prop. 2.1). ``params`` itself when nothing is negative."""
+        if self.variances is None:
+            return params
+        neg = self.variances & (params < 0)
+        if not neg.any():
+            return params
+        out = params.copy()
+        out[neg] = 0.0
+        return out
 
     @property
     def local(self) -> bool:
@@ -108,6 +132,7 @@ class PrivateRounds:
         """The round's output with its ``dp_*`` columns (rounds and the aggregated clients' rows); then C adapts
         and the ledger composes the round's release."""
         release, self._open = self._open, None
+        out = dataclasses.replace(out, state=dataclasses.replace(out.state, params=self.post_process(out.state.params)))
         used = self.clip_norm
         noised_fraction = None
         if self.p.clipping == "adaptive":

@@ -205,3 +205,52 @@ def test_local_dp_noises_each_update_on_its_client(tmp_path, fed):
     assert steps["dp_noise_std"].isna().all()  # no server noise
     # epsilon follows the most-released client's count: fixed sampling of 3 in 8 repeats some client
     assert steps["dp_epsilon"].is_monotonic_increasing and (steps["dp_epsilon"] > 0).all()
+
+
+SUPPORTED = ["fedavg", "fedprox", "fedrolex", "fjord", "heterofl", "uniform"]
+
+
+def test_the_supported_methods_are_exactly_those_declared_and_the_others_refused_by_name():
+    """privacy_support says yes for exactly these; every other method is refused by name (the config check reads
+    the same declaration)."""
+    from fedsap_ray.config import ConfigError, registry
+
+    declared = [n for n in registry.STRATEGIES.names()
+                if registry.STRATEGIES.get(n).privacy_support(registry.STRATEGIES.get(n).Options()) is None]
+    assert declared == SUPPORTED
+    for name in sorted(set(registry.STRATEGIES.names()) - set(SUPPORTED)):
+        with pytest.raises(ConfigError, match=f"does not support {name}"):
+            build_config(preset="smoke", overrides=[f"algorithm.name={name}", "privacy.mode=central",
+                                                    "privacy.noise_multiplier=1"])
+
+
+@pytest.mark.integration  # twelve runs: ~15 s
+@pytest.mark.parametrize("name", SUPPORTED)
+def test_every_supported_method_runs_private_synchronous_and_asynchronous(tmp_path, fed, name):
+    short = ["training.rounds=2", "privacy.mode=central", "privacy.target_epsilon=8", "privacy.clip_norm=0.5",
+             "training.max_steps_per_epoch=1"]
+    base = [o for o in HETERO if o != "algorithm.weighting=count"]
+    for mode in ([], ["devices.mode=async", "asynchronous.concurrency=3", "asynchronous.buffer_size=2"]):
+        cfg = build_config(preset="smoke", overrides=[*base, f"algorithm.name={name}", *short, *mode])
+        run_experiment(cfg, tmp_path / f"run{len(mode)}", run_id="r", federation=fed)
+        res = results.load(tmp_path / f"run{len(mode)}")
+        eps = res.rounds.drop_duplicates("round")["dp_epsilon"]
+        assert len(eps) == 2 and eps.is_monotonic_increasing and eps.iloc[-1] <= 8, mode
+        assert res.clients["dp_update_norm"].notna().all() and res.clients["dp_clipped"].any(), mode
+
+
+def test_noise_never_leaves_a_batchnorm_variance_negative(fed):
+    """Post-processing: a running variance the noise pushed below 0 is set to 0, nothing else is touched."""
+    from fedsap_ray.experiment import build_context
+
+    cfg = build_config(preset="smoke", overrides=[*HETERO, *CENTRAL, "privacy.noise_multiplier=1"])
+    layout = build_context(cfg, fed).layout
+    mech = PrivateRounds.for_config(cfg, layout)
+    assert mech is not None and mech.variances is not None and mech.variances.any()
+    params = np.random.default_rng(0).standard_normal(layout.size).astype(np.float32)
+    fixed = mech.post_process(params)
+    assert (fixed[mech.variances] >= 0).all() and (params[mech.variances] < 0).any()
+    assert np.array_equal(fixed[~mech.variances], params[~mech.variances])
+    assert np.array_equal(fixed[mech.variances], np.maximum(params[mech.variances], 0))
+    ok = np.abs(params)
+    assert mech.post_process(ok) is ok
