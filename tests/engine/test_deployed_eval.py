@@ -90,7 +90,9 @@ def test_deployed_accuracy_equals_the_sliced_sub_model(name, extra, fed, monkeyp
     model, the reference) give the accuracy of a sub-network built here by hand, and the same loss to
     float rounding."""
     cfg = build_config(preset="smoke", overrides=[f"algorithm.name={name}", *TINY, *extra])
-    ctx, strat, states = run_rounds(cfg, fed, 2)
+    # one trained round: its aggregate gives every method's deployed models (a trained W, each client's own mask); a
+    # second round (as here until issue 57) cost a quarter of the module and checked nothing more
+    ctx, strat, states = run_rounds(cfg, fed, 1)
     state = states[-1]
     models = [DeployedModel(c.client_id, c.domain, *strat.deployed_model(state, c.client_id)) for c in fed.clients]
     own = {c.client_id: fed.client_data(c.client_id) for c in fed.clients}
