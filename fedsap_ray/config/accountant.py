@@ -178,14 +178,17 @@ class Ledger:
     """A run's releases so far, composed one at a time: its epsilon after each round at the cost of one more
     composition (the PLD accountant's self-composition of t releases costs as much as t compositions, so a fresh
     accountant per round would grow quadratically). Rebuilt from the count alone on resume: the releases of a run
-    are identical (same multiplier, same sampling), so ``Ledger(r, sigma_eff, steps)`` is the ledger after them."""
+    are identical (same multiplier, same sampling), so ``Ledger(r, sigma_eff, steps)`` is the ledger after them,
+    composed one release at a time as the run composed them (the PLD of ``steps`` releases self-composed at once
+    differs in the 12th digit, and a resumed run's epsilons must equal the uninterrupted run's exactly)."""
 
     def __init__(self, r: Releases, sigma_eff: float, steps: int = 0) -> None:
         self.r, self.sigma_eff, self.steps = r, sigma_eff, 0
         self._acc: Any = None
         if sigma_eff > 0 and r.accountant == "pld":
             self._acc = _fresh(r)
-        self.advance(steps)
+        for _ in range(steps):
+            self.advance(1)
 
     def advance(self, releases: int = 1) -> None:
         """Compose ``releases`` more releases."""
