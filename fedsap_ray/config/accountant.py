@@ -26,6 +26,7 @@ module decides is which event a run's releases are, written down here and in doc
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -123,7 +124,7 @@ def epsilon(r: Releases, sigma_eff: float, steps: int) -> float:
         if r.accountant == "rdp":
             from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-            orders, one = _rdp_curve(r, sigma_eff)
+            orders, one = _rdp_curve(dataclasses.replace(r, delta=0.5), sigma_eff)  # the curve has no delta
             return float(rdp.compute_epsilon(orders, one * steps, r.delta)[0])
         acc = _fresh(r)
         acc.compose(event(r, sigma_eff, steps))

@@ -254,3 +254,24 @@ def test_noise_never_leaves_a_batchnorm_variance_negative(fed):
     assert np.array_equal(fixed[mech.variances], np.maximum(params[mech.variances], 0))
     ok = np.abs(params)
     assert mech.post_process(ok) is ok
+
+
+def test_noise_cohort_size_noises_as_for_the_larger_cohort_and_accounts_for_it():
+    """pfl-research's option: the sum's noise std is sigma C x cohort / noise_cohort_size, and epsilon is that of
+    noise_cohort_size clients sampled from privacy.population."""
+    from fedsap_ray.config.accountant import Releases, epsilon
+    from fedsap_ray.config.privacy_config import resolve
+
+    base = [*HETERO, *CENTRAL, "privacy.noise_multiplier=1.5", "privacy.clip_norm=2",
+            "training.participation=0.25"]  # cohort: round(0.25 * 8) = 2
+    cfg = build_config(preset="smoke", overrides=[*base, "privacy.noise_cohort_size=100",
+                                                  "privacy.population=10000"])
+    noise = resolve(cfg)
+    assert noise is not None and noise.cohort == 2 and noise.noise_scale == pytest.approx(2 / 100)
+    mech = _rounds(cfg)
+    with mech.release(1):
+        assert mech._open is not None and mech._open.std == pytest.approx(1.5 * 2 * 2 / 100)
+    r = Releases("rdp", "fixed", 10000, 100, 1 / 10000)
+    assert noise.planned_epsilon == pytest.approx(epsilon(r, 1.5 / 2, cfg.training.rounds))
+    own = resolve(build_config(preset="smoke", overrides=base))
+    assert own is not None and own.releases == Releases("rdp", "fixed", 8, 2, 1 / 8) and own.noise_scale == 1.0
