@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -168,10 +169,23 @@ def test_a_resumed_private_run_equals_the_run_never_stopped(tmp_path, fed):
         run_experiment(cfg, tmp_path / "cut", run_id="r", federation=fed, progress=stop)
     ck = checkpoint.load(tmp_path / "cut", "r")
     assert ck["privacy"]["releases"] == 2 and ck["privacy"]["clip_norm"] != 0.3
+    aside = tmp_path / "cut-without-privacy"
+    shutil.copytree(tmp_path / "cut", aside)
     run_experiment(cfg, tmp_path / "cut", run_id="r", federation=fed, resume=True)
     resumed = results.load(tmp_path / "cut")
     for table in ("rounds", "clients"):
         pd.testing.assert_frame_equal(steady(getattr(resumed, table)), steady(getattr(whole, table)))
+    # the privacy state is what makes it exact: a checkpoint without it is refused by name, and restoring a fresh
+    # mechanism instead (C back at 0.3, no release counted) gives other numbers
+    st = ck["state"]
+    checkpoint.save(aside, "r", st, ck["server"], tables=ck["tables"], rows=ck.get("rows"))
+    with pytest.raises(Exception, match="privacy state"):
+        run_experiment(cfg, aside, run_id="r", federation=fed, resume=True)
+    checkpoint.save(aside, "r", st, ck["server"], tables=ck["tables"], rows=ck.get("rows"),
+                    privacy={"clip_norm": 0.3, "releases": 0, "participations": ck["privacy"]["participations"]})
+    run_experiment(cfg, aside, run_id="r", federation=fed, resume=True)
+    fresh = results.load(aside).rounds.drop_duplicates("round").set_index("round")
+    assert fresh.loc[3, "dp_clip_norm"] == 0.3 and fresh.loc[4, "dp_epsilon"] < whole.rounds["dp_epsilon"].max()
 
 
 @pytest.mark.integration  # three asynchronous runs: ~6 s
