@@ -289,3 +289,13 @@ def test_noise_cohort_size_noises_as_for_the_larger_cohort_and_accounts_for_it()
     assert noise.planned_epsilon == pytest.approx(epsilon(r, 1.5 / 2, cfg.training.rounds))
     own = resolve(build_config(preset="smoke", overrides=base))
     assert own is not None and own.releases == Releases("rdp", "fixed", 8, 2, 1 / 8) and own.noise_scale == 1.0
+
+
+def test_every_client_weighs_one_in_the_private_sum():
+    """A sample count is the client's data and unbounded: the private merge ignores the strategy's weights."""
+    old = np.zeros(4, dtype=np.float32)
+    contribs = [(None, np.full(4, 1.0, dtype=np.float32), 100.0), (None, np.full(4, 3.0, dtype=np.float32), 1.0)]
+    for denominator in ("coverage", "cohort"):
+        with noisy_sums(NoisySum(std=0.0, denominator=denominator, cohort=2.0, rng=np.random.default_rng(0))):
+            assert np.array_equal(masked_weighted_average(old, contribs), np.full(4, 2.0, dtype=np.float32))
+    assert masked_weighted_average(old, contribs)[0] == pytest.approx(103 / 101)  # outside: the weighted mean
