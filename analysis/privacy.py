@@ -217,7 +217,7 @@ def _pm(mean: float, std: float) -> str:
 
 
 def tables(out: str | Path) -> dict[str, pd.DataFrame]:
-    """Every table of the study from a results folder (evaluates the kept deployed models: a second a run)."""
+    """Every table of the study from a results folder (evaluates the kept deployed models: a second or two a run)."""
     res = sweep.load_sweep(out)
     per_run = run_table(res)
     per_client = deployed_figures(out, list(per_run["run_id"]))
