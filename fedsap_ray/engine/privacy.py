@@ -25,6 +25,12 @@ The round's noise is drawn from ``rng_for(seed, t, -1, "dp-noise")`` (central) a
 ``rng_for(seed, t, client, "dp-local")``: a resumed round draws the same noise with no generator state to keep.
 What does persist between rounds (C under adaptive clipping, the releases composed, each client's participations
 under local DP) is :meth:`PrivateRounds.state_dict`, stored in the checkpoint.
+
+BatchNorm running variances are released like every other uploaded coordinate, so the noise can leave one below
+zero, and a negative variance makes every evaluation of the server's model NaN (its loss) and chance (its
+accuracy). :meth:`PrivateRounds.record` therefore sets each released running variance below zero to zero: a
+function of the released vector alone (post-processing: the guarantee is unchanged), and a no-op without noise
+(an average of variances is never negative), so a zero-noise run still equals the non-private one.
 """
 from __future__ import annotations
 
@@ -42,6 +48,16 @@ from fedsap_ray.common.seeding import rng_for
 from fedsap_ray.config.accountant import Ledger
 from fedsap_ray.config.privacy_config import Noise, resolve
 from fedsap_ray.config.schema import ExperimentConfig
+from fedsap_ray.models.masks import ParamLayout
+
+def variance_coordinates(layout: ParamLayout) -> np.ndarray | None:
+    """bool [layout.size]: True on the coordinates of BatchNorm running variances (None: the model has none)."""
+    out = np.zeros(layout.size, dtype=bool)
+    for name, off, size, is_param in zip(layout.names, layout.offsets, layout.sizes, layout.is_param):
+        if not is_param and name.endswith("running_var"):
+            out[off:off + size] = True
+    return out if out.any() else None
+
 
 Downloaded = Callable[[ClientResult], np.ndarray]  # what a result's client downloaded at the result's coordinates
 
@@ -49,18 +65,19 @@ Downloaded = Callable[[ClientResult], np.ndarray]  # what a result's client down
 class PrivateRounds:
     """One run's mechanism and its accountant's ledger (module docstring)."""
 
-    def __init__(self, cfg: ExperimentConfig, noise: Noise) -> None:
+    def __init__(self, cfg: ExperimentConfig, noise: Noise, variances: np.ndarray | None = None) -> None:
         self.cfg, self.noise, self.p = cfg, noise, cfg.privacy
+        self.variances = variances  # bool [size]: the BatchNorm running-variance coordinates (None: none)
         self.clip_norm = float(self.p.clip_norm)
         self.ledger = Ledger(noise.releases, noise.sigma_eff)
         self.participations = np.zeros(cfg.data.num_clients, dtype=np.int64)  # local DP: releases per client
         self._open: NoisySum | None = None
 
     @classmethod
-    def for_config(cls, cfg: ExperimentConfig) -> PrivateRounds | None:
-        """The run's mechanism, or None with privacy off."""
+    def for_config(cls, cfg: ExperimentConfig, layout: ParamLayout | None = None) -> PrivateRounds | None:
+        """The run's mechanism, or None with privacy off; ``layout`` locates the running variances to keep >= 0."""
         noise = resolve(cfg)
-        return None if noise is None else cls(cfg, noise)
+        return None if noise is None else cls(cfg, noise, None if layout is None else variance_coordinates(layout))
 
     @property
     def local(self) -> bool:
@@ -108,6 +125,10 @@ class PrivateRounds:
         """The round's output with its ``dp_*`` columns (rounds and the aggregated clients' rows); then C adapts
         and the ledger composes the round's release."""
         release, self._open = self._open, None
+        if self.variances is not None and (self.variances & (out.state.params < 0)).any():
+            params = out.state.params.copy()
+            params[self.variances & (params < 0)] = 0.0  # post-processing: no negative variance (module docstring)
+            out = dataclasses.replace(out, state=dataclasses.replace(out.state, params=params))
         used = self.clip_norm
         noised_fraction = None
         if self.p.clipping == "adaptive":

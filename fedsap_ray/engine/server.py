@@ -78,7 +78,7 @@ class Server:
         self.deployed_clients = deployed_clients  # whose deployed model is evaluated (deployed_sample)
         self.eval_domains = ctx.federation.eval_domains()  # evaluation-only ground truth (Strategy.eval_sets)
         self.clock = DeviceClock(ctx.cfg, strategy.sampler.devices())  # simulated device time, the strategy's devices
-        self.privacy = PrivateRounds.for_config(ctx.cfg)  # privacy.* (engine/privacy.py); None when off
+        self.privacy = PrivateRounds.for_config(ctx.cfg, ctx.layout)  # privacy.* (engine/privacy.py); None when off
 
     def round(self, state: ServerState, t: int) -> tuple[ServerState, RoundSummary]:
         """Round ``t`` from ``state``: the new state and the round's summary (its rows are written).
