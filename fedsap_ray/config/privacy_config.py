@@ -190,10 +190,14 @@ def check_privacy(cfg: ExperimentConfig) -> None:
             "is synchronous only (devices.mode=async has no sampled cohort)")
     _refuse(asynchronous and cfg.asynchronous.server_lr > 1, "asynchronous.server_lr", cfg.asynchronous.server_lr,
             "must be <= 1 with privacy (a larger server step scales a client's clipped update past C)")
-    _refuse(p.sampling == "poisson" and (cfg.devices.policy != "wait_all" or cfg.devices.availability < 1
-                                         or cfg.devices.trace is not None),
-            "privacy.sampling", p.sampling, "draws each client with probability q itself: use devices.policy=wait_all, "
-                                            "availability 1 and no trace")
+    # the accountant's sampling probability is cohort / N: over-selection samples more clients than it aggregates
+    # and availability (or a trace's) draws from fewer than N, both raising a client's chance of being in a release
+    _refuse(cfg.devices.policy == "over_select", "devices.policy", cfg.devices.policy,
+            "samples more clients than a round aggregates, which the privacy accountant (cohort / N) does not count: "
+            "use wait_all or deadline with privacy")
+    _refuse(cfg.devices.availability < 1 or cfg.devices.trace is not None, "devices.availability",
+            cfg.devices.availability, "with privacy must be 1 and devices.trace unset (a round drawn from fewer "
+                                      "clients than N raises each one's chance of a release beyond cohort / N)")
     cohort = _cohort(cfg)
     if p.noise_cohort_size is not None:
         _refuse(p.noise_cohort_size < cohort, "privacy.noise_cohort_size", p.noise_cohort_size,

@@ -299,3 +299,14 @@ def test_every_client_weighs_one_in_the_private_sum():
         with noisy_sums(NoisySum(std=0.0, denominator=denominator, cohort=2.0, rng=np.random.default_rng(0))):
             assert np.array_equal(masked_weighted_average(old, contribs), np.full(4, 2.0, dtype=np.float32))
     assert masked_weighted_average(old, contribs)[0] == pytest.approx(103 / 101)  # outside: the weighted mean
+
+
+@pytest.mark.parametrize("extra, field", [(["devices.policy=over_select"], "devices.policy"),
+                                          (["devices.availability=0.5"], "devices.availability")])
+def test_a_sample_the_accountant_would_undercount_is_refused(extra, field):
+    """The accountant's sampling probability is cohort / N: over-selection (more clients sampled than aggregated) and
+    availability (a round drawn from fewer than N) would each raise a client's real chance above it."""
+    from fedsap_ray.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"invalid {field}=.*cohort / N"):
+        build_config(preset="smoke", overrides=[*HETERO, *CENTRAL, "privacy.noise_multiplier=1", *extra])
