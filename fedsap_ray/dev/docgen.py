@@ -479,7 +479,7 @@ def cli_page() -> str:
     return "".join(out)
 
 
-STUDIES = ("sensitivity", "ablation", "main_comparison", "capacity_confound", "mask_stability", "readings")
+STUDIES = ("sensitivity", "ablation", "main_comparison", "capacity_confound", "mask_stability", "readings", "privacy")
 
 
 def _sweeps_section() -> str:
