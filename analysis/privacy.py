@@ -32,6 +32,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import sweep
+from analysis.runs import open_or_exit
 from analysis.plots import color, finish, new_figure
 
 METHODS = {"fedavg": "FedAvg", "heterofl": "HeteroFL", "fjord": "FjORD", "fedsap": "FedSAP"}
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", default=None, help="write the figure (deployed accuracy against epsilon per tier) here")
     p.add_argument("--csv", default=None, help="write the per-run and per-client tables as CSV files with this prefix")
     args = p.parse_args(argv)
+    open_or_exit(args.out, p.prog)  # a folder it cannot read: one line, exit 2 (as every analysis command line)
     t = tables(args.out)
     print(report(args.out, t))
     if args.png:

@@ -115,6 +115,7 @@ def entry_points() -> set[str]:
 # how each command line takes a results folder
 ARGS = {"analysis.confound": lambda folder: [folder], "analysis.device_time": lambda folder: [f"wait_all={folder}"],
         "analysis.learning": lambda folder: [folder], "analysis.readings": lambda folder: [folder],
+        "analysis.privacy": lambda folder: [folder],
         "analysis.trackers": lambda folder: [folder, "--study", "s", "--png", "never-written.png"]}
 
 
