@@ -14,6 +14,7 @@ import typing
 from typing import Any
 
 from fedsap_ray.common.errors import ConfigError
+from fedsap_ray.config import registry
 
 
 SHORT_VALUE = 80  # characters of an offending value an error line quotes, at most
@@ -162,3 +163,14 @@ def check_ray_address(field_name: str, v: Any) -> None:
     m = _RAY_ADDRESS.fullmatch(v) if isinstance(v, str) else None
     if m is None or not 1 <= int(m.group(1)) <= 65535:
         fail(field_name, v, RAY_ADDRESS_ALLOWED)
+
+
+def check_supported(name: str, options: Any, declaration: str, mode: str) -> None:
+    """``algorithm.name`` refused by name, with every method that is supported, when its strategy's ``declaration``
+    (a classmethod answering None, or why not, for given options: ``async_support``, ``privacy_support``) refuses
+    ``mode`` (the setting that asked, e.g. ``devices.mode=async``)."""
+    refusal = getattr(registry.STRATEGIES.get(name), declaration)(options)
+    if refusal is not None:
+        supported = [m for m in registry.STRATEGIES.names()
+                     if getattr(registry.STRATEGIES.get(m), declaration)(registry.STRATEGIES.get(m).Options()) is None]
+        fail("algorithm.name", name, f"{mode} does not support {name}: {refusal}; supported: {', '.join(supported)}")

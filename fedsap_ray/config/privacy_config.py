@@ -12,10 +12,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from fedsap_ray.config import registry
 from fedsap_ray.config.accountant import (ACCOUNTANTS, SIGMA_HIGH, SIGMA_LOW, Releases, calibrate, effective_multiplier,
                                           epsilon, update_multiplier)
-from fedsap_ray.config.checks import check_choice, check_number, check_positive, check_ratio, fail, is_number
+from fedsap_ray.config.checks import check_choice, check_number, check_positive, check_ratio, check_supported, fail, is_number
 
 # ``cfg`` below is the whole ExperimentConfig, typed Any: schema.py imports this module (the section), so this one
 # cannot import it back (the architecture test counts TYPE_CHECKING imports in the graph too)
@@ -206,13 +205,7 @@ def check_privacy(cfg: ExperimentConfig) -> None:
         _refuse(p.noise_cohort_size > population, "privacy.noise_cohort_size", p.noise_cohort_size,
                 f"must be at most privacy.population={population}: set privacy.population to the population "
                 "the simulated cohort is drawn from")
-    strategy = registry.STRATEGIES.get(cfg.algorithm.name)
-    refusal = strategy.privacy_support(cfg.algorithm.opts)
-    if refusal is not None:
-        supported = [m for m in registry.STRATEGIES.names()
-                     if registry.STRATEGIES.get(m).privacy_support(registry.STRATEGIES.get(m).Options()) is None]
-        fail("algorithm.name", cfg.algorithm.name, f"privacy.mode={p.mode} does not support {cfg.algorithm.name}: "
-                                                   f"{refusal}; supported: {', '.join(supported)}")
+    check_supported(cfg.algorithm.name, cfg.algorithm.opts, "privacy_support", f"privacy.mode={p.mode}")
     resolve(cfg)
 
 

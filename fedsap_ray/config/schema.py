@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from fedsap_ray.config import registry
 from fedsap_ray.common.errors import ConfigError
 from fedsap_ray.config.checks import (BACKENDS, CAPACITY_SCHEMES, COMPILE_MODES, DEVICES, KEEP_MODELS, PARTITIONS, SEED_ALLOWED, SEED_MAX,
+                                      check_supported,
                                       SUBMODELS, check_choice, check_positive, check_ratio, check_ray_address, fail, key_text,
                                       short)
 from fedsap_ray.config.coerce import coerce
@@ -308,13 +309,7 @@ def check_async(cfg: ExperimentConfig) -> None:
         v = getattr(a, name)
         if v is not None and v > n:
             fail(f"asynchronous.{name}", v, f"must be at most data.num_clients={n} (a client trains one update at a time)")
-    strategy = registry.STRATEGIES.get(cfg.algorithm.name)
-    refusal = strategy.async_support(cfg.algorithm.opts)
-    if refusal is not None:
-        supported = [m for m in registry.STRATEGIES.names()
-                     if registry.STRATEGIES.get(m).async_support(registry.STRATEGIES.get(m).Options()) is None]
-        fail("algorithm.name", cfg.algorithm.name, f"devices.mode=async does not support {cfg.algorithm.name}: "
-                                                    f"{refusal}; supported: {', '.join(supported)}")
+    check_supported(cfg.algorithm.name, cfg.algorithm.opts, "async_support", "devices.mode=async")
 
 
 @dataclass(frozen=True)

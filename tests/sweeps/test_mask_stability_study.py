@@ -3,8 +3,6 @@
 shares are read from the clients table as the column's definition says, and a swap budget shows in them."""
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -13,14 +11,11 @@ from analysis import ablation, stability
 from fedsap_ray import results
 from fedsap_ray.algorithms.fedsap import roles
 from fedsap_ray.config import build_config
-from conftest import REPO
+from conftest import load_study
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("sweep_mask_stability", REPO / "sweeps" / "mask_stability.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_study("mask_stability")
 
 
 def test_every_reading_pins_every_stability_option_and_the_grid_crosses_dga_sources():

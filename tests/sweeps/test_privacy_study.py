@@ -3,20 +3,15 @@ valid, and (integration tier, through the session's smoke sweeps) its ``--smoke-
 prints the study's tables from the kept models."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 
 from fedsap_ray.config import build_config
 from fedsap_ray.config.privacy_config import resolve
-from conftest import REPO, check_complete
+from conftest import check_complete, load_study
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("sweep_privacy", REPO / "sweeps" / "privacy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_study("privacy")
 
 
 def test_the_grid_is_the_design_and_every_config_is_valid():
