@@ -48,7 +48,8 @@ neurons). ``assigned_width`` is the width the strategy assigned the plan's clien
 sub-model methods override its default 1.0 with their p_i or kappa_i.
 
 :attr:`Strategy.supports_async` (an asynchronous reading, ``devices.mode=async``: :mod:`fedsap_ray.engine.asyncmode`,
-docs/readings.md) and :attr:`Strategy.confound_variants` (the rows of sweeps/capacity_confound.py ``--variants``:
+docs/readings.md), :attr:`Strategy.supports_privacy` (``privacy.*``: it uploads only its update, its masks depend on
+no client's data; docs/readings.md#privacy) and :attr:`Strategy.confound_variants` (the rows of sweeps/capacity_confound.py ``--variants``:
 variant name -> the overrides besides ``algorithm.name``) are read from the class's own body only, never inherited:
 a subclass with round-synchronous state (MOON's previous models, HAS-FL's adaptation steps) is refused until it
 declares a reading of its own, and a sub-model method joins the study by declaring its row, without editing the sweep.
