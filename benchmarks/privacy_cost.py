@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--algorithm", default="heterofl")
+    p.add_argument("--client-fraction", type=float, default=0.02, help="data.client_fraction: 80 images a client")
     args = p.parse_args(argv)
     base = [f"algorithm.name={args.algorithm}", f"model.name={args.model}", f"model.width_mult={args.width}",
-            f"data.num_clients={args.clients}", "data.client_fraction=0.004", "training.participation=0.5",
+            f"data.num_clients={args.clients}", f"data.client_fraction={args.client_fraction}", "training.participation=0.5",
             f"training.rounds={args.rounds}", "training.local_epochs=1", "training.eval_every=1000",
             "training.eval_deployed=false", "data.max_test_per_domain=40", "resources.num_workers=2"]
     fed = build_federation(build_config(preset="smoke", overrides=base))
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         wall = statistics.median(w for w, _ in per[name])
         server = statistics.median(s for _, s in per[name])
         print(json.dumps({"ratio": name, "model": args.model, "width": args.width, "round_wall_vs_off": wall / off_wall,
+                          "round_s_off": off_wall / (args.rounds - 1), "round_s": wall / (args.rounds - 1),
                           "server_s_per_round_off": off_server / (args.rounds - 1),
                           "server_s_per_round": server / (args.rounds - 1)}), flush=True)
     return 0

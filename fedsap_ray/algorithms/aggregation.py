@@ -39,7 +39,7 @@ from fedsap_ray.algorithms import dpnoise
 CHUNK = 1 << 16  # coordinates per piece: two float64 accumulators of 512 KiB, in a core's L2
 THREADS = max(1, min(8, os.cpu_count() or 1))  # pieces aggregated at once (more cores gain little: memory-bound)
 
-Contribution = tuple[np.ndarray | None, np.ndarray, float]
+Contribution = dpnoise.Contribution  # (mask or None = full, values, weight)
 
 
 def masked_weighted_average(
@@ -59,7 +59,13 @@ def masked_weighted_average(
     contribs = _checked(old, contributions)
     release = dpnoise.current()
     if release is not None:  # privacy.mode=central: the round engine holds a private release open (dpnoise.py)
-        return release.average(old, contribs, restrict)
+        return release.average(old, contribs, restrict, lambda unit: _mean(old, unit, None, chunk, threads))
+    return _mean(old, contribs, restrict, chunk, threads)
+
+
+def _mean(old: np.ndarray, contribs: list[Contribution], restrict: np.ndarray | None, chunk: int,
+          threads: int | None) -> np.ndarray:
+    """:func:`masked_weighted_average` of checked contributions (the module docstring's chunked, threaded form)."""
     out = old.copy()
     if not contribs:
         return out

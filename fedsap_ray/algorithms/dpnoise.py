@@ -28,10 +28,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
+
+Contribution = tuple[np.ndarray | None, np.ndarray, float]  # (mask or None = full, values, weight): aggregation.py's
+GROUPS = ("shared", "partial")  # rounds.dp_snr_shared, dp_snr_partial
 
 _OPEN: contextvars.ContextVar[NoisySum | None] = contextvars.ContextVar("fedsap_noisy_sum", default=None)
 
@@ -57,38 +60,51 @@ class NoisySum:
         return math.sqrt(self.signal_sq[group] / n) if n > 0 else None
 
     def average(self, old: np.ndarray, contribs: list[tuple[np.ndarray | None, np.ndarray, float]],
-                restrict: np.ndarray | None) -> np.ndarray:
-        """The module docstring's release over ``contribs`` (their weights are ignored: every client weighs 1)."""
+                restrict: np.ndarray | None, unit_mean: Callable[[list[Contribution]], np.ndarray]) -> np.ndarray:
+        """The module docstring's release over ``contribs`` (their weights are ignored: every client weighs 1).
+
+        ``unit_mean`` is the ordinary merge (aggregation.py's chunked, threaded one) of contributions of weight 1:
+        each covered coordinate's unweighted mean of the clients' values, ``old`` elsewhere. The sum of clipped
+        deltas is c_j (mean_j - w_j), so the release costs that merge plus a few passes over the vector, and with
+        sigma = 0 under ``coverage`` it is that merge's result itself, bit for bit."""
         self.merges += 1
-        acc = np.zeros(old.shape, dtype=np.float64)
-        count = np.zeros(old.shape, dtype=np.float64)
-        for mask, values, _ in contribs:
-            if mask is None:
-                acc += values.astype(np.float64)
-                count += 1.0
-            else:
-                acc[mask] += values.astype(np.float64)
-                count[mask] += 1.0
-        z = self.rng.standard_normal(old.size) * self.std if self.std > 0 else np.zeros(old.size)
-        base = old.astype(np.float64)
+        n = old.size
+        mean = unit_mean([(m, v, 1.0) for m, v, _ in contribs])
+        count = np.zeros(n, dtype=np.float32)  # exact: a client count
+        for m, _, _ in contribs:
+            count += 1.0 if m is None else m  # a bool mask adds 1 where the client trained
+        delta_sum = mean.astype(np.float64)
+        delta_sum -= old
+        delta_sum *= count  # the sum of clipped deltas, c_j (mean_j - w_j): 0 where nobody trained
+        z = self.rng.standard_normal(n) if self.std > 0 else np.zeros(n)
+        z *= self.std
         covered = count > 0
-        out = old.copy()
+        denom: np.ndarray | float
         if self.denominator == "coverage":
             where = covered if restrict is None else covered & restrict
-            denom = count
-            out[where] = (acc[where] / count[where] + z[where] / count[where]).astype(np.float32)
+            denom = np.maximum(count, 1.0)
+            released = z / denom
+            released += mean  # the mean itself where z is 0
         else:
-            where = np.ones(old.shape, dtype=bool) if restrict is None else restrict.copy()
-            denom = np.full(old.shape, float(self.cohort))
-            delta_sum = acc - count * base
-            out[where] = (base[where] + (delta_sum[where] + z[where]) / self.cohort).astype(np.float32)
-        if contribs:
-            full = count == len(contribs)
-            for group, sel in (("shared", where & full), ("partial", where & covered & ~full)):
-                signal = (acc[sel] - count[sel] * base[sel]) / denom[sel]
-                self.signal_sq[group] += float(signal @ signal)
-                noise = z[sel] / denom[sel]
-                self.noise_sq[group] += float(noise @ noise)
+            where = None if restrict is None else restrict  # every coordinate, covered or not
+            denom = float(self.cohort)
+            released = delta_sum + z
+            released /= denom
+            released += old
+        if contribs:  # each group's signal and noise: 0 shared, 1 partial, 2 neither (or outside ``where``)
+            group = np.where(count == len(contribs), 0, np.where(covered, 1, 2)).astype(np.int8)
+            if where is not None:
+                group[~where] = 2
+            for name, part in (("signal", delta_sum), ("noise", z)):
+                buf = part / denom
+                np.square(buf, out=buf)
+                sums = np.bincount(group, weights=buf, minlength=3)
+                acc = self.signal_sq if name == "signal" else self.noise_sq
+                for g, key in enumerate(GROUPS):
+                    acc[key] += float(sums[g])
+        out = released.astype(np.float32)
+        if where is not None:
+            out[~where] = old[~where]  # bit for bit: nothing released there
         return out
 
 

@@ -103,8 +103,9 @@ class PrivateRounds:
             if r.stats:
                 raise RuntimeError(f"round {t}, client {r.client_id}: privacy covers the update only, but the client "
                                    f"uploaded {sorted(r.stats)} too (docs/readings.md#privacy)")
-            d = downloaded(r).astype(np.float64)
-            delta = r.values.astype(np.float64) - d
+            d = downloaded(r)  # float32; numpy widens it exactly where it meets float64
+            delta = r.values.astype(np.float64)
+            delta -= d
             norm = float(math.sqrt(float(delta @ delta)))
             factor = 1.0 if norm <= c else c / norm
             columns[r.client_id] = {"dp_update_norm": norm, "dp_clipped": factor < 1.0}
@@ -115,7 +116,8 @@ class PrivateRounds:
             if self.local:  # the client's own Gaussian on its clipped update (std sigma C)
                 delta += rng_for(self.cfg.seed, t, r.client_id, "dp-local").standard_normal(delta.size) * (
                     self.noise.sigma * c)
-            out.append(dataclasses.replace(r, values=(d + delta).astype(np.float32)))
+            delta += d
+            out.append(dataclasses.replace(r, values=delta.astype(np.float32)))
         return out, columns
 
     @contextlib.contextmanager
