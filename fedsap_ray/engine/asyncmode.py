@@ -79,7 +79,7 @@ from fedsap_ray.common.messages import ClientPlan, ClientResult, RoundOutput, Ro
 from fedsap_ray.persist.messagetree import plan_from_tree, plan_tree, result_from_tree, result_tree
 from fedsap_ray.engine.summary import PhaseTimes, RoundEvaluation, RoundSummary
 from fedsap_ray.common.seeding import rng_for
-from fedsap_ray.engine.server import Server, on_schedule
+from fedsap_ray.engine.server import Server, downloaded, on_schedule
 from fedsap_ray.algorithms.staleness import update_factor, weight_for
 from fedsap_ray.persist.statecheck import BadCheckpoint, check_params
 
@@ -130,8 +130,7 @@ class Update:
         """The values it downloaded at the coordinates its result holds (what its delta is taken from):
         ``ClientResult.mask``, the plan's own mask object or one a client hook chose within the download
         (DapperFL's pruned model of the full model it received; messages.py)."""
-        m, start = self.result.mask, self.plan.source  # the plan's start: ``base`` itself unless an overlay mixes in
-        return start if m is None else start[m]
+        return downloaded(self.plan, self.result)  # the plan's start: ``base`` itself unless an overlay mixes in
 
 
 def crossed(before_s: float, after_s: float, every_s: float, per: int = 1) -> bool:

@@ -90,6 +90,11 @@ class PrivateRounds:
     def local(self) -> bool:
         return self.p.mode == "local"
 
+    @property
+    def poisson(self) -> bool:
+        """Whether rounds are Poisson samples: a round may have no client, and still releases its noise."""
+        return self.p.sampling == "poisson"
+
     # --- the round -----------------------------------------------------------------------------------------------
     def clip(self, t: int, results: list[ClientResult], downloaded: Downloaded
              ) -> tuple[list[ClientResult], dict[int, dict[str, Any]]]:

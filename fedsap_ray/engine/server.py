@@ -93,7 +93,7 @@ class Server:
         clock = time.perf_counter
         t0 = clock()
         plans = self.strategy.configure_round(state, t)
-        if not plans and not (self.privacy is not None and self.ctx.cfg.privacy.sampling == "poisson"):
+        if not plans and not (self.privacy is not None and self.privacy.poisson):
             raise RuntimeError(f"round {t}: the strategy selected no clients")
         t_plans = clock()
         results = sorted(self.backend.train(plans), key=lambda r: r.client_id) if plans else []
@@ -148,7 +148,7 @@ class Server:
     def _no_update(self, state: ServerState, t: int) -> RoundOutput:
         """A round no update reached: the state renumbered, unchanged, except for a private round whose Poisson
         sample was empty, which still releases its noise (the analysis counts a release every round)."""
-        if self.privacy is not None and self.ctx.cfg.privacy.sampling == "poisson":
+        if self.privacy is not None and self.privacy.poisson:
             return RoundOutput(dataclasses.replace(state, round=t, params=masked_weighted_average(state.params, [])),
                                RoundRecords())
         return RoundOutput.unchanged(state, t)  # every client a straggler: public device times, nothing released
