@@ -16,8 +16,8 @@ downloaded, in a synchronous round and in the asynchronous engine's recovered va
 is the denominator: ``cohort``, the expected clients per release for every coordinate (the noise is added to every
 coordinate, covered or not: whether a client covered it is not released), or ``coverage``, c_j = the number of
 this release's clients whose mask holds j, only where c_j > 0 (the counts are public when masks depend on no data:
-the configs that may use it are checked). With sigma = 0 and ``coverage``, w_j is exactly the unweighted mean
-the non-private merge gives (the same float64 sum divided by the same count), so a zero-noise run equals the
+the configs that may use it are checked). With sigma = 0 and ``coverage``, w_j is the non-private merge's
+unweighted mean itself (:meth:`NoisySum.average` computes the release from it), so a zero-noise run equals the
 non-private run with weighting=count bit for bit.
 
 A coordinate's signal and noise are accumulated per group for ``rounds.dp_snr_*``: ``shared`` coordinates every
@@ -49,9 +49,8 @@ class NoisySum:
     denominator: str  # cohort | coverage
     cohort: float  # D under ``cohort``
     rng: np.random.Generator
-    signal_sq: dict[str, float] = field(default_factory=lambda: {"shared": 0.0, "partial": 0.0})
-    noise_sq: dict[str, float] = field(default_factory=lambda: {"shared": 0.0, "partial": 0.0})
-    merges: int = 0
+    signal_sq: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0.0))
+    noise_sq: dict[str, float] = field(default_factory=lambda: dict.fromkeys(GROUPS, 0.0))
 
     def snr(self, group: str) -> float | None:
         """||signal|| / ||noise|| over the group's coordinates of this release (None: no such coordinate or no
@@ -59,15 +58,14 @@ class NoisySum:
         n = self.noise_sq[group]
         return math.sqrt(self.signal_sq[group] / n) if n > 0 else None
 
-    def average(self, old: np.ndarray, contribs: list[tuple[np.ndarray | None, np.ndarray, float]],
-                restrict: np.ndarray | None, unit_mean: Callable[[list[Contribution]], np.ndarray]) -> np.ndarray:
+    def average(self, old: np.ndarray, contribs: list[Contribution], restrict: np.ndarray | None,
+                unit_mean: Callable[[list[Contribution]], np.ndarray]) -> np.ndarray:
         """The module docstring's release over ``contribs`` (their weights are ignored: every client weighs 1).
 
         ``unit_mean`` is the ordinary merge (aggregation.py's chunked, threaded one) of contributions of weight 1:
         each covered coordinate's unweighted mean of the clients' values, ``old`` elsewhere. The sum of clipped
         deltas is c_j (mean_j - w_j), so the release costs that merge plus a few passes over the vector, and with
         sigma = 0 under ``coverage`` it is that merge's result itself, bit for bit."""
-        self.merges += 1
         n = old.size
         mean = unit_mean([(m, v, 1.0) for m, v, _ in contribs])
         count = np.zeros(n, dtype=np.float32)  # exact: a client count
